@@ -1,0 +1,277 @@
+"""Cast rules: which tensors are cast, where, and which work stays in float32.
+
+Only floating-point tensors are ever cast. Integer, bool and complex tensors (token ids,
+masks, indices) and non-tensor arguments pass through untouched.
+
+A *region* is a module whose forward runs under one compute dtype: its floating inputs are
+cast on entry, ``torch.autocast`` runs its ops in that dtype (or is switched off for
+float32), and its floating outputs are cast on exit. ``auto_mixed_precision`` makes the model
+a region and adds float32 regions inside it; ``to_float`` makes any module one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from mixprec._dtypes import HALF_DTYPES, parse_dtype
+
+T = TypeVar("T")
+M = TypeVar("M", bound=nn.Module)
+
+# Attribute names mixprec sets on parameters and modules.
+FP32_COPY_ATTR = "_mixprec_fp32"  # float32 original of a parameter stored in 16 bits
+LEVEL_ATTR = "_mixprec_level"  # level the parameter's model was prepared with
+POLICY_ATTR = "_mixprec_policy"  # policy the parameter's model was prepared with
+REGION_ATTR = "_mixprec_region"
+_HANDLES_ATTR = "_mixprec_region_handles"
+
+
+def cast_floating(value: T, dtype: torch.dtype) -> T:
+    """Return ``value`` with every floating tensor inside it cast to ``dtype``.
+
+    Walks tuples (named tuples too), lists and dicts. Tensors that are not floating point,
+    and everything that is not a tensor, are returned as they are (the same objects).
+    """
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() and value.dtype != dtype:
+            return value.to(dtype)  # type: ignore[return-value]
+        return value  # type: ignore[return-value]
+    if isinstance(value, tuple):
+        items = [cast_floating(v, dtype) for v in value]
+        if hasattr(value, "_fields"):  # named tuple
+            return type(value)(*items)  # type: ignore[return-value]
+        return tuple(items)  # type: ignore[return-value]
+    if isinstance(value, list):
+        return [cast_floating(v, dtype) for v in value]  # type: ignore[return-value]
+    if isinstance(value, Mapping) and type(value) is dict:
+        return {k: cast_floating(v, dtype) for k, v in value.items()}  # type: ignore[return-value]
+    return value
+
+
+# Functions that run in float32 inside 16-bit regions. CUDA's autocast already runs these in
+# float32; CPU autocast runs softmax, layer_norm and friends in the 16-bit dtype, where
+# exp/log and mean/variance reductions lose the precision that losses and normalisation need.
+# batch_norm/instance_norm are not here: their running statistics are updated in place, and a
+# cast would update a copy. Their modules are float32 regions instead (see levels.py).
+FLOAT32_FUNCTIONS: frozenset[Callable[..., Any]] = frozenset(
+    {
+        F.softmax,
+        F.log_softmax,
+        F.softmin,
+        torch.softmax,
+        torch.log_softmax,
+        torch.Tensor.softmax,
+        torch.Tensor.log_softmax,
+        F.layer_norm,
+        F.group_norm,
+        F.rms_norm,
+        torch.logsumexp,
+        torch.Tensor.logsumexp,
+        torch.cumsum,
+        torch.Tensor.cumsum,
+        torch.cumprod,
+        torch.Tensor.cumprod,
+        torch.norm,
+        torch.Tensor.norm,
+        torch.linalg.vector_norm,
+        F.cross_entropy,
+        F.nll_loss,
+        F.ctc_loss,
+        F.kl_div,
+        F.binary_cross_entropy,
+        F.binary_cross_entropy_with_logits,
+        F.mse_loss,
+        F.l1_loss,
+        F.smooth_l1_loss,
+        F.huber_loss,
+        F.poisson_nll_loss,
+        F.gaussian_nll_loss,
+        F.cosine_embedding_loss,
+        F.margin_ranking_loss,
+        F.soft_margin_loss,
+        F.multilabel_soft_margin_loss,
+        F.multi_margin_loss,
+        F.triplet_margin_loss,
+    }
+)
+
+
+class Float32Functions(TorchFunctionMode):
+    """Runs ``FLOAT32_FUNCTIONS`` on float32 inputs; every other call passes straight on."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func in FLOAT32_FUNCTIONS:
+            args, kwargs = cast_floating((args, kwargs or {}), torch.float32)
+            return func(*args, **kwargs)
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass(frozen=True)
+class Region:
+    """How a module's forward runs: compute dtype, output dtype, and input casting."""
+
+    compute_dtype: torch.dtype
+    output_dtype: torch.dtype | None
+    cast_inputs: bool = True
+
+
+def _autocast_available(device_type: str) -> bool:
+    probe = getattr(torch.amp, "is_autocast_available", None)
+    return bool(probe(device_type)) if probe else device_type in ("cpu", "cuda")
+
+
+def _first_floating(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value if value.is_floating_point() else None
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            found = _first_floating(v)
+            if found is not None:
+                return found
+    if isinstance(value, Mapping):
+        return _first_floating(list(value.values()))
+    return None
+
+
+def _device_type(module: nn.Module, args: Any) -> str:
+    tensor = _first_floating(args)
+    if tensor is None:
+        tensor = next(module.parameters(), None)
+    return tensor.device.type if tensor is not None else "cpu"
+
+
+class _RegionHooks:
+    """The forward pre-hook and post-hook pair that makes a module a region."""
+
+    def __init__(self, region: Region) -> None:
+        self.region = region
+        self._open: list[contextlib.ExitStack] = []
+
+    def pre(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        region = self.region
+        device_type = _device_type(module, args)
+        if region.cast_inputs:
+            args, kwargs = cast_floating((args, kwargs), region.compute_dtype)
+        stack = contextlib.ExitStack()
+        if _autocast_available(device_type):
+            if region.compute_dtype == torch.float32:
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+            else:
+                stack.enter_context(torch.autocast(device_type, dtype=region.compute_dtype))
+                if device_type != "cuda":
+                    stack.enter_context(Float32Functions())
+        self._open.append(stack)
+        return args, kwargs
+
+    def post(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> Any:
+        # Registered with always_call: runs even when forward raised, so contexts never leak.
+        if self._open:
+            self._open.pop().close()
+        if self.region.output_dtype is None or output is None:
+            return None
+        return cast_floating(output, self.region.output_dtype)
+
+
+def set_region(module: nn.Module, region: Region) -> None:
+    """Make ``module`` a region, replacing any region it had."""
+    clear_region(module)
+    hooks = _RegionHooks(region)
+    handles = (
+        module.register_forward_pre_hook(hooks.pre, with_kwargs=True, prepend=True),
+        module.register_forward_hook(hooks.post, with_kwargs=True, always_call=True, prepend=True),
+    )
+    setattr(module, _HANDLES_ATTR, handles)
+    setattr(module, REGION_ATTR, region)
+
+
+def clear_region(module: nn.Module) -> None:
+    for handle in getattr(module, _HANDLES_ATTR, ()):
+        handle.remove()
+    for attr in (_HANDLES_ATTR, REGION_ATTR):
+        if attr in module.__dict__:
+            delattr(module, attr)
+
+
+def get_region(module: nn.Module) -> Region | None:
+    region = getattr(module, REGION_ATTR, None)
+    return region if isinstance(region, Region) else None
+
+
+def store_as(
+    module: nn.Module,
+    dtype: torch.dtype,
+    *,
+    recurse: bool = True,
+    buffers: bool = False,
+    skip: Callable[[nn.Module], bool] = lambda m: False,
+) -> None:
+    """Store the floating parameters (and optionally buffers) of ``module`` in ``dtype``.
+
+    Parameters keep their identity (optimizers holding them stay valid). When a float32
+    parameter goes to 16 bits, its float32 values are kept on the parameter so that
+    ``LossScaleOptimizer`` starts its master weights from them rather than from the rounded
+    16-bit values; going back to float32 restores them.
+    """
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point() or t.dtype == dtype:
+            return t
+        if isinstance(t, nn.Parameter):
+            original = getattr(t, FP32_COPY_ATTR, None)
+            if dtype == torch.float32 and original is not None:
+                delattr(t, FP32_COPY_ATTR)
+                return original  # type: ignore[no-any-return]
+            if dtype in HALF_DTYPES and t.dtype == torch.float32:
+                setattr(t, FP32_COPY_ATTR, t.detach())
+        return t.to(dtype)
+
+    modules = module.modules() if recurse else iter([module])
+    for sub in modules:
+        if skip(sub):
+            continue
+        kept = set() if buffers else {id(b) for b in sub._buffers.values() if b is not None}
+
+        def apply(t: torch.Tensor, kept: set[int] = kept) -> torch.Tensor:
+            # Module._apply passes parameters, their gradients and buffers through here.
+            return t if id(t) in kept else convert(t)
+
+        # Module._apply keeps Parameter objects (it assigns .data) and lets modules such as
+        # RNNs refresh their derived state after the change.
+        sub._apply(apply, recurse=False)
+
+
+def to_float(module: M, dtype: str | torch.dtype) -> M:
+    """Run ``module`` in ``dtype``, as MindSpore's ``Cell.to_float``.
+
+    Floating inputs are cast to ``dtype`` on entry, the forward runs under ``dtype``
+    (``torch.autocast`` off for float32), and floating outputs leave in ``dtype``. For float32
+    the module's parameters are also stored in float32 (restoring the original float32 values
+    when ``auto_mixed_precision`` had stored them in 16 bits). Returns ``module``.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"to_float(module=...) needs a torch.nn.Module, got {type(module).__name__}"
+        )
+    target = parse_dtype(dtype, argument="to_float dtype")
+    if target == torch.float32:
+        store_as(module, torch.float32, buffers=True)
+    set_region(module, Region(compute_dtype=target, output_dtype=target, cast_inputs=True))
+    return module

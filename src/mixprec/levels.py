@@ -1,0 +1,260 @@
+"""Optimisation levels O0-O3 (as in NVIDIA Apex and MindSpore) and ``describe(model)``.
+
+=====  ==================================================================================
+O0     everything in float32
+O1     op-level autocast in the compute dtype; weights stay float32 and are cast on use
+       (``torch.autocast`` caches each weight's cast for the whole forward)
+O2     weights of compute-heavy modules (linear, conv, embedding, attention, RNN) stored in
+       the compute dtype; normalisation, softmax and loss modules and ``keep_float32`` entries
+       stay float32; ``LossScaleOptimizer`` keeps float32 master weights
+O3     every parameter and floating buffer in the compute dtype, no master weights
+=====  ==================================================================================
+
+``level="auto"``: float32 compute -> O0; a pure 16-bit policy (``param_dtype`` equal to the
+16-bit ``compute_dtype``) -> O3; a mixed policy -> O2, because storing the compute-heavy
+weights in 16 bits casts each weight once per step (in the optimizer's copy-back) instead of
+once per forward, and keeps float32 master weights, so it trains like float32.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+from torch import nn
+
+from mixprec._dtypes import closest, dtype_name
+from mixprec.casting import (
+    LEVEL_ATTR,
+    POLICY_ATTR,
+    Region,
+    get_region,
+    set_region,
+    store_as,
+    to_float,
+)
+from mixprec.policy import Policy, PolicyLike, get_policy
+
+M = TypeVar("M", bound=nn.Module)
+
+LEVELS: tuple[str, ...] = ("O0", "O1", "O2", "O3")
+
+#: Modules that stay float32 at O1 and O2: normalisation statistics, softmax and losses.
+FLOAT32_MODULES: tuple[type[nn.Module], ...] = (
+    nn.modules.batchnorm._NormBase,  # BatchNorm*, InstanceNorm*, SyncBatchNorm
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    nn.RMSNorm,
+    nn.Softmax,
+    nn.LogSoftmax,
+    nn.Softmin,
+    nn.modules.loss._Loss,
+)
+
+#: Modules whose weights O2 stores in the compute dtype: the matrix work.
+HALF_STORAGE_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Linear,
+    nn.Bilinear,
+    nn.modules.conv._ConvNd,
+    nn.Embedding,
+    nn.EmbeddingBag,
+    nn.MultiheadAttention,
+    nn.RNNBase,
+)
+
+KeepEntry = type[nn.Module] | str | nn.Module
+
+_APPLIED_ATTR = "_mixprec_applied"
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What ``auto_mixed_precision`` did to a model."""
+
+    policy: Policy
+    level: str
+    keep_float32: tuple[str, ...]
+
+
+def resolve_level(level: str, policy: Policy) -> str:
+    """Normalise ``level`` (``"o2"`` -> ``"O2"``) and resolve ``"auto"`` for ``policy``."""
+    if not isinstance(level, str):
+        raise TypeError(f"level must be a str, got {type(level).__name__}: {level!r}")
+    key = level.strip().upper()
+    if key == "AUTO":
+        if not policy.is_mixed:
+            return "O0"
+        return "O3" if policy.param_dtype == policy.compute_dtype else "O2"
+    if key in LEVELS:
+        return key
+    hint = closest(key, [*LEVELS, "AUTO"])
+    raise ValueError(
+        f"level={level!r} is not a known level; valid: {', '.join(LEVELS)}, auto"
+        + (f" (closest: {hint!r})" if hint else "")
+    )
+
+
+def _kept_modules(model: nn.Module, keep_float32: Iterable[KeepEntry]) -> dict[str, nn.Module]:
+    """Resolve ``keep_float32`` entries (types, name patterns, modules) to named modules."""
+    if isinstance(keep_float32, (str, nn.Module, type)):
+        keep_float32 = [keep_float32]
+    named = dict(model.named_modules())
+    kept: dict[str, nn.Module] = {}
+    for entry in keep_float32:
+        if isinstance(entry, type) and issubclass(entry, nn.Module):
+            kept.update((n, m) for n, m in named.items() if isinstance(m, entry))
+        elif isinstance(entry, str):
+            hits = {n: m for n, m in named.items() if n == entry or fnmatch.fnmatchcase(n, entry)}
+            if not hits:
+                hint = closest(entry, [n for n in named if n])
+                raise ValueError(
+                    f"keep_float32 entry {entry!r} matches no module name of the model"
+                    + (f"; closest: {hint!r}" if hint else "")
+                )
+            kept.update(hits)
+        elif isinstance(entry, nn.Module):
+            name = next((n for n, m in named.items() if m is entry), None)
+            if name is None:
+                raise ValueError(
+                    f"keep_float32 entry {type(entry).__name__} module is not part of the model"
+                )
+            kept[name] = entry
+        else:
+            raise TypeError(
+                "keep_float32 entries must be nn.Module subclasses, name patterns (str) or "
+                f"modules; got {type(entry).__name__}: {entry!r}"
+            )
+    return kept
+
+
+def _inside(modules: Iterable[nn.Module]) -> set[int]:
+    """Ids of the given modules and all their descendants."""
+    return {id(sub) for m in modules for sub in m.modules()}
+
+
+def auto_mixed_precision(
+    model: M,
+    policy: PolicyLike = None,
+    level: str = "auto",
+    keep_float32: Iterable[KeepEntry] = (),
+) -> M:
+    """Prepare ``model`` for mixed precision in place and return it.
+
+    ``policy``: a ``Policy`` or name (``None``: the global policy). ``level``: ``"O0"`` to
+    ``"O3"`` or ``"auto"`` (see the module docstring). ``keep_float32``: module types, name
+    patterns (``"head"``, ``"blocks.*.norm"``) or modules to keep in float32. Modules already
+    given a dtype with ``to_float`` keep it. The model's outputs come back in the policy's
+    ``output_dtype``; integer and bool inputs are never cast.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"auto_mixed_precision(model=...) needs a torch.nn.Module, got {type(model).__name__}"
+        )
+    resolved = get_policy(policy)
+    lvl = resolve_level(level, resolved)
+    if hasattr(model, _APPLIED_ATTR):
+        done: Applied = getattr(model, _APPLIED_ATTR)
+        raise RuntimeError(
+            "auto_mixed_precision() was already applied to this model "
+            f"(level {done.level}, policy {done.policy.name}); apply it once, to a float32 model"
+        )
+    kept = _kept_modules(model, keep_float32)
+    # Modules the user already set with to_float keep their dtype, like keep_float32 entries.
+    preset = [m for m in model.modules() if m is not model and get_region(m) is not None]
+    fixed = _inside([*kept.values(), *preset])
+
+    compute = resolved.compute_dtype if lvl != "O0" else torch.float32
+    output = resolved.output_dtype if lvl != "O0" else torch.float32
+    if lvl in ("O0", "O1"):
+        store_as(model, torch.float32, buffers=True, skip=lambda m: id(m) in fixed)
+    elif lvl == "O2":
+        store_as(
+            model,
+            compute,
+            skip=lambda m: id(m) in fixed or not isinstance(m, HALF_STORAGE_MODULES),
+        )
+        for sub in model.modules():
+            if isinstance(sub, FLOAT32_MODULES) and id(sub) not in fixed and sub is not model:
+                set_region(sub, Region(torch.float32, torch.float32, cast_inputs=True))
+    else:  # O3
+        store_as(model, compute, buffers=True, skip=lambda m: id(m) in fixed)
+
+    # At O1 the first ops decide their own dtype under autocast; at O2/O3 the weights are
+    # 16-bit, so inputs are cast once at the model's boundary.
+    set_region(model, Region(compute, output, cast_inputs=lvl in ("O0", "O2", "O3")))
+    for module in kept.values():
+        to_float(module, torch.float32)
+
+    for param in model.parameters():
+        setattr(param, POLICY_ATTR, resolved)
+        setattr(param, LEVEL_ATTR, lvl)
+    setattr(model, _APPLIED_ATTR, Applied(resolved, lvl, tuple(sorted(kept))))
+    return model
+
+
+def applied(model: nn.Module) -> Applied | None:
+    """What ``auto_mixed_precision`` did to ``model``, or ``None``."""
+    found = getattr(model, _APPLIED_ATTR, None)
+    return found if isinstance(found, Applied) else None
+
+
+@dataclass(frozen=True)
+class ModuleDtypes:
+    """One row of ``describe``: a module's compute dtype and how its own weights are stored."""
+
+    name: str
+    kind: str
+    compute: str
+    storage: str
+    region: bool
+
+
+def module_dtypes(model: nn.Module) -> list[ModuleDtypes]:
+    """Every module of ``model`` with the dtype it computes in and its parameters' dtypes."""
+    rows: list[ModuleDtypes] = []
+
+    def walk(module: nn.Module, name: str, compute: torch.dtype) -> None:
+        region = get_region(module)
+        if region is not None:
+            compute = region.compute_dtype
+        dtypes = sorted({dtype_name(p.dtype) for p in module.parameters(recurse=False)})
+        rows.append(
+            ModuleDtypes(
+                name=name or "(model)",
+                kind=type(module).__name__,
+                compute=dtype_name(compute),
+                storage=",".join(dtypes) if dtypes else "-",
+                region=region is not None,
+            )
+        )
+        for child_name, child in module.named_children():
+            walk(child, f"{name}.{child_name}" if name else child_name, compute)
+
+    walk(model, "", torch.float32)
+    return rows
+
+
+def describe(model: nn.Module) -> str:
+    """A table of every module's compute dtype and storage dtype.
+
+    ``*`` marks the modules where the compute dtype is set (casts happen at their boundary).
+    """
+    rows = module_dtypes(model)
+    header = ("module", "type", "compute", "storage")
+    table = [header] + [
+        (r.name + (" *" if r.region else ""), r.kind, r.compute, r.storage) for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in table
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    state = applied(model)
+    if state is not None:
+        lines.insert(0, f"policy {state.policy.name}, level {state.level}")
+    return "\n".join(lines)

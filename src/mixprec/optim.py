@@ -1,0 +1,442 @@
+"""``LossScaleOptimizer``: master weights, loss scaling, skip on overflow, clipping,
+gradient accumulation, around any ``torch.optim`` optimizer.
+
+One step: copy the 16-bit gradients into the float32 master gradients, unscale them with one
+multi-tensor kernel that also finds inf/NaN, clip, make the one host synchronisation of the
+step, then either apply the inner optimizer and copy the masters back into the 16-bit weights
+(one multi-tensor copy), or skip, leaving weights and optimizer state untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec._dtypes import HALF_DTYPES
+from mixprec._errors import ArgumentError, MisuseError
+from mixprec.casting import FP32_COPY_ATTR, LEVEL_ATTR, POLICY_ATTR
+from mixprec.policy import Policy, global_policy
+from mixprec.scaling import (
+    DynamicLossScaler,
+    LossScaler,
+    NoOpLossScaler,
+    agree_found_inf,
+    unscale_grads_,
+)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one ``step()`` did.
+
+    ``applied``: the update was made (advance schedulers, EMA, step counters only then).
+    ``found_inf``: the gradients held inf/NaN, so the update was skipped.
+    ``scale``: the loss scale the gradients were computed with.
+    ``grad_norm``: total norm of the unscaled gradients when ``max_grad_norm`` is set.
+    ``accumulating``: this call only closed a micro-batch of gradient accumulation.
+    """
+
+    applied: bool
+    found_inf: bool
+    scale: float
+    grad_norm: float | None = None
+    accumulating: bool = False
+
+    @property
+    def skipped(self) -> bool:
+        """The step was due but not applied because of an overflow."""
+        return self.found_inf
+
+
+def _needs_scaling(params: list[torch.Tensor]) -> bool:
+    """Float16 math needs loss scaling; decide from how the params' model was prepared."""
+    tagged = False
+    for p in params:
+        if p.dtype == torch.float16:
+            return True
+        policy = getattr(p, POLICY_ATTR, None)
+        if isinstance(policy, Policy):
+            tagged = True
+            if policy.loss_scaling == "dynamic" and getattr(p, LEVEL_ATTR, None) != "O0":
+                return True
+    return not tagged and global_policy().loss_scaling == "dynamic"
+
+
+def _check_param(p: Any, where: str) -> None:
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{where} must be a tensor, got {type(p).__name__}")
+    if not p.is_floating_point():
+        raise TypeError(
+            f"{where} has dtype {p.dtype}; only floating-point parameters can be optimized "
+            "(float32, float16, bfloat16)"
+        )
+
+
+class LossScaleOptimizer(torch.optim.Optimizer):
+    """Wrap ``optimizer`` for mixed precision training.
+
+    16-bit parameters (made by ``auto_mixed_precision`` at O2, say) get float32 master copies
+    that the inner optimizer updates, so its state stays float32; O3 parameters are updated in
+    place, as O3 asks. ``loss_scaler`` defaults to a ``DynamicLossScaler`` when the
+    parameters' model computes in float16, else a ``NoOpLossScaler`` (non-finite steps are
+    still skipped). ``max_grad_norm`` clips the unscaled gradients (dense ones). With
+    ``accumulation_steps=N``, ``backward`` adds ``loss / N`` and only every N-th ``step``
+    updates; ``zero_grad`` in between keeps the sum.
+
+    It is a ``torch.optim.Optimizer``, so learning-rate schedulers accept it; their
+    ``param_groups`` are the inner optimizer's.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        loss_scaler: LossScaler | None = None,
+        max_grad_norm: float | None = None,
+        accumulation_steps: int = 1,
+    ) -> None:
+        # torch.optim.Optimizer.__init__ is not called: groups and state are the inner ones.
+        if isinstance(optimizer, LossScaleOptimizer):
+            raise TypeError("optimizer is already a LossScaleOptimizer; wrap the inner one once")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
+            raise TypeError(
+                "loss_scaler must be a NoOpLossScaler, StaticLossScaler or DynamicLossScaler, "
+                f"got {type(loss_scaler).__name__}"
+            )
+        if max_grad_norm is not None and (
+            isinstance(max_grad_norm, bool)
+            or not isinstance(max_grad_norm, (int, float))
+            or not 0 < max_grad_norm < float("inf")
+        ):
+            raise ArgumentError(
+                f"max_grad_norm={max_grad_norm!r} is invalid; use a finite number > 0 or None"
+            )
+        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int):
+            raise TypeError(f"accumulation_steps must be an int, got {accumulation_steps!r}")
+        if accumulation_steps < 1:
+            raise ArgumentError(
+                f"accumulation_steps={accumulation_steps!r} is invalid; it must be >= 1"
+            )
+        self.optimizer = optimizer
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.accumulation_steps = accumulation_steps
+        self._half: list[torch.Tensor] = []  # 16-bit model parameters with masters
+        self._masters: list[torch.Tensor] = []  # their float32 masters, same order
+        self._plain: list[torch.Tensor] = []  # parameters the inner optimizer updates as is
+        self._index: dict[int, tuple[bool, int]] = {}  # id(param) -> (has master, position)
+        for i, group in enumerate(optimizer.param_groups):
+            group["params"] = self._adopt(group["params"], f"param_groups[{i}]")
+        model_params = self._half + self._plain
+        self._loss_scaler = loss_scaler or (
+            DynamicLossScaler() if _needs_scaling(model_params) else NoOpLossScaler()
+        )
+        self._micro = 0  # backward passes since the last update
+        self._fresh = False  # a backward happened since the last step()
+        self._found_inf: torch.Tensor | None = None  # set by unscale_()
+
+    # -- parameters -------------------------------------------------------------------------
+
+    def _adopt(self, params: list[torch.Tensor], where: str) -> list[torch.Tensor]:
+        """Swap 16-bit parameters for float32 masters in a param group's list."""
+        adopted = []
+        for j, p in enumerate(params):
+            _check_param(p, f"{where}['params'][{j}]")
+            if p.dtype in HALF_DTYPES and getattr(p, LEVEL_ATTR, None) != "O3":
+                # Start from the float32 values auto_mixed_precision kept, when it kept them.
+                original = p.__dict__.pop(FP32_COPY_ATTR, None)
+                master = original if original is not None else p.detach().float()
+                master.requires_grad_(True)
+                state = self.optimizer.state.pop(p, None)
+                if state:
+                    # Moments become float32 like the master; scalar entries (step) stay as is.
+                    self.optimizer.state[master] = {
+                        k: v.float()
+                        if torch.is_tensor(v) and v.is_floating_point() and v.dim()
+                        else v
+                        for k, v in state.items()
+                    }
+                self._index[id(p)] = (True, len(self._half))
+                self._half.append(p)
+                self._masters.append(master)
+                adopted.append(master)
+            else:
+                self._index[id(p)] = (False, len(self._plain))
+                self._plain.append(p)
+                adopted.append(p)
+        return adopted
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        group = dict(param_group)
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        group["params"] = self._adopt(params, "param_group")
+        self.optimizer.add_param_group(group)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @property
+    def loss_scaler(self) -> LossScaler:
+        return self._loss_scaler
+
+    def master_params(self) -> Iterator[torch.Tensor]:
+        """The tensors the inner optimizer updates (float32 masters and plain parameters);
+        after ``unscale_()`` their ``.grad`` holds the unscaled gradients."""
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+
+    # -- gradients --------------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``(loss * scale / accumulation_steps).backward(**kwargs)``."""
+        factor = self._loss_scaler.get_scale() / self.accumulation_steps
+        (loss * factor if factor != 1.0 else loss).backward(**kwargs)
+        self._micro += 1
+        self._fresh = True
+
+    def get_scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * scale`` (Keras ``LossScaleOptimizer.get_scaled_loss``)."""
+        self._micro += 1
+        self._fresh = True
+        return self._loss_scaler.scale(loss)
+
+    def get_unscaled_gradients(
+        self, grads: Iterable[torch.Tensor | None]
+    ) -> list[torch.Tensor | None]:
+        """New gradients divided by the scale; ``None`` stays ``None`` (Keras semantics)."""
+        inv = 1.0 / self._loss_scaler.get_scale()
+        return [None if g is None else g * inv for g in grads]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model's gradients, except between the micro-batches of an accumulation."""
+        if 0 < self._micro < self.accumulation_steps:
+            return
+        params = self._half + self._plain
+        if set_to_none:
+            for p in params:
+                p.grad = None
+        else:
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads:
+                torch._foreach_zero_(grads)
+
+    def _load_master_grads(self) -> None:
+        src, dst = [], []
+        for p, m in zip(self._half, self._masters, strict=True):
+            g = p.grad
+            if g is None:
+                m.grad = None
+            elif g.is_sparse:
+                # Widen before coalescing: summing duplicate indices in 16 bits can overflow.
+                m.grad = g.float().coalesce()
+            else:
+                if m.grad is None or m.grad.is_sparse:
+                    m.grad = torch.empty_like(m)
+                src.append(g)
+                dst.append(m.grad)
+        if src:
+            torch._foreach_copy_(dst, src)
+
+    def _plain_grads(self) -> list[torch.Tensor]:
+        grads = []
+        for p in self._plain:
+            if p.grad is not None:
+                if p.grad.is_sparse and p.grad.dtype == torch.float16:
+                    p.grad = p.grad.coalesce()
+                grads.append(p.grad)
+        return grads
+
+    def _step_grads(self) -> list[torch.Tensor]:
+        return [m.grad for m in self._masters if m.grad is not None] + self._plain_grads()
+
+    def unscale_(self) -> None:
+        """Unscale now (to inspect or clip ``master_params()`` grads yourself); ``step``
+        then does not unscale again."""
+        if self._found_inf is not None:
+            raise MisuseError(
+                "LossScaleOptimizer.unscale_() has already been called since the last step()"
+            )
+        if not self._fresh:
+            raise MisuseError(
+                "LossScaleOptimizer.unscale_() called without a backward() since the last step()"
+            )
+        self._unscale()
+
+    def _unscale(self) -> None:
+        self._load_master_grads()
+        self._found_inf = self._loss_scaler.unscale_(self._step_grads())
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self, closure: Callable[[], float] | None = None) -> StepResult:  # type: ignore[override]
+        """Unscale once, check, clip, apply or skip, update the scale; see ``StepResult``."""
+        if closure is not None:
+            raise MisuseError("LossScaleOptimizer.step() does not take a closure")
+        if not self._fresh:
+            raise MisuseError(
+                "LossScaleOptimizer.step() called without a new backward since the last step(): "
+                "call opt.backward(loss) (or backward on opt.get_scaled_loss(loss)) first"
+            )
+        self._fresh = False
+        if self._micro < self.accumulation_steps:
+            return StepResult(False, False, self._loss_scaler.get_scale(), accumulating=True)
+        if self._found_inf is None:
+            self._unscale()
+        return self._finish()
+
+    def apply_gradients(
+        self, grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]]
+    ) -> StepResult:
+        """Apply already unscaled gradients (Keras ``apply_gradients``): check them, clip,
+        apply or skip, update the scale."""
+        pairs = list(grads_and_vars)
+        for p in self._half + self._plain:
+            p.grad = None
+        for m in self._masters:
+            m.grad = None
+        for k, (grad, var) in enumerate(pairs):
+            slot = self._index.get(id(var))
+            if slot is None:
+                raise ValueError(
+                    f"apply_gradients: variable {k} (shape {tuple(var.shape)}, {var.dtype}) is "
+                    "not a parameter of this optimizer"
+                )
+            if grad is None:
+                continue
+            if grad.shape != var.shape:
+                raise ValueError(
+                    f"apply_gradients: gradient {k} has shape {tuple(grad.shape)}, its variable "
+                    f"{tuple(var.shape)}"
+                )
+            has_master, pos = slot
+            target = self._masters[pos] if has_master else var
+            target.grad = grad.detach().to(target.dtype)
+        self._micro = self.accumulation_steps
+        self._fresh = False
+        self._found_inf = unscale_grads_(self._step_grads(), 1.0)
+        return self._finish()
+
+    def _finish(self) -> StepResult:
+        found_inf = agree_found_inf(self._found_inf)  # type: ignore[arg-type]
+        scale = self._loss_scaler.get_scale()
+        norm = None
+        if self.max_grad_norm is not None:
+            dense = [p for p in self.master_params() if p.grad is not None and not p.grad.is_sparse]
+            norm = nn.utils.clip_grad_norm_(dense, self.max_grad_norm, foreach=True)
+        # The one host synchronisation of the step: found_inf (and the norm) together.
+        if norm is not None:
+            found, norm_value = torch.stack([found_inf, norm.to(found_inf)]).tolist()
+        else:
+            found, norm_value = found_inf.item(), None
+        overflow = bool(found)
+        if not overflow:
+            self.optimizer.step()
+            if self._half:
+                with torch.no_grad():
+                    torch._foreach_copy_(self._half, self._masters)
+        self._loss_scaler.update(overflow)
+        self._micro = 0
+        self._found_inf = None
+        return StepResult(
+            applied=not overflow, found_inf=overflow, scale=scale, grad_norm=norm_value
+        )
+
+    # -- checkpointing ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Inner optimizer state, float32 master weights and the loss scaler's state."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "master_weights": [m.detach() for m in self._masters],
+            "loss_scaler": self._loss_scaler.state_dict(),
+            "micro_steps": self._micro,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        missing = [k for k in ("optimizer", "master_weights", "loss_scaler") if k not in state_dict]
+        if missing:
+            raise ValueError(
+                f"load_state_dict: not a LossScaleOptimizer state; missing {', '.join(missing)}"
+            )
+        masters = state_dict["master_weights"]
+        if len(masters) != len(self._masters):
+            raise ValueError(
+                f"load_state_dict: state has {len(masters)} master weights, this optimizer "
+                f"{len(self._masters)}"
+            )
+        for i, (saved, master) in enumerate(zip(masters, self._masters, strict=True)):
+            if saved.shape != master.shape:
+                raise ValueError(
+                    f"load_state_dict: master weight {i} has shape {tuple(saved.shape)}, "
+                    f"expected {tuple(master.shape)}"
+                )
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self._loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        with torch.no_grad():
+            if masters:
+                torch._foreach_copy_(self._masters, list(masters))
+                torch._foreach_copy_(self._half, self._masters)
+        self._micro = int(state_dict.get("micro_steps", 0))
+        self._fresh = False
+        self._found_inf = None
+
+    def register_step_pre_hook(self, hook: Any) -> Any:
+        """Runs before the inner optimizer's step, that is, only on applied steps."""
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Any) -> Any:
+        """Runs after the inner optimizer's step, that is, only on applied steps."""
+        return self.optimizer.register_step_post_hook(hook)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return (
+            f"LossScaleOptimizer({self.optimizer.__class__.__name__}, "
+            f"loss_scaler={self._loss_scaler!r}, masters={len(self._masters)}, "
+            f"max_grad_norm={self.max_grad_norm}, accumulation_steps={self.accumulation_steps})"
+        )
+
+
+def split_embedding_parameters(
+    model: nn.Module,
+) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """``(embedding parameters, other parameters)`` of ``model``, each in model order.
+
+    Embedding tables (``nn.Embedding``, ``nn.EmbeddingBag``) are usually given their own
+    optimizer (``SparseAdam`` for sparse gradients) and, in distributed runs, are not
+    all-reduced like dense weights. A weight tied between an embedding and another module
+    counts as an embedding.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"split_embedding_parameters(model=...) needs an nn.Module, got {type(model).__name__}"
+        )
+    tables = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag))
+        for p in m.parameters(recurse=False)
+    }
+    params = list(model.parameters())
+    return [p for p in params if id(p) in tables], [p for p in params if id(p) not in tables]

@@ -1,0 +1,412 @@
+"""Loss scaling: pure next-state logic, the stateful scalers around it, and unscaling.
+
+Float16 has a 5-bit exponent: gradients below 2**-24 flush to zero. Multiplying the loss by
+a scale S before backward lifts them into range; dividing the gradients by S afterwards
+restores them. A step whose gradients overflowed is skipped and, for the dynamic scaler,
+the scale backs off.
+
+The scale is always a float32 value (it multiplies float32/16-bit tensors), kept on the host
+so that deciding to skip costs the one device-to-host transfer of ``found_inf`` per step.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from mixprec._errors import ArgumentError
+
+T = TypeVar("T")
+
+#: Smallest positive normal float32: the floor of a scale that has no explicit minimum.
+SMALLEST_NORMAL_F32 = 2.0**-126
+
+
+def to_float32(value: float) -> float:
+    """Round a Python float to the nearest float32 (inf when out of float32's range)."""
+    try:
+        return float(struct.unpack("f", struct.pack("f", value))[0])
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+@dataclass(frozen=True)
+class ScalerState:
+    """The scale and the counters, all checkpointed with the scaler.
+
+    ``growth_tracker``: finite steps since the scale last changed or overflowed.
+    ``hysteresis_left``: overflows still tolerated before the scale backs off.
+    ``last_overflow_step``: 0-based index (among ``steps``) of the last overflowing step.
+    """
+
+    scale: float
+    growth_tracker: int = 0
+    hysteresis_left: int = 1
+    steps: int = 0
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+    last_overflow_step: int | None = None
+
+
+@dataclass(frozen=True)
+class DynamicConfig:
+    """Parameters of the dynamic schedule; ``max_scale=None`` means float32's range."""
+
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 1
+    min_scale: float | None = 1.0
+    max_scale: float | None = 2.0**24
+
+
+def count_step(state: ScalerState, found_inf: bool) -> ScalerState:
+    """Advance the counters only (static and no-op scalers)."""
+    if found_inf:
+        return replace(
+            state,
+            steps=state.steps + 1,
+            skipped_steps=state.skipped_steps + 1,
+            consecutive_skips=state.consecutive_skips + 1,
+            last_overflow_step=state.steps,
+        )
+    return replace(state, steps=state.steps + 1, consecutive_skips=0)
+
+
+def next_state(state: ScalerState, found_inf: bool, config: DynamicConfig) -> ScalerState:
+    """The dynamic schedule, as a pure function of the previous state.
+
+    Overflow: the growth tracker resets and one unit of hysteresis is spent; when none is
+    left the scale is multiplied by ``backoff_factor`` (not below ``min_scale``) and the
+    hysteresis refills. ``growth_interval`` finite steps in a row multiply the scale by
+    ``growth_factor`` (not above ``max_scale``; a growth that would leave float32's range is
+    not taken) and refill the hysteresis. With ``hysteresis=1`` this is exactly
+    ``torch.amp.GradScaler``'s rule; with more it is TensorFlow 1's
+    ``decr_every_n_nan_or_inf``.
+    """
+    counted = count_step(state, found_inf)
+    scale = state.scale
+    if found_inf:
+        left = state.hysteresis_left - 1
+        if left > 0:
+            return replace(counted, growth_tracker=0, hysteresis_left=left)
+        floor = config.min_scale if config.min_scale is not None else SMALLEST_NORMAL_F32
+        scale = max(to_float32(scale * config.backoff_factor), floor)
+        return replace(counted, scale=scale, growth_tracker=0, hysteresis_left=config.hysteresis)
+    tracker = state.growth_tracker + 1
+    if tracker < config.growth_interval:
+        return replace(counted, growth_tracker=tracker)
+    grown = to_float32(scale * config.growth_factor)
+    if config.max_scale is not None:
+        grown = min(grown, config.max_scale)
+    if math.isfinite(grown):
+        scale = grown
+    return replace(counted, scale=scale, growth_tracker=0, hysteresis_left=config.hysteresis)
+
+
+def unscale_grads_(grads: Iterable[torch.Tensor | None], inv_scale: float) -> torch.Tensor:
+    """Multiply gradients by ``inv_scale`` in place and report whether any is inf or NaN.
+
+    Dense and sparse gradients (their values; coalesce float16 ones first, as duplicates can
+    overflow when summed). One multi-tensor kernel per (device, dtype) group. Returns a
+    0-dim float32 tensor, 1.0 if a non-finite value was seen, on the first gradient's device;
+    nothing is synchronised with the host.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in grads:
+        if grad is None:
+            continue
+        values = grad._values() if grad.is_sparse else grad
+        groups.setdefault((values.device, values.dtype), []).append(values)
+    found: dict[torch.device, torch.Tensor] = {}
+    inv: dict[torch.device, torch.Tensor] = {}
+    with torch.no_grad():
+        for (device, _), tensors in groups.items():
+            if device not in found:
+                found[device] = torch.zeros((), dtype=torch.float32, device=device)
+                inv[device] = torch.full((), inv_scale, dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found[device], inv[device])
+    if not found:
+        return torch.zeros((), dtype=torch.float32)
+    flags = list(found.values())
+    total = flags[0]
+    for other in flags[1:]:
+        total = total + other.to(total.device, non_blocking=True)
+    return total
+
+
+def agree_found_inf(found_inf: torch.Tensor) -> torch.Tensor:
+    """When ``torch.distributed`` is initialised, make every rank see the max ``found_inf``.
+
+    Without this, a rank whose gradients overflowed would skip while the others stepped, and
+    the replicas would drift apart.
+    """
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+    return found_inf
+
+
+def all_finite(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
+    """A 0-dim bool tensor: True when every value of every tensor is finite (MindSpore's
+    ``all_finite``). Sparse tensors are checked through their values; ``None`` is skipped.
+    Does not synchronise; ``bool(...)`` on the result does."""
+    dense = [t._values() if t.is_sparse else t for t in tensors if t is not None]
+    floating = [t for t in dense if t.is_floating_point() and t.numel() > 0]
+    if not floating:
+        return torch.ones((), dtype=torch.bool)
+    device = floating[0].device
+    with torch.no_grad():
+        # The inf-norm is inf when any value is inf and NaN when any is NaN.
+        norms = torch._foreach_norm(floating, float("inf"))
+        return torch.stack([n.to(device, torch.float32) for n in norms]).isfinite().all()
+
+
+class LossScaler:
+    """The protocol every scaler follows: ``scale``, ``unscale_``, ``update``, ``get_scale``,
+    ``state_dict``/``load_state_dict``. The state (scale and counters) is in ``state``."""
+
+    def __init__(self, scale: float) -> None:
+        self._state = ScalerState(scale=scale)
+
+    @property
+    def state(self) -> ScalerState:
+        return self._state
+
+    @property
+    def needs_scaling(self) -> bool:
+        """False when the scale is fixed at 1 (multiplying by it would be wasted work)."""
+        return True
+
+    def get_scale(self) -> float:
+        return self._state.scale
+
+    def set_scale(self, scale: float) -> None:
+        """Set the scale by hand; the counters are unchanged."""
+        value = _positive("scale", scale)
+        if to_float32(value) != value:
+            raise ArgumentError(f"scale={scale!r} is not representable in float32")
+        self._state = replace(self._state, scale=value)
+
+    def scale(self, loss: T) -> T:
+        """``loss * scale`` for a tensor, or for each tensor of a list or tuple."""
+        if isinstance(loss, torch.Tensor):
+            return loss * self._state.scale if self.needs_scaling else loss  # type: ignore[return-value]
+        if isinstance(loss, (list, tuple)):
+            return type(loss)(self.scale(v) for v in loss)  # type: ignore[return-value]
+        raise TypeError(
+            f"scale(loss) needs a tensor or a list of tensors, got {type(loss).__name__}"
+        )
+
+    def unscale_(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """Divide ``grads`` by the scale in place; return the 0-dim ``found_inf`` tensor."""
+        return unscale_grads_(grads, 1.0 / self._state.scale)
+
+    def update(self, found_inf: bool | torch.Tensor) -> None:
+        """Advance the state after a step whose gradients were (not) finite."""
+        if isinstance(found_inf, torch.Tensor):
+            found_inf = bool(found_inf.item())
+        self._state = self._next(self._state, bool(found_inf))
+
+    def _next(self, state: ScalerState, found_inf: bool) -> ScalerState:
+        return count_step(state, found_inf)
+
+    def _config(self) -> dict[str, Any]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"type": type(self).__name__, **self._config(), **asdict(self._state)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        kind = state_dict.get("type")
+        if kind != type(self).__name__:
+            raise ValueError(
+                f"load_state_dict: state of a {kind!r} cannot load into {type(self).__name__}"
+            )
+        fields = ScalerState.__dataclass_fields__
+        missing = [k for k in fields if k not in state_dict]
+        if missing:
+            raise ValueError(f"load_state_dict: scaler state lacks {', '.join(missing)}")
+        self._load_config(state_dict)
+        self._state = ScalerState(**{k: state_dict[k] for k in fields})
+
+    def _load_config(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        config = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
+        return f"{type(self).__name__}(scale={self.get_scale()!r}{', ' if config else ''}{config})"
+
+
+class NoOpLossScaler(LossScaler):
+    """Scale 1, for bfloat16 and float32. Non-finite gradients are still found and skipped."""
+
+    def __init__(self) -> None:
+        super().__init__(1.0)
+
+    @property
+    def needs_scaling(self) -> bool:
+        return False
+
+
+def _positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}: {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ArgumentError(f"{name}={value!r} is invalid; it must be a finite number > 0")
+    return float(value)
+
+
+def _count(name: str, value: int, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+    if value < minimum:
+        raise ArgumentError(f"{name}={value!r} is invalid; it must be an int >= {minimum}")
+    return value
+
+
+class StaticLossScaler(LossScaler):
+    """A fixed scale (MindSpore ``StaticLossScaler(scale_value)``); overflowing steps skip."""
+
+    def __init__(self, scale: float | None = None, *, scale_value: float | None = None) -> None:
+        if (scale is None) == (scale_value is None):
+            raise TypeError("StaticLossScaler needs exactly one of scale= or scale_value=")
+        value = _positive("scale" if scale is not None else "scale_value", scale or scale_value)  # type: ignore[arg-type]
+        if to_float32(value) != value:
+            raise ArgumentError(f"scale={value!r} is not representable in float32")
+        super().__init__(value)
+
+    def _load_config(self, state_dict: dict[str, Any]) -> None:
+        _positive("scale", state_dict["scale"])
+
+
+class _DefaultMax(float):
+    """Marks the default ``max_scale`` so MindSpore-named construction can drop the bound."""
+
+
+_DEFAULT_MAX = _DefaultMax(2.0**24)
+
+
+class DynamicLossScaler(LossScaler):
+    """A scale that backs off on overflow and grows after ``growth_interval`` clean steps.
+
+    MindSpore users may write ``DynamicLossScaler(scale_value=2**10, scale_factor=2,
+    scale_window=50)``: growth by ``scale_factor``, backoff by ``1/scale_factor``, growth
+    after ``scale_window`` clean steps, a floor of 1 and no upper bound other than float32's
+    range, as in MindSpore.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_scale: float | None = 1.0,
+        max_scale: float | None = _DEFAULT_MAX,
+        *,
+        scale_value: float | None = None,
+        scale_factor: float | None = None,
+        scale_window: int | None = None,
+    ) -> None:
+        if scale_value is not None or scale_factor is not None or scale_window is not None:
+            if None in (scale_value, scale_factor, scale_window):
+                raise TypeError(
+                    "DynamicLossScaler with MindSpore names needs all of scale_value, "
+                    f"scale_factor and scale_window; got scale_value={scale_value!r}, "
+                    f"scale_factor={scale_factor!r}, scale_window={scale_window!r}"
+                )
+            init_scale = scale_value  # type: ignore[assignment]
+            growth_factor = _positive("scale_factor", scale_factor)  # type: ignore[arg-type]
+            if growth_factor <= 1.0:
+                raise ArgumentError(f"scale_factor={scale_factor!r} is invalid; it must be > 1")
+            backoff_factor = 1.0 / growth_factor
+            growth_interval = scale_window  # type: ignore[assignment]
+            if isinstance(max_scale, _DefaultMax):
+                max_scale = None
+        config = _check_config(
+            growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale
+        )
+        init = _positive("init_scale", init_scale)
+        if to_float32(init) != init:
+            raise ArgumentError(f"init_scale={init!r} is not representable in float32")
+        low = config.min_scale if config.min_scale is not None else SMALLEST_NORMAL_F32
+        high = config.max_scale if config.max_scale is not None else float(torch.finfo().max)
+        if not low <= init <= high:
+            raise ArgumentError(
+                f"init_scale={init!r} is outside [min_scale, max_scale] = [{low!r}, {high!r}]"
+            )
+        super().__init__(init)
+        self.config = config
+        self._state = replace(self._state, hysteresis_left=config.hysteresis)
+
+    def _next(self, state: ScalerState, found_inf: bool) -> ScalerState:
+        return next_state(state, found_inf, self.config)
+
+    def _config(self) -> dict[str, Any]:
+        return asdict(self.config)
+
+    def _load_config(self, state_dict: dict[str, Any]) -> None:
+        self.config = _check_config(
+            *(state_dict[k] for k in DynamicConfig.__dataclass_fields__)  # type: ignore[arg-type]
+        )
+
+
+def _check_config(
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+    min_scale: float | None,
+    max_scale: float | None,
+) -> DynamicConfig:
+    growth = _positive("growth_factor", growth_factor)
+    if growth <= 1.0:
+        raise ArgumentError(f"growth_factor={growth_factor!r} is invalid; it must be > 1.0")
+    backoff = _positive("backoff_factor", backoff_factor)
+    if not backoff < 1.0:
+        raise ArgumentError(
+            f"backoff_factor={backoff_factor!r} is invalid; it must be in the open interval (0, 1)"
+        )
+    low = None if min_scale is None else _positive("min_scale", min_scale)
+    high = None if max_scale is None else _positive("max_scale", float(max_scale))
+    if low is not None and high is not None and low > high:
+        raise ArgumentError(f"min_scale={min_scale!r} is larger than max_scale={max_scale!r}")
+    return DynamicConfig(
+        growth_factor=growth,
+        backoff_factor=backoff,
+        growth_interval=_count("growth_interval", growth_interval),
+        hysteresis=_count("hysteresis", hysteresis),
+        min_scale=low,
+        max_scale=high,
+    )
+
+
+def ExponentialUpdateLossScaleManager(  # noqa: N802 - TensorFlow 1's name, kept for migrants
+    init_loss_scale: float,
+    incr_every_n_steps: int,
+    decr_every_n_nan_or_inf: int = 2,
+    incr_ratio: float = 2.0,
+    decr_ratio: float = 0.8,
+) -> DynamicLossScaler:
+    """TensorFlow 1's dynamic loss scale manager, with its names and defaults.
+
+    Grows by ``incr_ratio`` after ``incr_every_n_steps`` finite steps in a row, shrinks by
+    ``decr_ratio`` (never below 1) after ``decr_every_n_nan_or_inf`` overflows, and resets both
+    counts whenever the scale changes, as ``tf.contrib.mixed_precision`` does.
+    """
+    return DynamicLossScaler(
+        init_scale=init_loss_scale,
+        growth_factor=incr_ratio,
+        backoff_factor=decr_ratio,
+        growth_interval=incr_every_n_steps,
+        hysteresis=decr_every_n_nan_or_inf,
+        min_scale=1.0,
+        max_scale=None,
+    )
