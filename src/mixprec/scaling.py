@@ -203,6 +203,23 @@ class LossScaler:
             f"scale(loss) needs a tensor or a list of tensors, got {type(loss).__name__}"
         )
 
+    def unscale(self, value: T) -> T:
+        """``value / scale`` out of place, for a tensor or a list/tuple of them (MindSpore's
+        ``unscale``, used on the loss and on gradients)."""
+        if isinstance(value, torch.Tensor):
+            return value * (1.0 / self._state.scale) if self.needs_scaling else value  # type: ignore[return-value]
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.unscale(v) for v in value)  # type: ignore[return-value]
+        raise TypeError(
+            f"unscale(value) needs a tensor or a list of tensors, got {type(value).__name__}"
+        )
+
+    def adjust(self, grads_finite: bool | torch.Tensor) -> None:
+        """MindSpore's ``adjust``: ``update`` with the flag inverted (True = all finite)."""
+        if isinstance(grads_finite, torch.Tensor):
+            grads_finite = bool(grads_finite.item())
+        self.update(not grads_finite)
+
     def unscale_(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """Divide ``grads`` by the scale in place; return the 0-dim ``found_inf`` tensor."""
         return unscale_grads_(grads, 1.0 / self._state.scale)

@@ -1,0 +1,124 @@
+"""Shared fixtures: small reference models and a deterministic float32 control loop."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec as mp
+
+
+@pytest.fixture(autouse=True)
+def _reset_global_policy():
+    """Tests may set the global policy; never let it leak into the next test."""
+    mp.set_global_policy(None)
+    yield
+    mp.set_global_policy(None)
+
+
+def make_mlp(seed: int = 0, d_in: int = 32, hidden: int = 64, classes: int = 10) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(d_in, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.LayerNorm(hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, classes),
+    )
+
+
+class TinyTransformer(nn.Module):
+    """Token embedding + 2 encoder layers + head: integer inputs and a padding mask."""
+
+    def __init__(self, vocab: int = 50, d: int = 32, classes: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(16, d) * 0.02)
+        layer = nn.TransformerEncoderLayer(
+            d, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True
+        )
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, tokens: torch.Tensor, pad_mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        h = self.encoder(h, src_key_padding_mask=pad_mask)
+        return self.head(self.norm(h).mean(dim=1))
+
+
+def make_transformer(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return TinyTransformer()
+
+
+def classification_data(n: int = 512, d_in: int = 32, classes: int = 10, seed: int = 1):
+    """A learnable task: labels from a fixed random linear teacher."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d_in, generator=g)
+    teacher = torch.randn(d_in, classes, generator=g)
+    return x, (x @ teacher).argmax(dim=1)
+
+
+def token_data(n: int = 256, length: int = 12, vocab: int = 50, classes: int = 4, seed: int = 2):
+    """Label = (count of tokens < vocab/2) mod classes: needs attention over the sequence."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (n, length), generator=g)
+    y = (tokens < vocab // 2).sum(dim=1) % classes
+    return tokens, y
+
+
+def train(
+    model: nn.Module,
+    opt_step: Callable[[torch.Tensor], object],
+    batches: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]],
+) -> list[float]:
+    """Run one pass over ``batches``; ``opt_step(loss)`` does backward + step."""
+    losses = []
+    for inputs, y in batches:
+        loss = nn.functional.cross_entropy(model(*inputs), y)
+        losses.append(loss.item())
+        opt_step(loss)
+    return losses
+
+
+def batches_of(inputs: tuple[torch.Tensor, ...], y: torch.Tensor, size: int, epochs: int):
+    out = []
+    g = torch.Generator().manual_seed(3)
+    for _ in range(epochs):
+        order = torch.randperm(len(y), generator=g)
+        for i in range(0, len(y), size):
+            idx = order[i : i + size]
+            out.append((tuple(t[idx] for t in inputs), y[idx]))
+    return out
+
+
+def float32_losses(model: nn.Module, batches, lr: float = 3e-3) -> list[float]:
+    """The control run: plain PyTorch, float32, AdamW."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def step(loss: torch.Tensor) -> None:
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    return train(model, step, batches)
+
+
+def mixed_losses(model: nn.Module, batches, policy: str, level: str, lr: float = 3e-3):
+    model = mp.auto_mixed_precision(copy.deepcopy(model), policy=policy, level=level)
+    opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=lr))
+    results = []
+
+    def step(loss: torch.Tensor) -> None:
+        opt.zero_grad()
+        opt.backward(loss)
+        results.append(opt.step())
+
+    return train(model, step, batches), results, model, opt

@@ -1,0 +1,200 @@
+"""mp.GradScaler against torch.amp.GradScaler on CPU: same scales, same parameters (bitwise),
+same errors on misuse."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec as mp
+from tests.conftest import classification_data, make_mlp
+
+INJECT = {3, 4, 9}  # steps whose loss is blown up to overflow the float16 gradients
+
+
+def loop(scaler_cls, opt_factory, steps=14, unscale_every=2, **scaler_kwargs):
+    model = make_mlp(seed=5)
+    opt = opt_factory(model.parameters())
+    scaler = scaler_cls("cpu", init_scale=2.0**14, growth_interval=3, **scaler_kwargs)
+    x, y = classification_data(n=64)
+    scales, returns = [], []
+    for step in range(steps):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        if step in INJECT:
+            loss = loss * 1e30
+        scaler.scale(loss).backward()
+        if step % unscale_every == 0:
+            scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        returns.append(scaler.step(opt))
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales, [p.detach().clone() for p in model.parameters()], scaler, returns
+
+
+@pytest.mark.parametrize(
+    "opt_factory",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True),
+        lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),  # _step_supports_amp_scaling path
+    ],
+    ids=["sgd", "adamw-foreach", "adam-fused"],
+)
+def test_same_scales_and_parameters_as_torch(opt_factory):
+    ref_scales, ref_params, ref, ref_ret = loop(torch.amp.GradScaler, opt_factory)
+    our_scales, our_params, ours, our_ret = loop(mp.GradScaler, opt_factory)
+    assert our_scales == ref_scales
+    assert len(set(ref_scales)) > 2  # the run really backed off and grew
+    for a, b in zip(our_params, ref_params, strict=True):
+        assert torch.equal(a, b)
+    assert our_ret == ref_ret
+    theirs = ref.state_dict()
+    mine = ours.state_dict()
+    assert {k: mine[k] for k in theirs} == theirs
+    assert mine["skipped_steps"] == len(INJECT)
+    assert ours.state.last_overflow_step == max(INJECT)
+
+
+def test_state_dict_interchange_with_torch():
+    _, _, ref, _ = loop(torch.amp.GradScaler, lambda p: torch.optim.SGD(p, lr=0.05), steps=6)
+    ours = mp.GradScaler("cpu")
+    ours.load_state_dict(ref.state_dict())
+    assert ours.get_scale() == ref.get_scale()
+    assert ours._get_growth_tracker() == ref._get_growth_tracker()
+    back = torch.amp.GradScaler("cpu")
+    back.load_state_dict(ours.state_dict())
+    assert back.state_dict() == ref.state_dict()
+
+
+def test_hysteresis_and_bounds_extras():
+    scales, _, scaler, _ = loop(
+        mp.GradScaler, lambda p: torch.optim.SGD(p, lr=0.05), hysteresis=2, max_scale=2.0**14
+    )
+    # Steps 3 and 4 overflow back to back: with hysteresis 2 only the second backs off.
+    assert scales[3] == scales[2] and scales[4] == scales[3] / 2
+    assert max(scales) <= 2.0**14
+    assert scaler.state_dict()["hysteresis"] == 2
+
+
+def test_disabled_is_a_no_op():
+    s = mp.GradScaler("cpu", enabled=False)
+    loss = torch.tensor(2.0, requires_grad=True)
+    assert s.scale(loss) is loss
+    assert s.get_scale() == 1.0 and s.state_dict() == {} and not s.is_enabled()
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    before = model.weight.detach().clone()
+    s.unscale_(opt)
+    s.step(opt)
+    s.update()
+    assert not torch.equal(before, model.weight)
+
+
+def test_cuda_device_without_cuda_warns_and_disables():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.warns(UserWarning, match="CUDA is not available.  Disabling."):
+        s = mp.GradScaler()
+    assert not s.is_enabled()
+
+
+def both(action):
+    """Run ``action`` on torch's scaler and ours; return both exceptions."""
+    errors = []
+    for cls in (torch.amp.GradScaler, mp.GradScaler):
+        model = nn.Linear(3, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = cls("cpu")
+        with pytest.raises(Exception) as err:
+            action(scaler, model, opt)
+        errors.append(err.value)
+    return errors
+
+
+def scaled_backward(scaler, model):
+    scaler.scale(model(torch.ones(2, 3)).sum()).backward()
+
+
+@pytest.mark.parametrize(
+    "action",
+    [
+        lambda s, m, o: (scaled_backward(s, m), s.unscale_(o), s.unscale_(o)),
+        lambda s, m, o: (scaled_backward(s, m), s.step(o), s.unscale_(o)),
+        lambda s, m, o: (scaled_backward(s, m), s.step(o), s.step(o)),
+        lambda s, m, o: (scaled_backward(s, m), s.step(o, closure=lambda: 0.0)),
+        lambda s, m, o: s.step(o),
+        lambda s, m, o: s.unscale_(o),
+        lambda s, m, o: s.update(),
+        lambda s, m, o: (scaled_backward(s, m), s.update()),
+        lambda s, m, o: s.scale(3),
+        lambda s, m, o: s.load_state_dict({}),
+    ],
+    ids=[
+        "unscale-twice",
+        "unscale-after-step",
+        "step-twice",
+        "closure",
+        "step-before-scale",
+        "unscale-before-scale",
+        "update-before-scale",
+        "update-without-step",
+        "scale-non-tensor",
+        "empty-state",
+    ],
+)
+def test_misuse_raises_like_torch(action):
+    theirs, ours = both(action)
+    assert isinstance(ours, type(theirs))  # except clauses written for torch still match
+    # Our messages start with torch's (some add the received value).
+    assert str(ours).startswith(str(theirs).split("  This may")[0][:40])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"growth_factor": 1.0}, "growth_factor=1.0 is invalid; it must be > 1.0"),
+        ({"backoff_factor": 1.5}, "backoff_factor=1.5 is invalid"),
+    ],
+)
+def test_bad_factors_raise_what_torch_raises_plus_valueerror(kwargs, message):
+    with pytest.raises(AssertionError):
+        torch.amp.GradScaler("cpu", **kwargs)
+    with pytest.raises(AssertionError, match=message):
+        mp.GradScaler("cpu", **kwargs)
+    with pytest.raises(ValueError, match=message):
+        mp.GradScaler("cpu", **kwargs)
+
+
+def test_fp16_gradients_are_refused_like_torch():
+    model = nn.Linear(3, 1).half()
+    for cls in (torch.amp.GradScaler, mp.GradScaler):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        s = cls("cpu")
+        s.scale(model(torch.ones(2, 3, dtype=torch.float16)).sum()).backward()
+        with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients."):
+            s.unscale_(opt)
+
+
+def test_pickle_between_iterations():
+    _, _, s, _ = loop(mp.GradScaler, lambda p: torch.optim.SGD(p, lr=0.05), steps=5)
+    clone = pickle.loads(pickle.dumps(s))
+    assert clone.state == s.state
+    assert copy.deepcopy(s).get_scale() == s.get_scale()
+
+
+def test_new_scale_by_hand():
+    _, _, s, _ = loop(mp.GradScaler, lambda p: torch.optim.SGD(p, lr=0.05), steps=2)
+    s.update(new_scale=1024.0)
+    assert s.get_scale() == 1024.0
+    s.update(new_scale=torch.tensor(512.0))
+    assert s.get_scale() == 512.0
+    with pytest.raises(ValueError, match=r"scale=-1.0 is invalid"):
+        s.update(new_scale=-1.0)

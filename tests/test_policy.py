@@ -1,0 +1,136 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import mixprec as mp
+from mixprec import _dtypes
+from mixprec.policy import PRESETS
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("name", "dtypes", "scaling"),
+    [
+        ("float32", (F32, F32, F32), "none"),
+        ("float16", (F16, F16, F16), "dynamic"),
+        ("bfloat16", (BF16, BF16, BF16), "none"),
+        ("mixed_float16", (F32, F16, F32), "dynamic"),
+        ("mixed_bfloat16", (F32, BF16, F32), "none"),
+    ],
+)
+def test_presets(name, dtypes, scaling):
+    p = mp.Policy(name)
+    assert (p.param_dtype, p.compute_dtype, p.output_dtype) == dtypes
+    assert p.loss_scaling == scaling
+    assert p.name == name
+    assert mp.Policy(str(p)) == p
+
+
+def test_string_grammar_round_trips():
+    text = "params=float32,compute=bfloat16,output=float32"
+    p = mp.Policy(text)
+    assert str(p) == text
+    assert p == mp.Policy("mixed_bfloat16")
+    odd = mp.Policy("p=bf16, c=fp16, o=half")
+    assert (odd.param_dtype, odd.compute_dtype, odd.output_dtype) == (BF16, F16, F16)
+    assert mp.Policy(str(odd)) == odd
+    assert odd.name == str(odd)  # no preset matches
+
+
+def test_grammar_defaults_follow_params():
+    assert mp.Policy("compute=bfloat16") == mp.Policy("mixed_bfloat16")
+    assert mp.Policy("params=bfloat16") == mp.Policy("bfloat16")
+
+
+def test_keyword_construction_and_immutability():
+    p = mp.Policy(param_dtype="float32", compute_dtype=torch.float16)
+    assert p == mp.Policy("params=float32,compute=float16,output=float32")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.compute_dtype = F32  # type: ignore[misc]
+    assert hash(p) == hash(mp.Policy(str(p)))
+
+
+def test_unknown_name_lists_valid_and_closest():
+    with pytest.raises(ValueError, match=r"'mixed_bfloat' is not a known policy") as err:
+        mp.Policy("mixed_bfloat")
+    message = str(err.value)
+    for name in (*PRESETS, "auto"):
+        assert name in message
+    assert "closest: 'mixed_bfloat16'" in message
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("params=float32,compute=float64", r"'float64' is not a known dtype; valid: float32"),
+        ("params=float32,weights=float16", r"bad entry 'weights=float16'"),
+        ("compute=float16,compute=bfloat16", r"'compute' is given twice"),
+    ],
+)
+def test_bad_grammar(text, match):
+    with pytest.raises(ValueError, match=match):
+        mp.Policy(text)
+
+
+def test_bad_types():
+    with pytest.raises(TypeError, match="policy must be a str or Policy, got int"):
+        mp.Policy(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="either a name or dtype keywords"):
+        mp.Policy("float32", compute_dtype="float16")
+    with pytest.raises(ValueError, match=r"compute_dtype=torch.float64 is not supported"):
+        mp.Policy(compute_dtype=torch.float64)
+
+
+def test_global_policy_and_scope():
+    assert mp.global_policy() == mp.Policy("float32")
+    mp.set_global_policy("mixed_bfloat16")
+    assert mp.global_policy().name == "mixed_bfloat16"
+    with mp.policy_scope("mixed_float16") as p:
+        assert p.name == "mixed_float16"
+        assert mp.global_policy() is p
+        assert mp.get_policy(None) is p
+    assert mp.global_policy().name == "mixed_bfloat16"
+    with pytest.raises(RuntimeError), mp.policy_scope("float16"):
+        raise RuntimeError("boom")
+    assert mp.global_policy().name == "mixed_bfloat16"  # restored after an exception
+    mp.set_global_policy(None)
+    assert mp.global_policy().name == "float32"
+
+
+@pytest.mark.parametrize(
+    ("hw", "expected"),
+    [
+        (_dtypes.Hardware("cuda", True, True, "CUDA H200 (sm_90)"), "mixed_bfloat16"),
+        (_dtypes.Hardware("cuda", False, True, "CUDA T4 (sm_75)"), "mixed_float16"),
+        (_dtypes.Hardware("cpu", True, False, "CPU with amx_bf16"), "mixed_bfloat16"),
+        (_dtypes.Hardware("cpu", False, False, "CPU without AVX512-BF16 or AMX"), "float32"),
+    ],
+)
+def test_auto_follows_hardware_and_records_reason(monkeypatch, hw, expected):
+    monkeypatch.setattr("mixprec.policy.probe_hardware", lambda: hw)
+    p = mp.Policy("auto")
+    assert p.name == expected
+    assert p.reason is not None and hw.detail in p.reason
+    assert "reason=" in repr(p)
+
+
+def test_auto_on_this_machine_matches_cpu_flags():
+    hw = _dtypes.probe_hardware()
+    p = mp.Policy("auto")
+    if hw.device == "cpu":
+        flags = _dtypes._cpu_flags()
+        has_bf16 = bool(flags & {"avx512_bf16", "amx_bf16", "amx_tile"})
+        if flags:
+            assert (p.name == "mixed_bfloat16") == has_bf16
+
+
+def test_parse_dtype_aliases():
+    assert _dtypes.parse_dtype("bf16") is BF16
+    assert _dtypes.parse_dtype("torch.float16") is F16
+    assert _dtypes.parse_dtype(F32) is F32
+    with pytest.raises(ValueError, match=r"dtype='int8' is not a known dtype"):
+        _dtypes.parse_dtype("int8")

@@ -1,0 +1,291 @@
+"""Loss scalers: exact scale trajectories (powers of two multiply exactly in float32, so
+equality is exact), hysteresis, bounds, the MindSpore and TensorFlow 1 constructors checked
+against transcriptions of those systems' update rules, and unscaling."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mixprec as mp
+from mixprec.scaling import DynamicConfig, ScalerState, next_state, to_float32, unscale_grads_
+
+
+def run(scaler: mp.LossScaler, overflows: list[bool]) -> list[float]:
+    scales = []
+    for found in overflows:
+        scaler.update(found)
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def test_dynamic_defaults():
+    s = mp.DynamicLossScaler()
+    c = s.config
+    assert s.get_scale() == 2.0**16
+    assert (c.growth_factor, c.backoff_factor, c.growth_interval) == (2.0, 0.5, 2000)
+    assert (c.hysteresis, c.min_scale, c.max_scale) == (1, 1.0, 2.0**24)
+
+
+def test_exact_trajectory_with_injected_overflows():
+    s = mp.DynamicLossScaler(init_scale=2.0**10, growth_interval=3)
+    seq = [False, False, False, True, False, True, True, False, False, False, False]
+    assert run(s, seq) == [
+        2.0**10, 2.0**10, 2.0**11,  # three clean steps grow
+        2.0**10,  # overflow backs off and resets the growth tracker
+        2.0**10, 2.0**9, 2.0**8,
+        2.0**8, 2.0**8, 2.0**9, 2.0**9,
+    ]  # fmt: skip
+    st_ = s.state
+    assert (st_.steps, st_.skipped_steps, st_.consecutive_skips) == (11, 3, 0)
+    assert st_.last_overflow_step == 6
+
+
+def test_hysteresis_waits_for_n_overflows():
+    s = mp.DynamicLossScaler(init_scale=2.0**10, growth_interval=100, hysteresis=3)
+    assert run(s, [True, True]) == [2.0**10, 2.0**10]
+    assert s.state.hysteresis_left == 1
+    assert run(s, [True]) == [2.0**9]  # third overflow backs off...
+    assert s.state.hysteresis_left == 3  # ...and refills the hysteresis
+    # A finite step in between does not refill it (as in TF1's decr_every_n_nan_or_inf).
+    assert run(s, [True, False, True, False, True]) == [2.0**9] * 4 + [2.0**8]
+
+
+def test_bounds_are_never_crossed():
+    s = mp.DynamicLossScaler(init_scale=4.0, min_scale=1.0, max_scale=16.0, growth_interval=1)
+    assert run(s, [True] * 5) == [2.0, 1.0, 1.0, 1.0, 1.0]
+    assert run(s, [False] * 6) == [2.0, 4.0, 8.0, 16.0, 16.0, 16.0]
+    # A non-power-of-two growth is clamped to the maximum, not skipped.
+    s = mp.DynamicLossScaler(init_scale=10.0, growth_factor=3.0, max_scale=20.0, growth_interval=1)
+    assert run(s, [False]) == [20.0]
+
+
+def test_unbounded_scale_stays_finite():
+    s = mp.DynamicLossScaler(init_scale=2.0**126, max_scale=None, growth_interval=1)
+    assert run(s, [False] * 3) == [2.0**127, 2.0**127, 2.0**127]  # 2**128 is inf in float32
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    overflows=st.lists(st.booleans(), max_size=300),
+    growth=st.sampled_from([1.5, 2.0, 3.0, 10.0]),
+    backoff=st.sampled_from([0.1, 0.5, 0.9]),
+    interval=st.integers(1, 5),
+    hysteresis=st.integers(1, 4),
+    bounded=st.booleans(),
+)
+def test_scale_always_finite_positive_and_in_bounds(
+    overflows, growth, backoff, interval, hysteresis, bounded
+):
+    s = mp.DynamicLossScaler(
+        init_scale=2.0**16,
+        growth_factor=growth,
+        backoff_factor=backoff,
+        growth_interval=interval,
+        hysteresis=hysteresis,
+        min_scale=1.0 if bounded else None,
+        max_scale=2.0**24 if bounded else None,
+    )
+    for found in overflows:
+        s.update(found)
+        scale = s.get_scale()
+        assert math.isfinite(scale) and scale > 0
+        assert to_float32(scale) == scale
+        if bounded:
+            assert 1.0 <= scale <= 2.0**24
+    assert s.state.steps == len(overflows)
+    assert s.state.skipped_steps == sum(overflows)
+
+
+def test_matches_torch_update_kernel():
+    """hysteresis=1 is torch's rule: compare against torch._amp_update_scale_ itself."""
+    rng = random.Random(0)
+    seq = [rng.random() < 0.2 for _ in range(400)]
+    for growth, backoff in [(2.0, 0.5), (1.7, 0.3)]:
+        scale = torch.full((), 2.0**12)
+        tracker = torch.zeros((), dtype=torch.int32)
+        ours = mp.DynamicLossScaler(2.0**12, growth, backoff, 5, min_scale=None, max_scale=None)
+        for found in seq:
+            torch._amp_update_scale_(
+                scale, tracker, torch.full((), float(found)), growth, backoff, 5
+            )
+            ours.update(found)
+            assert ours.get_scale() == scale.item()
+            assert ours.state.growth_tracker == tracker.item()
+
+
+def mindspore_reference(scale: float, factor: float, window: int, finite_seq: list[bool]):
+    """MindSpore's DynamicLossScaler.adjust, transcribed (scale kept in float32)."""
+    counter, out = 0, []
+    for finite in finite_seq:
+        if finite:
+            grown = to_float32(scale * factor)
+            if counter == window - 1 and math.isfinite(grown):
+                scale = grown
+        else:
+            scale = max(1.0, to_float32(scale / factor))
+        counter = ((counter + 1) % window) * int(finite)
+        out.append(scale)
+    return out
+
+
+def test_mindspore_names_reproduce_mindspore():
+    rng = random.Random(1)
+    finite_seq = [rng.random() > 0.15 for _ in range(600)]
+    ours = mp.DynamicLossScaler(scale_value=2**10, scale_factor=2, scale_window=50)
+    assert ours.config.min_scale == 1.0 and ours.config.max_scale is None
+    scales = []
+    for finite in finite_seq:
+        ours.adjust(finite)  # MindSpore's flag: True means the gradients are finite
+        scales.append(ours.get_scale())
+    assert scales == mindspore_reference(2.0**10, 2.0, 50, finite_seq)
+
+
+def tf1_reference(init, incr_n, decr_n, incr_ratio, decr_ratio, finite_seq):
+    """tf.contrib.mixed_precision.ExponentialUpdateLossScaleManager, transcribed."""
+    scale, good, bad, out = init, 0, 0, []
+    for finite in finite_seq:
+        if finite:
+            if good + 1 >= incr_n:
+                grown = to_float32(scale * incr_ratio)
+                scale = grown if math.isfinite(grown) else scale
+                good = bad = 0
+            else:
+                good += 1
+        elif bad + 1 >= decr_n:
+            scale = max(1.0, to_float32(scale * decr_ratio))
+            good = bad = 0
+        else:
+            bad += 1
+            good = 0
+        out.append(scale)
+    return out
+
+
+@pytest.mark.parametrize("decr_ratio", [0.5, 0.8])
+def test_tf1_manager_reproduces_tf1(decr_ratio):
+    rng = random.Random(2)
+    finite_seq = [rng.random() > 0.3 for _ in range(3000)]
+    ours = mp.ExponentialUpdateLossScaleManager(
+        init_loss_scale=2**32, incr_every_n_steps=1000, decr_every_n_nan_or_inf=2,
+        decr_ratio=decr_ratio,
+    )  # fmt: skip
+    scales = []
+    for finite in finite_seq:
+        ours.update(not finite)
+        scales.append(ours.get_scale())
+    assert scales == tf1_reference(2.0**32, 1000, 2, 2.0, decr_ratio, finite_seq)
+    # Short sequences with growth: incr_every_n_steps=3.
+    finite_seq = [rng.random() > 0.3 for _ in range(500)]
+    ours = mp.ExponentialUpdateLossScaleManager(8.0, 3, 2, 2.0, decr_ratio)
+    scales = [ours.update(not f) or ours.get_scale() for f in finite_seq]
+    assert scales == tf1_reference(8.0, 3, 2, 2.0, decr_ratio, finite_seq)
+
+
+def test_pure_next_state_does_not_mutate():
+    state = ScalerState(scale=8.0)
+    config = DynamicConfig(growth_interval=1, max_scale=None)
+    after = next_state(state, False, config)
+    assert state.scale == 8.0 and after.scale == 16.0 and after.steps == 1
+
+
+def test_static_and_noop():
+    s = mp.StaticLossScaler(128.0)
+    assert run(s, [True, False, True]) == [128.0] * 3
+    assert s.state.skipped_steps == 2
+    assert mp.StaticLossScaler(scale_value=2.0**10).get_scale() == 1024.0
+    n = mp.NoOpLossScaler()
+    loss = torch.tensor(3.0)
+    assert n.scale(loss) is loss and n.get_scale() == 1.0
+    n.update(torch.tensor(1.0))
+    assert n.state.skipped_steps == 1
+
+
+def test_scale_unscale_out_of_place():
+    s = mp.StaticLossScaler(1024.0)
+    loss = torch.tensor(0.5)
+    assert s.scale(loss).item() == 512.0
+    assert s.unscale(s.scale(loss)).item() == 0.5
+    grads = [torch.tensor([2048.0]), torch.tensor([1024.0])]
+    assert [g.item() for g in s.unscale(grads)] == [2.0, 1.0]
+    assert grads[0].item() == 2048.0  # unscale is out of place
+    with pytest.raises(TypeError, match="needs a tensor or a list of tensors, got str"):
+        s.scale("loss")
+
+
+def test_state_dict_round_trip_and_type_check():
+    s = mp.DynamicLossScaler(init_scale=2.0**8, growth_interval=2, hysteresis=2)
+    run(s, [True, False, True, True])
+    t = mp.DynamicLossScaler()
+    t.load_state_dict(s.state_dict())
+    assert t.state == s.state and t.config == s.config
+    with pytest.raises(ValueError, match="state of a 'DynamicLossScaler' cannot load into"):
+        mp.StaticLossScaler(2.0).load_state_dict(s.state_dict())
+    bad = s.state_dict()
+    del bad["steps"]
+    with pytest.raises(ValueError, match="scaler state lacks steps"):
+        t.load_state_dict(bad)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"growth_factor": 1.0}, r"growth_factor=1.0 is invalid; it must be > 1.0"),
+        ({"growth_factor": 0.5}, r"growth_factor=0.5 is invalid"),
+        ({"backoff_factor": 1.0}, r"backoff_factor=1.0 is invalid; .*\(0, 1\)"),
+        ({"backoff_factor": 0.0}, r"backoff_factor=0.0 is invalid"),
+        ({"backoff_factor": -0.5}, r"backoff_factor=-0.5 is invalid"),
+        ({"growth_interval": -1}, r"growth_interval=-1 is invalid; it must be an int >= 1"),
+        ({"growth_interval": 0}, r"growth_interval=0 is invalid"),
+        ({"hysteresis": 0}, r"hysteresis=0 is invalid"),
+        ({"init_scale": float("inf")}, r"init_scale=inf is invalid"),
+        ({"init_scale": 0.0}, r"init_scale=0.0 is invalid"),
+        ({"init_scale": 2.0**30}, r"init_scale=1073741824.0 is outside \[min_scale, max_scale\]"),
+        ({"min_scale": 8.0, "max_scale": 4.0, "init_scale": 4.0}, r"min_scale=8.0 is larger"),
+    ],
+)
+def test_bad_dynamic_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        mp.DynamicLossScaler(**kwargs)
+
+
+def test_bad_argument_types():
+    with pytest.raises(TypeError, match="growth_interval must be an int, got float: 2.5"):
+        mp.DynamicLossScaler(growth_interval=2.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="needs all of scale_value, scale_factor and scale_window"):
+        mp.DynamicLossScaler(scale_value=8.0)
+    with pytest.raises(ValueError, match="scale_factor=1 is invalid"):
+        mp.DynamicLossScaler(scale_value=8.0, scale_factor=1, scale_window=5)
+    with pytest.raises(TypeError, match="exactly one of scale= or scale_value="):
+        mp.StaticLossScaler()
+    with pytest.raises(ValueError, match="scale=-1.0 is invalid"):
+        mp.StaticLossScaler(-1.0)
+
+
+def test_unscale_grads_dense_sparse_and_mixed_dtypes():
+    dense32 = torch.tensor([4.0, -8.0])
+    dense_bf16 = torch.tensor([2.0, 6.0], dtype=torch.bfloat16)
+    sparse = torch.sparse_coo_tensor([[0, 2]], torch.tensor([8.0, 16.0]), (4,)).coalesce()
+    found = unscale_grads_([dense32, None, dense_bf16, sparse], 0.5)
+    assert found.item() == 0.0 and found.dim() == 0
+    assert dense32.tolist() == [2.0, -4.0]
+    assert dense_bf16.tolist() == [1.0, 3.0]
+    assert sparse.to_dense().tolist() == [4.0, 0.0, 8.0, 0.0]
+    bad = torch.sparse_coo_tensor([[1]], torch.tensor([float("nan")]), (4,)).coalesce()
+    assert unscale_grads_([dense32, bad], 1.0).item() == 1.0
+    assert unscale_grads_([], 1.0).item() == 0.0
+
+
+def test_all_finite():
+    good = [torch.ones(3), torch.ones(2, dtype=torch.float16), None, torch.zeros(0)]
+    assert bool(mp.all_finite(good))
+    assert not bool(mp.all_finite([*good, torch.tensor([1.0, float("inf")])]))
+    assert not bool(mp.all_finite([torch.tensor([float("nan")], dtype=torch.bfloat16)]))
+    sparse = torch.sparse_coo_tensor([[0]], torch.tensor([float("inf")]), (3,))
+    assert not bool(mp.all_finite([sparse]))
+    assert mp.all_finite([torch.tensor([1, 2])]).dtype == torch.bool  # integers are finite
