@@ -48,7 +48,10 @@ def make_model(hidden: int, seed: int) -> nn.Module:
 
 
 def train(
-    model: nn.Module, step: Callable[[torch.Tensor, torch.Tensor], float], data: Data, args: Any
+    model: nn.Module,
+    step: Callable[[torch.Tensor, torch.Tensor], float],
+    data: Data,
+    args: argparse.Namespace,
 ) -> dict[str, float]:
     """Run ``step`` over shuffled batches; return final loss, test accuracy and ms/step."""
     x_train, y_train, x_test, y_test = data
@@ -72,7 +75,7 @@ def train(
     }
 
 
-def run_float32(data: Data, args: Any) -> dict[str, Any]:
+def run_float32(data: Data, args: argparse.Namespace) -> dict[str, Any]:
     """The baseline: plain PyTorch, no mixprec."""
     model = make_model(args.hidden, args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -89,7 +92,7 @@ def run_float32(data: Data, args: Any) -> dict[str, Any]:
     return {"policy": "float32/O0", **figures, "skipped_steps": 0, "loss_scale": 1.0}
 
 
-def run_mixed(data: Data, args: Any) -> dict[str, Any]:
+def run_mixed(data: Data, args: argparse.Namespace) -> dict[str, Any]:
     """The same model, init and batches under mixprec's ``policy`` and ``level``."""
     model = mp.auto_mixed_precision(make_model(args.hidden, args.seed), args.policy, args.level)
     # Built after auto_mixed_precision so that it adopts the 16-bit weights and keeps float32
@@ -119,7 +122,7 @@ def run_mixed(data: Data, args: Any) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="Digits MLP: float32 vs mixed precision.")
     parser.add_argument("--policy", default="mixed_bfloat16")
     parser.add_argument("--level", default="auto")
     parser.add_argument("--epochs", type=int, default=20)

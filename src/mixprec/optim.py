@@ -9,7 +9,7 @@ step, then either apply the inner optimizer and copy the masters back into the 1
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,24 +87,35 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     ``accumulation_steps=N``, ``backward`` adds ``loss / N`` and only every N-th ``step``
     updates; ``zero_grad`` in between keeps the sum.
 
+    ``optimizer`` may be a list, e.g. ``[SparseAdam(embeddings), Adam(dense)]`` from
+    ``split_embedding_parameters``: one loss scale, one backward, one finiteness check, and
+    all of them step or all skip.
+
     It is a ``torch.optim.Optimizer``, so learning-rate schedulers accept it; their
-    ``param_groups`` are the inner optimizer's.
+    ``param_groups`` are the inner optimizers'.
     """
 
     def __init__(
         self,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
         loss_scaler: LossScaler | None = None,
         max_grad_norm: float | None = None,
         accumulation_steps: int = 1,
     ) -> None:
         # torch.optim.Optimizer.__init__ is not called: groups and state are the inner ones.
-        if isinstance(optimizer, LossScaleOptimizer):
-            raise TypeError("optimizer is already a LossScaleOptimizer; wrap the inner one once")
-        if not isinstance(optimizer, torch.optim.Optimizer):
+        optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+        if not isinstance(optimizers, (list, tuple)) or not optimizers:
             raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+                "optimizer must be a torch.optim.Optimizer or a non-empty list of them, got "
+                f"{type(optimizer).__name__}"
             )
+        for inner in optimizers:
+            if isinstance(inner, LossScaleOptimizer):
+                raise TypeError("optimizer is already a LossScaleOptimizer; wrap the inner one")
+            if not isinstance(inner, torch.optim.Optimizer):
+                raise TypeError(
+                    f"optimizer must be a torch.optim.Optimizer, got {type(inner).__name__}"
+                )
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
             raise TypeError(
                 "loss_scaler must be a NoOpLossScaler, StaticLossScaler or DynamicLossScaler, "
@@ -124,15 +135,16 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             raise ArgumentError(
                 f"accumulation_steps={accumulation_steps!r} is invalid; it must be >= 1"
             )
-        self.optimizer = optimizer
+        self.optimizers: list[torch.optim.Optimizer] = list(optimizers)
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.accumulation_steps = accumulation_steps
         self._half: list[torch.Tensor] = []  # 16-bit model parameters with masters
         self._masters: list[torch.Tensor] = []  # their float32 masters, same order
         self._plain: list[torch.Tensor] = []  # parameters the inner optimizer updates as is
         self._index: dict[int, tuple[bool, int]] = {}  # id(param) -> (has master, position)
-        for i, group in enumerate(optimizer.param_groups):
-            group["params"] = self._adopt(group["params"], f"param_groups[{i}]")
+        for inner in self.optimizers:
+            for i, group in enumerate(inner.param_groups):
+                group["params"] = self._adopt(inner, group["params"], f"param_groups[{i}]")
         model_params = self._half + self._plain
         self._loss_scaler = loss_scaler or (
             DynamicLossScaler() if _needs_scaling(model_params) else NoOpLossScaler()
@@ -143,7 +155,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     # -- parameters -------------------------------------------------------------------------
 
-    def _adopt(self, params: list[torch.Tensor], where: str) -> list[torch.Tensor]:
+    def _adopt(
+        self, inner: torch.optim.Optimizer, params: list[torch.Tensor], where: str
+    ) -> list[torch.Tensor]:
         """Swap 16-bit parameters for float32 masters in a param group's list."""
         adopted = []
         for j, p in enumerate(params):
@@ -153,10 +167,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 original = p.__dict__.pop(FP32_COPY_ATTR, None)
                 master = original if original is not None else p.detach().float()
                 master.requires_grad_(True)
-                state = self.optimizer.state.pop(p, None)
+                state = inner.state.pop(p, None)
                 if state:
                     # Moments become float32 like the master; scalar entries (step) stay as is.
-                    self.optimizer.state[master] = {
+                    inner.state[master] = {
                         k: v.float()
                         if torch.is_tensor(v) and v.is_floating_point() and v.dim()
                         else v
@@ -176,16 +190,26 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         group = dict(param_group)
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        group["params"] = self._adopt(params, "param_group")
+        group["params"] = self._adopt(self.optimizer, params, "param_group")
         self.optimizer.add_param_group(group)
 
     @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The inner optimizer (the first one, when several were given)."""
+        return self.optimizers[0]
+
+    @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
+        """The inner optimizers' groups (the same dicts: changing ``lr`` here changes it)."""
+        if len(self.optimizers) == 1:
+            return self.optimizers[0].param_groups
+        return [g for inner in self.optimizers for g in inner.param_groups]
 
     @property
     def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
+        if len(self.optimizers) == 1:
+            return self.optimizers[0].state
+        return {k: v for inner in self.optimizers for k, v in inner.state.items()}
 
     @property
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
@@ -198,7 +222,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def master_params(self) -> Iterator[torch.Tensor]:
         """The tensors the inner optimizer updates (float32 masters and plain parameters);
         after ``unscale_()`` their ``.grad`` holds the unscaled gradients."""
-        for group in self.optimizer.param_groups:
+        for group in self.param_groups:
             yield from group["params"]
 
     # -- gradients --------------------------------------------------------------------------
@@ -346,7 +370,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             found, norm_value = found_inf.item(), None
         overflow = bool(found)
         if not overflow:
-            self.optimizer.step()
+            for inner in self.optimizers:
+                inner.step()
             if self._half:
                 with torch.no_grad():
                     torch._foreach_copy_(self._half, self._masters)
@@ -362,14 +387,16 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Inner optimizer state, float32 master weights and the loss scaler's state."""
         return {
-            "optimizer": self.optimizer.state_dict(),
+            "optimizers": [inner.state_dict() for inner in self.optimizers],
             "master_weights": [m.detach() for m in self._masters],
             "loss_scaler": self._loss_scaler.state_dict(),
             "micro_steps": self._micro,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        missing = [k for k in ("optimizer", "master_weights", "loss_scaler") if k not in state_dict]
+        missing = [
+            k for k in ("optimizers", "master_weights", "loss_scaler") if k not in state_dict
+        ]
         if missing:
             raise ValueError(
                 f"load_state_dict: not a LossScaleOptimizer state; missing {', '.join(missing)}"
@@ -386,7 +413,14 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                     f"load_state_dict: master weight {i} has shape {tuple(saved.shape)}, "
                     f"expected {tuple(master.shape)}"
                 )
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        inner_states = state_dict["optimizers"]
+        if len(inner_states) != len(self.optimizers):
+            raise ValueError(
+                f"load_state_dict: state has {len(inner_states)} inner optimizers, this "
+                f"LossScaleOptimizer {len(self.optimizers)}"
+            )
+        for inner, inner_state in zip(self.optimizers, inner_states, strict=True):
+            inner.load_state_dict(inner_state)
         self._loss_scaler.load_state_dict(state_dict["loss_scaler"])
         with torch.no_grad():
             if masters:
@@ -397,11 +431,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._found_inf = None
 
     def register_step_pre_hook(self, hook: Any) -> Any:
-        """Runs before the inner optimizer's step, that is, only on applied steps."""
+        """Runs before the (first) inner optimizer's step, that is, only on applied steps."""
         return self.optimizer.register_step_pre_hook(hook)
 
     def register_step_post_hook(self, hook: Any) -> Any:
-        """Runs after the inner optimizer's step, that is, only on applied steps."""
+        """Runs after the (first) inner optimizer's step, that is, only on applied steps."""
         return self.optimizer.register_step_post_hook(hook)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -412,7 +446,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return (
-            f"LossScaleOptimizer({self.optimizer.__class__.__name__}, "
+            f"LossScaleOptimizer({'+'.join(type(o).__name__ for o in self.optimizers)}, "
             f"loss_scaler={self._loss_scaler!r}, masters={len(self._masters)}, "
             f"max_grad_norm={self.max_grad_norm}, accumulation_steps={self.accumulation_steps})"
         )

@@ -1,0 +1,194 @@
+"""O0-O3: storage dtypes, compute dtypes, outputs, keep_float32, describe, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import mixprec as mp
+from mixprec.levels import resolve_level
+from tests.conftest import make_mlp, make_transformer
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def storage(model):
+    return {n: p.dtype for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("compute", [BF16, F16])
+def test_o2_storage(compute):
+    model = mp.auto_mixed_precision(
+        make_transformer(), policy=mp.Policy(compute_dtype=compute), level="O2"
+    )
+    s = storage(model)
+    assert s["embed.weight"] == compute
+    assert s["head.weight"] == compute
+    assert s["encoder.layers.0.self_attn.in_proj_weight"] == compute
+    assert s["encoder.layers.0.linear1.weight"] == compute
+    assert s["encoder.layers.0.norm1.weight"] == F32  # normalisation stays float32
+    assert s["norm.weight"] == F32
+    assert s["pos"] == F32  # a bare parameter of a custom module: not matrix work
+    out = model(torch.randint(0, 50, (3, 12)))
+    assert out.dtype == F32  # mixed policies return float32
+
+
+def test_o1_keeps_float32_weights_and_computes_16_bit():
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", level="O1")
+    assert set(storage(model).values()) == {F32}
+    inner = {}
+    model[0].register_forward_hook(lambda m, a, o: inner.update(out=o.dtype))
+    out = model(torch.randn(4, 32))
+    assert inner["out"] == BF16 and out.dtype == F32
+
+
+def test_o3_everything_16_bit_including_buffers():
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    mp.auto_mixed_precision(model, "bfloat16", level="O3")
+    assert set(storage(model).values()) == {BF16}
+    assert model[1].running_mean.dtype == BF16
+    assert model[1].num_batches_tracked.dtype == torch.int64  # integers never cast
+    assert model(torch.randn(5, 4)).dtype == BF16  # the pure policy returns bfloat16
+
+
+def test_o0_is_float32_even_for_mixed_policy():
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", level="O0")
+    inner = {}
+    model[0].register_forward_hook(lambda m, a, o: inner.update(out=o.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # even inside a user's autocast
+        model(torch.randn(2, 32))
+    assert inner["out"] == F32
+
+
+def test_keep_float32_by_type_name_and_module():
+    model = make_transformer()
+    mp.auto_mixed_precision(
+        model,
+        "mixed_bfloat16",
+        level="O2",
+        keep_float32=[nn.MultiheadAttention, "head", model.embed],
+    )
+    s = storage(model)
+    assert s["head.weight"] == F32 and s["embed.weight"] == F32
+    assert s["encoder.layers.1.self_attn.in_proj_weight"] == F32
+    assert s["encoder.layers.1.self_attn.out_proj.weight"] == F32  # inside a kept module
+    assert s["encoder.layers.1.linear2.weight"] == BF16
+
+
+def test_keep_float32_pattern():
+    model = mp.auto_mixed_precision(
+        make_transformer(), "mixed_bfloat16", "O2", keep_float32=["encoder.layers.*.linear1"]
+    )
+    s = storage(model)
+    assert s["encoder.layers.0.linear1.weight"] == F32
+    assert s["encoder.layers.1.linear1.weight"] == F32
+    assert s["encoder.layers.0.linear2.weight"] == BF16
+
+
+def test_to_float_before_auto_mixed_precision_is_kept():
+    model = make_mlp()
+    mp.to_float(model[5], torch.float32)
+    mp.auto_mixed_precision(model, "mixed_float16", "O2")
+    assert model[5].weight.dtype == F32 and model[0].weight.dtype == F16
+
+
+def test_integer_inputs_untouched_and_masks_work():
+    model = mp.auto_mixed_precision(make_transformer(), "mixed_bfloat16", "O2")
+    seen = {}
+
+    def spy(module, args, kwargs):
+        seen["tokens"] = args[0]
+        seen["mask"] = kwargs.get("pad_mask", args[1] if len(args) > 1 else None)
+
+    model.register_forward_pre_hook(spy, with_kwargs=True)  # runs after mixprec's cast
+    tokens = torch.randint(0, 50, (2, 12))
+    mask = torch.zeros(2, 12, dtype=torch.bool)
+    mask[:, -2:] = True
+    out = model(tokens, pad_mask=mask)
+    assert seen["tokens"] is tokens and seen["mask"] is mask
+    assert torch.isfinite(out).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.int64, torch.int32, torch.uint8, torch.bool]),
+    level=st.sampled_from(["O1", "O2", "O3"]),
+)
+def test_any_integer_input_passes_through(dtype, level):
+    class Echo(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x, ids):
+            return self.lin(x), ids
+
+    model = mp.auto_mixed_precision(Echo(), "mixed_float16", level)
+    ids = torch.ones(4).to(dtype)
+    out, ids_out = model(torch.randn(2, 3), ids)
+    assert ids_out is ids
+    assert out.dtype == F32  # mixed_float16 returns float32 at every level
+
+
+def test_rnn_at_o2():
+    model = nn.LSTM(4, 8, batch_first=True)
+    mp.auto_mixed_precision(model, "mixed_bfloat16", "O2")
+    assert model.weight_ih_l0.dtype == BF16
+    out, (h, _) = model(torch.randn(2, 5, 4))
+    assert out.dtype == F32 and h.dtype == F32
+
+
+def test_auto_level_rule():
+    assert resolve_level("auto", mp.Policy("float32")) == "O0"
+    assert resolve_level("auto", mp.Policy("mixed_bfloat16")) == "O2"
+    assert resolve_level("auto", mp.Policy("mixed_float16")) == "O2"
+    assert resolve_level("auto", mp.Policy("bfloat16")) == "O3"
+    assert resolve_level("o1", mp.Policy("float32")) == "O1"
+
+
+def test_global_policy_is_the_default():
+    mp.set_global_policy("mixed_bfloat16")
+    model = mp.auto_mixed_precision(make_mlp())
+    assert model[0].weight.dtype == BF16
+
+
+def test_describe_lists_every_module():
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2", keep_float32=["5"])
+    text = mp.describe(model)
+    lines = text.splitlines()
+    assert lines[0] == "policy mixed_bfloat16, level O2"
+    assert len(lines) == 3 + len(list(model.modules()))
+    row = {line.split()[0]: line.split() for line in lines[3:]}
+    assert row["0"][1:] == ["Linear", "bfloat16", "bfloat16"]
+    assert row["3"][2:] == ["LayerNorm", "float32", "float32"]  # "3 *": a region
+    assert row["5"][2:] == ["Linear", "float32", "float32"]
+    assert row["1"][1:] == ["ReLU", "bfloat16", "-"]
+    plain = mp.describe(make_mlp())
+    assert "policy" not in plain.splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"level": "O4"}, ValueError, r"level='O4' is not a known level; valid: O0, O1, O2, O3"),
+        ({"level": 2}, TypeError, r"level must be a str, got int: 2"),
+        ({"policy": "mixed_bf16"}, ValueError, r"policy='mixed_bf16' is not a known policy"),
+        ({"keep_float32": ["haed"]}, ValueError, r"'haed' matches no module.*closest: 'head'"),
+        ({"keep_float32": [3]}, TypeError, r"keep_float32 entries must be .* got int: 3"),
+        ({"keep_float32": [nn.Linear(2, 2)]}, ValueError, r"Linear module is not part of"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        mp.auto_mixed_precision(make_transformer(), **{"policy": "mixed_bfloat16", **kwargs})
+
+
+def test_not_a_module_and_applied_twice():
+    with pytest.raises(TypeError, match="needs a torch.nn.Module, got list"):
+        mp.auto_mixed_precision([])  # type: ignore[arg-type]
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    with pytest.raises(RuntimeError, match=r"already applied .* \(level O2, policy mixed_bf"):
+        mp.auto_mixed_precision(model, "mixed_float16", "O1")

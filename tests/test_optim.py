@@ -1,0 +1,310 @@
+"""LossScaleOptimizer: master weights, skipping, clipping, accumulation, the Keras methods,
+sparse gradients, state, misuse."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec as mp
+from tests.conftest import classification_data, make_mlp, make_transformer
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def prepared(policy="mixed_bfloat16", level="O2", **opt_kwargs):
+    model = mp.auto_mixed_precision(make_mlp(), policy, level)
+    opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), **opt_kwargs)
+    return model, opt
+
+
+def loss_of(model, scale=1.0):
+    x, y = classification_data(n=32)
+    return nn.functional.cross_entropy(model(x), y) * scale
+
+
+def snapshot(model, opt):
+    return (
+        copy.deepcopy([p.detach() for p in model.parameters()]),
+        copy.deepcopy(opt.state_dict()),
+    )
+
+
+def test_masters_are_float32_and_seeded_from_unrounded_weights():
+    reference = make_mlp()
+    model, opt = prepared()
+    masters = list(opt.master_params())
+    assert {m.dtype for m in masters} == {F32}
+    for m, p in zip(masters, reference.parameters(), strict=True):
+        assert torch.equal(m, p)  # not the bfloat16-rounded values
+    opt.zero_grad()
+    opt.backward(loss_of(model))
+    assert opt.step().applied
+    for state in opt.state.values():
+        assert state["exp_avg"].dtype == F32
+    # After the step the 16-bit weights are the rounded masters.
+    for m, p in zip(masters, model.parameters(), strict=True):
+        assert torch.equal(p, m.to(p.dtype))
+
+
+def test_default_scaler_follows_the_policy():
+    assert isinstance(prepared("mixed_float16")[1].loss_scaler, mp.DynamicLossScaler)
+    assert isinstance(prepared("mixed_bfloat16")[1].loss_scaler, mp.NoOpLossScaler)
+    assert isinstance(prepared("mixed_float16", "O0")[1].loss_scaler, mp.NoOpLossScaler)
+    plain = mp.LossScaleOptimizer(torch.optim.SGD(make_mlp().parameters(), lr=0.1))
+    assert isinstance(plain.loss_scaler, mp.NoOpLossScaler)
+    with mp.policy_scope("mixed_float16"):
+        scaled = mp.LossScaleOptimizer(torch.optim.SGD(make_mlp().parameters(), lr=0.1))
+    assert isinstance(scaled.loss_scaler, mp.DynamicLossScaler)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_skipped_step_leaves_weights_and_state_bit_identical(policy):
+    model, opt = prepared(policy, max_grad_norm=1.0)
+    opt.zero_grad()
+    opt.backward(loss_of(model))
+    opt.step()
+    weights, state = snapshot(model, opt)
+    scale = opt.loss_scaler.get_scale()
+    opt.zero_grad()
+    opt.backward(loss_of(model, scale=float("inf")))
+    result = opt.step()
+    assert not result.applied and result.found_inf and result.skipped
+    for a, b in zip(weights, model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    after = opt.state_dict()
+    for key, entry in state["optimizers"][0]["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(value, after["optimizers"][0]["state"][key][name])
+    for a, b in zip(state["master_weights"], after["master_weights"], strict=True):
+        assert torch.equal(a, b)
+    if policy == "mixed_float16":
+        assert opt.loss_scaler.get_scale() == scale / 2
+    assert opt.loss_scaler.state.skipped_steps == 1
+
+
+def test_o3_has_no_masters():
+    model = mp.auto_mixed_precision(make_mlp(), "bfloat16", "O3")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert all(p.dtype == BF16 for p in opt.master_params())
+    assert all(a is b for a, b in zip(opt.master_params(), model.parameters(), strict=True))
+
+
+def test_clipping_uses_unscaled_gradients():
+    model, opt = prepared("mixed_float16", max_grad_norm=1e-3)
+    reference = copy.deepcopy(make_mlp())
+    ref_loss = loss_of(reference)
+    ref_loss.backward()
+    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]).item()
+    opt.zero_grad()
+    opt.backward(loss_of(model))
+    result = opt.step()
+    # float16 compute: a few parts in a thousand of the float32 norm.
+    assert result.grad_norm == pytest.approx(ref_norm, rel=1e-2)
+    clipped = torch.nn.utils.get_total_norm([m.grad for m in opt.master_params()]).item()
+    assert clipped == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_accumulation_matches_one_big_batch():
+    x, y = classification_data(n=64)
+    big = make_mlp()
+    opt_big = mp.LossScaleOptimizer(torch.optim.SGD(big.parameters(), lr=0.1))
+    opt_big.backward(nn.functional.cross_entropy(big(x), y))
+    opt_big.step()
+
+    small = make_mlp()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(small.parameters(), lr=0.1), accumulation_steps=4)
+    results = []
+    for i in range(4):
+        opt.zero_grad()  # a no-op between micro-batches
+        sl = slice(16 * i, 16 * (i + 1))
+        opt.backward(nn.functional.cross_entropy(small(x[sl]), y[sl]))
+        results.append(opt.step())
+    assert [r.accumulating for r in results] == [True, True, True, False]
+    assert results[-1].applied and opt.loss_scaler.state.steps == 1
+    for a, b in zip(big.parameters(), small.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # float32 summation order
+
+
+def test_keras_style_methods():
+    model, opt = prepared("mixed_float16")
+    params = list(model.parameters())
+    scaled = opt.get_scaled_loss(loss_of(model))
+    grads = torch.autograd.grad(scaled, params)
+    unscaled = opt.get_unscaled_gradients(grads)
+    scale = opt.loss_scaler.get_scale()
+    assert torch.equal(unscaled[0], grads[0] * (1.0 / scale))
+    before = [p.detach().clone() for p in params]
+    result = opt.apply_gradients(zip(unscaled, params, strict=True))
+    assert result.applied
+    assert not any(torch.equal(a, b) for a, b in zip(before, params, strict=True))
+    bad = [torch.full_like(g, float("nan")) for g in unscaled]
+    assert not opt.apply_gradients(zip(bad, params, strict=True)).applied
+    with pytest.raises(ValueError, match=r"variable 0 \(shape \(3,\), torch.float32\) is not a"):
+        opt.apply_gradients([(torch.ones(3), torch.zeros(3))])
+    with pytest.raises(ValueError, match=r"gradient 0 has shape \(2,\), its variable \(64, 32\)"):
+        opt.apply_gradients([(torch.ones(2), params[0])])
+
+
+def test_sparse_embeddings_with_sparse_adam_and_split():
+    class Rec(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Embedding(100, 8, sparse=True)
+            self.mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+        def forward(self, ids):
+            return self.mlp(self.table(ids).mean(1)).squeeze(-1)
+
+    torch.manual_seed(0)
+    model = mp.auto_mixed_precision(Rec(), "mixed_float16", "O2")
+    emb, dense = mp.split_embedding_parameters(model)
+    assert emb == [model.table.weight] and len(dense) == 4
+    opt = mp.LossScaleOptimizer(
+        [torch.optim.SparseAdam(emb, lr=1e-2), torch.optim.Adam(dense, lr=1e-2)],
+        max_grad_norm=1.0,
+    )
+    ids = torch.randint(0, 100, (32, 5))
+    target = torch.randn(32)
+    losses, results = [], []
+    for _ in range(40):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(ids), target)
+        losses.append(loss.item())
+        opt.backward(loss)  # one loss scale for both optimizers
+        assert model.table.weight.grad.is_sparse
+        results.append(opt.step())
+    assert sum(r.applied for r in results) >= 35  # the first steps may overflow float16
+    assert opt.loss_scaler.state.skipped_steps == sum(not r.applied for r in results)
+    assert model.table.weight.dtype == F16
+    assert next(iter(opt.master_params())).dtype == F32
+    state = opt.state_dict()
+    assert len(state["optimizers"]) == 2
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_several_param_groups_and_schedulers():
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    groups = [
+        {"params": list(model[0].parameters()), "lr": 0.1},
+        {"params": [p for n, p in model.named_parameters() if not n.startswith("0.")]},
+    ]
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(groups, lr=0.01))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    assert isinstance(opt, torch.optim.Optimizer)
+    opt.zero_grad()
+    opt.backward(loss_of(model))
+    if opt.step().applied:
+        sched.step()
+    assert [g["lr"] for g in opt.param_groups] == [0.05, 0.005]
+    extra = nn.Linear(2, 2).to(BF16)
+    opt.add_param_group({"params": extra.parameters()})
+    assert opt.param_groups[-1]["params"][0].dtype == F32
+
+
+def test_state_dict_round_trip():
+    model, opt = prepared("mixed_float16")
+    for _ in range(3):
+        opt.zero_grad()
+        opt.backward(loss_of(model))
+        opt.step()
+    state = copy.deepcopy(opt.state_dict())
+    model2, opt2 = prepared("mixed_float16")
+    # As with any optimizer: the model's own state (float32 norms here) comes from the model.
+    model2.load_state_dict(model.state_dict())
+    opt2.load_state_dict(state)
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert opt2.loss_scaler.state == opt.loss_scaler.state
+    for step_opt, step_model in ((opt, model), (opt2, model2)):
+        step_opt.zero_grad()
+        step_opt.backward(loss_of(step_model))
+        step_opt.step()
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="missing master_weights"):
+        opt2.load_state_dict({"optimizers": [], "loss_scaler": {}})
+
+
+def test_one_host_sync_per_step(monkeypatch):
+    # SGD: Adam reads its (CPU-resident) step counter with .item(), which would be counted.
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), max_grad_norm=1.0
+    )
+    calls = []
+    for name in ("item", "tolist", "__bool__", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *a, _original=original, _name=name, **k):
+            calls.append(_name)
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    loss = loss_of(model)
+    opt.zero_grad()
+    opt.backward(loss)
+    calls.clear()
+    opt.step()
+    assert calls == ["tolist"]
+
+
+def test_misuse():
+    model, opt = prepared("mixed_float16")
+    opt.zero_grad()
+    opt.backward(loss_of(model))
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"step\(\) called without a new backward"):
+        opt.step()
+    opt.backward(loss_of(model))
+    opt.unscale_()
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) has already been called"):
+        opt.unscale_()
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) called without a backward"):
+        opt.unscale_()
+    with pytest.raises(RuntimeError, match="does not take a closure"):
+        opt.step(closure=lambda: 0.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"max_grad_norm": 0}, ValueError, r"max_grad_norm=0 is invalid"),
+        ({"max_grad_norm": float("inf")}, ValueError, r"max_grad_norm=inf is invalid"),
+        ({"accumulation_steps": 0}, ValueError, r"accumulation_steps=0 is invalid; .*>= 1"),
+        ({"accumulation_steps": 1.5}, TypeError, r"accumulation_steps must be an int, got 1.5"),
+        ({"loss_scaler": "dynamic"}, TypeError, r"loss_scaler must be .* got str"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        mp.LossScaleOptimizer(torch.optim.SGD(make_mlp().parameters(), lr=0.1), **kwargs)
+
+
+def test_bad_optimizer_and_integer_parameters():
+    with pytest.raises(TypeError, match="a non-empty list of them, got list"):
+        mp.LossScaleOptimizer([])
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer, got str"):
+        mp.LossScaleOptimizer(["sgd"])  # type: ignore[list-item]
+    inner = torch.optim.SGD(make_mlp().parameters(), lr=0.1)
+    wrapped = mp.LossScaleOptimizer(inner)
+    with pytest.raises(TypeError, match="already a LossScaleOptimizer"):
+        mp.LossScaleOptimizer(wrapped)  # type: ignore[arg-type]
+    counts = torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(
+        TypeError, match=r"param_groups\[0\]\['params'\]\[0\] has dtype torch.int64"
+    ):
+        mp.LossScaleOptimizer(torch.optim.SGD([counts], lr=0.1))
+
+
+def test_split_embedding_parameters_with_tied_weights():
+    model = make_transformer()
+    emb, other = mp.split_embedding_parameters(model)
+    assert emb == [model.embed.weight]
+    assert len(emb) + len(other) == len(list(model.parameters()))
+    with pytest.raises(TypeError, match="needs an nn.Module, got int"):
+        mp.split_embedding_parameters(3)  # type: ignore[arg-type]

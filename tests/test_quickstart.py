@@ -1,0 +1,46 @@
+"""The quickstart example trains to float32's accuracy in mixed precision."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+pytest.importorskip("sklearn")
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
+
+
+def load_example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("quickstart", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_quickstart_matches_float32(policy: str, capsys: pytest.CaptureFixture[str]) -> None:
+    result = load_example().main(["--epochs", "8", "--policy", policy])
+    baseline, mixed = result["float32"], result["mixed"]
+
+    assert "accuracy: mixed" in capsys.readouterr().out
+    # An MLP reaches ~0.97 on digits in 8 epochs; 0.90 leaves room for platform differences
+    # in float32 math without letting a run that failed to learn pass.
+    assert baseline["test_accuracy"] >= 0.90
+    assert mixed["test_accuracy"] >= 0.90
+    # The test set has 360 images, so one image is ~0.003: 0.03 allows ~10 images to flip
+    # from 16-bit rounding, far less than a broken cast, scaler or master weight would cost.
+    assert abs(mixed["test_accuracy"] - baseline["test_accuracy"]) <= 0.03
+    assert result["accuracy_diff"] == pytest.approx(
+        mixed["test_accuracy"] - baseline["test_accuracy"]
+    )
+
+    if policy == "mixed_float16":
+        scale = mixed["loss_scale"]
+        # The dynamic scaler only ever multiplies a power of two by 2 or 0.5.
+        assert scale > 0 and math.isfinite(scale)
+        assert math.log2(scale).is_integer()
