@@ -4,6 +4,7 @@ sparse gradients, state, misuse."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -308,3 +309,15 @@ def test_split_embedding_parameters_with_tied_weights():
     assert len(emb) + len(other) == len(list(model.parameters()))
     with pytest.raises(TypeError, match="needs an nn.Module, got int"):
         mp.split_embedding_parameters(3)  # type: ignore[arg-type]
+
+
+def test_warns_when_adam_eps_vanishes_in_pure_float16():
+    model = mp.auto_mixed_precision(make_mlp(), "float16", "O3")
+    with pytest.warns(UserWarning, match=r"eps=1e-08 .* rounds to 0 in float16"):
+        mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters()))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), eps=1e-4))
+        o2 = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
+        mp.LossScaleOptimizer(torch.optim.AdamW(o2.parameters()))  # masters: float32 math

@@ -9,6 +9,7 @@ step, then either apply the inner optimizer and copy the masters back into the 1
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,23 @@ def _needs_scaling(params: list[torch.Tensor]) -> bool:
             if policy.loss_scaling == "dynamic" and getattr(p, LEVEL_ATTR, None) != "O0":
                 return True
     return not tagged and global_policy().loss_scaling == "dynamic"
+
+
+def _warn_if_eps_vanishes(group: dict[str, Any], where: str) -> None:
+    """Pure float16 weights (O3) make Adam-style optimizers compute in float16, where the
+    default eps=1e-8 rounds to 0: a zero gradient then gives 0/0 = NaN weights."""
+    eps = group.get("eps")
+    if not isinstance(eps, float) or eps <= 0:
+        return
+    vanishes = torch.tensor(eps, dtype=torch.float16).item() == 0.0
+    if vanishes and any(p.dtype == torch.float16 for p in group["params"]):
+        warnings.warn(
+            f"{where} has eps={eps!r} and float16 parameters without float32 masters "
+            "(level O3): eps rounds to 0 in float16 and a zero gradient will make NaN "
+            "weights. Use eps >= 1e-4, or level O2.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _check_param(p: Any, where: str) -> None:
@@ -145,6 +163,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         for inner in self.optimizers:
             for i, group in enumerate(inner.param_groups):
                 group["params"] = self._adopt(inner, group["params"], f"param_groups[{i}]")
+                _warn_if_eps_vanishes(group, f"{type(inner).__name__} param_groups[{i}]")
         model_params = self._half + self._plain
         self._loss_scaler = loss_scaler or (
             DynamicLossScaler() if _needs_scaling(model_params) else NoOpLossScaler()
