@@ -87,10 +87,11 @@ def test_tracks_float32(controls, name, policy, level):
         assert all(m.dtype == torch.float32 for m in masters)
 
 
-def test_pure_float16_o3_with_sgd(controls):
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_pure_float16_o3_with_sgd(name):
     """Pure float16 trains with SGD. (Adam's eps=1e-8 flushes to zero in float16 and
     divides by zero; use eps >= 1e-4 there, or O2.)"""
-    model, batches = workload("mlp")
+    model, batches = workload(name)
     ref_model = copy.deepcopy(model)
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9)
 
@@ -114,7 +115,8 @@ def test_pure_float16_o3_with_sgd(controls):
     # Skipped steps happen while the scale finds its level; the loss must still follow.
     assert sum(r.applied for r in results) >= len(results) - 12
     tail = sum(losses[-8:]) / 8 - sum(reference[-8:]) / 8
-    assert abs(tail) <= 0.1, f"tail diff {tail:.4f}"  # measured below 0.03
+    # Measured 0.045 (MLP) and 0.006 (transformer); 3x margin.
+    assert abs(tail) <= 0.15, f"tail diff {tail:.4f}"
 
 
 def test_loss_scaling_rescues_float16_underflow():
