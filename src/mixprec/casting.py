@@ -238,7 +238,7 @@ def store_as(
             original = getattr(t, FP32_COPY_ATTR, None)
             if dtype == torch.float32 and original is not None:
                 delattr(t, FP32_COPY_ATTR)
-                return original  # type: ignore[no-any-return]
+                return original.to(t.device)  # type: ignore[no-any-return]
             if dtype in HALF_DTYPES and t.dtype == torch.float32:
                 setattr(t, FP32_COPY_ATTR, t.detach())
         return t.to(dtype)

@@ -184,7 +184,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             if p.dtype in HALF_DTYPES and getattr(p, LEVEL_ATTR, None) != "O3":
                 # Start from the float32 values auto_mixed_precision kept, when it kept them.
                 original = p.__dict__.pop(FP32_COPY_ATTR, None)
-                master = original if original is not None else p.detach().float()
+                # (.to: the model may have moved to another device since then.)
+                master = original.to(p.device) if original is not None else p.detach().float()
                 master.requires_grad_(True)
                 state = inner.state.pop(p, None)
                 if state:
@@ -421,23 +422,15 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 f"load_state_dict: not a LossScaleOptimizer state; missing {', '.join(missing)}"
             )
         masters = state_dict["master_weights"]
-        if len(masters) != len(self._masters):
-            raise ValueError(
-                f"load_state_dict: state has {len(masters)} master weights, this optimizer "
-                f"{len(self._masters)}"
-            )
+        inner_states = state_dict["optimizers"]
+        _same_count("master weights", masters, self._masters)
+        _same_count("inner optimizers", inner_states, self.optimizers)
         for i, (saved, master) in enumerate(zip(masters, self._masters, strict=True)):
             if saved.shape != master.shape:
                 raise ValueError(
                     f"load_state_dict: master weight {i} has shape {tuple(saved.shape)}, "
                     f"expected {tuple(master.shape)}"
                 )
-        inner_states = state_dict["optimizers"]
-        if len(inner_states) != len(self.optimizers):
-            raise ValueError(
-                f"load_state_dict: state has {len(inner_states)} inner optimizers, this "
-                f"LossScaleOptimizer {len(self.optimizers)}"
-            )
         for inner, inner_state in zip(self.optimizers, inner_states, strict=True):
             inner.load_state_dict(inner_state)
         self._loss_scaler.load_state_dict(state_dict["loss_scaler"])
@@ -468,6 +461,13 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             f"LossScaleOptimizer({'+'.join(type(o).__name__ for o in self.optimizers)}, "
             f"loss_scaler={self._loss_scaler!r}, masters={len(self._masters)}, "
             f"max_grad_norm={self.max_grad_norm}, accumulation_steps={self.accumulation_steps})"
+        )
+
+
+def _same_count(what: str, saved: Sequence[Any], ours: Sequence[Any]) -> None:
+    if len(saved) != len(ours):
+        raise ValueError(
+            f"load_state_dict: state has {len(saved)} {what}, this LossScaleOptimizer {len(ours)}"
         )
 
 
