@@ -226,6 +226,11 @@ def test_state_dict_round_trip():
         step_opt.step()
     for a, b in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(a, b)
+    doubled = {**state, "optimizers": state["optimizers"] * 2}
+    with pytest.raises(ValueError, match="state has 2 inner optimizers, this LossScale.* 1"):
+        opt2.load_state_dict(doubled)
+    with pytest.raises(ValueError, match="state has 3 master weights, this LossScale.* 6"):
+        opt2.load_state_dict({**state, "master_weights": state["master_weights"][:3]})
     with pytest.raises(ValueError, match="missing master_weights"):
         opt2.load_state_dict({"optimizers": [], "loss_scaler": {}})
 
