@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import mixprec as mp
-from mixprec.casting import FLOAT32_FUNCTIONS, Float32Functions, cast_floating, get_region
+from mixprec.casting import Float32Functions, cast_floating, get_region
 
 ALL_DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -91,17 +91,60 @@ def test_region_context_is_closed_when_forward_raises():
 
 
 def test_float32_functions_run_in_float32_under_cpu_autocast():
-    x = torch.randn(4, 8)
+    torch.manual_seed(0)
+    x = torch.randn(64, 256) * 4
+    y = torch.randint(0, 256, (64,))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        h = nn.functional.linear(x, torch.randn(8, 8))
-        assert nn.functional.softmax(h, -1).dtype == torch.bfloat16  # CPU autocast alone
+        h = nn.functional.linear(x, torch.randn(256, 256))
+        assert h.dtype == torch.bfloat16
+        plain = h.log_softmax(-1)  # CPU autocast alone: computed in bfloat16
         with Float32Functions():
-            assert nn.functional.softmax(h, -1).dtype == torch.float32
-            assert h.log_softmax(-1).dtype == torch.float32
-            assert nn.functional.layer_norm(h, (8,)).dtype == torch.float32
-            assert torch.logsumexp(h, -1).dtype == torch.float32
+            soft = nn.functional.softmax(h, -1)
+            logsoft = h.log_softmax(-1)
+            normed = nn.functional.layer_norm(h, (256,))
+            loss = nn.functional.cross_entropy(h, y)
             assert (h @ h.T).dtype == torch.bfloat16  # matmuls are untouched
-    assert nn.functional.softmax in FLOAT32_FUNCTIONS
+    wide = h.float()
+    # Computed in float32, returned in the input's dtype (rounded once at the end)...
+    assert torch.equal(soft, nn.functional.softmax(wide, -1).to(torch.bfloat16))
+    assert torch.equal(logsoft, wide.log_softmax(-1).to(torch.bfloat16))
+    assert torch.equal(normed, nn.functional.layer_norm(wide, (256,)).to(torch.bfloat16))
+    assert not torch.equal(plain, logsoft)  # ...which the bfloat16 computation is not
+    # ...and losses stay float32.
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, nn.functional.cross_entropy(wide, y))
+
+
+def test_float32_function_output_feeds_a_16_bit_batchnorm_at_o3():
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Softmax(-1), nn.BatchNorm1d(8))
+    mp.auto_mixed_precision(model, "bfloat16", "O3")
+    assert model(torch.randn(4, 8)).dtype == torch.bfloat16
+
+
+def test_output_containers_keep_their_types():
+    from collections import OrderedDict
+    from dataclasses import dataclass
+
+    @dataclass
+    class Out:
+        logits: torch.Tensor
+        ids: torch.Tensor
+
+    class Many(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return OrderedDict(h=h), torch.max(h, dim=1), Out(h, torch.arange(2))
+
+    mp.auto_mixed_precision(model := Many(), "mixed_bfloat16", "O2")
+    ordered, maximum, out = model(torch.randn(2, 3))
+    assert isinstance(ordered, OrderedDict) and ordered["h"].dtype == torch.float32
+    assert maximum.values.dtype == torch.float32 and maximum.indices.dtype == torch.int64
+    assert isinstance(out, Out) and out.logits.dtype == torch.float32
+    assert out.ids.dtype == torch.int64
 
 
 def test_region_recorded():

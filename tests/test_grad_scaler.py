@@ -190,6 +190,16 @@ def test_pickle_between_iterations():
     assert copy.deepcopy(s).get_scale() == s.get_scale()
 
 
+def test_odd_init_scale_and_no_gradients_like_torch():
+    for cls in (torch.amp.GradScaler, mp.GradScaler):
+        scaler = cls("cpu", init_scale=0.1)
+        scaler.scale(torch.tensor(1.0))  # torch holds the scale as a float32 tensor from here
+        assert scaler.get_scale() == torch.tensor(0.1).item()
+    theirs, ours = both(lambda s, m, o: (s.scale(torch.tensor(1.0)), s.step(o)))
+    assert isinstance(ours, type(theirs))
+    assert str(ours) == str(theirs) == "No inf checks were recorded for this optimizer."
+
+
 def test_new_scale_by_hand():
     _, _, s, _ = loop(mp.GradScaler, lambda p: torch.optim.SGD(p, lr=0.05), steps=2)
     s.update(new_scale=1024.0)

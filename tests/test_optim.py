@@ -326,3 +326,43 @@ def test_warns_when_adam_eps_vanishes_in_pure_float16():
         mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), eps=1e-4))
         o2 = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
         mp.LossScaleOptimizer(torch.optim.AdamW(o2.parameters()))  # masters: float32 math
+
+
+@pytest.mark.parametrize("load_after_optimizer", [False, True])
+def test_weights_loaded_into_a_16_bit_model_are_kept(load_after_optimizer):
+    checkpoint = make_mlp(seed=42).state_dict()
+    model = mp.auto_mixed_precision(make_mlp(seed=0), "mixed_bfloat16", "O2")
+    if not load_after_optimizer:
+        model.load_state_dict(checkpoint)
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+    if load_after_optimizer:
+        model.load_state_dict(checkpoint)
+    opt.zero_grad()
+    opt.backward(loss_of(model))
+    assert opt.step().applied
+    # lr=0: the step must leave the loaded weights as they were (bfloat16-rounded).
+    for name, p in model.named_parameters():
+        assert torch.equal(p, checkpoint[name].to(p.dtype)), name
+
+
+def test_o3_keeps_no_hidden_float32_copies():
+    model = mp.auto_mixed_precision(make_mlp(), "bfloat16", "O3")
+    assert not any(hasattr(p, "_mixprec_fp32") for p in model.parameters())
+
+
+def test_accumulation_misuse_and_keras_path_averages():
+    model, opt = prepared("mixed_float16")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
+    opt.backward(loss_of(model))
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) called after 1 of 2 accumulation"):
+        opt.unscale_()
+    loss = loss_of(model)
+    scaled = opt.get_scaled_loss(loss)
+    assert scaled.item() == pytest.approx(loss.item() * opt.loss_scaler.get_scale() / 2)
+
+
+def test_to_float_float16_alone_gets_loss_scaling():
+    model = make_mlp()
+    mp.to_float(model[5], "float16")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert isinstance(opt.loss_scaler, mp.DynamicLossScaler)

@@ -120,7 +120,10 @@ def test_matches_torch_update_kernel():
 
 
 def mindspore_reference(scale: float, factor: float, window: int, finite_seq: list[bool]):
-    """MindSpore's DynamicLossScaler.adjust, transcribed (scale kept in float32)."""
+    """MindSpore's DynamicLossScaler.adjust, transcribed: the scale and the factor are float32
+    tensors, so products and quotients are float32 operations (exact in double, then
+    rounded once)."""
+    factor = to_float32(factor)
     counter, out = 0, []
     for finite in finite_seq:
         if finite:
@@ -134,20 +137,25 @@ def mindspore_reference(scale: float, factor: float, window: int, finite_seq: li
     return out
 
 
-def test_mindspore_names_reproduce_mindspore():
+@pytest.mark.parametrize(("factor", "window"), [(2, 50), (3, 4), (1.7, 3)])
+def test_mindspore_names_reproduce_mindspore(factor, window):
     rng = random.Random(1)
     finite_seq = [rng.random() > 0.15 for _ in range(600)]
-    ours = mp.DynamicLossScaler(scale_value=2**10, scale_factor=2, scale_window=50)
+    ours = mp.DynamicLossScaler(scale_value=2**10, scale_factor=factor, scale_window=window)
     assert ours.config.min_scale == 1.0 and ours.config.max_scale is None
     scales = []
     for finite in finite_seq:
         ours.adjust(finite)  # MindSpore's flag: True means the gradients are finite
         scales.append(ours.get_scale())
-    assert scales == mindspore_reference(2.0**10, 2.0, 50, finite_seq)
+    assert scales == mindspore_reference(2.0**10, factor, window, finite_seq)
+    assert len(set(scales)) > 3
 
 
 def tf1_reference(init, incr_n, decr_n, incr_ratio, decr_ratio, finite_seq):
-    """tf.contrib.mixed_precision.ExponentialUpdateLossScaleManager, transcribed."""
+    """tf.contrib.mixed_precision.ExponentialUpdateLossScaleManager, transcribed. Its
+    loss_scale variable and the ratio constants are float32: every product is a float32
+    multiplication (exact in double, then rounded once)."""
+    incr_ratio, decr_ratio = to_float32(incr_ratio), to_float32(decr_ratio)
     scale, good, bad, out = init, 0, 0, []
     for finite in finite_seq:
         if finite:
@@ -180,6 +188,7 @@ def test_tf1_manager_reproduces_tf1(decr_ratio):
         ours.update(not finite)
         scales.append(ours.get_scale())
     assert scales == tf1_reference(2.0**32, 1000, 2, 2.0, decr_ratio, finite_seq)
+    assert len(set(scales)) > 20
     # Short sequences with growth: incr_every_n_steps=3.
     finite_seq = [rng.random() > 0.3 for _ in range(500)]
     ours = mp.ExponentialUpdateLossScaleManager(8.0, 3, 2, 2.0, decr_ratio)
@@ -246,6 +255,8 @@ def test_state_dict_round_trip_and_type_check():
         ({"init_scale": float("inf")}, r"init_scale=inf is invalid"),
         ({"init_scale": 0.0}, r"init_scale=0.0 is invalid"),
         ({"init_scale": 2.0**30}, r"init_scale=1073741824.0 is outside \[min_scale, max_scale\]"),
+        ({"init_scale": 1e39, "max_scale": None}, r"init_scale=1e\+39 is beyond float32's range"),
+        ({"arithmetic": "numpy"}, r"arithmetic='numpy' is invalid; valid: 'torch', 'tf1'"),
         ({"min_scale": 8.0, "max_scale": 4.0, "init_scale": 4.0}, r"min_scale=8.0 is larger"),
     ],
 )
@@ -265,6 +276,13 @@ def test_bad_argument_types():
         mp.StaticLossScaler()
     with pytest.raises(ValueError, match="scale=-1.0 is invalid"):
         mp.StaticLossScaler(-1.0)
+    with pytest.raises(ValueError, match="scale=0 is invalid"):
+        mp.StaticLossScaler(0)
+
+
+def test_scales_are_rounded_to_float32_like_a_float32_tensor():
+    assert mp.DynamicLossScaler(init_scale=0.1, min_scale=None).get_scale() == to_float32(0.1)
+    assert mp.StaticLossScaler(1000.3).get_scale() == torch.tensor(1000.3).item()
 
 
 def test_unscale_grads_dense_sparse_and_mixed_dtypes():

@@ -12,6 +12,8 @@ a region and adds float32 regions inside it; ``to_float`` makes any module one.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -27,8 +29,9 @@ T = TypeVar("T")
 M = TypeVar("M", bound=nn.Module)
 
 # Attribute names mixprec sets on parameters and modules.
-FP32_COPY_ATTR = "_mixprec_fp32"  # float32 original of a parameter stored in 16 bits
+FP32_COPY_ATTR = "_mixprec_fp32"  # _Float32Copy of a parameter stored in 16 bits
 LEVEL_ATTR = "_mixprec_level"  # level the parameter's model was prepared with
+COMPUTE_ATTR = "_mixprec_compute"  # dtype the parameter's math runs in (to_float)
 POLICY_ATTR = "_mixprec_policy"  # policy the parameter's model was prepared with
 REGION_ATTR = "_mixprec_region"
 _HANDLES_ATTR = "_mixprec_region_handles"
@@ -37,8 +40,10 @@ _HANDLES_ATTR = "_mixprec_region_handles"
 def cast_floating(value: T, dtype: torch.dtype) -> T:
     """Return ``value`` with every floating tensor inside it cast to ``dtype``.
 
-    Walks tuples (named tuples too), lists and dicts. Tensors that are not floating point,
-    and everything that is not a tensor, are returned as they are (the same objects).
+    Walks tuples (named tuples and ``torch.return_types`` too), lists, dicts and their
+    subclasses (``OrderedDict``, Hugging Face ``ModelOutput``) and dataclass instances,
+    keeping their types. Tensors that are not floating point, and everything that is not a
+    tensor, are returned as they are (the same objects).
     """
     if isinstance(value, torch.Tensor):
         if value.is_floating_point() and value.dtype != dtype:
@@ -48,11 +53,25 @@ def cast_floating(value: T, dtype: torch.dtype) -> T:
         items = [cast_floating(v, dtype) for v in value]
         if hasattr(value, "_fields"):  # named tuple
             return type(value)(*items)  # type: ignore[return-value]
+        if type(value) is not tuple:  # struct sequences such as torch.return_types.max
+            return type(value)(items)  # type: ignore[call-arg]
         return tuple(items)  # type: ignore[return-value]
     if isinstance(value, list):
-        return [cast_floating(v, dtype) for v in value]  # type: ignore[return-value]
-    if isinstance(value, Mapping) and type(value) is dict:
-        return {k: cast_floating(v, dtype) for k, v in value.items()}  # type: ignore[return-value]
+        return type(value)(cast_floating(v, dtype) for v in value)  # type: ignore[return-value]
+    if isinstance(value, dict):
+        if type(value) is dict:
+            return {k: cast_floating(v, dtype) for k, v in value.items()}  # type: ignore[return-value]
+        out = copy.copy(value)  # keeps the subclass and its attributes
+        for k, v in value.items():
+            out[k] = cast_floating(v, dtype)
+        return out
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {
+            f.name: cast_floating(getattr(value, f.name), dtype)
+            for f in dataclasses.fields(value)
+            if f.init
+        }
+        return dataclasses.replace(value, **changes)  # type: ignore[type-var]
     return value
 
 
@@ -61,27 +80,10 @@ def cast_floating(value: T, dtype: torch.dtype) -> T:
 # exp/log and mean/variance reductions lose the precision that losses and normalisation need.
 # batch_norm/instance_norm are not here: their running statistics are updated in place, and a
 # cast would update a copy. Their modules are float32 regions instead (see levels.py).
-FLOAT32_FUNCTIONS: frozenset[Callable[..., Any]] = frozenset(
+# Losses return float32; the others return their input's dtype, so that the next layer (a
+# bfloat16 BatchNorm at O3, say) receives the dtype it was built for.
+FLOAT32_LOSSES: frozenset[Callable[..., Any]] = frozenset(
     {
-        F.softmax,
-        F.log_softmax,
-        F.softmin,
-        torch.softmax,
-        torch.log_softmax,
-        torch.Tensor.softmax,
-        torch.Tensor.log_softmax,
-        F.layer_norm,
-        F.group_norm,
-        F.rms_norm,
-        torch.logsumexp,
-        torch.Tensor.logsumexp,
-        torch.cumsum,
-        torch.Tensor.cumsum,
-        torch.cumprod,
-        torch.Tensor.cumprod,
-        torch.norm,
-        torch.Tensor.norm,
-        torch.linalg.vector_norm,
         F.cross_entropy,
         F.nll_loss,
         F.ctc_loss,
@@ -102,6 +104,29 @@ FLOAT32_FUNCTIONS: frozenset[Callable[..., Any]] = frozenset(
         F.triplet_margin_loss,
     }
 )
+FLOAT32_FUNCTIONS: frozenset[Callable[..., Any]] = FLOAT32_LOSSES | frozenset(
+    {
+        F.softmax,
+        F.log_softmax,
+        F.softmin,
+        torch.softmax,
+        torch.log_softmax,
+        torch.Tensor.softmax,
+        torch.Tensor.log_softmax,
+        F.layer_norm,
+        F.group_norm,
+        F.rms_norm,
+        torch.logsumexp,
+        torch.Tensor.logsumexp,
+        torch.cumsum,
+        torch.Tensor.cumsum,
+        torch.cumprod,
+        torch.Tensor.cumprod,
+        torch.norm,
+        torch.Tensor.norm,
+        torch.linalg.vector_norm,
+    }
+)
 
 
 class Float32Functions(TorchFunctionMode):
@@ -114,10 +139,14 @@ class Float32Functions(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if func in FLOAT32_FUNCTIONS:
-            args, kwargs = cast_floating((args, kwargs or {}), torch.float32)
-            return func(*args, **kwargs)
-        return func(*args, **(kwargs or {}))
+        if func not in FLOAT32_FUNCTIONS:
+            return func(*args, **(kwargs or {}))
+        first = _first_floating(args)
+        args, kwargs = cast_floating((args, kwargs or {}), torch.float32)
+        result = func(*args, **kwargs)
+        if func in FLOAT32_LOSSES or first is None:
+            return result
+        return cast_floating(result, first.dtype)
 
 
 @dataclass(frozen=True)
@@ -215,6 +244,23 @@ def get_region(module: nn.Module) -> Region | None:
     return region if isinstance(region, Region) else None
 
 
+@dataclasses.dataclass
+class _Float32Copy:
+    """The float32 values of a parameter before it went to 16 bits, and the parameter's
+    version counter then: a later in-place write (``load_state_dict``) makes it stale."""
+
+    values: torch.Tensor
+    version: int = -1
+
+
+def take_float32_copy(param: torch.Tensor) -> torch.Tensor | None:
+    """Remove and return the float32 values kept for ``param`` if they are still current."""
+    kept = param.__dict__.pop(FP32_COPY_ATTR, None)
+    if not isinstance(kept, _Float32Copy) or kept.version != param._version:
+        return None
+    return kept.values.to(param.device)
+
+
 def store_as(
     module: nn.Module,
     dtype: torch.dtype,
@@ -222,25 +268,30 @@ def store_as(
     recurse: bool = True,
     buffers: bool = False,
     skip: Callable[[nn.Module], bool] = lambda m: False,
+    keep_float32_copy: bool = True,
 ) -> None:
     """Store the floating parameters (and optionally buffers) of ``module`` in ``dtype``.
 
-    Parameters keep their identity (optimizers holding them stay valid). When a float32
-    parameter goes to 16 bits, its float32 values are kept on the parameter so that
-    ``LossScaleOptimizer`` starts its master weights from them rather than from the rounded
-    16-bit values; going back to float32 restores them.
+    Parameters keep their identity (optimizers holding them stay valid). With
+    ``keep_float32_copy``, a float32 parameter going to 16 bits keeps its float32 values so
+    that ``LossScaleOptimizer`` starts its master weights from them rather than from the
+    rounded 16-bit values, and going back to float32 restores them, as long as the
+    parameter was not written to since (``take_float32_copy``).
     """
+    copies: list[tuple[nn.Parameter, _Float32Copy]] = []
 
     def convert(t: torch.Tensor) -> torch.Tensor:
         if not t.is_floating_point() or t.dtype == dtype:
             return t
         if isinstance(t, nn.Parameter):
-            original = getattr(t, FP32_COPY_ATTR, None)
-            if dtype == torch.float32 and original is not None:
-                delattr(t, FP32_COPY_ATTR)
-                return original.to(t.device)  # type: ignore[no-any-return]
-            if dtype in HALF_DTYPES and t.dtype == torch.float32:
-                setattr(t, FP32_COPY_ATTR, t.detach())
+            if dtype == torch.float32:
+                original = take_float32_copy(t)
+                if original is not None:
+                    return original
+            elif keep_float32_copy and dtype in HALF_DTYPES and t.dtype == torch.float32:
+                record = _Float32Copy(t.detach())
+                setattr(t, FP32_COPY_ATTR, record)
+                copies.append((t, record))
         return t.to(dtype)
 
     modules = module.modules() if recurse else iter([module])
@@ -256,6 +307,8 @@ def store_as(
         # Module._apply keeps Parameter objects (it assigns .data) and lets modules such as
         # RNNs refresh their derived state after the change.
         sub._apply(apply, recurse=False)
+    for param, record in copies:
+        record.version = param._version
 
 
 def to_float(module: M, dtype: str | torch.dtype) -> M:
@@ -274,4 +327,7 @@ def to_float(module: M, dtype: str | torch.dtype) -> M:
     if target == torch.float32:
         store_as(module, torch.float32, buffers=True)
     set_region(module, Region(compute_dtype=target, output_dtype=target, cast_inputs=True))
+    # Tell LossScaleOptimizer how these weights are used (float16 math needs loss scaling).
+    for param in module.parameters():
+        setattr(param, COMPUTE_ATTR, target)
     return module

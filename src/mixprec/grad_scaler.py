@@ -166,8 +166,10 @@ class GradScaler:
             )
         if state.stage is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
+        grads = self._grads(optimizer, allow_fp16=False)
         inv = 1.0 / self._scaler.get_scale()
-        state.found_inf = unscale_grads_(self._grads(optimizer, allow_fp16=False), inv)
+        # As in torch, an optimizer without gradients records no inf check (step then raises).
+        state.found_inf = unscale_grads_(grads, inv) if grads else None
         state.stage = _Stage.UNSCALED
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:

@@ -177,11 +177,14 @@ def auto_mixed_precision(
             compute,
             skip=lambda m: id(m) in fixed or not isinstance(m, HALF_STORAGE_MODULES),
         )
+    else:  # O3: no float32 copies either, since there will be no master weights
+        store_as(
+            model, compute, buffers=True, skip=lambda m: id(m) in fixed, keep_float32_copy=False
+        )
+    if lvl in ("O1", "O2"):
         for sub in model.modules():
             if isinstance(sub, FLOAT32_MODULES) and id(sub) not in fixed and sub is not model:
                 set_region(sub, Region(torch.float32, torch.float32, cast_inputs=True))
-    else:  # O3
-        store_as(model, compute, buffers=True, skip=lambda m: id(m) in fixed)
 
     # At O1 the first ops decide their own dtype under autocast; at O2/O3 the weights are
     # 16-bit, so inputs are cast once at the model's boundary.

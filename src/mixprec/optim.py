@@ -19,7 +19,7 @@ from torch import nn
 
 from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import ArgumentError, MisuseError
-from mixprec.casting import FP32_COPY_ATTR, LEVEL_ATTR, POLICY_ATTR
+from mixprec.casting import COMPUTE_ATTR, LEVEL_ATTR, POLICY_ATTR, take_float32_copy
 from mixprec.policy import Policy, global_policy
 from mixprec.scaling import (
     DynamicLossScaler,
@@ -57,7 +57,7 @@ def _needs_scaling(params: list[torch.Tensor]) -> bool:
     """Float16 math needs loss scaling; decide from how the params' model was prepared."""
     tagged = False
     for p in params:
-        if p.dtype == torch.float16:
+        if p.dtype == torch.float16 or getattr(p, COMPUTE_ATTR, None) == torch.float16:
             return True
         policy = getattr(p, POLICY_ATTR, None)
         if isinstance(policy, Policy):
@@ -165,9 +165,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 group["params"] = self._adopt(inner, group["params"], f"param_groups[{i}]")
                 _warn_if_eps_vanishes(group, f"{type(inner).__name__} param_groups[{i}]")
         model_params = self._half + self._plain
+        # Where found_inf lives when no parameter has a gradient (a rank with none).
+        self._device = model_params[0].device if model_params else None
         self._loss_scaler = loss_scaler or (
             DynamicLossScaler() if _needs_scaling(model_params) else NoOpLossScaler()
         )
+        self._versions = self._half_versions()  # see _follow_external_writes
         self._micro = 0  # backward passes since the last update
         self._fresh = False  # a backward happened since the last step()
         self._found_inf: torch.Tensor | None = None  # set by unscale_()
@@ -182,10 +185,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         for j, p in enumerate(params):
             _check_param(p, f"{where}['params'][{j}]")
             if p.dtype in HALF_DTYPES and getattr(p, LEVEL_ATTR, None) != "O3":
-                # Start from the float32 values auto_mixed_precision kept, when it kept them.
-                original = p.__dict__.pop(FP32_COPY_ATTR, None)
-                # (.to: the model may have moved to another device since then.)
-                master = original.to(p.device) if original is not None else p.detach().float()
+                # Start from the float32 values auto_mixed_precision kept, when they are
+                # still current (not after a load_state_dict into the 16-bit model).
+                original = take_float32_copy(p)
+                master = original if original is not None else p.detach().float()
                 master.requires_grad_(True)
                 state = inner.state.pop(p, None)
                 if state:
@@ -249,16 +252,16 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``(loss * scale / accumulation_steps).backward(**kwargs)``."""
-        factor = self._loss_scaler.get_scale() / self.accumulation_steps
-        (loss * factor if factor != 1.0 else loss).backward(**kwargs)
-        self._micro += 1
-        self._fresh = True
+        self.get_scaled_loss(loss).backward(**kwargs)
 
     def get_scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss * scale`` (Keras ``LossScaleOptimizer.get_scaled_loss``)."""
+        """``loss * scale / accumulation_steps`` (Keras ``get_scaled_loss``; the division
+        only matters with accumulation, where it makes the summed gradients a mean, as
+        ``backward`` does)."""
         self._micro += 1
         self._fresh = True
-        return self._loss_scaler.scale(loss)
+        factor = self._loss_scaler.get_scale() / self.accumulation_steps
+        return loss * factor if factor != 1.0 else loss
 
     def get_unscaled_gradients(
         self, grads: Iterable[torch.Tensor | None]
@@ -320,11 +323,33 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             raise MisuseError(
                 "LossScaleOptimizer.unscale_() called without a backward() since the last step()"
             )
+        if self._micro < self.accumulation_steps:
+            raise MisuseError(
+                f"LossScaleOptimizer.unscale_() called after {self._micro} of "
+                f"{self.accumulation_steps} accumulation micro-batches; call it after the last"
+            )
         self._unscale()
 
+    def _half_versions(self) -> list[int]:
+        return [p._version for p in self._half]
+
+    def _follow_external_writes(self) -> None:
+        """A 16-bit weight written outside this optimizer (``model.load_state_dict``)
+        replaces its master; otherwise the next copy-back would undo the write."""
+        versions = self._half_versions()
+        if versions != self._versions:
+            with torch.no_grad():
+                for p, m, now, then in zip(
+                    self._half, self._masters, versions, self._versions, strict=True
+                ):
+                    if now != then:
+                        m.copy_(p)
+            self._versions = versions
+
     def _unscale(self) -> None:
+        self._follow_external_writes()
         self._load_master_grads()
-        self._found_inf = self._loss_scaler.unscale_(self._step_grads())
+        self._found_inf = self._loss_scaler.unscale_(self._step_grads(), self._device)
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -350,6 +375,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         """Apply already unscaled gradients (Keras ``apply_gradients``): check them, clip,
         apply or skip, update the scale."""
         pairs = list(grads_and_vars)
+        self._follow_external_writes()
         for p in self._half + self._plain:
             p.grad = None
         for m in self._masters:
@@ -373,7 +399,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             target.grad = grad.detach().to(target.dtype)
         self._micro = self.accumulation_steps
         self._fresh = False
-        self._found_inf = unscale_grads_(self._step_grads(), 1.0)
+        self._found_inf = unscale_grads_(self._step_grads(), 1.0, self._device)
         return self._finish()
 
     def _finish(self) -> StepResult:
@@ -395,6 +421,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             if self._half:
                 with torch.no_grad():
                     torch._foreach_copy_(self._half, self._masters)
+                self._versions = self._half_versions()
         self._loss_scaler.update(overflow)
         self._micro = 0
         self._found_inf = None
@@ -405,7 +432,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     # -- checkpointing ----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Inner optimizer state, float32 master weights and the loss scaler's state."""
+        """Inner optimizer state, float32 master weights and the loss scaler's state.
+
+        Take it between steps: gradients accumulated mid-way are not part of it."""
         return {
             "optimizers": [inner.state_dict() for inner in self.optimizers],
             "master_weights": [m.detach() for m in self._masters],
@@ -438,6 +467,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             if masters:
                 torch._foreach_copy_(self._masters, list(masters))
                 torch._foreach_copy_(self._half, self._masters)
+        self._versions = self._half_versions()
         self._micro = int(state_dict.get("micro_steps", 0))
         self._fresh = False
         self._found_inf = None

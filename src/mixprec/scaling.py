@@ -15,7 +15,7 @@ import math
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -54,9 +54,18 @@ class ScalerState:
     last_overflow_step: int | None = None
 
 
+Arithmetic = Literal["torch", "tf1", "mindspore"]
+
+
 @dataclass(frozen=True)
 class DynamicConfig:
-    """Parameters of the dynamic schedule; ``max_scale=None`` means float32's range."""
+    """Parameters of the dynamic schedule; ``max_scale=None`` means float32's range.
+
+    ``arithmetic`` reproduces each system's rounding, which matters for factors that are not
+    powers of two: torch multiplies the float32 scale by the factor in double precision;
+    TensorFlow 1 multiplies two float32 values; MindSpore multiplies by a float32
+    ``scale_factor`` to grow and divides by it to back off.
+    """
 
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
@@ -64,6 +73,21 @@ class DynamicConfig:
     hysteresis: int = 1
     min_scale: float | None = 1.0
     max_scale: float | None = 2.0**24
+    arithmetic: Arithmetic = "torch"
+
+
+def _grown(scale: float, config: DynamicConfig) -> float:
+    if config.arithmetic == "torch":
+        return to_float32(scale * config.growth_factor)
+    return to_float32(scale * to_float32(config.growth_factor))
+
+
+def _backed_off(scale: float, config: DynamicConfig) -> float:
+    if config.arithmetic == "torch":
+        return to_float32(scale * config.backoff_factor)
+    if config.arithmetic == "tf1":
+        return to_float32(scale * to_float32(config.backoff_factor))
+    return to_float32(scale / to_float32(config.growth_factor))  # mindspore
 
 
 def count_step(state: ScalerState, found_inf: bool) -> ScalerState:
@@ -97,12 +121,12 @@ def next_state(state: ScalerState, found_inf: bool, config: DynamicConfig) -> Sc
         if left > 0:
             return replace(counted, growth_tracker=0, hysteresis_left=left)
         floor = config.min_scale if config.min_scale is not None else SMALLEST_NORMAL_F32
-        scale = max(to_float32(scale * config.backoff_factor), floor)
+        scale = max(_backed_off(scale, config), floor)
         return replace(counted, scale=scale, growth_tracker=0, hysteresis_left=config.hysteresis)
     tracker = state.growth_tracker + 1
     if tracker < config.growth_interval:
         return replace(counted, growth_tracker=tracker)
-    grown = to_float32(scale * config.growth_factor)
+    grown = _grown(scale, config)
     if config.max_scale is not None:
         grown = min(grown, config.max_scale)
     if math.isfinite(grown):
@@ -110,13 +134,19 @@ def next_state(state: ScalerState, found_inf: bool, config: DynamicConfig) -> Sc
     return replace(counted, scale=scale, growth_tracker=0, hysteresis_left=config.hysteresis)
 
 
-def unscale_grads_(grads: Iterable[torch.Tensor | None], inv_scale: float) -> torch.Tensor:
+def unscale_grads_(
+    grads: Iterable[torch.Tensor | None],
+    inv_scale: float,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
     """Multiply gradients by ``inv_scale`` in place and report whether any is inf or NaN.
 
-    Dense and sparse gradients (their values; coalesce float16 ones first, as duplicates can
-    overflow when summed). One multi-tensor kernel per (device, dtype) group. Returns a
-    0-dim float32 tensor, 1.0 if a non-finite value was seen, on the first gradient's device;
-    nothing is synchronised with the host.
+    Dense and sparse gradients (their values: callers coalesce float16 sparse gradients
+    first, as duplicate indices can overflow when summed). One multi-tensor kernel per
+    (device, dtype) group. Returns a 0-dim float32 tensor, 1.0 if a non-finite value was
+    seen, on the first gradient's device (on ``device`` when there are no gradients, so that
+    a rank without gradients still joins a collective on the right device); nothing is
+    synchronised with the host.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for grad in grads:
@@ -133,7 +163,7 @@ def unscale_grads_(grads: Iterable[torch.Tensor | None], inv_scale: float) -> to
                 inv[device] = torch.full((), inv_scale, dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(tensors, found[device], inv[device])
     if not found:
-        return torch.zeros((), dtype=torch.float32)
+        return torch.zeros((), dtype=torch.float32, device=device)
     flags = list(found.values())
     total = flags[0]
     for other in flags[1:]:
@@ -188,10 +218,7 @@ class LossScaler:
 
     def set_scale(self, scale: float) -> None:
         """Set the scale by hand; the counters are unchanged."""
-        value = _positive("scale", scale)
-        if to_float32(value) != value:
-            raise ArgumentError(f"scale={scale!r} is not representable in float32")
-        self._state = replace(self._state, scale=value)
+        self._state = replace(self._state, scale=_scale_value("scale", scale))
 
     def scale(self, loss: T) -> T:
         """``loss * scale`` for a tensor, or for each tensor of a list or tuple."""
@@ -220,9 +247,12 @@ class LossScaler:
             grads_finite = bool(grads_finite.item())
         self.update(not grads_finite)
 
-    def unscale_(self, grads: Sequence[torch.Tensor | None]) -> torch.Tensor:
-        """Divide ``grads`` by the scale in place; return the 0-dim ``found_inf`` tensor."""
-        return unscale_grads_(grads, 1.0 / self._state.scale)
+    def unscale_(
+        self, grads: Sequence[torch.Tensor | None], device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """Divide ``grads`` by the scale in place; return the 0-dim ``found_inf`` tensor
+        (on ``device`` when ``grads`` is empty)."""
+        return unscale_grads_(grads, 1.0 / self._state.scale, device)
 
     def update(self, found_inf: bool | torch.Tensor) -> None:
         """Advance the state after a step whose gradients were (not) finite."""
@@ -279,6 +309,14 @@ def _positive(name: str, value: float) -> float:
     return float(value)
 
 
+def _scale_value(name: str, value: float) -> float:
+    """A positive scale, rounded to float32 as a float32 tensor holding it would be."""
+    rounded = to_float32(_positive(name, value))
+    if math.isinf(rounded):
+        raise ArgumentError(f"{name}={value!r} is beyond float32's range (max ~3.4e38)")
+    return rounded
+
+
 def _count(name: str, value: int, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
@@ -293,10 +331,8 @@ class StaticLossScaler(LossScaler):
     def __init__(self, scale: float | None = None, *, scale_value: float | None = None) -> None:
         if (scale is None) == (scale_value is None):
             raise TypeError("StaticLossScaler needs exactly one of scale= or scale_value=")
-        value = _positive("scale" if scale is not None else "scale_value", scale or scale_value)  # type: ignore[arg-type]
-        if to_float32(value) != value:
-            raise ArgumentError(f"scale={value!r} is not representable in float32")
-        super().__init__(value)
+        name, given = ("scale", scale) if scale is not None else ("scale_value", scale_value)
+        super().__init__(_scale_value(name, given))  # type: ignore[arg-type]
 
     def _load_config(self, state_dict: dict[str, Any]) -> None:
         _positive("scale", state_dict["scale"])
@@ -315,7 +351,7 @@ class DynamicLossScaler(LossScaler):
     MindSpore users may write ``DynamicLossScaler(scale_value=2**10, scale_factor=2,
     scale_window=50)``: growth by ``scale_factor``, backoff by ``1/scale_factor``, growth
     after ``scale_window`` clean steps, a floor of 1 and no upper bound other than float32's
-    range, as in MindSpore.
+    range, with MindSpore's float32 arithmetic. Scales are rounded to float32.
     """
 
     def __init__(
@@ -331,6 +367,7 @@ class DynamicLossScaler(LossScaler):
         scale_value: float | None = None,
         scale_factor: float | None = None,
         scale_window: int | None = None,
+        arithmetic: Arithmetic = "torch",
     ) -> None:
         if scale_value is not None or scale_factor is not None or scale_window is not None:
             if None in (scale_value, scale_factor, scale_window):
@@ -345,14 +382,19 @@ class DynamicLossScaler(LossScaler):
                 raise ArgumentError(f"scale_factor={scale_factor!r} is invalid; it must be > 1")
             backoff_factor = 1.0 / growth_factor
             growth_interval = scale_window  # type: ignore[assignment]
+            arithmetic = "mindspore"
             if isinstance(max_scale, _DefaultMax):
                 max_scale = None
         config = _check_config(
-            growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            hysteresis,
+            min_scale,
+            max_scale,
+            arithmetic,
         )
-        init = _positive("init_scale", init_scale)
-        if to_float32(init) != init:
-            raise ArgumentError(f"init_scale={init!r} is not representable in float32")
+        init = _scale_value("init_scale", init_scale)
         low = config.min_scale if config.min_scale is not None else SMALLEST_NORMAL_F32
         high = config.max_scale if config.max_scale is not None else float(torch.finfo().max)
         if not low <= init <= high:
@@ -382,6 +424,7 @@ def _check_config(
     hysteresis: int,
     min_scale: float | None,
     max_scale: float | None,
+    arithmetic: Arithmetic = "torch",
 ) -> DynamicConfig:
     growth = _positive("growth_factor", growth_factor)
     if growth <= 1.0:
@@ -395,6 +438,10 @@ def _check_config(
     high = None if max_scale is None else _positive("max_scale", float(max_scale))
     if low is not None and high is not None and low > high:
         raise ArgumentError(f"min_scale={min_scale!r} is larger than max_scale={max_scale!r}")
+    if arithmetic not in ("torch", "tf1", "mindspore"):
+        raise ArgumentError(
+            f"arithmetic={arithmetic!r} is invalid; valid: 'torch', 'tf1', 'mindspore'"
+        )
     return DynamicConfig(
         growth_factor=growth,
         backoff_factor=backoff,
@@ -402,6 +449,7 @@ def _check_config(
         hysteresis=_count("hysteresis", hysteresis),
         min_scale=low,
         max_scale=high,
+        arithmetic=arithmetic,
     )
 
 
@@ -426,4 +474,5 @@ def ExponentialUpdateLossScaleManager(  # noqa: N802 - TensorFlow 1's name, kept
         hysteresis=decr_every_n_nan_or_inf,
         min_scale=1.0,
         max_scale=None,
+        arithmetic="tf1",
     )
