@@ -1,5 +1,8 @@
+"""Every CLI command and its error exits."""
+
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -17,6 +20,64 @@ def test_info_reports_auto_policy_and_reason(capsys):
     assert f"because: {policy.reason}" in out
 
 
+def rows(out: str) -> dict[str, list[str]]:
+    table = {}
+    for line in out.splitlines():
+        m = re.match(r"^(\w+) \((O\d)\)\s+(.*)$", line)
+        if m:
+            table[m.group(1)] = m.group(3).split()
+    return table
+
+
+def test_train_with_defaults_on_digits(capsys):
+    """The main job: both runs reach 0.95 and agree within one point."""
+    assert cli.main(["train", "--quiet", "--in-process", "--policy", "mixed_bfloat16"]) == 0
+    out = capsys.readouterr().out
+    table = rows(out)
+    acc32, acc16 = float(table["float32"][0]), float(table["mixed_bfloat16"][0])
+    assert acc32 >= 0.95 and acc16 >= 0.95
+    assert abs(acc32 - acc16) <= 0.01
+    assert table["float32"][3] == "1.00x" and table["mixed_bfloat16"][3].endswith("x")
+    assert "mixed_bfloat16: test accuracy" in out
+
+
+def test_train_in_subprocesses_with_plot_and_save(tmp_path, capsys):
+    plot = tmp_path / "loss.png"
+    args = ["train", "--epochs", "2", "--quiet", "--policy", "mixed_float16", "--level", "O1",
+            "--plot", str(plot), "--save", str(tmp_path / "ckpt")]  # fmt: skip
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert set(rows(out)) == {"float32", "mixed_float16"}
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["baseline.pt", "mixed.pt"]
+
+
+def test_train_synthetic_without_comparison(capsys):
+    assert cli.main(["train", "--data", "synthetic", "--epochs", "1", "--compare", "none",
+                     "--quiet", "--in-process"]) == 0  # fmt: skip
+    assert len(rows(capsys.readouterr().out)) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "resnet"], "unknown model 'resnet'; valid: mlp, cnn"),
+        (["--data", "cifar"], "unknown data 'cifar'; valid: digits, mnist:DIR, synthetic"),
+        (["--policy", "mixed_bf16"], "unknown policy 'mixed_bf16'; valid: float32"),
+        (["--level", "O5"], "unknown level 'O5'; valid: O0, O1, O2, O3, auto"),
+        (["--compare", "fp64"], "unknown compare 'fp64'"),
+        (["--epochs", "0"], "--epochs must be >= 1, got 0"),
+        (["--model", "cnn", "--data", "synthetic"], "model 'cnn' needs image data"),
+        (["--data", "mnist:/nonexistent"], "is not a directory"),
+    ],
+)
+def test_train_errors_exit_2_with_one_line(args, message, capsys):
+    assert cli.main(["train", "--quiet", "--in-process", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mixprec train: error: ") and message in err
+    assert len(err.splitlines()) == 1
+
+
 def test_unknown_command_exits_2(capsys):
     with pytest.raises(SystemExit) as err:
         cli.main(["frobnicate"])
@@ -24,8 +85,14 @@ def test_unknown_command_exits_2(capsys):
     assert "invalid choice: 'frobnicate'" in capsys.readouterr().err
 
 
-def test_module_entry_point():
+def test_console_script_and_module_entry_point():
     done = subprocess.run(
         [sys.executable, "-m", "mixprec", "info"], capture_output=True, text=True, check=True
     )
     assert "auto policy:" in done.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "mixprec", "train", "--model", "nope"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "unknown model 'nope'" in bad.stderr

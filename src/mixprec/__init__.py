@@ -3,6 +3,7 @@
 Policies, O0-O3 levels, loss scaling and master weights in one library.
 """
 
+from mixprec import data, models
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec.casting import cast_floating, to_float
 from mixprec.grad_scaler import GradScaler
@@ -18,30 +19,60 @@ from mixprec.scaling import (
     StaticLossScaler,
     all_finite,
 )
+from mixprec.train import (
+    EMA,
+    Callback,
+    CSVLogger,
+    EarlyStopping,
+    History,
+    LearningRateScheduler,
+    LossMonitor,
+    ModelCheckpoint,
+    ProgressBar,
+    TensorBoard,
+    Trainer,
+    TrainStep,
+    build_train_step,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "EMA",
     "LEVELS",
     "ArgumentError",
+    "CSVLogger",
+    "Callback",
     "DynamicLossScaler",
+    "EarlyStopping",
     "ExponentialUpdateLossScaleManager",
     "GradScaler",
+    "History",
+    "LearningRateScheduler",
+    "LossMonitor",
     "LossScaleOptimizer",
     "LossScaler",
     "MisuseError",
+    "ModelCheckpoint",
     "NoOpLossScaler",
     "Policy",
+    "ProgressBar",
     "ScalerState",
     "StaticLossScaler",
     "StepResult",
+    "TensorBoard",
+    "TrainStep",
+    "Trainer",
     "__version__",
     "all_finite",
     "auto_mixed_precision",
+    "build_train_step",
     "cast_floating",
+    "data",
     "describe",
     "get_policy",
     "global_policy",
+    "models",
     "module_dtypes",
     "policy_scope",
     "set_global_policy",

@@ -1,20 +1,199 @@
 """Command-line interface: a thin argparse layer over the library.
 
+``mixprec train`` trains a model in mixed precision and in float32 and compares them;
 ``mixprec info`` reports what mixprec sees on this machine and what ``auto`` picks.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import multiprocessing
+import resource
 import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
 import mixprec
-from mixprec._dtypes import probe_hardware
-from mixprec.levels import resolve_level
-from mixprec.policy import Policy
+from mixprec._dtypes import closest, probe_hardware
+from mixprec.levels import LEVELS, resolve_level
+from mixprec.policy import NAMES, Policy
+
+TRAIN_MODELS = ("mlp", "cnn")  # the classification models of mixprec.models
+DATA = ("digits", "mnist:DIR", "synthetic")
+
+
+class UsageError(Exception):
+    """A bad command-line value: reported on one line, exit status 2."""
+
+
+def _choice(kind: str, value: str, valid: Sequence[str]) -> str:
+    if value in valid:
+        return value
+    hint = closest(value, list(valid))
+    raise UsageError(
+        f"unknown {kind} {value!r}; valid: {', '.join(valid)}"
+        + (f" (closest: {hint!r})" if hint else "")
+    )
+
+
+def _load(data: str, seed: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    if data == "digits":
+        return mixprec.data.load_digits(seed=seed)
+    if data.startswith("mnist:"):
+        return mixprec.data.load_mnist(data.removeprefix("mnist:"))
+    if data == "synthetic":
+        x, y = mixprec.data.synthetic_classification(n=2048, seed=seed)
+        cut = int(0.8 * len(x))
+        return (x[:cut], y[:cut]), (x[cut:], y[cut:])
+    raise UsageError(f"unknown data {data!r}; valid: {', '.join(DATA)}")
+
+
+def _build(model: str, x: torch.Tensor, classes: int) -> torch.nn.Module:
+    if model == "mlp":
+        return mixprec.models.mlp(input_shape=tuple(x.shape[1:]), classes=classes)
+    if x.dim() != 3:
+        raise UsageError(f"model 'cnn' needs image data (n, H, W); this data is {tuple(x.shape)}")
+    return mixprec.models.cnn(in_channels=1, classes=classes)
+
+
+def _peak_rss_mb() -> float:
+    # ru_maxrss is in KiB on Linux and in bytes on macOS.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 1024 / (1024 if sys.platform == "darwin" else 1)
+
+
+def run_training(config: dict[str, Any]) -> dict[str, Any]:
+    """One training run; executed in a fresh process so that its peak memory is its own."""
+    torch.manual_seed(config["seed"])
+    (x_train, y_train), (x_test, y_test) = _load(config["data"], config["seed"])
+    classes = int(max(y_train.max(), y_test.max())) + 1
+    model = _build(config["model"], x_train, classes)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config["lr"])
+    trainer = mixprec.Trainer(
+        model, "cross_entropy", optimizer, policy=config["policy"], level=config["level"]
+    )
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    history = trainer.fit(
+        x_train, y_train, batch_size=config["batch_size"], epochs=config["epochs"],
+        validation_data=(x_test, y_test), verbose=config["verbose"],
+    )  # fmt: skip
+    seconds = time.perf_counter() - start
+    test = trainer.evaluate(x_test, y_test, batch_size=256)
+    if config.get("save"):
+        from mixprec.train.callbacks import _atomic_save
+
+        folder = Path(config["save"])
+        folder.mkdir(parents=True, exist_ok=True)
+        _atomic_save(trainer.state_dict(), folder / f"{config['label']}.pt")
+    done = mixprec.levels.applied(model)
+    cuda = torch.cuda.is_available()
+    return {
+        "label": config["label"],
+        "policy": done.policy.name if done else config["policy"],
+        "level": done.level if done else config["level"],
+        "test_accuracy": test["accuracy"],
+        "final_loss": history.history["loss"][-1],
+        "loss_curve": history.history["loss"],
+        "val_loss_curve": history.history["val_loss"],
+        "ms_per_step": sorted(history.history["ms_per_step"])[len(history.epoch) // 2],
+        "seconds": seconds,
+        "skipped_steps": sum(history.history["skipped_steps"]),
+        "peak_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else _peak_rss_mb(),
+        "memory_kind": "CUDA allocated" if cuda else "process RSS",
+    }
+
+
+def _table(runs: list[dict[str, Any]]) -> str:
+    base = runs[0]["ms_per_step"]
+    header = (
+        f"{'run':<24} {'test acc':>8} {'loss':>8} {'ms/step':>8} {'speedup':>8} "
+        f"{'peak MB':>8} {'skipped':>7}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in runs:
+        lines.append(
+            f"{r['policy'] + ' (' + r['level'] + ')':<24} {r['test_accuracy']:>8.3f} "
+            f"{r['final_loss']:>8.4f} {r['ms_per_step']:>8.2f} {base / r['ms_per_step']:>7.2f}x "
+            f"{r['peak_mb']:>8.0f} {r['skipped_steps']:>7d}"
+        )
+    return "\n".join(lines)
+
+
+def _plot(runs: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: no display needed
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in runs:
+        epochs = range(1, len(r["loss_curve"]) + 1)
+        name = f"{r['policy']} ({r['level']})"
+        ax.plot(epochs, r["loss_curve"], label=f"{name} train")
+        ax.plot(epochs, r["val_loss_curve"], "--", label=f"{name} test")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("loss")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _train(args: argparse.Namespace) -> int:
+    _choice("model", args.model, TRAIN_MODELS)
+    if args.data not in ("digits", "synthetic") and not args.data.startswith("mnist:"):
+        _choice("data", args.data, DATA)
+    for name, value in (("policy", args.policy), ("compare", args.compare)):
+        if value != "none":
+            _choice(name, value, [*NAMES, "none"] if name == "compare" else list(NAMES))
+    if args.level.upper() not in (*LEVELS, "AUTO"):
+        _choice("level", args.level, [*LEVELS, "auto"])
+    for name in ("epochs", "batch_size"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+    common = {
+        "model": args.model, "data": args.data, "epochs": args.epochs, "seed": args.seed,
+        "batch_size": args.batch_size, "lr": args.lr, "save": args.save,
+        "verbose": 0 if args.quiet else 1,
+    }  # fmt: skip
+    configs = []
+    if args.compare != "none":
+        configs.append({**common, "label": "baseline", "policy": args.compare, "level": "auto"})
+    configs.append({**common, "label": "mixed", "policy": args.policy, "level": args.level})
+
+    runs = []
+    spawn = multiprocessing.get_context("spawn")
+    for config in configs:
+        print(f"training {config['policy']} (level {config['level']}) ...", flush=True)
+        if args.in_process:
+            runs.append(run_training(config))
+            continue
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+            runs.append(pool.submit(run_training, config).result())
+    print()
+    print(_table(runs))
+    print(f"(peak MB: {runs[0]['memory_kind']}; speedup: ms/step of the first row / this row)")
+    if len(runs) == 2:
+        diff = runs[1]["test_accuracy"] - runs[0]["test_accuracy"]
+        print(
+            f"\n{runs[1]['policy']}: test accuracy {runs[1]['test_accuracy']:.3f} vs "
+            f"{runs[0]['policy']} {runs[0]['test_accuracy']:.3f} ({diff:+.3f}), "
+            f"{runs[0]['ms_per_step'] / runs[1]['ms_per_step']:.2f}x the speed"
+        )
+    if args.plot:
+        _plot(runs, args.plot)
+        print(f"loss curves written to {args.plot}")
+    return 0
 
 
 def _info(_: argparse.Namespace) -> int:
@@ -32,6 +211,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mixprec", description=mixprec.__doc__)
     parser.add_argument("--version", action="version", version=mixprec.__version__)
     commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser(
+        "train", help="train a model in mixed precision and compare it with float32"
+    )
+    train.add_argument("--model", default="mlp", help=f"one of {', '.join(TRAIN_MODELS)}")
+    train.add_argument("--data", default="digits", help=f"one of {', '.join(DATA)}")
+    train.add_argument("--policy", default="auto", help=f"one of {', '.join(NAMES)}")
+    train.add_argument("--level", default="auto", help="O0, O1, O2, O3 or auto")
+    train.add_argument("--epochs", type=int, default=20)
+    train.add_argument("--batch-size", type=int, default=64)
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument(
+        "--compare", default="float32", help="baseline policy to compare with, or 'none'"
+    )
+    train.add_argument("--plot", metavar="FILE.png", help="write the loss curves of both runs")
+    train.add_argument("--save", metavar="DIR", help="save each run's final trainer state")
+    train.add_argument("--quiet", action="store_true", help="no progress output")
+    train.add_argument(
+        "--in-process", action="store_true", help="no subprocess per run (peak memory is shared)"
+    )
+    train.set_defaults(run=_train)
+
     info = commands.add_parser("info", help="what mixprec sees on this machine")
     info.set_defaults(run=_info)
     return parser
@@ -39,7 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.run(args))
+    try:
+        return int(args.run(args))
+    except (UsageError, FileNotFoundError, ValueError) as err:
+        print(f"mixprec {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,284 @@
+"""Reference models for the examples, tests and benchmarks, one per workflow of the guides.
+
+All are plain ``nn.Module``s with float32 weights; mixed precision is applied from outside
+(``auto_mixed_precision``, a ``Policy``). Where a model's loss must stay in float32 whatever
+the policy, the loss helper next to it (``lm_loss``, ``ctc_loss``) casts to float32 itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec._dtypes import closest
+
+__all__ = [
+    "MODELS",
+    "CausalLM",
+    "Recommender",
+    "SpeechCTC",
+    "cnn",
+    "ctc_loss",
+    "get_model",
+    "lm_loss",
+    "mlp",
+    "synthetic_speech",
+]
+
+
+def mlp(
+    input_shape: int | tuple[int, ...] = 784, hidden: int = 512, depth: int = 2, classes: int = 10
+) -> nn.Module:
+    """Flatten → ``depth`` x (Linear(hidden) → ReLU) → Linear(classes), as in the Keras and
+    MindSpore mixed precision guides. The input size is the product of ``input_shape``."""
+    shape = (input_shape,) if isinstance(input_shape, int) else tuple(input_shape)
+    if not shape or any(d < 1 for d in shape):
+        raise ValueError(f"input_shape={input_shape!r} is invalid; dims must be ints >= 1")
+    if depth < 0:
+        raise ValueError(f"depth={depth!r} is invalid; it must be an int >= 0")
+    layers: list[nn.Module] = [nn.Flatten()]
+    width = math.prod(shape)
+    for _ in range(depth):
+        layers += [nn.Linear(width, hidden), nn.ReLU()]
+        width = hidden
+    layers.append(nn.Linear(width, classes))
+    return nn.Sequential(*layers)
+
+
+class _AddChannel(nn.Module):
+    """(n, H, W) → (n, 1, H, W), so that grayscale images feed a Conv2d as they are loaded."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unsqueeze(1) if x.dim() == 3 else x
+
+
+def cnn(in_channels: int = 1, classes: int = 10, width: int = 32) -> nn.Module:
+    """Two conv + BatchNorm + ReLU + max-pool blocks, global average pool, Linear."""
+    return nn.Sequential(
+        _AddChannel(),
+        nn.Conv2d(in_channels, width, 3, padding=1),
+        nn.BatchNorm2d(width),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(width, 2 * width, 3, padding=1),
+        nn.BatchNorm2d(2 * width),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(2 * width, classes),
+    )
+
+
+class _Block(nn.Module):
+    """Pre-norm transformer block: x + attn(LN(x)), then x + MLP(LN(x))."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.dropout = dropout
+        self.norm1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
+        )
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, t, d = h.shape
+        qkv = self.qkv(self.norm1(h)).view(b, t, 3, self.n_heads, d // self.n_heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (b, heads, t, head_dim)
+        p = self.dropout if self.training else 0.0
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        h = h + self.drop(self.out(a.transpose(1, 2).reshape(b, t, d)))
+        out: torch.Tensor = h + self.drop(self.mlp(self.norm2(h)))
+        return out
+
+
+class CausalLM(nn.Module):
+    """A small pre-norm causal transformer: tokens ``(b, t)`` → logits ``(b, t, vocab)``."""
+
+    def __init__(
+        self,
+        vocab: int = 1000,
+        d_model: int = 128,
+        n_layers: int = 2,
+        n_heads: int = 4,
+        max_len: int = 256,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(
+                f"d_model={d_model!r} is not divisible by n_heads={n_heads!r}; "
+                "each head gets d_model // n_heads dims"
+            )
+        self.max_len = max_len
+        self.embed = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(max_len, d_model)
+        # Unit-variance embeddings (the default) would swamp the residual stream at start.
+        nn.init.normal_(self.embed.weight, std=0.02)
+        nn.init.normal_(self.pos.weight, std=0.02)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(_Block(d_model, n_heads, dropout) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be (batch, seq_len), got shape {tuple(tokens.shape)}")
+        t = tokens.shape[1]
+        if t > self.max_len:
+            raise ValueError(
+                f"sequence length {t} exceeds max_len={self.max_len}; pass shorter sequences "
+                f"or build CausalLM(max_len>={t})"
+            )
+        h = self.drop(self.embed(tokens) + self.pos(torch.arange(t, device=tokens.device)))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))  # type: ignore[no-any-return]
+
+
+def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy: position i predicts token i+1."""
+    # float32: the log-sum-exp over a large vocabulary loses precision in 16 bits (float16
+    # keeps ~3 significant digits, bfloat16 ~2), which biases the loss and its gradient.
+    pred = logits[:, :-1].float()
+    return F.cross_entropy(pred.reshape(-1, pred.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+_KERNEL, _STRIDE, _PADDING = 3, 2, 1  # SpeechCTC's convolution over time
+
+
+class SpeechCTC(nn.Module):
+    """Features ``(b, time, n_mels)`` → Conv1d (stride 2) → GRU → float32 log-probs
+    ``(time', b, n_tokens)`` for CTC, with the blank at index 0."""
+
+    def __init__(self, n_mels: int = 40, n_tokens: int = 29, hidden: int = 128) -> None:
+        super().__init__()
+        self.n_mels = n_mels
+        self.conv = nn.Conv1d(n_mels, hidden, _KERNEL, stride=_STRIDE, padding=_PADDING)
+        self.gru = nn.GRU(hidden, hidden, num_layers=1, batch_first=True)
+        self.head = nn.Linear(hidden, n_tokens)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        if features.dim() != 3 or features.shape[-1] != self.n_mels:
+            raise ValueError(
+                f"features must be (batch, time, n_mels={self.n_mels}), "
+                f"got shape {tuple(features.shape)}"
+            )
+        h = F.relu(self.conv(features.transpose(1, 2))).transpose(1, 2)
+        h, _ = self.gru(h)
+        # float32 log-softmax: CTC sums these over every alignment; see ctc_loss.
+        return F.log_softmax(self.head(h).float(), dim=-1).transpose(0, 1)
+
+    def output_lengths(self, input_lengths: torch.Tensor) -> torch.Tensor:
+        """Frames left after the strided convolution, for ``ctc_loss``'s input lengths."""
+        frames = input_lengths + 2 * _PADDING - _KERNEL
+        return torch.div(frames, _STRIDE, rounding_mode="floor") + 1
+
+
+def ctc_loss(
+    log_probs: torch.Tensor,
+    targets: torch.Tensor,
+    input_lengths: torch.Tensor,
+    target_lengths: torch.Tensor,
+    blank: int = 0,
+) -> torch.Tensor:
+    """CTC loss (mean over the batch) of ``(T, b, n_tokens)`` log-probs, in float32."""
+    # float32 whatever the policy (as the TensorFlow 1 mixed precision guide keeps it): the
+    # forward-backward recursion adds up log-probabilities over T frames and every alignment;
+    # in 16 bits the rounding of each term accumulates and the loss and gradients drift.
+    return F.ctc_loss(
+        log_probs.float(), targets, input_lengths, target_lengths, blank=blank, reduction="mean"
+    )
+
+
+def synthetic_speech(
+    n: int = 64, time: int = 100, n_mels: int = 40, n_tokens: int = 29, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Learnable data for ``SpeechCTC``: (features, targets, input_lengths, target_lengths).
+
+    Targets: 5-15 tokens in 1..n_tokens-1 (0 is the blank), padded with 0 to ``(n, 15)``,
+    with no token repeated back to back (without a gap, a repeat could not be heard). Each
+    token has a fixed random spectrum; a sample's frames spell its targets in equal
+    segments, plus Gaussian noise; frames past ``input_lengths`` are zero.
+    """
+    if n_tokens < 3:
+        raise ValueError(f"n_tokens={n_tokens!r} is invalid; it must be >= 3 (blank + 2)")
+    if time < 30:
+        raise ValueError(f"time={time!r} is invalid; it must be >= 30 to hold 15 tokens")
+    g = torch.Generator().manual_seed(seed)
+    spectra = torch.randn(n_tokens, n_mels, generator=g)
+    target_lengths = torch.randint(5, 16, (n,), generator=g)
+    input_lengths = torch.randint(time * 3 // 4, time + 1, (n,), generator=g)
+    targets = torch.zeros(n, 15, dtype=torch.int64)
+    features = torch.zeros(n, time, n_mels)
+    for i in range(n):
+        length, frames = int(target_lengths[i]), int(input_lengths[i])
+        # Adding 1..n_tokens-2 to the previous token (mod the n_tokens-1 labels) never repeats it.
+        steps = torch.randint(1, n_tokens - 1, (length,), generator=g)
+        labels = (torch.cumsum(steps, 0) % (n_tokens - 1)) + 1
+        targets[i, :length] = labels
+        which = labels[torch.arange(frames) * length // frames]
+        noise = 0.5 * torch.randn(frames, n_mels, generator=g)
+        features[i, :frames] = spectra[which] + noise
+    return features, targets, input_lengths, target_lengths
+
+
+class Recommender(nn.Module):
+    """One embedding per categorical feature → concatenation → MLP → one logit per sample.
+
+    With ``sparse=True`` the embedding gradients are sparse (only the looked-up rows), as in
+    the recommender workflows; optimise those tables with ``SGD`` or ``SparseAdam``.
+    """
+
+    def __init__(
+        self,
+        table_sizes: tuple[int, ...] = (1000, 1000, 100),
+        dim: int = 16,
+        hidden: int = 64,
+        sparse: bool = True,
+    ) -> None:
+        super().__init__()
+        if not table_sizes:
+            raise ValueError("table_sizes=() is invalid; give at least one table size")
+        self.tables = nn.ModuleList(nn.Embedding(s, dim, sparse=sparse) for s in table_sizes)
+        self.mlp = nn.Sequential(
+            nn.Linear(len(table_sizes) * dim, hidden), nn.ReLU(), nn.Linear(hidden, 1)
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dim() != 2 or ids.shape[1] != len(self.tables):
+            raise ValueError(
+                f"ids must be (batch, {len(self.tables)}): one column per table, "
+                f"got shape {tuple(ids.shape)}"
+            )
+        h = torch.cat([table(ids[:, j]) for j, table in enumerate(self.tables)], dim=1)
+        return self.mlp(h).squeeze(-1)  # type: ignore[no-any-return]
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "mlp": mlp,
+    "cnn": cnn,
+    "lm": CausalLM,
+    "speech": SpeechCTC,
+    "recommender": Recommender,
+}
+
+
+def get_model(name: str, **kwargs: object) -> nn.Module:
+    """Build a registered model by name, e.g. ``get_model("lm", vocab=500)``."""
+    if name not in MODELS:
+        hint = closest(str(name), list(MODELS))
+        raise ValueError(
+            f"model={name!r} is not a known model; valid names: {', '.join(MODELS)}"
+            + (f" (closest: {hint!r})" if hint else "")
+        )
+    return MODELS[name](**kwargs)

@@ -1,0 +1,345 @@
+"""``Trainer`` (Keras ``fit``/``evaluate``/``predict``, MindSpore ``Model.train``) and
+``build_train_step`` (MindSpore ``build_train_network``).
+
+Composition only: the numerics are ``auto_mixed_precision`` and ``LossScaleOptimizer``.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.data import validate_classification
+from mixprec.levels import applied, auto_mixed_precision
+from mixprec.optim import LossScaleOptimizer, StepResult
+from mixprec.policy import PolicyLike
+from mixprec.scaling import LossScaler
+from mixprec.train.callbacks import Callback, CallbackList, History, Logs, ProgressBar
+from mixprec.train.metrics import LossFn, Metric, get_loss, get_metric
+
+Batch = tuple[Any, torch.Tensor]
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+def _call(model: nn.Module, inputs: Any) -> torch.Tensor:
+    return model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)  # type: ignore[no-any-return]
+
+
+class TrainStep:
+    """One training step: zero grads, forward, loss, scaled backward, step.
+
+    ``step(x, y) -> (loss, StepResult)``; the loss is detached and ``last_output`` holds the
+    detached model output (for metrics)."""
+
+    def __init__(self, model: nn.Module, optimizer: LossScaleOptimizer, loss_fn: LossFn) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.last_output: torch.Tensor | None = None
+
+    def __call__(self, x: Any, y: torch.Tensor) -> tuple[torch.Tensor, StepResult]:
+        self.optimizer.zero_grad()
+        output = _call(self.model, x)
+        loss = self.loss_fn(output, y)
+        self.optimizer.backward(loss)
+        result = self.optimizer.step()
+        self.last_output = output.detach()
+        return loss.detach(), result
+
+
+def build_train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: str | LossFn,
+    policy: PolicyLike = None,
+    level: str = "auto",
+    loss_scaler: LossScaler | None = None,
+    max_grad_norm: float | None = None,
+    accumulation_steps: int = 1,
+) -> TrainStep:
+    """Prepare ``model`` (unless ``auto_mixed_precision`` was already applied) and wrap
+    ``optimizer`` (unless it is a ``LossScaleOptimizer``); return the step callable."""
+    if applied(model) is None:
+        auto_mixed_precision(model, policy, level)
+    if not isinstance(optimizer, LossScaleOptimizer):
+        optimizer = LossScaleOptimizer(optimizer, loss_scaler, max_grad_norm, accumulation_steps)
+    return TrainStep(model, optimizer, get_loss(loss_fn))
+
+
+def _device(device: str | torch.device) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _as_tensor(value: Any, name: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise TypeError(f"{name} must be a tensor or an array, got {type(value).__name__}") from err
+
+
+class Trainer:
+    """Train a float32-built model and optimizer in mixed precision.
+
+    ``Trainer(model, loss, optimizer, policy="mixed_bfloat16")`` applies the policy and level
+    to ``model`` (in place) and wraps ``optimizer`` in a ``LossScaleOptimizer``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss: str | LossFn,
+        optimizer: torch.optim.Optimizer,
+        policy: PolicyLike = None,
+        level: str = "auto",
+        loss_scaler: LossScaler | None = None,
+        metrics: Sequence[str | Metric] = ("accuracy",),
+        device: str | torch.device = "auto",
+        max_grad_norm: float | None = None,
+        accumulation_steps: int = 1,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Trainer(model=...) needs an nn.Module, got {type(model).__name__}")
+        self.device = _device(device)
+        model.to(self.device)  # before the dtype changes, so kept float32 copies live there too
+        self.loss_fn = get_loss(loss)
+        self.metrics: dict[str, Metric] = dict(get_metric(m) for m in metrics)
+        self.step = build_train_step(
+            model,
+            optimizer,
+            self.loss_fn,
+            policy,
+            level,
+            loss_scaler,
+            max_grad_norm,
+            accumulation_steps,
+        )
+        self.model = model
+        self.optimizer = self.step.optimizer
+        self.global_step = 0  # applied optimizer steps
+        self.stop_training = False
+
+    @property
+    def policy(self) -> Any:
+        done = applied(self.model)
+        return done.policy if done else None
+
+    # -- data -------------------------------------------------------------------------------
+
+    def _batches(
+        self, x: Any, y: Any, batch_size: int, shuffle: bool
+    ) -> tuple[Callable[[], Iterable[Batch]], int, int]:
+        """A function giving one epoch of batches, the number of batches and of samples."""
+        if y is None:  # an iterable of (inputs, targets) batches, e.g. a DataLoader
+            if isinstance(x, torch.Tensor):
+                raise ValueError("fit(x, y): y is missing; pass targets or a loader of batches")
+            try:
+                steps = len(x)
+            except TypeError:
+                steps = 0
+            return (lambda: x), steps, 0
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r} is invalid; it must be an int >= 1")
+        xt, yt = _as_tensor(x, "x"), _as_tensor(y, "y")
+        n = len(xt)
+
+        def epoch() -> Iterable[Batch]:
+            order = torch.randperm(n) if shuffle else torch.arange(n)
+            for idx in order.split(batch_size):
+                yield xt[idx], yt[idx]
+
+        return epoch, -(-n // batch_size), n
+
+    def _validate(self, x: Any, y: Any) -> None:
+        if y is None:
+            return
+        xt, yt = _as_tensor(x, "x"), _as_tensor(y, "y")
+        classes = None
+        if self.loss_fn is get_loss("cross_entropy") and len(xt) > 0:
+            # One sample in eval mode tells the number of classes (train mode would update
+            # BatchNorm statistics and reject a batch of one).
+            was_training = self.model.training
+            self.model.eval()
+            with torch.no_grad():
+                classes = int(_call(self.model, _to(xt[:2], self.device)).shape[-1])
+            self.model.train(was_training)
+        if self.loss_fn is get_loss("cross_entropy") or not yt.is_floating_point():
+            validate_classification(xt, yt, classes)
+        elif len(xt) == 0:
+            raise ValueError("data is empty: 0 samples")
+
+    # -- fit --------------------------------------------------------------------------------
+
+    def fit(
+        self,
+        x: Any,
+        y: Any = None,
+        batch_size: int = 32,
+        epochs: int = 1,
+        validation_split: float = 0.0,
+        validation_data: tuple[Any, Any] | None = None,
+        shuffle: bool = True,
+        callbacks: Iterable[Callback] = (),
+        verbose: int = 1,
+    ) -> History:
+        """Train for ``epochs`` on tensors/arrays ``(x, y)`` or an iterable of batches ``x``.
+
+        ``validation_split`` holds out the last fraction of ``(x, y)`` before shuffling, as
+        Keras does. Returns the ``History``."""
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
+            raise ValueError(f"epochs={epochs!r} is invalid; it must be an int >= 0")
+        if not 0.0 <= validation_split < 1.0:
+            raise ValueError(f"validation_split={validation_split!r} is invalid; use [0, 1)")
+        if validation_split and y is None:
+            raise ValueError("validation_split needs tensors or arrays (x, y), not a loader")
+        if validation_split:
+            xt, yt = _as_tensor(x, "x"), _as_tensor(y, "y")
+            cut = len(xt) - int(len(xt) * validation_split)
+            x, y, validation_data = xt[:cut], yt[:cut], (xt[cut:], yt[cut:])
+        self._validate(x, y)
+        if validation_data is not None:
+            self._validate(*validation_data)
+        epoch_batches, steps, _ = self._batches(x, y, batch_size, shuffle)
+
+        history = History()
+        extra = [ProgressBar()] if verbose else []
+        cbs = CallbackList([history, *extra, *callbacks])
+        cbs.set_trainer(self)
+        self.stop_training = False
+        cbs.on_train_begin({"epochs": epochs, "steps": steps})
+        for epoch in range(epochs):
+            cbs.on_epoch_begin(epoch, {"steps": steps})
+            logs = self._run_epoch(epoch, epoch_batches(), cbs)
+            if validation_data is not None:
+                val = self.evaluate(*validation_data, batch_size=batch_size)
+                logs.update({f"val_{k}": v for k, v in val.items()})
+            cbs.on_epoch_end(epoch, logs)
+            if self.stop_training:
+                break
+        cbs.on_train_end({})
+        return history
+
+    def _run_epoch(self, epoch: int, batches: Iterable[Batch], cbs: Callback) -> Logs:
+        self.model.train()
+        loss_sum, samples, skipped = 0.0, 0, 0
+        metric_sums = dict.fromkeys(self.metrics, 0.0)
+        times: list[float] = []
+        start_epoch = time.perf_counter()
+        for step, batch in enumerate(batches):
+            xb, yb = _to(batch[0], self.device), _to(batch[1], self.device)
+            start = time.perf_counter()
+            loss, result = self.step(xb, yb)
+            loss_value = loss.item()  # after the step's own sync: no extra stall
+            elapsed = time.perf_counter() - start
+            size = len(yb)
+            if not result.accumulating:
+                times.append(elapsed)
+            if result.applied:
+                self.global_step += 1
+            skipped += int(result.found_inf)
+            loss_sum += loss_value * size
+            samples += size
+            output = self.step.last_output
+            if output is not None:
+                with torch.no_grad():
+                    for name, fn in self.metrics.items():
+                        metric_sums[name] += float(fn(output.float(), yb)) * size
+            cbs.on_train_batch_end(
+                step,
+                {
+                    "epoch": epoch,
+                    "loss": loss_value,
+                    "applied": result.applied,
+                    "found_inf": result.found_inf,
+                    "loss_scale": result.scale,
+                    "step_ms": 1000 * elapsed,
+                    "size": size,
+                    "global_step": self.global_step,
+                },
+            )
+        if samples == 0:
+            raise ValueError("the training data produced no batches")
+        total = time.perf_counter() - start_epoch
+        return {
+            "loss": loss_sum / samples,
+            **{name: value / samples for name, value in metric_sums.items()},
+            "ms_per_step": 1000 * statistics.median(times) if times else float("nan"),
+            "samples_per_s": samples / total,
+            "loss_scale": self.optimizer.loss_scaler.get_scale(),
+            "skipped_steps": skipped,
+        }
+
+    # -- evaluate / predict -----------------------------------------------------------------
+
+    def evaluate(self, x: Any, y: Any = None, batch_size: int = 32) -> dict[str, float]:
+        """Mean loss and metrics over ``(x, y)`` or an iterable of batches."""
+        self._validate(x, y)
+        epoch_batches, _, _ = self._batches(x, y, batch_size, shuffle=False)
+        self.model.eval()
+        sums = dict.fromkeys(["loss", *self.metrics], 0.0)
+        samples = 0
+        with torch.no_grad():
+            for batch in epoch_batches():
+                xb, yb = _to(batch[0], self.device), _to(batch[1], self.device)
+                output = _call(self.model, xb).float()
+                size = len(yb)
+                sums["loss"] += float(self.loss_fn(output, yb)) * size
+                for name, fn in self.metrics.items():
+                    sums[name] += float(fn(output, yb)) * size
+                samples += size
+        if samples == 0:
+            raise ValueError("evaluate: the data is empty (0 samples)")
+        return {k: v / samples for k, v in sums.items()}
+
+    def predict(self, x: Any, batch_size: int = 32) -> torch.Tensor:
+        """The model's outputs in float32, on the CPU, for tensors/arrays or batches."""
+        self.model.eval()
+        outputs = []
+        if isinstance(x, torch.Tensor) or not isinstance(x, Iterable):
+            xt = _as_tensor(x, "x")
+            chunks: Iterable[Any] = xt.split(batch_size)
+        else:
+            chunks = (b[0] if isinstance(b, (tuple, list)) else b for b in x)
+        with torch.no_grad():
+            for chunk in chunks:
+                outputs.append(_call(self.model, _to(chunk, self.device)).float().cpu())
+        return torch.cat(outputs) if outputs else torch.empty(0)
+
+    # -- MindSpore style --------------------------------------------------------------------
+
+    def train(
+        self, epoch: int, train_dataset: Iterable[Batch], callbacks: Iterable[Callback] = ()
+    ) -> History:
+        """MindSpore's ``Model.train(epoch, train_dataset, callbacks=[LossMonitor()])``."""
+        return self.fit(train_dataset, epochs=epoch, callbacks=callbacks, verbose=0)
+
+    # -- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer (inner states, float32 masters, loss scaler) and step counter."""
+        return {
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "global_step": self.global_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.global_step = int(state["global_step"])

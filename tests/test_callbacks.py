@@ -1,0 +1,148 @@
+"""Callbacks: the order and content of the logs, and each callback's output."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+import pytest
+import torch
+
+import mixprec as mp
+from tests.conftest import classification_data, make_mlp
+
+
+def trainer(policy="mixed_bfloat16"):
+    model = make_mlp()
+    return mp.Trainer(
+        model, "cross_entropy", torch.optim.Adam(model.parameters(), lr=3e-3), policy=policy,
+        device="cpu",
+    )  # fmt: skip
+
+
+class Recorder(mp.Callback):
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def on_train_begin(self, logs):
+        self.events.append(("train_begin", dict(logs)))
+
+    def on_epoch_begin(self, epoch, logs):
+        self.events.append(("epoch_begin", epoch))
+
+    def on_train_batch_end(self, step, logs):
+        self.events.append(("batch_end", step, dict(logs)))
+
+    def on_epoch_end(self, epoch, logs):
+        self.events.append(("epoch_end", epoch, dict(logs)))
+
+    def on_train_end(self, logs):
+        self.events.append(("train_end",))
+
+
+def test_order_and_content_of_logs():
+    x, y = classification_data(n=96)
+    rec = Recorder()
+    trainer().fit(x, y, batch_size=32, epochs=2, validation_split=1 / 3, callbacks=[rec],
+                  verbose=0)  # fmt: skip
+    kinds = [e[0] for e in rec.events]
+    assert kinds == ["train_begin"] + ["epoch_begin", "batch_end", "batch_end", "epoch_end"] * 2 + [
+        "train_end"
+    ]
+    assert rec.events[0][1] == {"epochs": 2, "steps": 2}
+    batch = rec.events[2][2]
+    assert set(batch) == {"epoch", "loss", "applied", "found_inf", "loss_scale", "step_ms",
+                          "size", "global_step"}  # fmt: skip
+    assert batch["applied"] and batch["global_step"] == 1 and batch["size"] == 32
+    epoch_logs = rec.events[4][2]
+    assert list(epoch_logs) == [
+        "loss", "accuracy", "ms_per_step", "samples_per_s", "loss_scale", "skipped_steps",
+        "val_loss", "val_accuracy",
+    ]  # fmt: skip
+    assert rec.events[-2][2]["loss"] == pytest.approx(
+        sum(e[2]["loss"] for e in rec.events[6:8]) / 2
+    )
+
+
+def test_csv_logger(tmp_path):
+    x, y = classification_data(n=64)
+    path = tmp_path / "logs" / "train.csv"
+    trainer().fit(x, y, epochs=3, callbacks=[mp.CSVLogger(path)], verbose=0)
+    rows = list(csv.reader(path.open()))
+    assert rows[0][:3] == ["epoch", "loss", "accuracy"]
+    assert [r[0] for r in rows[1:]] == ["0", "1", "2"]
+    assert float(rows[3][1]) < float(rows[1][1])
+
+
+def test_tensorboard_writes_events(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    x, y = classification_data(n=64)
+    trainer("mixed_float16").fit(x, y, epochs=2, callbacks=[mp.TensorBoard(tmp_path)], verbose=0)
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/loss_scale", "train/skipped_steps", "train/step_ms"} <= tags
+    assert {"epoch/loss", "epoch/accuracy"} <= tags
+    assert len(acc.Scalars("train/loss")) == 4
+    assert acc.Scalars("train/loss_scale")[0].value == 2.0**16
+
+
+def test_early_stopping_stops_and_restores(tmp_path):
+    x, y = classification_data(n=128)
+    t = trainer()
+    stop = mp.EarlyStopping(
+        monitor="val_loss", patience=1, restore_best_weights=True, min_delta=10.0
+    )  # no epoch can improve by 10: stops after 2
+    history = t.fit(x, y, epochs=10, validation_split=0.25, callbacks=[stop], verbose=0)
+    assert len(history.epoch) == 2 and stop.stopped_epoch == 1
+    best = stop._best_state["model"]  # epoch 0's weights are back
+    assert all(torch.equal(v, t.model.state_dict()[k]) for k, v in best.items())
+    with pytest.raises(KeyError, match="monitor='val_auc' is not in the epoch logs"):
+        trainer().fit(x, y, epochs=1, verbose=0, callbacks=[mp.EarlyStopping("val_auc")])
+
+
+def test_model_checkpoint_keeps_last_and_best(tmp_path):
+    x, y = classification_data(n=64)
+    t = trainer()
+    ckpt = mp.ModelCheckpoint(tmp_path, every_n_epochs=1, keep_last=2, monitor="loss")
+    t.fit(x, y, epochs=4, callbacks=[ckpt], verbose=0)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["best.pt", "epoch-0003.pt", "epoch-0004.pt"]
+    state = torch.load(tmp_path / "epoch-0004.pt", weights_only=False)
+    fresh = trainer()
+    fresh.load_state_dict(state)
+    for a, b in zip(t.model.parameters(), fresh.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    steps = mp.ModelCheckpoint(tmp_path / "s", every_n_epochs=None, every_n_steps=3, keep_last=5)
+    trainer().fit(x, y, epochs=2, callbacks=[steps], verbose=0)  # 4 steps
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["step-00000003.pt"]
+
+
+def test_progress_bar_on_a_terminal():
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Tty()
+    x, y = classification_data(n=64)
+    trainer().fit(x, y, epochs=1, callbacks=[mp.ProgressBar(stream)], verbose=0)
+    text = stream.getvalue()
+    assert "epoch 1/1" in text and "2/2" in text and "loss" in text
+
+
+def test_callback_argument_errors():
+    with pytest.raises(ValueError, match="per_print_times=0 is invalid"):
+        mp.LossMonitor(0)
+    with pytest.raises(ValueError, match="interval='batch' is invalid"):
+        mp.LearningRateScheduler(None, interval="batch")
+    with pytest.raises(ValueError, match="decay=1.5 is invalid"):
+        mp.EMA(1.5)
+    with pytest.raises(ValueError, match="mode='up' is invalid"):
+        mp.EarlyStopping(mode="up")
+    x, y = classification_data(n=32)
+    with pytest.raises(TypeError, match="must be mixprec Callback instances, got str"):
+        trainer().fit(x, y, callbacks=["csv"], verbose=0)  # type: ignore[list-item]
+    with pytest.raises(RuntimeError, match="EMA is not attached to a Trainer"):
+        mp.EMA().on_train_begin({})
