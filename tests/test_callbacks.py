@@ -110,7 +110,7 @@ def test_model_checkpoint_keeps_last_and_best(tmp_path):
     t.fit(x, y, epochs=4, callbacks=[ckpt], verbose=0)
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["best.pt", "epoch-0003.pt", "epoch-0004.pt"]
-    state = torch.load(tmp_path / "epoch-0004.pt", weights_only=False)
+    state = torch.load(tmp_path / "epoch-0004.pt", weights_only=True)  # no pickled code
     fresh = trainer()
     fresh.load_state_dict(state)
     for a, b in zip(t.model.parameters(), fresh.model.parameters(), strict=True):

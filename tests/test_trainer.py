@@ -61,7 +61,7 @@ def test_fit_on_a_dataloader_and_mindspore_train(capsys):
     history = t.train(2, loader, callbacks=[mp.LossMonitor(4)])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 4  # 8 steps per epoch, every 4th
-    assert re.fullmatch(r"epoch: 1 step: 4, loss is \d+\.\d+", lines[0])
+    assert re.fullmatch(r"epoch: 1 step: 4, loss is \d\.\d{1,8}", lines[0])  # float32 digits
     assert lines[-1].startswith("epoch: 2 step: 8, loss is ")
     assert len(history.history["loss"]) == 2
 
@@ -80,6 +80,11 @@ def test_build_train_step_custom_loop():
         assert isinstance(result, mp.StepResult) and result.applied
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+    with pytest.raises(ValueError, match=r"already prepared with policy mixed_float16, level O2"):
+        mp.build_train_step(model, torch.optim.SGD(model.parameters(), 0.1), "cross_entropy",
+                            policy="mixed_bfloat16")  # fmt: skip
+    again = mp.build_train_step(model, step.optimizer, "cross_entropy")  # reuse: fine
+    assert again.optimizer is step.optimizer
 
 
 def test_scheduler_ema_and_counter_skip_overflowing_steps():

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+import numpy
 import torch
 
 if TYPE_CHECKING:
@@ -163,8 +164,10 @@ class LossMonitor(Callback):
 
     def on_train_batch_end(self, step: int, logs: Logs) -> None:
         if (step + 1) % self.per_print_times == 0:
+            # MindSpore prints the float32 loss with the digits that identify it.
+            loss = numpy.float32(logs["loss"])
             print(
-                f"epoch: {logs['epoch'] + 1} step: {step + 1}, loss is {logs['loss']}",
+                f"epoch: {logs['epoch'] + 1} step: {step + 1}, loss is {loss!s}",
                 file=self.stream or sys.stdout,
                 flush=True,
             )

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from mixprec.data import validate_classification
-from mixprec.levels import applied, auto_mixed_precision
+from mixprec.levels import applied, auto_mixed_precision, resolve_level
 from mixprec.optim import LossScaleOptimizer, StepResult
-from mixprec.policy import PolicyLike
+from mixprec.policy import PolicyLike, get_policy
 from mixprec.scaling import LossScaler
 from mixprec.train.callbacks import Callback, CallbackList, History, Logs, ProgressBar
 from mixprec.train.metrics import LossFn, Metric, get_loss, get_metric
@@ -72,8 +72,17 @@ def build_train_step(
 ) -> TrainStep:
     """Prepare ``model`` (unless ``auto_mixed_precision`` was already applied) and wrap
     ``optimizer`` (unless it is a ``LossScaleOptimizer``); return the step callable."""
-    if applied(model) is None:
+    done = applied(model)
+    if done is None:
         auto_mixed_precision(model, policy, level)
+    elif (policy is not None and get_policy(policy) != done.policy) or (
+        level != "auto" and resolve_level(level, done.policy) != done.level
+    ):
+        raise ValueError(
+            f"the model was already prepared with policy {done.policy.name}, level "
+            f"{done.level}; build_train_step(policy={policy!r}, level={level!r}) cannot change "
+            "that: build the model again, or leave policy=None and level='auto'"
+        )
     if not isinstance(optimizer, LossScaleOptimizer):
         optimizer = LossScaleOptimizer(optimizer, loss_scaler, max_grad_norm, accumulation_steps)
     return TrainStep(model, optimizer, get_loss(loss_fn))
