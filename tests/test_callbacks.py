@@ -109,15 +109,15 @@ def test_model_checkpoint_keeps_last_and_best(tmp_path):
     ckpt = mp.ModelCheckpoint(tmp_path, every_n_epochs=1, keep_last=2, monitor="loss")
     t.fit(x, y, epochs=4, callbacks=[ckpt], verbose=0)
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["best.pt", "epoch-0003.pt", "epoch-0004.pt"]
-    state = torch.load(tmp_path / "epoch-0004.pt", weights_only=True)  # no pickled code
+    assert names == ["best.safetensors", "epoch-0003.safetensors", "epoch-0004.safetensors"]
     fresh = trainer()
-    fresh.load_state_dict(state)
+    report = mp.load_checkpoint(tmp_path / "epoch-0004.safetensors", fresh.model, fresh.optimizer)
+    assert report.trainer_state["global_step"] == t.global_step == 8
     for a, b in zip(t.model.parameters(), fresh.model.parameters(), strict=True):
         assert torch.equal(a, b)
     steps = mp.ModelCheckpoint(tmp_path / "s", every_n_epochs=None, every_n_steps=3, keep_last=5)
     trainer().fit(x, y, epochs=2, callbacks=[steps], verbose=0)  # 4 steps
-    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["step-00000003.pt"]
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["step-00000003.safetensors"]
 
 
 def test_progress_bar_on_a_terminal():

@@ -49,7 +49,10 @@ def test_train_in_subprocesses_with_plot_and_save(tmp_path, capsys):
     out = capsys.readouterr().out
     assert set(rows(out)) == {"float32", "mixed_float16"}
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["baseline.pt", "mixed.pt"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "baseline.safetensors",
+        "mixed.safetensors",
+    ]
 
 
 def test_train_synthetic_without_comparison(capsys):

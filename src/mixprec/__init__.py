@@ -6,6 +6,14 @@ Policies, O0-O3 levels, loss scaling and master weights in one library.
 from mixprec import data, models
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec.casting import cast_floating, to_float
+from mixprec.checkpoint import (
+    CheckpointError,
+    LoadReport,
+    export_weights,
+    load_checkpoint,
+    read_checkpoint,
+    save_checkpoint,
+)
 from mixprec.grad_scaler import GradScaler
 from mixprec.levels import LEVELS, auto_mixed_precision, describe, module_dtypes
 from mixprec.optim import LossScaleOptimizer, StepResult, split_embedding_parameters
@@ -43,12 +51,14 @@ __all__ = [
     "ArgumentError",
     "CSVLogger",
     "Callback",
+    "CheckpointError",
     "DynamicLossScaler",
     "EarlyStopping",
     "ExponentialUpdateLossScaleManager",
     "GradScaler",
     "History",
     "LearningRateScheduler",
+    "LoadReport",
     "LossMonitor",
     "LossScaleOptimizer",
     "LossScaler",
@@ -70,11 +80,15 @@ __all__ = [
     "cast_floating",
     "data",
     "describe",
+    "export_weights",
     "get_policy",
     "global_policy",
+    "load_checkpoint",
     "models",
     "module_dtypes",
     "policy_scope",
+    "read_checkpoint",
+    "save_checkpoint",
     "set_global_policy",
     "split_embedding_parameters",
     "to_float",

@@ -261,6 +261,12 @@ def take_float32_copy(param: torch.Tensor) -> torch.Tensor | None:
     return kept.values.to(param.device)
 
 
+def remember_float32(param: torch.Tensor, values: torch.Tensor) -> None:
+    """Keep ``values`` (float32) as the current float32 copy of the 16-bit ``param``."""
+    record = _Float32Copy(values.detach().float(), version=param._version)
+    setattr(param, FP32_COPY_ATTR, record)
+
+
 def store_as(
     module: nn.Module,
     dtype: torch.dtype,

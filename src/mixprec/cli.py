@@ -87,11 +87,8 @@ def run_training(config: dict[str, Any]) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     test = trainer.evaluate(x_test, y_test, batch_size=256)
     if config.get("save"):
-        from mixprec.train.callbacks import _atomic_save
-
-        folder = Path(config["save"])
-        folder.mkdir(parents=True, exist_ok=True)
-        _atomic_save(trainer.state_dict(), folder / f"{config['label']}.pt")
+        path = Path(config["save"]) / f"{config['label']}.safetensors"
+        mixprec.save_checkpoint(path, model, trainer.optimizer, trainer.resume_state())
     done = mixprec.levels.applied(model)
     cuda = torch.cuda.is_available()
     return {

@@ -242,6 +242,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def loss_scaler(self) -> LossScaler:
         return self._loss_scaler
 
+    def master_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(16-bit model parameter, its float32 master)`` pairs."""
+        return list(zip(self._half, self._masters, strict=True))
+
     def master_params(self) -> Iterator[torch.Tensor]:
         """The tensors the inner optimizer updates (float32 masters and plain parameters);
         after ``unscale_()`` their ``.grad`` holds the unscaled gradients."""

@@ -14,13 +14,14 @@ import csv
 import math
 import os
 import sys
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy
 import torch
+
+from mixprec.checkpoint import save_checkpoint
 
 if TYPE_CHECKING:
     from mixprec.train.trainer import Trainer
@@ -294,25 +295,11 @@ class EarlyStopping(Callback):
                 self.attached.load_state_dict(self._best_state)
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename over ``path``: a
-    crash leaves either the old file or the new one, never a torn one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 class ModelCheckpoint(Callback):
-    """Save the trainer's state (model, optimizer with masters and loss scaler, step) every
-    ``every_n_epochs`` epochs or ``every_n_steps`` applied steps; keep the last
-    ``keep_last``; with ``monitor``, also keep ``best.pt`` by that epoch log."""
+    """Save a checkpoint (``save_checkpoint``: model, optimizer with float32 masters and
+    loss scaler, where training stands, RNG states) every ``every_n_epochs`` epochs or
+    ``every_n_steps`` applied steps; keep the last ``keep_last``; with ``monitor``, also
+    keep ``best.safetensors`` by that epoch log. ``fit(resume_from=path)`` continues."""
 
     def __init__(
         self,
@@ -337,9 +324,13 @@ class ModelCheckpoint(Callback):
     def on_train_begin(self, logs: Logs) -> None:
         self.dirpath.mkdir(parents=True, exist_ok=True)
 
+    def _write(self, path: Path) -> None:
+        trainer = self.attached
+        save_checkpoint(path, trainer.model, trainer.optimizer, trainer.resume_state())
+
     def _save(self, name: str) -> None:
         path = self.dirpath / name
-        _atomic_save(self.attached.state_dict(), path)
+        self._write(path)
         if path in self.saved:
             self.saved.remove(path)
         self.saved.append(path)
@@ -349,17 +340,17 @@ class ModelCheckpoint(Callback):
     def on_train_batch_end(self, step: int, logs: Logs) -> None:
         n = self.every_n_steps
         if n and logs["applied"] and logs["global_step"] % n == 0:
-            self._save(f"step-{logs['global_step']:08d}.pt")
+            self._save(f"step-{logs['global_step']:08d}.safetensors")
 
     def on_epoch_end(self, epoch: int, logs: Logs) -> None:
         n = self.every_n_epochs
         if n and (epoch + 1) % n == 0:
-            self._save(f"epoch-{epoch + 1:04d}.pt")
+            self._save(f"epoch-{epoch + 1:04d}.safetensors")
         if self.monitor is not None and self.monitor in logs:
             current = float(logs[self.monitor])
             if self.best is None or _better(self.mode, current, self.best):
                 self.best = current
-                _atomic_save(self.attached.state_dict(), self.dirpath / "best.pt")
+                self._write(self.dirpath / "best.safetensors")
 
 
 class LearningRateScheduler(Callback):

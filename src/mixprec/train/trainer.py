@@ -7,6 +7,8 @@ Composition only: the numerics are ``auto_mixed_precision`` and ``LossScaleOptim
 from __future__ import annotations
 
 import copy
+import itertools
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.checkpoint import load_checkpoint
 from mixprec.data import validate_classification
 from mixprec.levels import applied, auto_mixed_precision, resolve_level
 from mixprec.optim import LossScaleOptimizer, StepResult
@@ -143,6 +146,8 @@ class Trainer:
         self.optimizer = self.step.optimizer
         self.global_step = 0  # applied optimizer steps
         self.stop_training = False
+        self._epoch, self._step_in_epoch = 0, 0
+        self._epoch_rng = torch.get_rng_state()
 
     @property
     def policy(self) -> Any:
@@ -162,16 +167,18 @@ class Trainer:
                 steps = len(x)
             except TypeError:
                 steps = 0
-            return (lambda: x), steps, 0
+            # iter() now: a shuffling DataLoader draws its order from the RNG at this point.
+            return (lambda: iter(x)), steps, 0
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} is invalid; it must be an int >= 1")
         xt, yt = _as_tensor(x, "x"), _as_tensor(y, "y")
         n = len(xt)
 
         def epoch() -> Iterable[Batch]:
+            # The order is drawn now, not when iteration starts, so that resuming can
+            # replay it from the RNG state saved at the start of the epoch.
             order = torch.randperm(n) if shuffle else torch.arange(n)
-            for idx in order.split(batch_size):
-                yield xt[idx], yt[idx]
+            return ((xt[idx], yt[idx]) for idx in order.split(batch_size))
 
         return epoch, -(-n // batch_size), n
 
@@ -206,11 +213,15 @@ class Trainer:
         shuffle: bool = True,
         callbacks: Iterable[Callback] = (),
         verbose: int = 1,
+        resume_from: str | os.PathLike[str] | None = None,
     ) -> History:
         """Train for ``epochs`` on tensors/arrays ``(x, y)`` or an iterable of batches ``x``.
 
         ``validation_split`` holds out the last fraction of ``(x, y)`` before shuffling, as
-        Keras does. Returns the ``History``."""
+        Keras does. ``resume_from`` loads a checkpoint written by ``ModelCheckpoint`` or
+        ``save_checkpoint(..., trainer_state=trainer.resume_state())`` and continues where it
+        stopped, up to ``epochs`` in all, with the same batches and random numbers as an
+        uninterrupted run. Returns the ``History`` of the epochs run now."""
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
             raise ValueError(f"epochs={epochs!r} is invalid; it must be an int >= 0")
         if not 0.0 <= validation_split < 1.0:
@@ -225,6 +236,16 @@ class Trainer:
         if validation_data is not None:
             self._validate(*validation_data)
         epoch_batches, steps, _ = self._batches(x, y, batch_size, shuffle)
+        start_epoch, skip, replay = 0, 0, None
+        if resume_from is not None:
+            state = load_checkpoint(
+                resume_from, self.model, self.optimizer, restore_rng=True
+            ).trainer_state
+            self.global_step = int(state.get("global_step", 0))
+            start_epoch, skip = int(state.get("epoch", 0)), int(state.get("step_in_epoch", 0))
+            replay = state.get("epoch_rng")
+            if replay is None or (steps and skip >= steps):  # saved at the end of an epoch
+                start_epoch, skip, replay = start_epoch + (skip > 0), 0, None
 
         history = History()
         extra = [ProgressBar()] if verbose else []
@@ -232,9 +253,19 @@ class Trainer:
         cbs.set_trainer(self)
         self.stop_training = False
         cbs.on_train_begin({"epochs": epochs, "steps": steps})
-        for epoch in range(epochs):
+        for epoch in range(start_epoch, epochs):
             cbs.on_epoch_begin(epoch, {"steps": steps})
-            logs = self._run_epoch(epoch, epoch_batches(), cbs)
+            if replay is not None:  # the interrupted epoch: same order, then same RNG stream
+                now = torch.get_rng_state()
+                torch.set_rng_state(replay)
+                self._epoch_rng = replay
+                batches: Iterable[Batch] = itertools.islice(epoch_batches(), skip, None)
+                torch.set_rng_state(now)
+                replay = None
+            else:
+                self._epoch_rng = torch.get_rng_state()
+                batches, skip = epoch_batches(), 0
+            logs = self._run_epoch(epoch, batches, cbs, first_step=skip)
             if validation_data is not None:
                 val = self.evaluate(*validation_data, batch_size=batch_size)
                 logs.update({f"val_{k}": v for k, v in val.items()})
@@ -244,13 +275,17 @@ class Trainer:
         cbs.on_train_end({})
         return history
 
-    def _run_epoch(self, epoch: int, batches: Iterable[Batch], cbs: Callback) -> Logs:
+    def _run_epoch(
+        self, epoch: int, batches: Iterable[Batch], cbs: Callback, first_step: int = 0
+    ) -> Logs:
         self.model.train()
+        self._epoch = epoch
         loss_sum, samples, skipped = 0.0, 0, 0
         metric_sums = dict.fromkeys(self.metrics, 0.0)
         times: list[float] = []
         start_epoch = time.perf_counter()
-        for step, batch in enumerate(batches):
+        for step, batch in enumerate(batches, start=first_step):
+            self._step_in_epoch = step + 1
             xb, yb = _to(batch[0], self.device), _to(batch[1], self.device)
             start = time.perf_counter()
             loss, result = self.step(xb, yb)
@@ -339,6 +374,16 @@ class Trainer:
         return self.fit(train_dataset, epochs=epoch, callbacks=callbacks, verbose=0)
 
     # -- state ------------------------------------------------------------------------------
+
+    def resume_state(self) -> dict[str, Any]:
+        """Where training stands: applied steps, epoch, batches done in it, and the RNG
+        state the epoch's order was drawn from (for ``fit(resume_from=...)``)."""
+        return {
+            "global_step": self.global_step,
+            "epoch": self._epoch,
+            "step_in_epoch": self._step_in_epoch,
+            "epoch_rng": self._epoch_rng,
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer (inner states, float32 masters, loss scaler) and step counter."""
