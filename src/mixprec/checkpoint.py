@@ -67,11 +67,17 @@ class LoadReport:
         lines += [f"  {name}: {a} -> {b}" for name, a, b in self.converted]
         for name, peak, dtype, action in self.out_of_range:
             lines.append(f"  {name}: max |value| {peak:.6g} exceeds {dtype} ({action})")
-        for label, names in (("missing", self.missing), ("unexpected", self.unexpected)):
-            if names:
-                lines.append(f"  {label}: {', '.join(names)}")
-        lines += [f"  shape mismatch {n}: saved {a}, model {b}" for n, a, b in self.mismatched]
-        return "\n".join(lines)
+        return "\n".join(lines + self.mismatch_lines())
+
+    def mismatch_lines(self) -> list[str]:
+        lines = [
+            f"  {label}: {', '.join(names)}"
+            for label, names in (("missing", self.missing), ("unexpected", self.unexpected))
+            if names
+        ]
+        return lines + [
+            f"  shape mismatch {n}: saved {a}, model {b}" for n, a, b in self.mismatched
+        ]
 
 
 # -- nested state <-> tensors + JSON --------------------------------------------------------
@@ -344,7 +350,10 @@ def load_checkpoint(
         if k in saved and saved[k].shape != current[k].shape
     ]
     if strict and (report.missing or report.unexpected or report.mismatched):
-        raise CheckpointError(f"{path}: does not match the model\n{report}")
+        details = "\n".join(report.mismatch_lines())
+        raise CheckpointError(
+            f"{path}: does not match the model (strict=False loads what matches)\n{details}"
+        )
     skip = {k for k, _, _ in report.mismatched}
     loaded = {
         k: _convert(k, saved[k], current[k], on_range, report)
