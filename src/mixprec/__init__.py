@@ -9,6 +9,7 @@ from mixprec.casting import cast_floating, to_float
 from mixprec.checkpoint import (
     CheckpointError,
     LoadReport,
+    convert_checkpoint,
     export_weights,
     load_checkpoint,
     read_checkpoint,
@@ -78,6 +79,7 @@ __all__ = [
     "auto_mixed_precision",
     "build_train_step",
     "cast_floating",
+    "convert_checkpoint",
     "data",
     "describe",
     "export_weights",

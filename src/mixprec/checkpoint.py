@@ -37,6 +37,7 @@ OnRange = Literal["error", "clamp", "ignore"]
 __all__ = [
     "CheckpointError",
     "LoadReport",
+    "convert_checkpoint",
     "export_weights",
     "load_checkpoint",
     "read_checkpoint",
@@ -413,25 +414,53 @@ def _load_optimizer(
         ) from err
 
 
+def _write_weights(
+    weights: dict[str, torch.Tensor],
+    dtype: str | torch.dtype,
+    on_range: OnRange,
+    aliases: dict[str, str],
+    source: str,
+    path: str | os.PathLike[str],
+) -> LoadReport:
+    """Cast ``weights`` to ``dtype`` (range-checked) and write them as plain safetensors."""
+    target = parse_dtype(dtype, argument="dtype")
+    report = LoadReport(path=source)
+    probe = torch.empty(0, dtype=target)
+    out = {name: _convert(name, value, probe, on_range, report) for name, value in weights.items()}
+    meta = {"written_by": f"mixprec {_version()}", "dtype": dtype_name(target)}
+    if aliases:
+        meta["aliases"] = json.dumps(aliases)
+    _atomic_write(out, meta, Path(path))
+    return report
+
+
 def export_weights(
     model: nn.Module,
     path: str | os.PathLike[str],
     dtype: str | torch.dtype = torch.float32,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> Path:
-    """Write the model's floating weights in ``dtype`` (float32, bfloat16 or float16) as a
-    plain safetensors file for inference; with a ``LossScaleOptimizer``, from its float32
-    masters. Raises ``CheckpointError`` if a value does not fit ``dtype``."""
-    target = parse_dtype(dtype, argument="export dtype")
+    """Write the model's weights in ``dtype`` (float32, bfloat16 or float16) as a plain
+    safetensors file for inference; with a ``LossScaleOptimizer``, from its float32 masters.
+    Raises ``CheckpointError`` if a value does not fit ``dtype``."""
     tensors, aliases, _ = _model_tensors(model, optimizer)
-    out: dict[str, torch.Tensor] = {}
-    report = LoadReport(path=str(path))
-    for name, value in tensors.items():
-        probe = torch.empty(0, dtype=target)
-        out[name.removeprefix("model/")] = _convert(name, value, probe, "error", report)
-    header = {"exported_by": f"mixprec {_version()}", "dtype": dtype_name(target)}
-    if aliases:
-        header["aliases"] = json.dumps(aliases)
-    destination = Path(path)
-    _atomic_write(out, header, destination)
-    return destination
+    weights = {k.removeprefix("model/"): v for k, v in tensors.items()}
+    _write_weights(weights, dtype, "error", aliases, type(model).__name__, path)
+    return Path(path)
+
+
+def convert_checkpoint(
+    source: str | os.PathLike[str],
+    destination: str | os.PathLike[str],
+    dtype: str | torch.dtype = torch.float32,
+    on_range: OnRange = "error",
+) -> LoadReport:
+    """Rewrite the model weights of any readable checkpoint (mixprec, safetensors, a
+    ``torch.save`` state dict) as a plain safetensors file in ``dtype``."""
+    if on_range not in ("error", "clamp", "ignore"):
+        raise ValueError(f"on_range={on_range!r} is invalid; valid: 'error', 'clamp', 'ignore'")
+    tensors, header = read_checkpoint(source)
+    weights = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+    return _write_weights(
+        weights, dtype, on_range, header.get("aliases", {}), str(source), destination
+    )

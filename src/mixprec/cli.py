@@ -193,6 +193,36 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    report = mixprec.convert_checkpoint(args.input, args.output, args.dtype, args.on_range)
+    print(f"wrote {args.output}: {len(report.converted)} tensors converted to {args.dtype}")
+    for name, peak, dtype, action in report.out_of_range:
+        print(f"  {name}: max |value| {peak:.6g} exceeds {dtype} ({action})")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    tensors, header = mixprec.read_checkpoint(args.checkpoint)
+    print(f"{args.checkpoint}: {len(tensors)} tensors")
+    for key in ("format_version", "mixprec_version", "torch_version", "policy", "level"):
+        if header.get(key) is not None:
+            print(f"  {key}: {header[key]}")
+    if header.get("masters"):
+        print(f"  float32 masters stored for: {', '.join(header['masters'])}")
+    trainer = mixprec.checkpoint._unflatten(header.get("trainer_state", {"__dict__": []}), tensors)
+    scalars = {k: v for k, v in trainer.items() if not isinstance(v, torch.Tensor)}
+    if scalars:
+        print(f"  trainer state: {scalars}")
+    width = max((len(n) for n in tensors), default=0)
+    total = 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        total += t.numel() * t.element_size()
+        print(f"  {name:<{width}}  {str(t.dtype).removeprefix('torch.'):<9} {tuple(t.shape)}")
+    print(f"  {total / 2**20:.2f} MiB of tensor data")
+    return 0
+
+
 def _info(_: argparse.Namespace) -> int:
     hw = probe_hardware()
     policy = Policy("auto")
@@ -230,6 +260,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--in-process", action="store_true", help="no subprocess per run (peak memory is shared)"
     )
     train.set_defaults(run=_train)
+
+    convert = commands.add_parser(
+        "convert", help="rewrite a checkpoint's weights as safetensors in one dtype"
+    )
+    convert.add_argument("input", help="mixprec checkpoint, .safetensors or torch.save file")
+    convert.add_argument("output", help="the .safetensors file to write")
+    convert.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    convert.add_argument(
+        "--on-range", default="error", choices=("error", "clamp", "ignore"),
+        help="values beyond the dtype's range: fail (default), saturate, or cast as is",
+    )  # fmt: skip
+    convert.set_defaults(run=_convert)
+
+    inspect = commands.add_parser("inspect", help="list a checkpoint's tensors and metadata")
+    inspect.add_argument("checkpoint")
+    inspect.set_defaults(run=_inspect)
 
     info = commands.add_parser("info", help="what mixprec sees on this machine")
     info.set_defaults(run=_info)
