@@ -52,7 +52,7 @@ def test_order_and_content_of_logs():
     assert rec.events[0][1] == {"epochs": 2, "steps": 2}
     batch = rec.events[2][2]
     assert set(batch) == {"epoch", "loss", "applied", "found_inf", "loss_scale", "step_ms",
-                          "size", "global_step"}  # fmt: skip
+                          "size", "global_step", "overflow"}  # fmt: skip
     assert batch["applied"] and batch["global_step"] == 1 and batch["size"] == 32
     epoch_logs = rec.events[4][2]
     assert list(epoch_logs) == [

@@ -203,3 +203,22 @@ def test_malicious_pickle_is_refused_without_running(tmp_path):
         with pytest.raises(mp.CheckpointError, match=rf"{name}: refused"):
             mp.load_checkpoint(path, make_mlp())
         assert not marker.exists()
+
+
+def test_header_length_that_looks_like_a_pickle(tmp_path):
+    """A safetensors header length whose first byte is 0x80 (a pickle's first byte) must
+    still be read as a mixprec checkpoint, with its header."""
+    model = make_mlp()
+    for pad in range(300):
+        path = mp.save_checkpoint(tmp_path / "c.safetensors", model, trainer_state={"p": "x" * pad})
+        if path.read_bytes()[0] == 0x80:
+            break
+    else:
+        raise AssertionError("no padding gave a 0x80 first byte")
+    _, header = mp.read_checkpoint(path)
+    assert header["format"] == "mixprec-checkpoint"
+    assert mp.load_checkpoint(path, make_mlp(seed=3)).trainer_state["p"] == "x" * pad
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"hello world, not a checkpoint")
+    with pytest.raises(mp.CheckpointError, match="junk.bin: truncated, corrupt, or not a"):
+        mp.read_checkpoint(junk)

@@ -15,6 +15,7 @@ from mixprec.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
+from mixprec.doctor import ModuleReport, Report, ScalerHealth, diagnose
 from mixprec.grad_scaler import GradScaler
 from mixprec.levels import LEVELS, auto_mixed_precision, describe, module_dtypes
 from mixprec.optim import LossScaleOptimizer, StepResult, split_embedding_parameters
@@ -28,6 +29,7 @@ from mixprec.scaling import (
     StaticLossScaler,
     all_finite,
 )
+from mixprec.trace import Overflow
 from mixprec.train import (
     EMA,
     Callback,
@@ -65,9 +67,13 @@ __all__ = [
     "LossScaler",
     "MisuseError",
     "ModelCheckpoint",
+    "ModuleReport",
     "NoOpLossScaler",
+    "Overflow",
     "Policy",
     "ProgressBar",
+    "Report",
+    "ScalerHealth",
     "ScalerState",
     "StaticLossScaler",
     "StepResult",
@@ -82,6 +88,7 @@ __all__ = [
     "convert_checkpoint",
     "data",
     "describe",
+    "diagnose",
     "export_weights",
     "get_policy",
     "global_policy",

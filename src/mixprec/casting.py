@@ -141,7 +141,7 @@ class Float32Functions(TorchFunctionMode):
     ) -> Any:
         if func not in FLOAT32_FUNCTIONS:
             return func(*args, **(kwargs or {}))
-        first = _first_floating(args)
+        first = first_floating(args)
         args, kwargs = cast_floating((args, kwargs or {}), torch.float32)
         result = func(*args, **kwargs)
         if func in FLOAT32_LOSSES or first is None:
@@ -163,21 +163,22 @@ def _autocast_available(device_type: str) -> bool:
     return bool(probe(device_type)) if probe else device_type in ("cpu", "cuda")
 
 
-def _first_floating(value: Any) -> torch.Tensor | None:
+def first_floating(value: Any) -> torch.Tensor | None:
+    """The first floating-point tensor in ``value`` (tuples, lists, dict values), or None."""
     if isinstance(value, torch.Tensor):
         return value if value.is_floating_point() else None
     if isinstance(value, (tuple, list)):
         for v in value:
-            found = _first_floating(v)
+            found = first_floating(v)
             if found is not None:
                 return found
     if isinstance(value, Mapping):
-        return _first_floating(list(value.values()))
+        return first_floating(list(value.values()))
     return None
 
 
 def _device_type(module: nn.Module, args: Any) -> str:
-    tensor = _first_floating(args)
+    tensor = first_floating(args)
     if tensor is None:
         tensor = next(module.parameters(), None)
     return tensor.device.type if tensor is not None else "cpu"

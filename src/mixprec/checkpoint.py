@@ -268,9 +268,14 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tenso
     if not file.is_file():
         raise CheckpointError(f"{file}: no such checkpoint file")
     with file.open("rb") as f:
-        magic = f.read(8)
-    if magic[:2] == b"PK" or magic[:1] == b"\x80":
-        return _read_torch_file(file), {}
+        head = f.read(9)
+    # safetensors: an 8-byte little-endian header length, then the JSON header. Test for it
+    # first: its length's first byte can be 0x80, a pickle's first byte.
+    header_end = 8 + int.from_bytes(head[:8], "little") if len(head) == 9 else -1
+    if not (head[8:9] == b"{" and header_end <= file.stat().st_size):
+        if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
+            return _read_torch_file(file), {}
+        raise CheckpointError(f"{file}: truncated, corrupt, or not a checkpoint")
     try:
         with safe_open(str(file), framework="pt") as f:
             meta = f.metadata() or {}

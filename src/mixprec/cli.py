@@ -223,6 +223,30 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    """Diagnose one batch of the chosen data with the chosen (untrained) model."""
+    _choice("model", args.model, TRAIN_MODELS)
+    _choice("policy", args.policy, [n for n in NAMES if n != "auto"] + ["auto"])
+    if args.level.upper() not in (*LEVELS, "AUTO"):
+        _choice("level", args.level, [*LEVELS, "auto"])
+    torch.manual_seed(args.seed)
+    (x_train, y_train), (_, y_test) = _load(args.data, args.seed)
+    classes = int(max(y_train.max(), y_test.max())) + 1
+    model = _build(args.model, x_train, classes)
+    x, y = x_train[: args.batch_size], y_train[: args.batch_size]
+    report = mixprec.diagnose(
+        model, x, y, torch.nn.functional.cross_entropy, args.policy, args.level
+    )
+    print(report)
+    if args.json:
+        Path(args.json).write_text(report.to_json(indent=2))
+        print(f"report written to {args.json}")
+    if args.plot:
+        report.plot(args.plot)
+        print(f"ranges plotted to {args.plot}")
+    return 0
+
+
 def _info(_: argparse.Namespace) -> int:
     hw = probe_hardware()
     policy = Policy("auto")
@@ -276,6 +300,19 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="list a checkpoint's tensors and metadata")
     inspect.add_argument("checkpoint")
     inspect.set_defaults(run=_inspect)
+
+    doctor = commands.add_parser(
+        "doctor", help="per-layer numerics of one batch in 16 bits against float32"
+    )
+    doctor.add_argument("--model", default="mlp", help=f"one of {', '.join(TRAIN_MODELS)}")
+    doctor.add_argument("--data", default="digits", help=f"one of {', '.join(DATA)}")
+    doctor.add_argument("--policy", default="mixed_float16", help=f"one of {', '.join(NAMES)}")
+    doctor.add_argument("--level", default="auto", help="O0, O1, O2, O3 or auto")
+    doctor.add_argument("--batch-size", type=int, default=256)
+    doctor.add_argument("--seed", type=int, default=0)
+    doctor.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    doctor.add_argument("--plot", metavar="FILE.png", help="plot per-layer ranges")
+    doctor.set_defaults(run=_doctor)
 
     info = commands.add_parser("info", help="what mixprec sees on this machine")
     info.set_defaults(run=_info)

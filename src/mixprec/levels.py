@@ -37,6 +37,7 @@ from mixprec.casting import (
     to_float,
 )
 from mixprec.policy import Policy, PolicyLike, get_policy
+from mixprec.trace import remember_model
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -195,6 +196,7 @@ def auto_mixed_precision(
     for param in model.parameters():
         setattr(param, POLICY_ATTR, resolved)
         setattr(param, LEVEL_ATTR, lvl)
+    remember_model(model)
     setattr(model, _APPLIED_ATTR, Applied(resolved, lvl, tuple(sorted(kept))))
     return model
 

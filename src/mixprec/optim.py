@@ -9,6 +9,7 @@ step, then either apply the inner optimizer and copy the masters back into the 1
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,9 @@ from mixprec.scaling import (
     agree_found_inf,
     unscale_grads_,
 )
+from mixprec.trace import Overflow, OverflowTracer, model_of
+
+_log = logging.getLogger("mixprec")
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,8 @@ class StepResult:
     scale: float
     grad_norm: float | None = None
     accumulating: bool = False
+    #: With ``trace_overflow``: the first module whose output or gradient was non-finite.
+    overflow: Overflow | None = None
 
     @property
     def skipped(self) -> bool:
@@ -119,6 +125,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         loss_scaler: LossScaler | None = None,
         max_grad_norm: float | None = None,
         accumulation_steps: int = 1,
+        trace_overflow: bool | nn.Module = False,
     ) -> None:
         # torch.optim.Optimizer.__init__ is not called: groups and state are the inner ones.
         optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer
@@ -171,9 +178,26 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             DynamicLossScaler() if _needs_scaling(model_params) else NoOpLossScaler()
         )
         self._versions = self._half_versions()  # see _follow_external_writes
+        self._tracer = self._make_tracer(trace_overflow, model_params)
         self._micro = 0  # backward passes since the last update
         self._fresh = False  # a backward happened since the last step()
         self._found_inf: torch.Tensor | None = None  # set by unscale_()
+
+    @staticmethod
+    def _make_tracer(
+        trace_overflow: bool | nn.Module, params: list[torch.Tensor]
+    ) -> OverflowTracer | None:
+        if trace_overflow is False:
+            return None  # no hooks at all: tracing off costs nothing
+        model = trace_overflow if isinstance(trace_overflow, nn.Module) else model_of(params)
+        if model is None or (
+            trace_overflow is not True and not isinstance(trace_overflow, nn.Module)
+        ):
+            raise ValueError(
+                f"trace_overflow={trace_overflow!r}: pass the model (trace_overflow=model) "
+                "unless it was prepared with auto_mixed_precision"
+            )
+        return OverflowTracer(model)
 
     # -- parameters -------------------------------------------------------------------------
 
@@ -419,6 +443,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         else:
             found, norm_value = found_inf.item(), None
         overflow = bool(found)
+        origin = None
+        if self._tracer is not None:
+            origin = self._tracer.first_overflow() if overflow else None
+            self._tracer.clear()
+            if origin is not None:
+                _log.warning("step skipped: overflow first in %s", origin)
         if not overflow:
             for inner in self.optimizers:
                 inner.step()
@@ -430,7 +460,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._micro = 0
         self._found_inf = None
         return StepResult(
-            applied=not overflow, found_inf=overflow, scale=scale, grad_norm=norm_value
+            applied=not overflow,
+            found_inf=overflow,
+            scale=scale,
+            grad_norm=norm_value,
+            overflow=origin,
         )
 
     # -- checkpointing ----------------------------------------------------------------------

@@ -3,7 +3,8 @@
 ``on_epoch_end`` and ``on_train_end`` with a ``logs`` dict.
 
 Batch logs: ``loss``, ``applied``, ``found_inf``, ``loss_scale``, ``step_ms``, ``size``
-(samples), plus ``epoch`` and ``global_step`` (applied steps so far).
+(samples), ``overflow`` (with ``trace_overflow``: where a skipped step's inf/NaN came from),
+plus ``epoch`` and ``global_step`` (applied steps so far).
 Epoch logs: ``loss``, the metrics, ``val_*``, ``ms_per_step``, ``samples_per_s``,
 ``loss_scale``, ``skipped_steps``.
 """

@@ -11,6 +11,7 @@ import itertools
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from torch import nn
 
 from mixprec.checkpoint import load_checkpoint
 from mixprec.data import validate_classification
+from mixprec.doctor import ScalerHealth
 from mixprec.levels import applied, auto_mixed_precision, resolve_level
 from mixprec.optim import LossScaleOptimizer, StepResult
 from mixprec.policy import PolicyLike, get_policy
@@ -72,6 +74,7 @@ def build_train_step(
     loss_scaler: LossScaler | None = None,
     max_grad_norm: float | None = None,
     accumulation_steps: int = 1,
+    trace_overflow: bool = False,
 ) -> TrainStep:
     """Prepare ``model`` (unless ``auto_mixed_precision`` was already applied) and wrap
     ``optimizer`` (unless it is a ``LossScaleOptimizer``); return the step callable."""
@@ -87,7 +90,9 @@ def build_train_step(
             "that: build the model again, or leave policy=None and level='auto'"
         )
     if not isinstance(optimizer, LossScaleOptimizer):
-        optimizer = LossScaleOptimizer(optimizer, loss_scaler, max_grad_norm, accumulation_steps)
+        optimizer = LossScaleOptimizer(
+            optimizer, loss_scaler, max_grad_norm, accumulation_steps, trace_overflow
+        )
     return TrainStep(model, optimizer, get_loss(loss_fn))
 
 
@@ -125,6 +130,7 @@ class Trainer:
         device: str | torch.device = "auto",
         max_grad_norm: float | None = None,
         accumulation_steps: int = 1,
+        trace_overflow: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Trainer(model=...) needs an nn.Module, got {type(model).__name__}")
@@ -141,7 +147,9 @@ class Trainer:
             loss_scaler,
             max_grad_norm,
             accumulation_steps,
+            trace_overflow,
         )
+        self.health = ScalerHealth()
         self.model = model
         self.optimizer = self.step.optimizer
         self.global_step = 0  # applied optimizer steps
@@ -297,6 +305,13 @@ class Trainer:
             if result.applied:
                 self.global_step += 1
             skipped += int(result.found_inf)
+            if not result.accumulating:
+                culprit = str(result.overflow) if result.overflow else None
+                warning = self.health.observe(
+                    self.optimizer.loss_scaler.state, result.found_inf, culprit
+                )
+                if warning:
+                    warnings.warn(warning, UserWarning, stacklevel=2)
             loss_sum += loss_value * size
             samples += size
             output = self.step.last_output
@@ -315,6 +330,7 @@ class Trainer:
                     "step_ms": 1000 * elapsed,
                     "size": size,
                     "global_step": self.global_step,
+                    "overflow": str(result.overflow) if result.overflow else None,
                 },
             )
         if samples == 0:

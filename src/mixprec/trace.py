@@ -1,0 +1,116 @@
+"""Overflow provenance: which module's output or gradient first became non-finite.
+
+Hooks on every module record, per forward call and per output gradient, a non-finite flag
+and the finite range as device tensors, without synchronising. Only when a step is known to
+have overflowed does ``first_overflow()`` read them back (one transfer) and name the first
+module in execution order: forward first, then backward in the order gradients arrived.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec._dtypes import dtype_name
+from mixprec.casting import first_floating
+
+MODEL_ATTR = "_mixprec_model"  # weak reference from a parameter to its prepared model
+
+
+@dataclass(frozen=True)
+class Overflow:
+    """Where a step first produced inf/NaN."""
+
+    module: str
+    kind: str  # the module's class name
+    phase: str  # "forward" (its output) or "backward" (the gradient of its output)
+    dtype: str
+    nonfinite: int  # how many values were inf or NaN
+    finite_min: float
+    finite_max: float
+
+    def __str__(self) -> str:
+        return (
+            f"{self.module} ({self.kind}) {self.phase}: {self.nonfinite} non-finite values in "
+            f"{self.dtype}; finite values in [{self.finite_min:.4g}, {self.finite_max:.4g}]"
+        )
+
+
+def _summary(t: torch.Tensor) -> torch.Tensor:
+    """[non-finite count, finite min, finite max] as one float32 device tensor."""
+    t = t.detach()
+    finite = torch.isfinite(t)
+    values = t.float()
+    big = torch.finfo(torch.float32).max
+    low = torch.where(finite, values, big).amin() if t.numel() else torch.zeros(())
+    high = torch.where(finite, values, -big).amax() if t.numel() else torch.zeros(())
+    bad = (~finite).sum().float()
+    return torch.stack([bad, low, high])
+
+
+class OverflowTracer:
+    """Installs the hooks on ``model``; ``first_overflow()`` after a bad step."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._records: list[tuple[str, str, str, str, torch.Tensor]] = []
+        self._handles = []
+        for name, module in model.named_modules():
+            label = name or "(model)"
+            hook = self._forward_hook(label, type(module).__name__)
+            self._handles.append(module.register_forward_hook(hook))
+
+    def _forward_hook(self, name: str, kind: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            out = first_floating(output)
+            if out is None or not torch.is_grad_enabled():  # evaluation: no step follows
+                return
+            self._records.append((name, kind, "forward", dtype_name(out.dtype), _summary(out)))
+            if out.requires_grad:
+
+                def on_grad(grad: torch.Tensor) -> None:
+                    self._records.append(
+                        (name, kind, "backward", dtype_name(grad.dtype), _summary(grad))
+                    )
+
+                out.register_hook(on_grad)
+
+        return hook
+
+    def clear(self) -> None:
+        self._records.clear()
+
+    def first_overflow(self) -> Overflow | None:
+        """The first record with a non-finite value (one host transfer), or ``None``."""
+        if not self._records:
+            return None
+        table = torch.stack([r[4].to(self._records[0][4].device) for r in self._records]).tolist()
+        for (name, kind, phase, dtype, _), (bad, low, high) in zip(
+            self._records, table, strict=True
+        ):
+            if bad > 0:
+                return Overflow(name, kind, phase, dtype, int(bad), low, high)
+        return None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def remember_model(model: nn.Module) -> None:
+    """Let each parameter find its prepared model (for ``trace_overflow=True``)."""
+    ref = weakref.ref(model)
+    for param in model.parameters():
+        setattr(param, MODEL_ATTR, ref)
+
+
+def model_of(params: list[torch.Tensor]) -> nn.Module | None:
+    for p in params:
+        ref = getattr(p, MODEL_ATTR, None)
+        if ref is not None and ref() is not None:
+            return ref()  # type: ignore[no-any-return]
+    return None
