@@ -56,9 +56,10 @@ def test_overflowing_layer_is_named_first_and_keeping_it_float32_fixes_training(
     culprits = report.culprits()
     assert culprits[0].name == "2" and culprits[0].kind == "Scale"
     assert "becomes inf/NaN here first" in culprits[0].reasons[0]
-    assert report.recommended_keep_float32 == ["2", "3"]  # the scale and its consumer
+    # The scale and its consumer, then the LayerNorm that receives values beyond float16.
+    assert report.recommended_keep_float32 == ["2", "3", "4"]
     assert report.bfloat16_would_help
-    assert "keep_float32=['2', '3']" in str(report)
+    assert "keep_float32=['2', '3', '4']" in str(report)
 
     # Provenance during training names the same module.
     model = mp.auto_mixed_precision(overflowing(), "mixed_float16", "O2")

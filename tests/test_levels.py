@@ -163,7 +163,8 @@ def test_describe_lists_every_module():
     assert len(lines) == 3 + len(list(model.modules()))
     row = {line.split()[0]: line.split() for line in lines[3:]}
     assert row["0"][1:] == ["Linear", "bfloat16", "bfloat16"]
-    assert row["3"][2:] == ["LayerNorm", "float32", "float32"]  # "3 *": a region
+    # LayerNorm: 16-bit input, float32 weights and statistics (PyTorch's mixed kernel).
+    assert row["3"][1:] == ["LayerNorm", "bfloat16", "float32"]
     assert row["5"][2:] == ["Linear", "float32", "float32"]
     assert row["1"][1:] == ["ReLU", "bfloat16", "-"]
     plain = mp.describe(make_mlp())
@@ -192,3 +193,21 @@ def test_not_a_module_and_applied_twice():
     model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
     with pytest.raises(RuntimeError, match=r"already applied .* \(level O2, policy mixed_bf"):
         mp.auto_mixed_precision(model, "mixed_float16", "O1")
+
+
+def test_norm_layers_at_o2():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.GroupNorm(2, 4), nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 3),
+    )  # fmt: skip
+    mp.auto_mixed_precision(model, "mixed_bfloat16", "O2")
+    assert model[1].weight.dtype == F32 and model[1].running_mean.dtype == F32
+    seen = {}
+    model[1].register_forward_hook(lambda m, a, o: seen.update(bn=o.dtype))
+    model[2].register_forward_hook(lambda m, a, o: seen.update(gn=o.dtype))
+    model(torch.randn(2, 1, 8, 8))
+    # BatchNorm runs PyTorch's mixed kernel (bfloat16 in, float32 statistics); GroupNorm is a
+    # float32 island that hands the next layer bfloat16 again.
+    assert seen == {"bn": BF16, "gn": BF16}
+    assert model[1].running_mean.abs().sum() > 0

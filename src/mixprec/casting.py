@@ -151,11 +151,16 @@ class Float32Functions(TorchFunctionMode):
 
 @dataclass(frozen=True)
 class Region:
-    """How a module's forward runs: compute dtype, output dtype, and input casting."""
+    """How a module's forward runs: compute dtype, output dtype, and input casting.
+
+    ``output_like_input``: return floating outputs in the dtype the first floating input
+    arrived in (a normalisation island computes in float32 but hands the next layer what it
+    would have had, so no extra cast happens downstream)."""
 
     compute_dtype: torch.dtype
     output_dtype: torch.dtype | None
     cast_inputs: bool = True
+    output_like_input: bool = False
 
 
 def _autocast_available(device_type: str) -> bool:
@@ -189,13 +194,14 @@ class _RegionHooks:
 
     def __init__(self, region: Region) -> None:
         self.region = region
-        self._open: list[contextlib.ExitStack] = []
+        self._open: list[tuple[contextlib.ExitStack, torch.dtype | None]] = []
 
     def pre(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         region = self.region
         device_type = _device_type(module, args)
+        arriving = first_floating(args) if region.output_like_input else None
         if region.cast_inputs:
             args, kwargs = cast_floating((args, kwargs), region.compute_dtype)
         stack = contextlib.ExitStack()
@@ -206,18 +212,21 @@ class _RegionHooks:
                 stack.enter_context(torch.autocast(device_type, dtype=region.compute_dtype))
                 if device_type != "cuda":
                     stack.enter_context(Float32Functions())
-        self._open.append(stack)
+        self._open.append((stack, None if arriving is None else arriving.dtype))
         return args, kwargs
 
     def post(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> Any:
         # Registered with always_call: runs even when forward raised, so contexts never leak.
+        arrived = None
         if self._open:
-            self._open.pop().close()
-        if self.region.output_dtype is None or output is None:
+            stack, arrived = self._open.pop()
+            stack.close()
+        target = arrived if self.region.output_like_input else self.region.output_dtype
+        if target is None or output is None:
             return None
-        return cast_floating(output, self.region.output_dtype)
+        return cast_floating(output, target)
 
 
 def set_region(module: nn.Module, region: Region) -> None:

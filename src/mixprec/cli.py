@@ -247,6 +247,34 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from mixprec import bench
+
+    workloads = args.workload or ["mlp-b64", "mlp-b8192", "lm-d512", "cnn"]
+    for w in workloads:
+        if ":" not in w:
+            _choice("workload", w, list(bench.WORKLOADS))
+    modes = args.modes.split(",") if args.modes else list(bench.MODES)
+    for m in modes:
+        _choice("mode", m, list(bench.MODES))
+    results = {}
+    for w in workloads:
+        results[w] = bench.run(
+            w, modes, repeats=args.repeats, steps=args.steps, warmup=args.warmup,
+            device=args.device, memory=not args.no_memory, small=args.small,
+        )  # fmt: skip
+        print(bench.table(w, results[w]), end="\n\n", flush=True)
+    print("ms/step: median over interleaved rounds; vs f32: float32 ms / mode ms (higher is "
+          "faster); peak MB: training memory of the mode alone in a fresh process")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(bench.to_json(results))
+        print(f"results written to {args.json}")
+    if args.plot:
+        bench.plot(results, args.plot)
+        print(f"chart written to {args.plot}")
+    return 0
+
+
 def _info(_: argparse.Namespace) -> int:
     hw = probe_hardware()
     policy = Policy("auto")
@@ -313,6 +341,24 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--json", metavar="FILE", help="write the report as JSON")
     doctor.add_argument("--plot", metavar="FILE.png", help="plot per-layer ranges")
     doctor.set_defaults(run=_doctor)
+
+    bench = commands.add_parser(
+        "bench", help="time mixprec's modes against float32 and torch.autocast in one run"
+    )
+    bench.add_argument(
+        "workload", nargs="*",
+        help="mlp-b64, mlp-b8192, lm-d512, cnn or module:function (default: the first four)",
+    )  # fmt: skip
+    bench.add_argument("--modes", help="comma-separated; default: all")
+    bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--steps", type=int, default=3, help="steps per timed round")
+    bench.add_argument("--warmup", type=int, default=2)
+    bench.add_argument("--device", default="auto")
+    bench.add_argument("--no-memory", action="store_true", help="skip peak-memory runs")
+    bench.add_argument("--small", action="store_true", help="tiny sizes (for tests)")
+    bench.add_argument("--json", metavar="FILE")
+    bench.add_argument("--plot", metavar="FILE.png")
+    bench.set_defaults(run=_bench)
 
     info = commands.add_parser("info", help="what mixprec sees on this machine")
     info.set_defaults(run=_info)

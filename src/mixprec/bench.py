@@ -1,0 +1,319 @@
+"""Benchmark harness: mixprec's modes against plain PyTorch, in one process, interleaved.
+
+Every mode trains the same model (same initial weights, same batch) with SGD. Baselines are
+what users write by hand: float32, and ``torch.autocast`` with ``torch.amp.GradScaler``.
+Modes are timed in turns (one block of steps each, repeated) so that machine noise hits all
+of them alike; ratios are against float32 in the same run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import multiprocessing
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec.levels import applied, auto_mixed_precision
+from mixprec.models import CausalLM, cnn, lm_loss, mlp
+from mixprec.optim import LossScaleOptimizer
+
+Step = Callable[[], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model factory, one batch, a loss, and how many samples a step sees."""
+
+    name: str
+    make_model: Callable[[], nn.Module]
+    batch: tuple[torch.Tensor, torch.Tensor]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    samples: int
+    tokens: int = 0
+
+
+def _mlp(batch: int) -> Workload:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, 784, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    return Workload(f"mlp-b{batch}", lambda: mlp(784), (x, y), F.cross_entropy, batch)
+
+
+def _lm(d_model: int = 512, layers: int = 4, batch: int = 8, length: int = 256) -> Workload:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 8192, (batch, length), generator=g)
+
+    def make() -> nn.Module:
+        return CausalLM(vocab=8192, d_model=d_model, n_layers=layers, n_heads=8, max_len=length)
+
+    return Workload(
+        f"lm-d{d_model}", make, (tokens, tokens), lambda out, t: lm_loss(out, t), batch,
+        tokens=batch * length,
+    )  # fmt: skip
+
+
+def _cnn(batch: int = 64) -> Workload:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    return Workload("cnn", lambda: cnn(1, 10), (x, y), F.cross_entropy, batch)
+
+
+WORKLOADS: dict[str, Callable[[], Workload]] = {
+    "mlp-b64": lambda: _mlp(64),
+    "mlp-b8192": lambda: _mlp(8192),
+    "lm-d512": _lm,
+    "cnn": _cnn,
+}
+
+MODES: tuple[str, ...] = (
+    "float32",
+    "torch-autocast-bf16",
+    "torch-autocast-fp16",
+    "O1-bf16",
+    "O2-bf16",
+    "O3-bf16",
+    "auto-bf16",
+    "O1-fp16",
+    "O2-fp16",
+    "auto-fp16",
+)
+
+
+def get_workload(spec: str, small: bool = False) -> Workload:
+    """A named workload, or ``module:function`` returning a ``Workload``."""
+    if ":" in spec:
+        module, _, func = spec.partition(":")
+        return getattr(importlib.import_module(module), func)()  # type: ignore[no-any-return]
+    if small:  # tiny versions for tests
+        return {"lm-d512": lambda: _lm(64, 1, 2, 32), "mlp-b8192": lambda: _mlp(256)}.get(
+            spec, WORKLOADS[spec]
+        )()
+    if spec not in WORKLOADS:
+        raise ValueError(
+            f"unknown workload {spec!r}; valid: {', '.join(WORKLOADS)} or module:function"
+        )
+    return WORKLOADS[spec]()
+
+
+def _device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def build_step(mode: str, work: Workload, device: torch.device, lr: float = 0.01) -> Step:
+    """The training step of ``mode``, ready to call; returns the (detached) loss."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
+    torch.manual_seed(0)
+    model = work.make_model().to(device)
+    x, y = (t.to(device) for t in work.batch)
+    loss_fn = work.loss_fn
+    if mode == "float32" or mode.startswith("torch-autocast"):
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        if mode == "float32":
+
+            def step() -> torch.Tensor:
+                opt.zero_grad(set_to_none=True)
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                opt.step()
+                return loss.detach()
+
+            return step
+        dtype = torch.bfloat16 if mode.endswith("bf16") else torch.float16
+        # The loop users write by hand: autocast around the forward, float32 loss,
+        # GradScaler (needed for float16; with bfloat16 users usually drop it).
+        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+
+        def autocast_step() -> torch.Tensor:
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=dtype):
+                out = model(x)
+            loss = loss_fn(out.float(), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            return loss.detach()
+
+        return autocast_step
+    level, _, precision = mode.partition("-")
+    policy = "mixed_bfloat16" if precision == "bf16" else "mixed_float16"
+    if level == "O3":
+        policy = policy.removeprefix("mixed_")
+    auto_mixed_precision(model, policy, level.upper() if level != "auto" else "auto")
+    lso = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=lr))
+
+    def mixprec_step() -> torch.Tensor:
+        lso.zero_grad()
+        loss = loss_fn(model(x), y)
+        lso.backward(loss)
+        lso.step()
+        return loss.detach()
+
+    mixprec_step.level = applied(model).level  # type: ignore[attr-defined, union-attr]
+    return mixprec_step
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    level: str
+    ms_per_step: float
+    samples_per_s: float
+    speedup: float  # float32 ms / this mode's ms
+    final_loss: float
+    peak_mb: float | None
+    tokens_per_s: float | None = None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak_memory(args: tuple[str, str, str, bool, int]) -> float | None:
+    """Peak training memory of one mode in MiB, measured alone in this (fresh) process:
+    CUDA's allocator peak, or on Linux the process's peak RSS (reset just before the model
+    is built) minus the RSS at that point. ``None`` where neither is available."""
+    spec, mode, device_name, small, steps = args
+    device = _device(device_name)
+    work = get_workload(spec, small)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() / 1.0
+    else:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets the peak-RSS counter (VmHWM)
+        except OSError:
+            return None
+        before = _proc_status_mb("VmRSS")
+    step = build_step(mode, work, device)
+    for _ in range(steps):
+        step()
+    _sync(device)
+    if device.type == "cuda":
+        return (torch.cuda.max_memory_allocated() - before) / 2**20
+    return _proc_status_mb("VmHWM") - before
+
+
+def _proc_status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024  # kB
+    raise OSError(f"{field} not in /proc/self/status")
+
+
+def run(
+    workload: str,
+    modes: Sequence[str] = MODES,
+    repeats: int = 5,
+    steps: int = 3,
+    warmup: int = 2,
+    device: str = "auto",
+    memory: bool = True,
+    small: bool = False,
+) -> list[ModeResult]:
+    """Benchmark ``modes`` on ``workload``; ``repeats`` rounds of ``steps`` steps per mode,
+    interleaved, after ``warmup`` steps each. Medians of the per-round ms/step."""
+    if "float32" not in modes:
+        modes = ["float32", *modes]
+    dev = _device(device)
+    work = get_workload(workload, small)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # a true float32 baseline
+    built = {mode: build_step(mode, work, dev) for mode in modes}
+    last: dict[str, torch.Tensor] = {}
+    for mode, step in built.items():
+        for _ in range(warmup):
+            last[mode] = step()
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for _ in range(repeats):
+        for mode, step in built.items():
+            _sync(dev)
+            start = time.perf_counter()
+            for _ in range(steps):
+                last[mode] = step()
+            _sync(dev)
+            times[mode].append(1000 * (time.perf_counter() - start) / steps)
+    peaks: dict[str, float | None] = dict.fromkeys(modes)
+    if memory:
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(1, maxtasksperchild=1) as pool:
+            for mode in modes:
+                peaks[mode] = pool.apply(_peak_memory, ((workload, mode, device, small, 2),))
+    base = statistics.median(times["float32"])
+    results = []
+    for mode in modes:
+        ms = statistics.median(times[mode])
+        results.append(
+            ModeResult(
+                mode=mode,
+                level=getattr(built[mode], "level", "-"),
+                ms_per_step=ms,
+                samples_per_s=1000 * work.samples / ms,
+                speedup=base / ms,
+                final_loss=float(last[mode]),
+                peak_mb=peaks[mode],
+                tokens_per_s=1000 * work.tokens / ms if work.tokens else None,
+            )
+        )
+    return results
+
+
+def table(workload: str, results: list[ModeResult]) -> str:
+    header = (
+        f"{'mode':<22} {'level':<5} {'ms/step':>9} {'samples/s':>10} {'vs f32':>7} "
+        f"{'peak MB':>8} {'loss':>8}"
+    )
+    lines = [f"workload {workload}", header, "-" * len(header)]
+    for r in results:
+        peak = f"{r.peak_mb:8.0f}" if r.peak_mb is not None else f"{'-':>8}"
+        lines.append(
+            f"{r.mode:<22} {r.level:<5} {r.ms_per_step:>9.2f} {r.samples_per_s:>10.0f} "
+            f"{r.speedup:>6.2f}x {peak} {r.final_loss:>8.4f}"
+        )
+    return "\n".join(lines)
+
+
+def to_json(all_results: dict[str, list[ModeResult]]) -> str:
+    return json.dumps(
+        {
+            "torch": torch.__version__,
+            "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "results": {w: [asdict(r) for r in rs] for w, rs in all_results.items()},
+        },
+        indent=2,
+    )
+
+
+def plot(all_results: dict[str, list[ModeResult]], path: str) -> None:
+    """Bar chart of speedups against float32 (the line at 1), one group per workload."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(all_results)
+    modes = [r.mode for r in all_results[workloads[0]]]
+    width = 0.8 / len(modes)
+    fig, ax = plt.subplots(figsize=(max(6.0, 2.2 * len(workloads)), 4.5))
+    for i, mode in enumerate(modes):
+        values = [next((r.speedup for r in all_results[w] if r.mode == mode), 0.0)
+                  for w in workloads]  # fmt: skip
+        ax.bar([j + i * width for j in range(len(workloads))], values, width, label=mode)
+    ax.axhline(1.0, color="black", lw=1, label="float32")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(workloads))], workloads)
+    ax.set_ylabel("speedup vs float32 (higher is faster)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,85 @@
+"""The benchmark harness: every mode runs, the figures are well formed, outputs are written.
+Speed targets are measured by `mixprec bench`, never asserted here."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mixprec import bench, cli
+
+
+def tiny_workload() -> bench.Workload:
+    """A custom workload, loaded as tests.test_bench:tiny_workload."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
+    return bench.Workload(
+        "tiny", lambda: torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                            torch.nn.Linear(16, 3)),
+        (x, y), F.cross_entropy, 16,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("workload", ["mlp-b64", "mlp-b8192", "lm-d512", "cnn"])
+def test_every_mode_runs_and_reports_well_formed_numbers(workload):
+    modes = [m for m in bench.MODES if "fp16" not in m or workload == "mlp-b64"]
+    results = bench.run(workload, modes, repeats=1, steps=1, warmup=1, memory=False, small=True)
+    assert [r.mode for r in results] == modes
+    base = results[0]
+    assert base.mode == "float32" and base.speedup == 1.0
+    for r in results:
+        assert r.ms_per_step > 0 and r.samples_per_s > 0 and math.isfinite(r.speedup)
+        assert math.isfinite(r.final_loss)
+        baseline = r.mode == "float32" or r.mode.startswith("torch")
+        expected = {"O1": "O1", "O2": "O2", "O3": "O3", "auto": "O2"}
+        assert r.level == ("-" if baseline else expected[r.mode.split("-")[0]])
+        if workload == "lm-d512":
+            assert r.tokens_per_s is not None and r.tokens_per_s > 0
+    # Accuracy is not traded: mixed modes with float32 masters end where float32 does
+    # (bfloat16 rounding over three SGD steps; measured below 0.005).
+    for r in results:
+        if r.mode in ("O1-bf16", "O2-bf16", "auto-bf16", "torch-autocast-bf16"):
+            assert abs(r.final_loss - base.final_loss) < 0.05, r.mode
+
+
+def test_peak_memory_is_measured_per_mode():
+    results = bench.run("mlp-b64", ["float32", "O2-bf16"], repeats=1, steps=1, warmup=1,
+                        memory=True, small=True)  # fmt: skip
+    for r in results:
+        assert r.peak_mb is not None and r.peak_mb > 0
+
+
+def test_custom_workload_json_and_plot(tmp_path, capsys):
+    out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
+    args = ["bench", "tests.test_bench:tiny_workload", "--modes", "float32,O2-bf16,O1-fp16",
+            "--repeats", "2", "--steps", "1", "--warmup", "1", "--no-memory",
+            "--json", str(out_json), "--plot", str(out_png)]  # fmt: skip
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "workload tests.test_bench:tiny_workload" in out and "O2-bf16" in out
+    data = json.loads(out_json.read_text())
+    rows = data["results"]["tests.test_bench:tiny_workload"]
+    assert [r["mode"] for r in rows] == ["float32", "O2-bf16", "O1-fp16"]
+    assert rows[0]["speedup"] == 1.0 and rows[1]["level"] == "O2"
+    assert out_png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["bench", "resnet50"], "unknown workload 'resnet50'"),
+        (["bench", "mlp-b64", "--modes", "O4-bf16"], "unknown mode 'O4-bf16'"),
+    ],
+)
+def test_bench_errors(args, message, capsys):
+    assert cli.main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_build_step_rejects_unknown_mode():
+    with pytest.raises(ValueError, match="unknown mode 'fast'"):
+        bench.build_step("fast", bench.get_workload("mlp-b64", small=True), torch.device("cpu"))
