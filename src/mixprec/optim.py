@@ -266,6 +266,22 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def loss_scaler(self) -> LossScaler:
         return self._loss_scaler
 
+    def broadcast_masters(self, src: int = 0) -> None:
+        """Make every rank's float32 masters (and so 16-bit weights) those of rank ``src``.
+
+        DDP broadcasts rank 0's 16-bit weights when it wraps a model; this sends the
+        float32 masters behind them too, so no rank starts from rounded values."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        with torch.no_grad():
+            for master in self._masters:
+                dist.broadcast(master, src)
+            if self._half:
+                torch._foreach_copy_(self._half, self._masters)
+        self._versions = self._half_versions()
+
     def master_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(16-bit model parameter, its float32 master)`` pairs."""
         return list(zip(self._half, self._masters, strict=True))

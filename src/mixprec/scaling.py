@@ -153,6 +153,8 @@ def unscale_grads_(
         if grad is None:
             continue
         values = grad._values() if grad.is_sparse else grad
+        if _is_dtensor(values):  # FSDP2: each rank unscales and checks its own shard
+            values = values.to_local()  # type: ignore[attr-defined]
         groups.setdefault((values.device, values.dtype), []).append(values)
     found: dict[torch.device, torch.Tensor] = {}
     inv: dict[torch.device, torch.Tensor] = {}
@@ -169,6 +171,10 @@ def unscale_grads_(
     for other in flags[1:]:
         total = total + other.to(total.device, non_blocking=True)
     return total
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
 
 
 def agree_found_inf(found_inf: torch.Tensor) -> torch.Tensor:

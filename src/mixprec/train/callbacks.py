@@ -115,6 +115,8 @@ def _format(logs: Logs, keys: Iterable[str]) -> str:
 class ProgressBar(Callback):
     """A tqdm progress bar per epoch on a terminal; one plain line per epoch otherwise."""
 
+    rank_zero_only = True  # under torchrun, only rank 0 prints and writes
+
     def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream
         self._bar: Any = None
@@ -156,6 +158,8 @@ class LossMonitor(Callback):
     """MindSpore's ``LossMonitor``: ``epoch: 1 step: 100, loss is 2.2883859`` every
     ``per_print_times`` steps (the step counted within the epoch, from 1)."""
 
+    rank_zero_only = True  # under torchrun, only rank 0 prints and writes
+
     def __init__(self, per_print_times: int = 1, stream: TextIO | None = None) -> None:
         if isinstance(per_print_times, bool) or not isinstance(per_print_times, int):
             raise TypeError(f"per_print_times must be an int, got {per_print_times!r}")
@@ -177,6 +181,8 @@ class LossMonitor(Callback):
 
 class CSVLogger(Callback):
     """One CSV row per epoch: ``epoch`` and every epoch log."""
+
+    rank_zero_only = True  # under torchrun, only rank 0 prints and writes
 
     def __init__(self, filename: str | os.PathLike[str], separator: str = ",") -> None:
         self.filename = Path(filename)
@@ -200,6 +206,8 @@ class CSVLogger(Callback):
 class TensorBoard(Callback):
     """Scalars for TensorBoard: per step loss, loss scale, skipped steps and step time; per
     epoch every epoch log. Needs the ``tensorboard`` package (``mixprec[tensorboard]``)."""
+
+    rank_zero_only = True  # under torchrun, only rank 0 prints and writes
 
     def __init__(self, log_dir: str | os.PathLike[str] = "runs") -> None:
         try:
@@ -301,6 +309,8 @@ class ModelCheckpoint(Callback):
     loss scaler, where training stands, RNG states) every ``every_n_epochs`` epochs or
     ``every_n_steps`` applied steps; keep the last ``keep_last``; with ``monitor``, also
     keep ``best.safetensors`` by that epoch log. ``fit(resume_from=path)`` continues."""
+
+    rank_zero_only = True  # under torchrun, only rank 0 prints and writes
 
     def __init__(
         self,

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec import distributed
 from mixprec.checkpoint import load_checkpoint
 from mixprec.data import validate_classification
 from mixprec.doctor import ScalerHealth
@@ -131,6 +132,7 @@ class Trainer:
         max_grad_norm: float | None = None,
         accumulation_steps: int = 1,
         trace_overflow: bool = False,
+        fp32_allreduce: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Trainer(model=...) needs an nn.Module, got {type(model).__name__}")
@@ -150,8 +152,15 @@ class Trainer:
             trace_overflow,
         )
         self.health = ScalerHealth()
-        self.model = model
+        self.model = model  # the module itself; under torchrun the step runs it through DDP
+        # Under torchrun: the process group from the environment, DDP around the prepared
+        # model, every rank starting from rank 0's weights and float32 masters.
+        self.distributed = distributed.init_from_env() and distributed.world_size() > 1
         self.optimizer = self.step.optimizer
+        if self.distributed:
+            self.step.model = distributed.distributed_data_parallel(
+                model, self.optimizer, fp32_allreduce=fp32_allreduce
+            )
         self.global_step = 0  # applied optimizer steps
         self.stop_training = False
         self._epoch, self._step_in_epoch = 0, 0
@@ -181,14 +190,18 @@ class Trainer:
             raise ValueError(f"batch_size={batch_size!r} is invalid; it must be an int >= 1")
         xt, yt = _as_tensor(x, "x"), _as_tensor(y, "y")
         n = len(xt)
+        local = distributed.check_batch(batch_size)  # batch_size is the global batch
 
         def epoch() -> Iterable[Batch]:
             # The order is drawn now, not when iteration starts, so that resuming can
             # replay it from the RNG state saved at the start of the epoch.
             order = torch.randperm(n) if shuffle else torch.arange(n)
-            return ((xt[idx], yt[idx]) for idx in order.split(batch_size))
+            # Every rank uses rank 0's order and takes its share, as DistributedSampler.
+            order = distributed.shard(distributed.broadcast_(order), pad=shuffle)
+            return ((xt[idx], yt[idx]) for idx in order.split(local))
 
-        return epoch, -(-n // batch_size), n
+        per_rank = -(-n // distributed.world_size())
+        return epoch, -(-per_rank // local), n
 
     def _validate(self, x: Any, y: Any) -> None:
         if y is None:
@@ -257,7 +270,10 @@ class Trainer:
 
         history = History()
         extra = [ProgressBar()] if verbose else []
-        cbs = CallbackList([history, *extra, *callbacks])
+        chosen = [history, *extra, *callbacks]
+        if not distributed.is_main_process():  # bars, logs and checkpoints on rank 0 only
+            chosen = [cb for cb in chosen if not getattr(cb, "rank_zero_only", False)]
+        cbs = CallbackList(chosen)
         cbs.set_trainer(self)
         self.stop_training = False
         cbs.on_train_begin({"epochs": epochs, "steps": steps})
@@ -335,6 +351,10 @@ class Trainer:
             )
         if samples == 0:
             raise ValueError("the training data produced no batches")
+        # Means over every rank's samples.
+        sums = distributed.all_reduce_sum([loss_sum, samples, *metric_sums.values()])
+        loss_sum, samples = sums[0], int(sums[1])
+        metric_sums = dict(zip(metric_sums, sums[2:], strict=True))
         total = time.perf_counter() - start_epoch
         return {
             "loss": loss_sum / samples,
@@ -350,7 +370,11 @@ class Trainer:
     def evaluate(self, x: Any, y: Any = None, batch_size: int = 32) -> dict[str, float]:
         """Mean loss and metrics over ``(x, y)`` or an iterable of batches."""
         self._validate(x, y)
-        epoch_batches, _, _ = self._batches(x, y, batch_size, shuffle=False)
+        if y is not None:  # each rank evaluates its share; the sums are combined below
+            xt, yt = _as_tensor(x, "x"), _as_tensor(y, "y")
+            mine = distributed.shard(torch.arange(len(xt)), pad=False)
+            x, y = xt[mine], yt[mine]
+        epoch_batches, _, _ = self._batches(x, y, batch_size * distributed.world_size(), False)
         self.model.eval()
         sums = dict.fromkeys(["loss", *self.metrics], 0.0)
         samples = 0
@@ -363,9 +387,10 @@ class Trainer:
                 for name, fn in self.metrics.items():
                     sums[name] += float(fn(output, yb)) * size
                 samples += size
-        if samples == 0:
+        totals = distributed.all_reduce_sum([float(samples), *sums.values()])
+        if totals[0] == 0:
             raise ValueError("evaluate: the data is empty (0 samples)")
-        return {k: v / samples for k, v in sums.items()}
+        return {k: v / totals[0] for k, v in zip(sums, totals[1:], strict=True)}
 
     def predict(self, x: Any, batch_size: int = 32) -> torch.Tensor:
         """The model's outputs in float32, on the CPU, for tensors/arrays or batches."""

@@ -1,0 +1,173 @@
+"""``torch.distributed`` glue: process groups from ``torchrun``, DDP with every level,
+FSDP2 mixed precision from a mixprec ``Policy``, rank-0 helpers.
+
+Overflow agreement itself lives in ``scaling.agree_found_inf`` (used by
+``LossScaleOptimizer`` and ``GradScaler``): every rank skips the same steps.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from mixprec.optim import LossScaleOptimizer
+from mixprec.policy import PolicyLike, get_policy
+
+__all__ = [
+    "all_reduce_sum",
+    "broadcast_",
+    "check_batch",
+    "distributed_data_parallel",
+    "fsdp_mixed_precision",
+    "init_from_env",
+    "is_main_process",
+    "rank",
+    "shard",
+    "world_size",
+]
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def is_main_process() -> bool:
+    """True on rank 0, and when not distributed: where logs, bars and checkpoints go."""
+    return rank() == 0
+
+
+def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> bool:
+    """Start the process group ``torchrun`` describes (``WORLD_SIZE``, ``RANK``...).
+
+    ``backend="auto"``: NCCL with CUDA, gloo otherwise. Collectives time out after
+    ``timeout_s`` so a crashed rank ends the run with an error instead of a hang. Returns
+    False (and does nothing) when not launched by torchrun with more than one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    if dist.is_initialized():
+        return True
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this PyTorch build")
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    available = {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(),
+                 "mpi": dist.is_mpi_available()}  # fmt: skip
+    if not available.get(backend, False):
+        valid = [name for name, ok in available.items() if ok]
+        raise RuntimeError(
+            f"backend={backend!r} is not available here; available: {', '.join(valid)}"
+        )
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return True
+
+
+def check_batch(global_batch: int) -> int:
+    """The per-rank batch for ``global_batch``; it must divide evenly."""
+    size = world_size()
+    if global_batch % size:
+        raise ValueError(
+            f"batch_size={global_batch} does not divide across world_size={size} processes; "
+            f"use a multiple of {size}"
+        )
+    return global_batch // size
+
+
+def broadcast_(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """``tensor`` from rank ``src`` on every rank (through the backend's device)."""
+    if world_size() == 1:
+        return tensor
+    device = torch.device("cuda") if dist.get_backend() == "nccl" else tensor.device
+    moved = tensor.to(device)
+    dist.broadcast(moved, src)
+    return moved.to(tensor.device)
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Element-wise sums of ``values`` over all ranks (one collective)."""
+    if world_size() == 1:
+        return values
+    device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return [float(v) for v in tensor.tolist()]
+
+
+def shard(indices: torch.Tensor, pad: bool = True) -> torch.Tensor:
+    """This rank's share of ``indices``, as ``DistributedSampler`` deals them (padded by
+    wrapping around, so every rank gets as many)."""
+    size = world_size()
+    if size == 1:
+        return indices
+    if pad and len(indices) % size:
+        extra = size - len(indices) % size
+        indices = torch.cat([indices, indices[:extra]])
+    return indices[rank() :: size]
+
+
+def _fp32_allreduce_hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: sum 16-bit gradients in float32 (fewer rounding steps), then average
+    and hand them back in their own dtype."""
+    buffer = bucket.buffer()
+    wide = buffer.float()
+    future = dist.all_reduce(wide, async_op=True).get_future()  # type: ignore[union-attr]
+
+    def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        summed: torch.Tensor = fut.value()[0]
+        return summed.div_(world_size()).to(buffer.dtype)
+
+    result: torch.futures.Future[torch.Tensor] = future.then(done)
+    return result
+
+
+def distributed_data_parallel(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    fp32_allreduce: bool = False,
+    **kwargs: Any,
+) -> DistributedDataParallel:
+    """Wrap a model prepared with ``auto_mixed_precision`` (any level) in DDP.
+
+    At O2/O3 the weights, and so the gradients DDP all-reduces, are 16-bit;
+    ``fp32_allreduce=True`` sums them in float32. float32 masters stay consistent across
+    ranks because every rank applies the same averaged gradients and skips the same steps;
+    pass the ``LossScaleOptimizer`` so they also start from rank 0's.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "distributed_data_parallel needs an initialised process group: launch with "
+            "torchrun and call mixprec.distributed.init_from_env() first"
+        )
+    ddp = DistributedDataParallel(model, **kwargs)
+    if isinstance(optimizer, LossScaleOptimizer):
+        optimizer.broadcast_masters()
+    if fp32_allreduce:
+        ddp.register_comm_hook(None, _fp32_allreduce_hook)
+    return ddp
+
+
+def fsdp_mixed_precision(policy: PolicyLike = None, reduce_dtype: torch.dtype | None = None) -> Any:
+    """The FSDP2 ``MixedPrecisionPolicy`` for a mixprec policy: parameters gathered in the
+    compute dtype, gradients reduced in float32 (or ``reduce_dtype``), outputs in the
+    policy's output dtype. FSDP2 keeps the sharded parameters in float32 (they are the master
+    weights), so use it with a ``LossScaleOptimizer`` and level ``O0``: FSDP does the casts.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    resolved = get_policy(policy)
+    return MixedPrecisionPolicy(
+        param_dtype=resolved.compute_dtype,
+        reduce_dtype=reduce_dtype or torch.float32,
+        output_dtype=resolved.output_dtype,
+    )
