@@ -3,7 +3,7 @@
 Policies, O0-O3 levels, loss scaling and master weights in one library.
 """
 
-from mixprec import data, models
+from mixprec import data, distributed, models
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec.casting import cast_floating, to_float
 from mixprec.checkpoint import (
@@ -89,6 +89,7 @@ __all__ = [
     "data",
     "describe",
     "diagnose",
+    "distributed",
     "export_weights",
     "get_policy",
     "global_policy",

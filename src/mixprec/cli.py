@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import multiprocessing
+import os
 import resource
 import sys
 import time
@@ -86,7 +87,7 @@ def run_training(config: dict[str, Any]) -> dict[str, Any]:
     )  # fmt: skip
     seconds = time.perf_counter() - start
     test = trainer.evaluate(x_test, y_test, batch_size=256)
-    if config.get("save"):
+    if config.get("save") and mixprec.distributed.is_main_process():
         path = Path(config["save"]) / f"{config['label']}.safetensors"
         mixprec.save_checkpoint(path, model, trainer.optimizer, trainer.resume_state())
     done = mixprec.levels.applied(model)
@@ -170,27 +171,36 @@ def _train(args: argparse.Namespace) -> int:
 
     runs = []
     spawn = multiprocessing.get_context("spawn")
+    # Under torchrun every process is one rank: train here, print on rank 0 only.
+    under_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    say = print if not under_torchrun or os.environ.get("RANK", "0") == "0" else _silent
     for config in configs:
-        print(f"training {config['policy']} (level {config['level']}) ...", flush=True)
-        if args.in_process:
+        say(f"training {config['policy']} (level {config['level']}) ...", flush=True)
+        if args.in_process or under_torchrun:
+            if under_torchrun and config["verbose"] and os.environ.get("RANK", "0") != "0":
+                config = {**config, "verbose": 0}
             runs.append(run_training(config))
             continue
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
             runs.append(pool.submit(run_training, config).result())
-    print()
-    print(_table(runs))
-    print(f"(peak MB: {runs[0]['memory_kind']}; speedup: ms/step of the first row / this row)")
+    say()
+    say(_table(runs))
+    say(f"(peak MB: {runs[0]['memory_kind']}; speedup: ms/step of the first row / this row)")
     if len(runs) == 2:
         diff = runs[1]["test_accuracy"] - runs[0]["test_accuracy"]
-        print(
+        say(
             f"\n{runs[1]['policy']}: test accuracy {runs[1]['test_accuracy']:.3f} vs "
             f"{runs[0]['policy']} {runs[0]['test_accuracy']:.3f} ({diff:+.3f}), "
             f"{runs[0]['ms_per_step'] / runs[1]['ms_per_step']:.2f}x the speed"
         )
-    if args.plot:
+    if args.plot and say is print:
         _plot(runs, args.plot)
-        print(f"loss curves written to {args.plot}")
+        say(f"loss curves written to {args.plot}")
     return 0
+
+
+def _silent(*args: Any, **kwargs: Any) -> None:
+    """print() on the ranks that stay quiet."""
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -372,6 +382,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, FileNotFoundError, ValueError) as err:
         print(f"mixprec {args.command}: error: {err}", file=sys.stderr)
         return 2
+    finally:
+        # Under torchrun: leave the process group cleanly (gloo aborts the process otherwise).
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -174,9 +174,12 @@ class Trainer:
     # -- data -------------------------------------------------------------------------------
 
     def _batches(
-        self, x: Any, y: Any, batch_size: int, shuffle: bool
+        self, x: Any, y: Any, batch_size: int, shuffle: bool, split: bool = True
     ) -> tuple[Callable[[], Iterable[Batch]], int, int]:
-        """A function giving one epoch of batches, the number of batches and of samples."""
+        """A function giving one epoch of batches, the number of batches and of samples.
+
+        With ``split`` (training) under torchrun, ``batch_size`` is the global batch and
+        each rank gets its share of rank 0's order."""
         if y is None:  # an iterable of (inputs, targets) batches, e.g. a DataLoader
             if isinstance(x, torch.Tensor):
                 raise ValueError("fit(x, y): y is missing; pass targets or a loader of batches")
@@ -190,17 +193,19 @@ class Trainer:
             raise ValueError(f"batch_size={batch_size!r} is invalid; it must be an int >= 1")
         xt, yt = _as_tensor(x, "x"), _as_tensor(y, "y")
         n = len(xt)
-        local = distributed.check_batch(batch_size)  # batch_size is the global batch
+        split = split and distributed.world_size() > 1
+        local = distributed.check_batch(batch_size) if split else batch_size
 
         def epoch() -> Iterable[Batch]:
             # The order is drawn now, not when iteration starts, so that resuming can
             # replay it from the RNG state saved at the start of the epoch.
             order = torch.randperm(n) if shuffle else torch.arange(n)
             # Every rank uses rank 0's order and takes its share, as DistributedSampler.
-            order = distributed.shard(distributed.broadcast_(order), pad=shuffle)
+            if split:
+                order = distributed.shard(distributed.broadcast_(order), pad=shuffle)
             return ((xt[idx], yt[idx]) for idx in order.split(local))
 
-        per_rank = -(-n // distributed.world_size())
+        per_rank = -(-n // distributed.world_size()) if split else n
         return epoch, -(-per_rank // local), n
 
     def _validate(self, x: Any, y: Any) -> None:
@@ -374,7 +379,7 @@ class Trainer:
             xt, yt = _as_tensor(x, "x"), _as_tensor(y, "y")
             mine = distributed.shard(torch.arange(len(xt)), pad=False)
             x, y = xt[mine], yt[mine]
-        epoch_batches, _, _ = self._batches(x, y, batch_size * distributed.world_size(), False)
+        epoch_batches, _, _ = self._batches(x, y, batch_size, shuffle=False, split=False)
         self.model.eval()
         sums = dict.fromkeys(["loss", *self.metrics], 0.0)
         samples = 0
