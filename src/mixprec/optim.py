@@ -27,6 +27,7 @@ from mixprec.scaling import (
     LossScaler,
     NoOpLossScaler,
     agree_found_inf,
+    is_dtensor,
     unscale_grads_,
 )
 from mixprec.trace import Overflow, OverflowTracer, model_of
@@ -453,6 +454,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if self.max_grad_norm is not None:
             dense = [p for p in self.master_params() if p.grad is not None and not p.grad.is_sparse]
             norm = nn.utils.clip_grad_norm_(dense, self.max_grad_norm, foreach=True)
+            if is_dtensor(norm):  # FSDP2: the norm over every shard
+                norm = norm.full_tensor()  # type: ignore[attr-defined]
         # The one host synchronisation of the step: found_inf (and the norm) together.
         if norm is not None:
             found, norm_value = torch.stack([found_inf, norm.to(found_inf)]).tolist()

@@ -153,7 +153,7 @@ def unscale_grads_(
         if grad is None:
             continue
         values = grad._values() if grad.is_sparse else grad
-        if _is_dtensor(values):  # FSDP2: each rank unscales and checks its own shard
+        if is_dtensor(values):  # FSDP2: each rank unscales and checks its own shard
             values = values.to_local()  # type: ignore[attr-defined]
         groups.setdefault((values.device, values.dtype), []).append(values)
     found: dict[torch.device, torch.Tensor] = {}
@@ -173,7 +173,7 @@ def unscale_grads_(
     return total
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
 
 

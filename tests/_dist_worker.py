@@ -1,0 +1,164 @@
+"""Run under torchrun (2 processes, gloo) by test_distributed.py: each scenario writes what
+every rank saw to OUT/<scenario>-<rank>.pt for the test to compare."""
+
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import mixprec as mp
+from mixprec import distributed as mpd
+from tests.conftest import classification_data, make_mlp
+
+CE = nn.functional.cross_entropy
+
+
+def global_batch(seed: int = 5):
+    return classification_data(n=64, seed=seed)
+
+
+def overflow_agreement(out: Path, rank: int) -> None:
+    """Different data per rank; rank 1's loss is inf at steps 2 and 4."""
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ddp = mpd.distributed_data_parallel(model, opt)
+    x, y = classification_data(n=32, seed=10 + rank)
+    applied, scales = [], []
+    for step in range(6):
+        opt.zero_grad()
+        blow = float("inf") if rank == 1 and step in (2, 4) else 1.0
+        opt.backward(CE(ddp(x), y) * blow)
+        result = opt.step()
+        applied.append(result.applied)
+        scales.append(opt.loss_scaler.get_scale())
+    masters = [m.detach().clone() for _, m in opt.master_weights()]
+    torch.save({"applied": applied, "scales": scales, "model": model.state_dict(),
+                "masters": masters}, out / f"overflow-{rank}.pt")  # fmt: skip
+
+
+def ddp_losses(out: Path, rank: int, fp32_allreduce: bool, level: str = "O2") -> None:
+    """The global batch split across ranks; the global loss per step."""
+    x, y = global_batch()
+    mine = slice(rank, None, 2)
+    policy = "bfloat16" if level == "O3" else "mixed_bfloat16"
+    model = mp.auto_mixed_precision(make_mlp(), policy, level)
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ddp = mpd.distributed_data_parallel(model, opt, fp32_allreduce=fp32_allreduce)
+    losses = []
+    for _ in range(8):
+        opt.zero_grad()
+        loss = CE(ddp(x[mine]), y[mine])
+        opt.backward(loss)
+        opt.step()
+        losses.append(mpd.all_reduce_sum([loss.item()])[0] / 2)
+    name = ("ddp32" if fp32_allreduce else "ddp") + ("" if level == "O2" else f"-{level}")
+    torch.save({"losses": losses, "model": model.state_dict()}, out / f"{name}-{rank}.pt")
+
+
+def fsdp_losses(out: Path, rank: int, policy: str) -> None:
+    """FSDP2 with the policy's MixedPrecisionPolicy. The head's weight (1x32) and bias (1,)
+    shard to nothing on rank 1: a rank with no gradients in that module."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(),
+                          nn.Linear(32, 1))  # fmt: skip
+    x, _ = global_batch()
+    target = x.sum(dim=1, keepdim=True) / 8
+    mine = slice(rank, None, 2)
+    mixed = mpd.fsdp_mixed_precision(policy)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mp_policy=mixed)
+    fully_shard(model, mp_policy=mixed)
+    scaler = mp.DynamicLossScaler() if policy == "mixed_float16" else mp.NoOpLossScaler()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                loss_scaler=scaler, max_grad_norm=10.0)  # fmt: skip
+    losses, applied = [], []
+    for _ in range(8):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x[mine]), target[mine])
+        opt.backward(loss)
+        applied.append(opt.step().applied)
+        losses.append(mpd.all_reduce_sum([loss.item()])[0] / 2)
+    local = model[4].weight.to_local().numel()
+    torch.save({"losses": losses, "applied": applied, "head_local": local},
+               out / f"fsdp-{policy}-{rank}.pt")  # fmt: skip
+
+
+def trainer_and_resume(out: Path, rank: int) -> None:
+    x, y = classification_data(n=256, seed=3)
+    results = {}
+    for name in ("full", "first", "resumed"):
+        torch.manual_seed(0)
+        model = make_mlp()
+        t = mp.Trainer(model, "cross_entropy", torch.optim.Adam(model.parameters(), 1e-2),
+                       policy="mixed_bfloat16", device="cpu")  # fmt: skip
+        assert t.distributed
+        ckpt = mp.ModelCheckpoint(out / "ckpt", every_n_epochs=1, keep_last=5)
+        if name == "full":
+            history = t.fit(x, y, batch_size=32, epochs=2, verbose=0)
+            results["history"] = history.history
+        elif name == "first":
+            t.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[ckpt])
+        else:
+            dist.barrier()  # rank 0's checkpoint is on disk
+            t.fit(x, y, batch_size=32, epochs=2, verbose=0,
+                  resume_from=out / "ckpt" / "epoch-0001.safetensors")  # fmt: skip
+        results[name] = {k: v.clone() for k, v in model.state_dict().items()}
+        results[f"{name}-eval"] = t.evaluate(x, y)
+    torch.save(results, out / f"trainer-{rank}.pt")
+
+
+def recommender(out: Path, rank: int) -> None:
+    torch.manual_seed(0)
+    model = mp.auto_mixed_precision(mp.models.Recommender(sparse=True), "mixed_bfloat16", "O2")
+    emb, dense = mp.split_embedding_parameters(model)
+    opt = mp.LossScaleOptimizer([torch.optim.SparseAdam(emb, lr=1e-2),
+                                 torch.optim.Adam(dense, lr=1e-2)])  # fmt: skip
+    ddp = mpd.distributed_data_parallel(model, opt)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.stack([torch.randint(0, s, (128,), generator=g) for s in (1000, 1000, 100)], 1)
+    clicks = (ids[:, 2] % 2).float()  # learnable from the third table
+    mine = slice(rank, None, 2)
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        loss = nn.functional.binary_cross_entropy_with_logits(ddp(ids[mine]), clicks[mine])
+        opt.backward(loss)
+        opt.step()
+        losses.append(mpd.all_reduce_sum([loss.item()])[0] / 2)
+    sparse_grad = model.tables[0].weight.grad is not None and model.tables[0].weight.grad.is_sparse
+    torch.save({"losses": losses, "model": model.state_dict(), "sparse": sparse_grad},
+               out / f"recsys-{rank}.pt")  # fmt: skip
+
+
+def main(out: str) -> None:
+    assert mpd.init_from_env(timeout_s=120)
+    rank = mpd.rank()
+    path = Path(out)
+    try:
+        overflow_agreement(path, rank)
+        ddp_losses(path, rank, fp32_allreduce=False)
+        ddp_losses(path, rank, fp32_allreduce=True)
+        ddp_losses(path, rank, fp32_allreduce=False, level="O1")
+        ddp_losses(path, rank, fp32_allreduce=True, level="O3")
+        fsdp_losses(path, rank, "mixed_bfloat16")
+        fsdp_losses(path, rank, "mixed_float16")
+        trainer_and_resume(path, rank)
+        recommender(path, rank)
+    finally:
+        # Let every rank finish its collectives and drop its DDP reducers before the
+        # group goes away (gloo aborts a process whose threads outlive it).
+        dist.barrier()
+        gc.collect()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
