@@ -15,6 +15,7 @@ from mixprec.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
+from mixprec.compensated import CompensatedAdamW, stochastic_round
 from mixprec.doctor import ModuleReport, Report, ScalerHealth, diagnose
 from mixprec.grad_scaler import GradScaler
 from mixprec.levels import LEVELS, auto_mixed_precision, describe, module_dtypes
@@ -55,6 +56,7 @@ __all__ = [
     "CSVLogger",
     "Callback",
     "CheckpointError",
+    "CompensatedAdamW",
     "DynamicLossScaler",
     "EarlyStopping",
     "ExponentialUpdateLossScaleManager",
@@ -101,5 +103,6 @@ __all__ = [
     "save_checkpoint",
     "set_global_policy",
     "split_embedding_parameters",
+    "stochastic_round",
     "to_float",
 ]

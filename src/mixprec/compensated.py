@@ -1,0 +1,141 @@
+"""``CompensatedAdamW``: AdamW for pure 16-bit weights (level O3) that keeps accuracy.
+
+A bfloat16 weight has 8 bits of mantissa: an update smaller than half a unit in its last
+place (2**-9 relative) is rounded away, so late in training, with small learning rates, O3
+stops learning where O2 (float32 masters) goes on. Two remedies, neither keeping a float32
+copy of the weights:
+
+- ``compensation="kahan"``: a 16-bit buffer per weight holds what rounding lost last time
+  and feeds it into the next update (Kahan summation): 2 extra bytes per parameter.
+- ``compensation="stochastic"``: round the float32 result up or down at random, with the
+  probabilities that make the rounding unbiased on average (bfloat16 only): no extra bytes.
+
+The moments are kept in float32 (they are optimizer state, not weights), and the update is
+computed in float32 with multi-tensor kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import torch
+
+__all__ = ["CompensatedAdamW", "stochastic_round"]
+
+Compensation = Literal["kahan", "stochastic", "none"]
+
+
+def stochastic_round(
+    values: torch.Tensor, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """float32 -> bfloat16, rounding up with probability equal to the dropped fraction.
+
+    bfloat16 is float32 with the low 16 bits cut: add a uniform random 16-bit integer to
+    the bit pattern and cut. Adding in the integer domain moves the magnitude, so the
+    rounding is unbiased for negative values too."""
+    bits = values.float().contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device,
+                          generator=generator)  # fmt: skip
+    rounded = (bits + noise) & -65536  # 0xFFFF0000 as a signed 32-bit mask
+    return rounded.view(torch.float32).to(torch.bfloat16)
+
+
+class CompensatedAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay) for float32, bfloat16 or float16 weights.
+
+    For 16-bit weights the update is computed in float32 and applied with Kahan
+    compensation (default) or stochastic rounding (bfloat16); float32 weights are updated
+    as by ``torch.optim.AdamW``. Use it at level O3 through ``LossScaleOptimizer``
+    (16-bit parameters at O3 get no float32 masters)."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        compensation: Compensation = "kahan",
+        generator: torch.Generator | None = None,
+    ) -> None:
+        if not lr > 0:
+            raise ValueError(f"lr={lr!r} is invalid; it must be > 0")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas={betas!r} are invalid; each must be in [0, 1)")
+        if not eps > 0:
+            raise ValueError(f"eps={eps!r} is invalid; it must be > 0")
+        if compensation not in ("kahan", "stochastic", "none"):
+            raise ValueError(
+                f"compensation={compensation!r} is invalid; valid: 'kahan', 'stochastic', 'none'"
+            )
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                    "compensation": compensation}  # fmt: skip
+        super().__init__(params, defaults)
+        self.generator = generator
+        for group in self.param_groups:
+            for p in group["params"]:
+                if compensation == "stochastic" and p.dtype == torch.float16:
+                    raise ValueError(
+                        "compensation='stochastic' rounds to bfloat16; a float16 parameter "
+                        "needs compensation='kahan'"
+                    )
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
+                if p.grad.is_sparse:
+                    raise RuntimeError("CompensatedAdamW does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+                    if p.dtype != torch.float32 and group["compensation"] == "kahan":
+                        state["compensation"] = torch.zeros_like(p)
+                state["step"] += 1
+            self._update(group, params)
+        return loss
+
+    def _update(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        beta1, beta2 = group["betas"]
+        lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
+        states = [self.state[p] for p in params]
+        grads = [p.grad.float() for p in params]  # type: ignore[union-attr]
+        exp_avg = [s["exp_avg"] for s in states]
+        exp_avg_sq = [s["exp_avg_sq"] for s in states]
+        torch._foreach_lerp_(exp_avg, grads, 1.0 - beta1)
+        torch._foreach_mul_(exp_avg_sq, beta2)
+        torch._foreach_addcmul_(exp_avg_sq, grads, grads, 1.0 - beta2)
+        # Steps can differ between parameters (one that had no gradient for a while).
+        steps = [s["step"] for s in states]
+        denom = torch._foreach_sqrt(exp_avg_sq)
+        torch._foreach_div_(denom, [(1.0 - beta2**t) ** 0.5 for t in steps])
+        torch._foreach_add_(denom, eps)
+        updates = torch._foreach_div(exp_avg, denom)
+        torch._foreach_mul_(updates, [-lr / (1.0 - beta1**t) for t in steps])
+        weights = [p.float() for p in params]
+        if decay:
+            torch._foreach_add_(updates, torch._foreach_mul(weights, -lr * decay))
+        for p, w, u, s in zip(params, weights, updates, states, strict=True):
+            if p.dtype == torch.float32:
+                p.add_(u)
+            elif group["compensation"] == "kahan":
+                # Kahan: add what rounding lost last step; keep what it loses this step.
+                c = s["compensation"]
+                corrected = u + c.float()
+                new = (w + corrected).to(p.dtype)
+                c.copy_(corrected - (new.float() - w))
+                p.copy_(new)
+            elif group["compensation"] == "stochastic":
+                p.copy_(stochastic_round(w + u, self.generator))
+            else:
+                p.copy_((w + u).to(p.dtype))
