@@ -211,3 +211,10 @@ def test_norm_layers_at_o2():
     # float32 island that hands the next layer bfloat16 again.
     assert seen == {"bn": BF16, "gn": BF16}
     assert model[1].running_mean.abs().sum() > 0
+
+
+def test_migrant_mistakes_get_clear_messages():
+    with pytest.raises(ValueError, match=r"policy='O2' looks like a level.*level='O2'"):
+        mp.auto_mixed_precision(make_mlp(), "O2")
+    with pytest.warns(UserWarning, match=r"level=O2 with the float32 policy 'float32'"):
+        mp.auto_mixed_precision(make_mlp(), level="O2")

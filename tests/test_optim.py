@@ -137,7 +137,7 @@ def test_keras_style_methods():
     grads = torch.autograd.grad(scaled, params)
     unscaled = opt.get_unscaled_gradients(grads)
     scale = opt.loss_scaler.get_scale()
-    assert torch.equal(unscaled[0], grads[0] * (1.0 / scale))
+    assert torch.equal(unscaled[0], grads[0].float() * (1.0 / scale))  # float32: no flush
     before = [p.detach().clone() for p in params]
     result = opt.apply_gradients(zip(unscaled, params, strict=True))
     assert result.applied
@@ -366,3 +366,15 @@ def test_to_float_float16_alone_gets_loss_scaling():
     mp.to_float(model[5], "float16")
     opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     assert isinstance(opt.loss_scaler, mp.DynamicLossScaler)
+
+
+def test_keras_unscaled_gradients_of_16_bit_weights_are_float32():
+    """Unscaling float16 gradients in float16 would flush small values to zero."""
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    params = list(model.parameters())
+    grads = torch.autograd.grad(opt.get_scaled_loss(loss_of(model) * 1e-6), params)
+    unscaled = opt.get_unscaled_gradients(grads)
+    assert unscaled[0].dtype == torch.float32
+    assert unscaled[0].abs().max() > 0
+    assert opt.apply_gradients(zip(unscaled, params, strict=True)).applied

@@ -19,6 +19,7 @@ once per forward, and keeps float32 master weights, so it trains like float32.
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -167,8 +168,20 @@ def auto_mixed_precision(
         raise TypeError(
             f"auto_mixed_precision(model=...) needs a torch.nn.Module, got {type(model).__name__}"
         )
+    if isinstance(policy, str) and policy.strip().upper() in (*LEVELS, "AUTO") and policy != "auto":
+        raise ValueError(
+            f"policy={policy!r} looks like a level: auto_mixed_precision(model, policy, level); "
+            f"write auto_mixed_precision(model, 'mixed_float16', level={policy!r})"
+        )
     resolved = get_policy(policy)
     lvl = resolve_level(level, resolved)
+    if lvl in ("O1", "O2", "O3") and not resolved.is_mixed:
+        warnings.warn(
+            f"level={lvl} with the float32 policy {resolved.name!r} changes nothing: pass "
+            "policy='mixed_bfloat16' or 'mixed_float16' (or set_global_policy)",
+            UserWarning,
+            stacklevel=2,
+        )
     if hasattr(model, _APPLIED_ATTR):
         done: Applied = getattr(model, _APPLIED_ATTR)
         raise RuntimeError(

@@ -311,9 +311,14 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def get_unscaled_gradients(
         self, grads: Iterable[torch.Tensor | None]
     ) -> list[torch.Tensor | None]:
-        """New gradients divided by the scale; ``None`` stays ``None`` (Keras semantics)."""
+        """New gradients divided by the scale; ``None`` stays ``None`` (Keras semantics).
+
+        16-bit gradients come back in float32 (the dtype of their masters): unscaled in
+        float16, small values would flush to zero."""
         inv = 1.0 / self._loss_scaler.get_scale()
-        return [None if g is None else g * inv for g in grads]
+        return [
+            None if g is None else (g.float() if g.dtype in HALF_DTYPES else g) * inv for g in grads
+        ]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients, except between the micro-batches of an accumulation."""
