@@ -27,6 +27,7 @@ def test_presets(name, dtypes, scaling):
     assert (p.param_dtype, p.compute_dtype, p.output_dtype) == dtypes
     assert p.loss_scaling == scaling
     assert p.name == name
+    assert p.variable_dtype == p.param_dtype  # Keras' name
     assert mp.Policy(str(p)) == p
 
 

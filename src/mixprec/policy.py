@@ -92,6 +92,11 @@ class Policy:
         return str(self)
 
     @property
+    def variable_dtype(self) -> torch.dtype:
+        """Keras' name for ``param_dtype``."""
+        return self.param_dtype
+
+    @property
     def loss_scaling(self) -> LossScaling:
         """``"dynamic"`` for float16 compute (gradients underflow), ``"none"`` otherwise."""
         return "dynamic" if self.compute_dtype == torch.float16 else "none"
