@@ -218,3 +218,17 @@ def test_migrant_mistakes_get_clear_messages():
         mp.auto_mixed_precision(make_mlp(), "O2")
     with pytest.warns(UserWarning, match=r"level=O2 with the float32 policy 'float32'"):
         mp.auto_mixed_precision(make_mlp(), level="O2")
+
+
+def test_o2_float16_embeddings_hand_on_float32():
+    """Attention masks built in the residual stream's dtype must not be float16."""
+    model = mp.auto_mixed_precision(make_transformer(), "mixed_float16", "O2")
+    assert model.embed.weight.dtype == F16
+    seen = {}
+    model.embed.register_forward_hook(lambda m, a, o: seen.update(out=o.dtype))
+    model(torch.randint(0, 50, (2, 12)))
+    assert seen["out"] == F32
+    bf = mp.auto_mixed_precision(make_transformer(), "mixed_bfloat16", "O2")
+    bf.embed.register_forward_hook(lambda m, a, o: seen.update(bf=o.dtype))
+    bf(torch.randint(0, 50, (2, 12)))
+    assert seen["bf"] == BF16  # bfloat16 has float32's range: no reason to widen

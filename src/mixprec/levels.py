@@ -69,6 +69,15 @@ FLOAT32_MODULES: tuple[type[nn.Module], ...] = (
     nn.modules.loss._Loss,
 )
 
+
+def _is_half_storage(module: nn.Module) -> bool:
+    """Matrix-work modules, including Hugging Face's ``Conv1D`` (GPT-2's linear layer)."""
+    kind = type(module)
+    return isinstance(module, HALF_STORAGE_MODULES) or (
+        kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers")
+    )
+
+
 #: Modules whose weights O2 stores in the compute dtype: the matrix work.
 HALF_STORAGE_MODULES: tuple[type[nn.Module], ...] = (
     nn.Linear,
@@ -201,12 +210,21 @@ def auto_mixed_precision(
         store_as(
             model,
             compute,
-            skip=lambda m: id(m) in fixed or not isinstance(m, HALF_STORAGE_MODULES),
+            skip=lambda m: id(m) in fixed or not _is_half_storage(m),
         )
     else:  # O3: no float32 copies either, since there will be no master weights
         store_as(
             model, compute, buffers=True, skip=lambda m: id(m) in fixed, keep_float32_copy=False
         )
+    if lvl == "O2" and compute == torch.float16:
+        # float16's range ends at 65504. Embedding outputs start the residual stream, and
+        # libraries build attention masks in its dtype from finfo(dtype).min: in float16,
+        # scores + mask overflow to -inf and fully masked rows give NaN (seen with Hugging
+        # Face eager attention). The tables stay float16; their outputs go on in float32,
+        # as at O1.
+        for sub in model.modules():
+            if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and id(sub) not in fixed:
+                set_region(sub, Region(torch.float16, torch.float32, cast_inputs=False))
     if lvl in ("O1", "O2"):
         for sub in model.modules():
             if id(sub) in fixed or sub is model or isinstance(sub, MIXED_NORM_MODULES):
