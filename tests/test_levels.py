@@ -232,3 +232,17 @@ def test_o2_float16_embeddings_hand_on_float32():
     bf.embed.register_forward_hook(lambda m, a, o: seen.update(bf=o.dtype))
     bf(torch.randint(0, 50, (2, 12)))
     assert seen["bf"] == BF16  # bfloat16 has float32's range: no reason to widen
+
+
+def test_sparse_tables_stay_float32_under_float16():
+    """PyTorch cannot add float16 sparse gradients on the CPU."""
+    model = mp.auto_mixed_precision(mp.models.Recommender(sparse=True), "mixed_float16", "O2")
+    assert model.tables[0].weight.dtype == F32
+    opt = mp.LossScaleOptimizer(torch.optim.SparseAdam(list(model.tables.parameters())),
+                                accumulation_steps=2)  # fmt: skip
+    ids = torch.randint(0, 100, (8, 3))
+    for _ in range(2):  # accumulation adds the sparse gradients of two backwards
+        opt.backward(model(ids).float().pow(2).mean())
+        opt.step()
+    dense = mp.auto_mixed_precision(mp.models.Recommender(sparse=False), "mixed_float16", "O2")
+    assert dense.tables[0].weight.dtype == F16

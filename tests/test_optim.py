@@ -180,7 +180,7 @@ def test_sparse_embeddings_with_sparse_adam_and_split():
         results.append(opt.step())
     assert sum(r.applied for r in results) >= 35  # the first steps may overflow float16
     assert opt.loss_scaler.state.skipped_steps == sum(not r.applied for r in results)
-    assert model.table.weight.dtype == F16
+    assert model.table.weight.dtype == F32  # sparse tables stay float32 under float16
     assert next(iter(opt.master_params())).dtype == F32
     state = opt.state_dict()
     assert len(state["optimizers"]) == 2

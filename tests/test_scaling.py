@@ -307,3 +307,10 @@ def test_all_finite():
     sparse = torch.sparse_coo_tensor([[0]], torch.tensor([float("inf")]), (3,))
     assert not bool(mp.all_finite([sparse]))
     assert mp.all_finite([torch.tensor([1, 2])]).dtype == torch.bool  # integers are finite
+
+
+def test_unscale_widens_16_bit_values():
+    s = mp.DynamicLossScaler()  # 2**16
+    grad = torch.tensor([2.0**-10], dtype=torch.float16)
+    (out,) = s.unscale([grad])
+    assert out.dtype == torch.float32 and out.item() == 2.0**-26  # would be 0 in float16

@@ -70,8 +70,18 @@ FLOAT32_MODULES: tuple[type[nn.Module], ...] = (
 )
 
 
-def _is_half_storage(module: nn.Module) -> bool:
-    """Matrix-work modules, including Hugging Face's ``Conv1D`` (GPT-2's linear layer)."""
+def _is_half_storage(module: nn.Module, compute: torch.dtype) -> bool:
+    """Matrix-work modules, including Hugging Face's ``Conv1D`` (GPT-2's linear layer).
+
+    Sparse embedding tables stay float32 under float16: PyTorch cannot add float16 sparse
+    tensors on the CPU ("cadd_sparse" is not implemented for Half), which accumulation,
+    DDP and tables looked up twice all need."""
+    if (
+        compute == torch.float16
+        and isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+        and module.sparse
+    ):
+        return False
     kind = type(module)
     return isinstance(module, HALF_STORAGE_MODULES) or (
         kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers")
@@ -210,7 +220,7 @@ def auto_mixed_precision(
         store_as(
             model,
             compute,
-            skip=lambda m: id(m) in fixed or not _is_half_storage(m),
+            skip=lambda m: id(m) in fixed or not _is_half_storage(m, compute),
         )
     else:  # O3: no float32 copies either, since there will be no master weights
         store_as(

@@ -238,9 +238,13 @@ class LossScaler:
 
     def unscale(self, value: T) -> T:
         """``value / scale`` out of place, for a tensor or a list/tuple of them (MindSpore's
-        ``unscale``, used on the loss and on gradients)."""
+        ``unscale``, used on the loss and on gradients). 16-bit tensors come back in
+        float32: divided in float16, the small values scaling protected would flush to 0."""
         if isinstance(value, torch.Tensor):
-            return value * (1.0 / self._state.scale) if self.needs_scaling else value  # type: ignore[return-value]
+            if not self.needs_scaling:
+                return value  # type: ignore[return-value]
+            wide = value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
+            return wide * (1.0 / self._state.scale)  # type: ignore[return-value]
         if isinstance(value, (list, tuple)):
             return type(value)(self.unscale(v) for v in value)  # type: ignore[return-value]
         raise TypeError(
