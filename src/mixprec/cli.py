@@ -146,15 +146,20 @@ def _plot(runs: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
-def _train(args: argparse.Namespace) -> int:
+def _check_model_options(args: argparse.Namespace) -> None:
+    """The options train and doctor share (see ``_model_options``)."""
     _choice("model", args.model, TRAIN_MODELS)
     if args.data not in ("digits", "synthetic") and not args.data.startswith("mnist:"):
         _choice("data", args.data, DATA)
-    for name, value in (("policy", args.policy), ("compare", args.compare)):
-        if value != "none":
-            _choice(name, value, [*NAMES, "none"] if name == "compare" else list(NAMES))
+    _choice("policy", args.policy, list(NAMES))
     if args.level.upper() not in (*LEVELS, "AUTO"):
         _choice("level", args.level, [*LEVELS, "auto"])
+
+
+def _train(args: argparse.Namespace) -> int:
+    _check_model_options(args)
+    if args.compare != "none":
+        _choice("compare", args.compare, [*NAMES, "none"])
     for name in ("epochs", "batch_size"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -235,10 +240,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _doctor(args: argparse.Namespace) -> int:
     """Diagnose one batch of the chosen data with the chosen (untrained) model."""
-    _choice("model", args.model, TRAIN_MODELS)
-    _choice("policy", args.policy, [n for n in NAMES if n != "auto"] + ["auto"])
-    if args.level.upper() not in (*LEVELS, "AUTO"):
-        _choice("level", args.level, [*LEVELS, "auto"])
+    _check_model_options(args)
     torch.manual_seed(args.seed)
     (x_train, y_train), (_, y_test) = _load(args.data, args.seed)
     classes = int(max(y_train.max(), y_test.max())) + 1
@@ -296,6 +298,15 @@ def _info(_: argparse.Namespace) -> int:
     return 0
 
 
+def _model_options(sub: argparse.ArgumentParser, policy: str, batch_size: int) -> None:
+    sub.add_argument("--model", default="mlp", help=f"one of {', '.join(TRAIN_MODELS)}")
+    sub.add_argument("--data", default="digits", help=f"one of {', '.join(DATA)}")
+    sub.add_argument("--policy", default=policy, help=f"one of {', '.join(NAMES)}")
+    sub.add_argument("--level", default="auto", help="O0, O1, O2, O3 or auto")
+    sub.add_argument("--batch-size", type=int, default=batch_size)
+    sub.add_argument("--seed", type=int, default=0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mixprec", description=mixprec.__doc__)
     parser.add_argument("--version", action="version", version=mixprec.__version__)
@@ -304,14 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser(
         "train", help="train a model in mixed precision and compare it with float32"
     )
-    train.add_argument("--model", default="mlp", help=f"one of {', '.join(TRAIN_MODELS)}")
-    train.add_argument("--data", default="digits", help=f"one of {', '.join(DATA)}")
-    train.add_argument("--policy", default="auto", help=f"one of {', '.join(NAMES)}")
-    train.add_argument("--level", default="auto", help="O0, O1, O2, O3 or auto")
+    _model_options(train, policy="auto", batch_size=64)
     train.add_argument("--epochs", type=int, default=20)
-    train.add_argument("--batch-size", type=int, default=64)
     train.add_argument("--lr", type=float, default=1e-3)
-    train.add_argument("--seed", type=int, default=0)
     train.add_argument(
         "--compare", default="float32", help="baseline policy to compare with, or 'none'"
     )
@@ -342,12 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = commands.add_parser(
         "doctor", help="per-layer numerics of one batch in 16 bits against float32"
     )
-    doctor.add_argument("--model", default="mlp", help=f"one of {', '.join(TRAIN_MODELS)}")
-    doctor.add_argument("--data", default="digits", help=f"one of {', '.join(DATA)}")
-    doctor.add_argument("--policy", default="mixed_float16", help=f"one of {', '.join(NAMES)}")
-    doctor.add_argument("--level", default="auto", help="O0, O1, O2, O3 or auto")
-    doctor.add_argument("--batch-size", type=int, default=256)
-    doctor.add_argument("--seed", type=int, default=0)
+    _model_options(doctor, policy="mixed_float16", batch_size=256)
     doctor.add_argument("--json", metavar="FILE", help="write the report as JSON")
     doctor.add_argument("--plot", metavar="FILE.png", help="plot per-layer ranges")
     doctor.set_defaults(run=_doctor)
