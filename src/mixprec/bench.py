@@ -64,11 +64,12 @@ def _cnn(batch: int = 64) -> Workload:
     return Workload("cnn", lambda: cnn(1, 10), (x, y), F.cross_entropy, batch)
 
 
-WORKLOADS: dict[str, Callable[[], Workload]] = {
-    "mlp-b64": lambda: _mlp(64),
-    "mlp-b8192": lambda: _mlp(8192),
-    "lm-d512": _lm,
-    "cnn": _cnn,
+# Each takes an optional batch size (for --max-batch); None is the workload's own.
+WORKLOADS: dict[str, Callable[[int | None], Workload]] = {
+    "mlp-b64": lambda b: _mlp(b or 64),
+    "mlp-b8192": lambda b: _mlp(b or 8192),
+    "lm-d512": lambda b: _lm(batch=b or 8),
+    "cnn": lambda b: _cnn(b or 64),
 }
 
 MODES: tuple[str, ...] = (
@@ -85,20 +86,22 @@ MODES: tuple[str, ...] = (
 )
 
 
-def get_workload(spec: str, small: bool = False) -> Workload:
-    """A named workload, or ``module:function`` returning a ``Workload``."""
+def get_workload(spec: str, small: bool = False, batch: int | None = None) -> Workload:
+    """A named workload (at ``batch`` samples if given), or ``module:function`` returning
+    a ``Workload``."""
     if ":" in spec:
         module, _, func = spec.partition(":")
         return getattr(importlib.import_module(module), func)()  # type: ignore[no-any-return]
-    if small:  # tiny versions for tests
-        return {"lm-d512": lambda: _lm(64, 1, 2, 32), "mlp-b8192": lambda: _mlp(256)}.get(
-            spec, WORKLOADS[spec]
-        )()
     if spec not in WORKLOADS:
         raise ValueError(
             f"unknown workload {spec!r}; valid: {', '.join(WORKLOADS)} or module:function"
         )
-    return WORKLOADS[spec]()
+    if small:  # tiny versions for tests
+        if spec == "lm-d512":
+            return _lm(64, 1, batch or 2, 32)
+        if spec == "mlp-b8192":
+            return _mlp(batch or 256)
+    return WORKLOADS[spec](batch)
 
 
 def _device(device: str) -> torch.device:
@@ -178,13 +181,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _peak_memory(args: tuple[str, str, str, bool, int]) -> float | None:
+def _peak_memory(args: tuple[str, str, str, bool, int, int | None]) -> float | None:
     """Peak training memory of one mode in MiB, measured alone in this (fresh) process:
     CUDA's allocator peak, or on Linux the process's peak RSS (reset just before the model
     is built) minus the RSS at that point. ``None`` where neither is available."""
-    spec, mode, device_name, small, steps = args
+    spec, mode, device_name, small, steps, batch = args
     device = _device(device_name)
-    work = get_workload(spec, small)
+    work = get_workload(spec, small, batch)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated() / 1.0
@@ -249,7 +252,7 @@ def run(
         ctx = multiprocessing.get_context("spawn")
         with ctx.Pool(1, maxtasksperchild=1) as pool:
             for mode in modes:
-                peaks[mode] = pool.apply(_peak_memory, ((workload, mode, device, small, 2),))
+                peaks[mode] = pool.apply(_peak_memory, ((workload, mode, device, small, 2, None),))
     base = statistics.median(times["float32"])
     results = []
     for mode in modes:
@@ -267,6 +270,36 @@ def run(
             )
         )
     return results
+
+
+def max_batch(
+    workload: str,
+    mode: str,
+    budget_mb: float,
+    device: str = "auto",
+    small: bool = False,
+    limit: int = 1 << 16,
+) -> int:
+    """The largest batch of ``workload`` whose training step, in ``mode`` alone in a fresh
+    process, peaks within ``budget_mb``: doubling, then bisection (0 if none fits)."""
+    ctx = multiprocessing.get_context("spawn")
+
+    def fits(batch: int) -> bool:
+        with ctx.Pool(1) as pool:
+            peak = pool.apply(_peak_memory, ((workload, mode, device, small, 1, batch),))
+        if peak is None:
+            raise RuntimeError("peak memory cannot be measured on this platform")
+        return peak <= budget_mb
+
+    low, high = 0, 1
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    if high > limit:
+        return low
+    while high - low > max(1, low // 16):  # within ~6%
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 def table(workload: str, results: list[ModeResult]) -> str:

@@ -269,6 +269,16 @@ def _bench(args: argparse.Namespace) -> int:
     modes = args.modes.split(",") if args.modes else list(bench.MODES)
     for m in modes:
         _choice("mode", m, list(bench.MODES))
+    if args.max_batch:
+        for w in workloads:
+            found = {m: bench.max_batch(w, m, args.max_batch, args.device, args.small,
+                                        args.batch_limit) for m in modes}  # fmt: skip
+            base = found.get("float32") or 0
+            print(f"workload {w}: largest batch within {args.max_batch:g} MB")
+            for m, b in found.items():
+                ratio = f" ({b / base:.2f}x float32)" if base else ""
+                print(f"  {m:<22} {b:>7d}{ratio}")
+        return 0
     results = {}
     for w in workloads:
         results[w] = bench.run(
@@ -367,6 +377,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default="auto")
     bench.add_argument("--no-memory", action="store_true", help="skip peak-memory runs")
     bench.add_argument("--small", action="store_true", help="tiny sizes (for tests)")
+    bench.add_argument(
+        "--max-batch", type=float, metavar="MB",
+        help="instead of timing: the largest batch per mode within this peak-memory budget",
+    )  # fmt: skip
+    bench.add_argument("--batch-limit", type=int, default=1 << 16, help="for --max-batch")
     bench.add_argument("--json", metavar="FILE")
     bench.add_argument("--plot", metavar="FILE.png")
     bench.set_defaults(run=_bench)
