@@ -181,30 +181,48 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _peak_memory(args: tuple[str, str, str, bool, int, int | None]) -> float | None:
-    """Peak training memory of one mode in MiB, measured alone in this (fresh) process:
-    CUDA's allocator peak, or on Linux the process's peak RSS (reset just before the model
-    is built) minus the RSS at that point. ``None`` where neither is available."""
-    spec, mode, device_name, small, steps, batch = args
-    device = _device(device_name)
-    work = get_workload(spec, small, batch)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated() / 1.0
-    else:
+class PeakMemory:
+    """Peak memory from the moment it is created, in MiB: CUDA's allocator peak, or on Linux
+    the process's peak RSS (its counter reset now) above the RSS now. ``mb()`` is ``None``
+    where neither can be measured."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.before: float | None = None
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            self.before = float(torch.cuda.memory_allocated())
+            return
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # resets the peak-RSS counter (VmHWM)
+            self.before = _proc_status_mb("VmRSS")
         except OSError:
+            self.before = None
+
+    @property
+    def kind(self) -> str:
+        return "CUDA allocated" if self.device.type == "cuda" else "peak RSS above the start"
+
+    def mb(self) -> float | None:
+        if self.before is None:
             return None
-        before = _proc_status_mb("VmRSS")
+        if self.device.type == "cuda":
+            return (torch.cuda.max_memory_allocated() - self.before) / 2**20
+        return _proc_status_mb("VmHWM") - self.before
+
+
+def _peak_memory(args: tuple[str, str, str, bool, int, int | None]) -> float | None:
+    """Peak training memory of one mode in MiB, measured alone in this (fresh) process."""
+    spec, mode, device_name, small, steps, batch = args
+    device = _device(device_name)
+    work = get_workload(spec, small, batch)
+    memory = PeakMemory(device)
     step = build_step(mode, work, device)
     for _ in range(steps):
         step()
     _sync(device)
-    if device.type == "cuda":
-        return (torch.cuda.max_memory_allocated() - before) / 2**20
-    return _proc_status_mb("VmHWM") - before
+    return memory.mb()
 
 
 def _proc_status_mb(field: str) -> float:

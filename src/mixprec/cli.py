@@ -10,7 +10,6 @@ import argparse
 import concurrent.futures
 import multiprocessing
 import os
-import resource
 import sys
 import time
 from collections.abc import Sequence
@@ -62,12 +61,6 @@ def _build(model: str, x: torch.Tensor, classes: int) -> torch.nn.Module:
     return mixprec.models.cnn(in_channels=1, classes=classes)
 
 
-def _peak_rss_mb() -> float:
-    # ru_maxrss is in KiB on Linux and in bytes on macOS.
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 1024 / (1024 if sys.platform == "darwin" else 1)
-
-
 def run_training(config: dict[str, Any]) -> dict[str, Any]:
     """One training run; executed in a fresh process so that its peak memory is its own."""
     torch.manual_seed(config["seed"])
@@ -78,8 +71,9 @@ def run_training(config: dict[str, Any]) -> dict[str, Any]:
     trainer = mixprec.Trainer(
         model, "cross_entropy", optimizer, policy=config["policy"], level=config["level"]
     )
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
+    from mixprec.bench import PeakMemory
+
+    memory = PeakMemory(trainer.device)  # the run's own peak: this process trains once
     start = time.perf_counter()
     history = trainer.fit(
         x_train, y_train, batch_size=config["batch_size"], epochs=config["epochs"],
@@ -91,7 +85,6 @@ def run_training(config: dict[str, Any]) -> dict[str, Any]:
         path = Path(config["save"]) / f"{config['label']}.safetensors"
         mixprec.save_checkpoint(path, model, trainer.optimizer, trainer.resume_state())
     done = mixprec.levels.applied(model)
-    cuda = torch.cuda.is_available()
     return {
         "label": config["label"],
         "policy": done.policy.name if done else config["policy"],
@@ -103,8 +96,8 @@ def run_training(config: dict[str, Any]) -> dict[str, Any]:
         "ms_per_step": sorted(history.history["ms_per_step"])[len(history.epoch) // 2],
         "seconds": seconds,
         "skipped_steps": sum(history.history["skipped_steps"]),
-        "peak_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else _peak_rss_mb(),
-        "memory_kind": "CUDA allocated" if cuda else "process RSS",
+        "peak_mb": memory.mb(),
+        "memory_kind": memory.kind,
     }
 
 
@@ -119,9 +112,13 @@ def _table(runs: list[dict[str, Any]]) -> str:
         lines.append(
             f"{r['policy'] + ' (' + r['level'] + ')':<24} {r['test_accuracy']:>8.3f} "
             f"{r['final_loss']:>8.4f} {r['ms_per_step']:>8.2f} {base / r['ms_per_step']:>7.2f}x "
-            f"{r['peak_mb']:>8.0f} {r['skipped_steps']:>7d}"
+            f"{_mb(r['peak_mb']):>8} {r['skipped_steps']:>7d}"
         )
     return "\n".join(lines)
+
+
+def _mb(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def _plot(runs: list[dict[str, Any]], path: str) -> None:

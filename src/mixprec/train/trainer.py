@@ -310,7 +310,9 @@ class Trainer:
         self.model.train()
         self._epoch = epoch
         loss_sum, samples, skipped = 0.0, 0, 0
-        metric_sums = dict.fromkeys(self.metrics, 0.0)
+        # Metric sums stay device tensors: reading them per batch would add host syncs to the
+        # step; they are read once, at the end of the epoch.
+        metric_sums: dict[str, torch.Tensor | float] = dict.fromkeys(self.metrics, 0.0)
         times: list[float] = []
         start_epoch = time.perf_counter()
         for step, batch in enumerate(batches, start=first_step):
@@ -339,7 +341,7 @@ class Trainer:
             if output is not None:
                 with torch.no_grad():
                     for name, fn in self.metrics.items():
-                        metric_sums[name] += float(fn(output.float(), yb)) * size
+                        metric_sums[name] = metric_sums[name] + fn(output.float(), yb) * size
             cbs.on_train_batch_end(
                 step,
                 {
@@ -357,7 +359,9 @@ class Trainer:
         if samples == 0:
             raise ValueError("the training data produced no batches")
         # Means over every rank's samples.
-        sums = distributed.all_reduce_sum([loss_sum, samples, *metric_sums.values()])
+        sums = distributed.all_reduce_sum(
+            [loss_sum, samples, *(float(v) for v in metric_sums.values())]
+        )
         loss_sum, samples = sums[0], int(sums[1])
         metric_sums = dict(zip(metric_sums, sums[2:], strict=True))
         total = time.perf_counter() - start_epoch
