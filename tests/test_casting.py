@@ -11,7 +11,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 import mixprec as mp
-from mixprec.casting import Float32Functions, cast_floating, get_region
+from mixprec.casting import (
+    Float32Functions,
+    cast_floating,
+    get_region,
+    needs_float32_functions,
+)
 
 ALL_DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -113,6 +118,29 @@ def test_float32_functions_run_in_float32_under_cpu_autocast():
     # ...and losses stay float32.
     assert loss.dtype == torch.float32
     torch.testing.assert_close(loss, nn.functional.cross_entropy(wide, y))
+
+
+class _CustomSoftmax(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.softmax(x, -1)
+
+
+def test_regions_of_plain_modules_skip_the_float32_functions_mode():
+    plain = nn.Sequential(nn.Flatten(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    island = nn.Sequential(nn.Linear(8, 8), nn.Softmax(-1))  # Softmax: a float32 region
+    custom = nn.Sequential(nn.Linear(8, 8), _CustomSoftmax())  # may call anything
+    for model in (plain, island, custom):
+        mp.auto_mixed_precision(model, "mixed_bfloat16", "O1")
+    assert not needs_float32_functions(plain)
+    assert not needs_float32_functions(island)
+    assert needs_float32_functions(custom)
+    assert needs_float32_functions(nn.Sequential(nn.Linear(8, 8), nn.Softmax(-1)))  # no island
+    # Where the mode is kept, the custom softmax still runs in float32 under CPU autocast.
+    torch.manual_seed(0)
+    x = torch.randn(16, 8) * 8
+    h = nn.functional.linear(x.bfloat16(), custom[0].weight.bfloat16(), custom[0].bias.bfloat16())
+    expected = nn.functional.softmax(h.float(), -1).to(torch.bfloat16).float()
+    assert torch.equal(custom(x), expected)
 
 
 def test_float32_function_output_feeds_a_16_bit_batchnorm_at_o3():

@@ -34,6 +34,23 @@ def snapshot(model, opt):
     )
 
 
+def test_zero_grad_frees_master_gradients_unless_zeroing():
+    # Kept, float32 master gradients would sit beside the next forward's activations.
+    model, opt = prepared()
+    opt.backward(loss_of(model))
+    opt.step()
+    masters = list(opt.master_params())
+    assert all(m.grad is not None for m in masters)
+    opt.zero_grad()
+    assert all(m.grad is None for m in masters)
+    assert all(p.grad is None for p in model.parameters())
+    opt.backward(loss_of(model))
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    assert all(m.grad is not None for m in masters)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
 def test_masters_are_float32_and_seeded_from_unrounded_weights():
     reference = make_mlp()
     model, opt = prepared()

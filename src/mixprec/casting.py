@@ -129,6 +129,40 @@ FLOAT32_FUNCTIONS: frozenset[Callable[..., Any]] = FLOAT32_LOSSES | frozenset(
 )
 
 
+#: torch.nn modules whose own ``forward`` calls none of ``FLOAT32_FUNCTIONS`` (exact types:
+#: a subclass may override ``forward``). A region made only of these needs no
+#: ``Float32Functions`` mode, whose Python handler would otherwise run on every op: about
+#: 10% of a small MLP's step (mlp-b64: 0.78 ms against autocast's 0.71 ms).
+PLAIN_MODULES: frozenset[type[nn.Module]] = frozenset(
+    {
+        nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.Identity, nn.Flatten, nn.Unflatten,
+        nn.Linear, nn.Bilinear, nn.Embedding, nn.EmbeddingBag,
+        nn.Conv1d, nn.Conv2d, nn.Conv3d,
+        nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+        nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU, nn.SiLU,
+        nn.Mish, nn.Tanh, nn.Sigmoid, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid,
+        nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+        nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+        nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+        nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
+        nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d,
+    }
+)  # fmt: skip
+
+
+def needs_float32_functions(module: nn.Module) -> bool:
+    """Whether ``module``'s forward may call a ``FLOAT32_FUNCTIONS`` member in 16 bits: true
+    unless every module inside is a ``PLAIN_MODULES`` type or a float32 region (which runs
+    its functions in float32 anyway). Forward hooks are not inspected."""
+    for child in module.children():
+        region = get_region(child)
+        if region is not None and region.compute_dtype == torch.float32:
+            continue
+        if needs_float32_functions(child):
+            return True
+    return type(module) not in PLAIN_MODULES
+
+
 class Float32Functions(TorchFunctionMode):
     """Runs ``FLOAT32_FUNCTIONS`` on float32 inputs; every other call passes straight on."""
 
@@ -195,6 +229,7 @@ class _RegionHooks:
     def __init__(self, region: Region) -> None:
         self.region = region
         self._open: list[tuple[contextlib.ExitStack, torch.dtype | None]] = []
+        self._needs_mode: bool | None = None  # needs_float32_functions, on the first call
 
     def pre(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -210,8 +245,12 @@ class _RegionHooks:
                 stack.enter_context(torch.autocast(device_type, enabled=False))
             else:
                 stack.enter_context(torch.autocast(device_type, dtype=region.compute_dtype))
+                # CUDA's autocast already runs these functions in float32.
                 if device_type != "cuda":
-                    stack.enter_context(Float32Functions())
+                    if self._needs_mode is None:
+                        self._needs_mode = needs_float32_functions(module)
+                    if self._needs_mode:
+                        stack.enter_context(Float32Functions())
         self._open.append((stack, None if arriving is None else arriving.dtype))
         return args, kwargs
 
