@@ -94,3 +94,43 @@ def test_max_batch_finds_a_fitting_batch(capsys):
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "largest batch within 100000 MB" in out and "O2-bf16" in out
+
+
+def test_lm_flops_counts_matrix_weights_and_attention():
+    model = bench.CausalLM(vocab=50, d_model=16, n_layers=2, n_heads=2, max_len=8)
+    # Per block: qkv 16*48+48, out 16*16+16, mlp 16*64+64 + 64*16+16, two LayerNorms 4*16;
+    # then the final LayerNorm 2*16 and the head 16*50+50. Embeddings (50*16, 8*16) excluded.
+    block = (16 * 48 + 48) + (16 * 16 + 16) + (16 * 64 + 64) + (64 * 16 + 16) + 4 * 16
+    weights = 2 * block + 2 * 16 + 16 * 50 + 50
+    tokens, length = 4 * 8, 8
+    expected = 6 * weights * tokens + 12 * 2 * 16 * length * tokens
+    assert bench.lm_flops(model, tokens, length) == expected
+
+
+def test_tflops_and_mfu_are_reported_for_the_lm(monkeypatch):
+    monkeypatch.setattr(bench, "peak_tflops", lambda device, kind: 2.0 if kind else None)
+    results = bench.run("lm-d512", ["float32", "O2-bf16"], repeats=1, steps=1, warmup=1,
+                        memory=False, small=True)  # fmt: skip
+    work = bench.get_workload("lm-d512", small=True)
+    for r in results:
+        assert r.tflops == pytest.approx(work.flops / r.ms_per_step / 1e9)
+        assert r.mfu == pytest.approx(r.tflops / 2.0)
+    assert "TFLOP/s" in bench.table("lm-d512", results) and "MFU" in bench.table("lm", results)
+
+
+def test_no_peak_and_no_mfu_on_cpu():
+    assert bench.peak_tflops(torch.device("cpu"), "bfloat16") is None
+    results = bench.run("lm-d512", ["float32"], repeats=1, steps=1, warmup=1, memory=False,
+                        device="cpu", small=True)  # fmt: skip
+    assert results[0].tflops is not None and results[0].tflops > 0 and results[0].mfu is None
+
+
+def test_cpu_allocator_peak_counts_tensor_memory():
+    def run() -> None:
+        a = torch.empty(32 * 2**20, dtype=torch.uint8)  # 32 MiB
+        b = torch.empty(16 * 2**20, dtype=torch.uint8)  # 16 MiB, live with a: the peak
+        del a, b
+        torch.empty(8 * 2**20, dtype=torch.uint8)
+
+    peak = bench._cpu_allocated_peak_mb(run)
+    assert peak is not None and 48 <= peak < 48.5

@@ -37,6 +37,7 @@ class Workload:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     samples: int
     tokens: int = 0
+    flops: float = 0.0  # model FLOPs of one training step (forward + backward), 0 if unknown
 
 
 def _mlp(batch: int) -> Workload:
@@ -49,13 +50,56 @@ def _lm(d_model: int = 512, layers: int = 4, batch: int = 8, length: int = 256) 
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 8192, (batch, length), generator=g)
 
-    def make() -> nn.Module:
+    def make() -> CausalLM:
         return CausalLM(vocab=8192, d_model=d_model, n_layers=layers, n_heads=8, max_len=length)
 
+    n_tokens = batch * length
     return Workload(
         f"lm-d{d_model}", make, (tokens, tokens), lambda out, t: lm_loss(out, t), batch,
-        tokens=batch * length,
+        tokens=n_tokens, flops=lm_flops(make(), n_tokens, length),
     )  # fmt: skip
+
+
+def lm_flops(model: CausalLM, tokens: int, length: int) -> float:
+    """Training FLOPs of a step of ``tokens`` tokens in sequences of ``length``: 6 per
+    weight of the matrix multiplies per token (forward 2, backward 4), plus attention's
+    scores and weighted sum, 12 * layers * d_model * length per token (Kaplan et al. 2020,
+    without the causal halving, as MFU figures are usually quoted). Embedding lookups
+    are not matrix work and do not count."""
+    embeddings = sum(m.weight.numel() for m in (model.embed, model.pos))
+    weights = sum(p.numel() for p in model.parameters()) - embeddings
+    d_model, layers = model.embed.embedding_dim, len(model.blocks)
+    return float(6 * weights * tokens + 12 * layers * d_model * length * tokens)
+
+
+#: Dense peak TFLOP/s per GPU, by name fragment and matmul kind, from the vendors' data
+#: sheets (SXM parts; "tf32" for float32 with TF32 tensor cores, "float32" without).
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bfloat16": 989.4, "float16": 989.4, "tf32": 494.7, "float32": 66.9},
+    "H100": {"bfloat16": 989.4, "float16": 989.4, "tf32": 494.7, "float32": 66.9},
+    "A100": {"bfloat16": 312.0, "float16": 312.0, "tf32": 156.0, "float32": 19.5},
+    "L4": {"bfloat16": 121.0, "float16": 121.0, "tf32": 60.0, "float32": 30.3},
+}
+
+
+def peak_tflops(device: torch.device, kind: str) -> float | None:
+    """The data-sheet peak of ``device`` for ``kind`` (see ``PEAK_TFLOPS``), or None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for fragment, peaks in PEAK_TFLOPS.items():
+        if fragment in name:
+            return peaks.get(kind)
+    return None
+
+
+def _matmul_kind(mode: str, device: torch.device) -> str:
+    if mode.endswith("bf16"):
+        return "bfloat16"
+    if mode.endswith("fp16"):
+        return "float16"
+    tf32 = device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
+    return "tf32" if tf32 else "float32"
 
 
 def _cnn(batch: int = 64) -> Workload:
@@ -174,6 +218,8 @@ class ModeResult:
     final_loss: float
     peak_mb: float | None
     tokens_per_s: float | None = None
+    tflops: float | None = None  # achieved model TFLOP/s (workloads that state their FLOPs)
+    mfu: float | None = None  # model FLOPs utilisation: tflops / the device's peak
 
 
 def _sync(device: torch.device) -> None:
@@ -213,16 +259,56 @@ class PeakMemory:
 
 
 def _peak_memory(args: tuple[str, str, str, bool, int, int | None]) -> float | None:
-    """Peak training memory of one mode in MiB, measured alone in this (fresh) process."""
+    """Peak training memory of one mode in MiB, measured alone in this (fresh) process:
+    tensor memory from the model's creation on (CUDA's allocator peak; on CPU the
+    profiler's allocation records, as RSS would add the C allocator's fragmentation and
+    its noise), or peak RSS where the records are not available."""
     spec, mode, device_name, small, steps, batch = args
     device = _device(device_name)
     work = get_workload(spec, small, batch)
+
+    def train() -> None:
+        step = build_step(mode, work, device)
+        for _ in range(steps):
+            step()
+        _sync(device)
+
+    if device.type == "cpu":
+        peak = _cpu_allocated_peak_mb(train)
+        if peak is not None:
+            return peak
     memory = PeakMemory(device)
-    step = build_step(mode, work, device)
-    for _ in range(steps):
-        step()
-    _sync(device)
+    train()
     return memory.mb()
+
+
+def _cpu_allocated_peak_mb(run: Callable[[], None]) -> float | None:
+    """The peak of CPU tensor memory allocated while ``run`` runs, in MiB, from the
+    profiler's allocation and free records (``None`` if this torch does not expose them)."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    # The profiler logs its start and stop on stderr (fd 2, from C++): silence it here.
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            run()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    try:
+        events = prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+        deltas = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    except AttributeError:
+        return None
+    live = peak = 0
+    for _, nbytes in deltas:
+        live += nbytes
+        peak = max(peak, live)
+    return peak / 2**20
 
 
 def _proc_status_mb(field: str) -> float:
@@ -250,7 +336,9 @@ def run(
     dev = _device(device)
     work = get_workload(workload, small)
     if dev.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False  # a true float32 baseline
+        # A true float32 baseline: TF32 would round matmul inputs to 10 mantissa bits.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     built = {mode: build_step(mode, work, dev) for mode in modes}
     last: dict[str, torch.Tensor] = {}
     for mode, step in built.items():
@@ -275,6 +363,8 @@ def run(
     results = []
     for mode in modes:
         ms = statistics.median(times[mode])
+        tflops = work.flops / ms / 1e9 if work.flops else None
+        peak = peak_tflops(dev, _matmul_kind(mode, dev))
         results.append(
             ModeResult(
                 mode=mode,
@@ -285,6 +375,8 @@ def run(
                 final_loss=float(last[mode]),
                 peak_mb=peaks[mode],
                 tokens_per_s=1000 * work.tokens / ms if work.tokens else None,
+                tflops=tflops,
+                mfu=tflops / peak if tflops is not None and peak else None,
             )
         )
     return results
@@ -325,14 +417,26 @@ def table(workload: str, results: list[ModeResult]) -> str:
         f"{'mode':<22} {'level':<5} {'ms/step':>9} {'samples/s':>10} {'vs f32':>7} "
         f"{'peak MB':>8} {'loss':>8}"
     )
+    tokens = any(r.tokens_per_s is not None for r in results)
+    if tokens:
+        header += f" {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6}"
     lines = [f"workload {workload}", header, "-" * len(header)]
     for r in results:
         peak = f"{r.peak_mb:8.0f}" if r.peak_mb is not None else f"{'-':>8}"
-        lines.append(
+        line = (
             f"{r.mode:<22} {r.level:<5} {r.ms_per_step:>9.2f} {r.samples_per_s:>10.0f} "
             f"{r.speedup:>6.2f}x {peak} {r.final_loss:>8.4f}"
         )
+        if tokens:
+            line += f" {_fmt(r.tokens_per_s, '9.0f')} {_fmt(r.tflops, '8.3f')}"
+            line += f" {100 * r.mfu:5.1f}%" if r.mfu is not None else f" {'-':>6}"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    width = int(spec.split(".")[0])
+    return format(value, spec) if value is not None else "-".rjust(width)
 
 
 def to_json(all_results: dict[str, list[ModeResult]]) -> str:
@@ -340,10 +444,27 @@ def to_json(all_results: dict[str, list[ModeResult]]) -> str:
         {
             "torch": torch.__version__,
             "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "device_name": (
+                torch.cuda.get_device_name() if torch.cuda.is_available() else _cpu_name()
+            ),
+            "float32_matmul": "IEEE float32 (TF32 off)",
             "results": {w: [asdict(r) for r in rs] for w, rs in all_results.items()},
         },
         indent=2,
     )
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "cpu"
 
 
 def plot(all_results: dict[str, list[ModeResult]], path: str) -> None:

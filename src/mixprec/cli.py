@@ -284,7 +284,9 @@ def _bench(args: argparse.Namespace) -> int:
         )  # fmt: skip
         print(bench.table(w, results[w]), end="\n\n", flush=True)
     print("ms/step: median over interleaved rounds; vs f32: float32 ms / mode ms (higher is "
-          "faster); peak MB: training memory of the mode alone in a fresh process")  # fmt: skip
+          "faster); peak MB: tensor memory of the mode's training alone in a fresh process "
+          "(allocator peak); on CUDA float32 runs without TF32; MFU: model TFLOP/s over "
+          "the GPU's data-sheet peak for the mode's matmul dtype")  # fmt: skip
     if args.json:
         Path(args.json).write_text(bench.to_json(results))
         print(f"results written to {args.json}")
