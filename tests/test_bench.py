@@ -27,7 +27,8 @@ def tiny_workload() -> bench.Workload:
 @pytest.mark.parametrize("workload", ["mlp-b64", "mlp-b8192", "lm-d512", "cnn"])
 def test_every_mode_runs_and_reports_well_formed_numbers(workload):
     modes = [m for m in bench.MODES if "fp16" not in m or workload == "mlp-b64"]
-    results = bench.run(workload, modes, repeats=1, steps=1, warmup=1, memory=False, small=True)
+    results = bench.run(workload, modes, repeats=1, steps=1, warmup=1, memory=False, small=True,
+                        min_round_ms=0)  # fmt: skip
     assert [r.mode for r in results] == modes
     base = results[0]
     assert base.mode == "float32" and base.speedup == 1.0
@@ -40,10 +41,33 @@ def test_every_mode_runs_and_reports_well_formed_numbers(workload):
         if workload == "lm-d512":
             assert r.tokens_per_s is not None and r.tokens_per_s > 0
     # Accuracy is not traded: mixed modes with float32 masters end where float32 does
-    # (bfloat16 rounding over three SGD steps; measured below 0.005).
+    # (bfloat16 rounding over three SGD steps: 2 warm-up, 1 timed; measured below 0.005).
     for r in results:
         if r.mode in ("O1-bf16", "O2-bf16", "auto-bf16", "torch-autocast-bf16"):
             assert abs(r.final_loss - base.final_loss) < 0.05, r.mode
+
+
+def test_rounds_last_at_least_min_round_ms(monkeypatch):
+    calls: dict[str, int] = {}
+    real = bench.build_step
+
+    def counting(mode, work, device, lr=0.01):
+        step = real(mode, work, device, lr)
+
+        def counted():
+            calls[mode] = calls.get(mode, 0) + 1
+            return step()
+
+        return counted
+
+    monkeypatch.setattr(bench, "build_step", counting)
+    results = bench.run("mlp-b64", ["float32", "O2-bf16"], repeats=2, steps=1, warmup=1,
+                        memory=False, small=True, min_round_ms=50.0)  # fmt: skip
+    # Both modes ran the same number of steps, each round ~>= 50 ms for the fastest mode.
+    assert calls["float32"] == calls["O2-bf16"]
+    per_round = (calls["O2-bf16"] - 2) // 2  # after 2 warm-up steps
+    fastest = min(r.ms_per_step for r in results)
+    assert per_round > 1 and per_round * fastest > 25.0
 
 
 def test_peak_memory_is_measured_per_mode():
@@ -73,6 +97,8 @@ def test_custom_workload_json_and_plot(tmp_path, capsys):
     [
         (["bench", "resnet50"], "unknown workload 'resnet50'"),
         (["bench", "mlp-b64", "--modes", "O4-bf16"], "unknown mode 'O4-bf16'"),
+        (["bench", "mlp-b64", "--repeats", "0"], "--repeats must be >= 1, got 0"),
+        (["bench", "mlp-b64", "--min-round-ms", "-1"], "must be >= 0, got 2 and -1.0"),
     ],
 )
 def test_bench_errors(args, message, capsys):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import multiprocessing
 import statistics
 import time
@@ -328,22 +329,54 @@ def run(
     device: str = "auto",
     memory: bool = True,
     small: bool = False,
+    min_round_ms: float = 100.0,
 ) -> list[ModeResult]:
-    """Benchmark ``modes`` on ``workload``; ``repeats`` rounds of ``steps`` steps per mode,
-    interleaved, after ``warmup`` steps each. Medians of the per-round ms/step."""
+    """Benchmark ``modes`` on ``workload``; ``repeats`` rounds per mode, interleaved, after
+    ``warmup`` steps each (at least 2). A round is ``steps`` steps, or more where the
+    fastest mode would finish them in under ``min_round_ms`` (a 1 ms step timed 3 at a time
+    measures the timer and the cache left by the previous mode); every mode runs the same
+    number of steps, so their final losses compare. Medians of the per-round ms/step."""
     if "float32" not in modes:
         modes = ["float32", *modes]
     dev = _device(device)
     work = get_workload(workload, small)
     if dev.type == "cuda":
         # A true float32 baseline: TF32 would round matmul inputs to 10 mantissa bits.
+        saved_tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+    try:
+        return _run(work, workload, modes, repeats, steps, warmup, dev, device, memory, small,
+                    min_round_ms)  # fmt: skip
+    finally:
+        if dev.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_tf32
+
+
+def _run(
+    work: Workload,
+    workload: str,
+    modes: Sequence[str],
+    repeats: int,
+    steps: int,
+    warmup: int,
+    dev: torch.device,
+    device: str,
+    memory: bool,
+    small: bool,
+    min_round_ms: float,
+) -> list[ModeResult]:
     built = {mode: build_step(mode, work, dev) for mode in modes}
     last: dict[str, torch.Tensor] = {}
+    fastest = float("inf")
     for mode, step in built.items():
-        for _ in range(warmup):
+        for _ in range(max(warmup, 2)):  # the first step is cold: calibrate on a later one
+            _sync(dev)
+            start = time.perf_counter()
             last[mode] = step()
+            _sync(dev)
+            fastest = min(fastest, 1000 * (time.perf_counter() - start))
+    steps = max(steps, math.ceil(min_round_ms / max(fastest, 1e-3)))
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     for _ in range(repeats):
         for mode, step in built.items():

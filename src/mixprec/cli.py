@@ -266,6 +266,13 @@ def _bench(args: argparse.Namespace) -> int:
     modes = args.modes.split(",") if args.modes else list(bench.MODES)
     for m in modes:
         _choice("mode", m, list(bench.MODES))
+    for name in ("repeats", "steps"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0 or args.min_round_ms < 0:
+        raise UsageError(
+            f"--warmup and --min-round-ms must be >= 0, got {args.warmup} and {args.min_round_ms}"
+        )
     if args.max_batch:
         for w in workloads:
             found = {m: bench.max_batch(w, m, args.max_batch, args.device, args.small,
@@ -280,6 +287,7 @@ def _bench(args: argparse.Namespace) -> int:
     for w in workloads:
         results[w] = bench.run(
             w, modes, repeats=args.repeats, steps=args.steps, warmup=args.warmup,
+            min_round_ms=args.min_round_ms,
             device=args.device, memory=not args.no_memory, small=args.small,
         )  # fmt: skip
         print(bench.table(w, results[w]), end="\n\n", flush=True)
@@ -371,7 +379,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     bench.add_argument("--modes", help="comma-separated; default: all")
     bench.add_argument("--repeats", type=int, default=5)
-    bench.add_argument("--steps", type=int, default=3, help="steps per timed round")
+    bench.add_argument("--steps", type=int, default=3, help="steps per timed round, at least")
+    bench.add_argument(
+        "--min-round-ms", type=float, default=100.0,
+        help="more steps per round where the fastest mode would take less (default 100)",
+    )  # fmt: skip
     bench.add_argument("--warmup", type=int, default=2)
     bench.add_argument("--device", default="auto")
     bench.add_argument("--no-memory", action="store_true", help="skip peak-memory runs")
