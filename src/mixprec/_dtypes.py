@@ -82,15 +82,21 @@ class Hardware:
     detail: str
 
 
-def _cpu_flags() -> set[str]:
+def cpuinfo_field(name: str) -> str | None:
+    """The first ``name`` field of /proc/cpuinfo (``"flags"``, ``"model name"``), or None
+    where there is no such file (macOS, Windows) or field."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if line.startswith(name):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return None
+
+
+def _cpu_flags() -> set[str]:
+    return set((cpuinfo_field("flags") or "").split())
 
 
 @functools.lru_cache(maxsize=1)

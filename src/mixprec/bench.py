@@ -8,19 +8,22 @@ of them alike; ratios are against float32 in the same run.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import math
 import multiprocessing
+import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixprec._dtypes import cpuinfo_field
 from mixprec.levels import applied, auto_mixed_precision
 from mixprec.models import CausalLM, cnn, lm_loss, mlp
 from mixprec.optim import LossScaleOptimizer
@@ -57,8 +60,14 @@ def _lm(d_model: int = 512, layers: int = 4, batch: int = 8, length: int = 256) 
     n_tokens = batch * length
     return Workload(
         f"lm-d{d_model}", make, (tokens, tokens), lambda out, t: lm_loss(out, t), batch,
-        tokens=n_tokens, flops=lm_flops(make(), n_tokens, length),
+        tokens=n_tokens, flops=lm_flops(_on_meta(make), n_tokens, length),
     )  # fmt: skip
+
+
+def _on_meta(make: Callable[[], CausalLM]) -> CausalLM:
+    """The model's structure without allocating or initialising its weights."""
+    with torch.device("meta"):
+        return make()
 
 
 def lm_flops(model: CausalLM, tokens: int, length: int) -> float:
@@ -73,13 +82,13 @@ def lm_flops(model: CausalLM, tokens: int, length: int) -> float:
     return float(6 * weights * tokens + 12 * layers * d_model * length * tokens)
 
 
-#: Dense peak TFLOP/s per GPU, by name fragment and matmul kind, from the vendors' data
-#: sheets (SXM parts; "tf32" for float32 with TF32 tensor cores, "float32" without).
+#: Dense peak TFLOP/s per GPU, by name fragment and matmul dtype, from the vendors' data
+#: sheets (SXM parts; float32 without TF32, as ``run`` measures it).
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bfloat16": 989.4, "float16": 989.4, "tf32": 494.7, "float32": 66.9},
-    "H100": {"bfloat16": 989.4, "float16": 989.4, "tf32": 494.7, "float32": 66.9},
-    "A100": {"bfloat16": 312.0, "float16": 312.0, "tf32": 156.0, "float32": 19.5},
-    "L4": {"bfloat16": 121.0, "float16": 121.0, "tf32": 60.0, "float32": 30.3},
+    "H200": {"bfloat16": 989.4, "float16": 989.4, "float32": 66.9},
+    "H100": {"bfloat16": 989.4, "float16": 989.4, "float32": 66.9},
+    "A100": {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
+    "L4": {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3},
 }
 
 
@@ -94,13 +103,23 @@ def peak_tflops(device: torch.device, kind: str) -> float | None:
     return None
 
 
-def _matmul_kind(mode: str, device: torch.device) -> str:
-    if mode.endswith("bf16"):
-        return "bfloat16"
-    if mode.endswith("fp16"):
-        return "float16"
-    tf32 = device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
-    return "tf32" if tf32 else "float32"
+def _matmul_dtype(mode: str) -> str:
+    return {"bf16": "bfloat16", "fp16": "float16"}.get(mode.rpartition("-")[2], "float32")
+
+
+@contextlib.contextmanager
+def _true_float32(device: torch.device) -> Iterator[None]:
+    """On CUDA, float32 matmuls and convolutions without TF32 (which rounds their inputs
+    to 10 mantissa bits), for a true float32 baseline; the settings are restored after."""
+    if device.type != "cuda":
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def _cnn(batch: int = 64) -> Workload:
@@ -286,8 +305,6 @@ def _peak_memory(args: tuple[str, str, str, bool, int, int | None]) -> float | N
 def _cpu_allocated_peak_mb(run: Callable[[], None]) -> float | None:
     """The peak of CPU tensor memory allocated while ``run`` runs, in MiB, from the
     profiler's allocation and free records (``None`` if this torch does not expose them)."""
-    import os
-
     from torch.profiler import ProfilerActivity, profile
 
     # The profiler logs its start and stop on stderr (fd 2, from C++): silence it here.
@@ -340,52 +357,9 @@ def run(
         modes = ["float32", *modes]
     dev = _device(device)
     work = get_workload(workload, small)
-    if dev.type == "cuda":
-        # A true float32 baseline: TF32 would round matmul inputs to 10 mantissa bits.
-        saved_tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-    try:
-        return _run(work, workload, modes, repeats, steps, warmup, dev, device, memory, small,
-                    min_round_ms)  # fmt: skip
-    finally:
-        if dev.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_tf32
-
-
-def _run(
-    work: Workload,
-    workload: str,
-    modes: Sequence[str],
-    repeats: int,
-    steps: int,
-    warmup: int,
-    dev: torch.device,
-    device: str,
-    memory: bool,
-    small: bool,
-    min_round_ms: float,
-) -> list[ModeResult]:
     built = {mode: build_step(mode, work, dev) for mode in modes}
-    last: dict[str, torch.Tensor] = {}
-    fastest = float("inf")
-    for mode, step in built.items():
-        for _ in range(max(warmup, 2)):  # the first step is cold: calibrate on a later one
-            _sync(dev)
-            start = time.perf_counter()
-            last[mode] = step()
-            _sync(dev)
-            fastest = min(fastest, 1000 * (time.perf_counter() - start))
-    steps = max(steps, math.ceil(min_round_ms / max(fastest, 1e-3)))
-    times: dict[str, list[float]] = {mode: [] for mode in modes}
-    for _ in range(repeats):
-        for mode, step in built.items():
-            _sync(dev)
-            start = time.perf_counter()
-            for _ in range(steps):
-                last[mode] = step()
-            _sync(dev)
-            times[mode].append(1000 * (time.perf_counter() - start) / steps)
+    with _true_float32(dev):
+        times, last = _time_modes(built, repeats, steps, warmup, dev, min_round_ms)
     peaks: dict[str, float | None] = dict.fromkeys(modes)
     if memory:
         ctx = multiprocessing.get_context("spawn")
@@ -397,7 +371,7 @@ def _run(
     for mode in modes:
         ms = statistics.median(times[mode])
         tflops = work.flops / ms / 1e9 if work.flops else None
-        peak = peak_tflops(dev, _matmul_kind(mode, dev))
+        peak = peak_tflops(dev, _matmul_dtype(mode))
         results.append(
             ModeResult(
                 mode=mode,
@@ -413,6 +387,37 @@ def _run(
             )
         )
     return results
+
+
+def _time_modes(
+    built: dict[str, Step],
+    repeats: int,
+    steps: int,
+    warmup: int,
+    dev: torch.device,
+    min_round_ms: float,
+) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
+    """Per mode: the ms/step of each round, and the loss of the last step."""
+    last: dict[str, torch.Tensor] = {}
+    fastest = float("inf")
+    for mode, step in built.items():
+        for _ in range(max(warmup, 2)):  # the first step is cold: calibrate on a later one
+            _sync(dev)
+            start = time.perf_counter()
+            last[mode] = step()
+            _sync(dev)
+            fastest = min(fastest, 1000 * (time.perf_counter() - start))
+    steps = max(steps, math.ceil(min_round_ms / max(fastest, 1e-3)))
+    times: dict[str, list[float]] = {mode: [] for mode in built}
+    for _ in range(repeats):
+        for mode, step in built.items():
+            _sync(dev)
+            start = time.perf_counter()
+            for _ in range(steps):
+                last[mode] = step()
+            _sync(dev)
+            times[mode].append(1000 * (time.perf_counter() - start) / steps)
+    return times, last
 
 
 def max_batch(
@@ -450,8 +455,8 @@ def table(workload: str, results: list[ModeResult]) -> str:
         f"{'mode':<22} {'level':<5} {'ms/step':>9} {'samples/s':>10} {'vs f32':>7} "
         f"{'peak MB':>8} {'loss':>8}"
     )
-    tokens = any(r.tokens_per_s is not None for r in results)
-    if tokens:
+    lm = any(r.tokens_per_s is not None for r in results)
+    if lm:
         header += f" {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6}"
     lines = [f"workload {workload}", header, "-" * len(header)]
     for r in results:
@@ -460,7 +465,7 @@ def table(workload: str, results: list[ModeResult]) -> str:
             f"{r.mode:<22} {r.level:<5} {r.ms_per_step:>9.2f} {r.samples_per_s:>10.0f} "
             f"{r.speedup:>6.2f}x {peak} {r.final_loss:>8.4f}"
         )
-        if tokens:
+        if lm:
             line += f" {_fmt(r.tokens_per_s, '9.0f')} {_fmt(r.tflops, '8.3f')}"
             line += f" {100 * r.mfu:5.1f}%" if r.mfu is not None else f" {'-':>6}"
         lines.append(line)
@@ -488,16 +493,9 @@ def to_json(all_results: dict[str, list[ModeResult]]) -> str:
 
 
 def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     import platform
 
-    return platform.processor() or "cpu"
+    return cpuinfo_field("model name") or platform.processor() or "cpu"
 
 
 def plot(all_results: dict[str, list[ModeResult]], path: str) -> None:
