@@ -47,12 +47,48 @@ def test_every_mode_runs_and_reports_well_formed_numbers(workload):
             assert abs(r.final_loss - base.final_loss) < 0.05, r.mode
 
 
+@pytest.mark.parametrize("workload", ["mlp-b64", "lm-d512"])
+def test_16_bit_outputs_train_like_float32_outputs(workload):
+    # --outputs-16bit: the mixed models return bfloat16 and the loss still computes in
+    # float32 from it, so the losses match the default run's (same arithmetic, only the
+    # output's rounding to bfloat16 differs; measured below 0.005).
+    modes = ["float32", "torch-autocast-bf16", "O2-bf16", "auto-bf16"]
+    kwargs = {"repeats": 1, "steps": 1, "warmup": 1, "memory": False, "small": True,
+              "min_round_ms": 0}  # fmt: skip
+    default = bench.run(workload, modes, **kwargs)
+    sixteen = bench.run(workload, modes, outputs_16bit=True, **kwargs)
+    for a, b in zip(default, sixteen, strict=True):
+        assert a.mode == b.mode and abs(a.final_loss - b.final_loss) < 0.02, a.mode
+    assert default[0].final_loss == sixteen[0].final_loss  # float32 is untouched
+    args = ["bench", workload, "--small", "--modes", "float32,O2-bf16", "--outputs-16bit",
+            "--no-memory", "--repeats", "1", "--steps", "1", "--warmup", "1",
+            "--min-round-ms", "0"]  # fmt: skip
+    assert cli.main(args) == 0
+
+
+def test_outputs_16bit_reach_the_loss_in_bfloat16(monkeypatch):
+    seen: list[torch.dtype] = []
+    work = bench.get_workload("mlp-b64", small=True)
+    loss_fn = work.loss_fn
+
+    def spy(out, y):
+        seen.append(out.dtype)
+        return loss_fn(out, y)
+
+    work = bench.Workload(work.name, work.make_model, work.batch, spy, work.samples)
+    for outputs_16bit in (False, True):
+        bench.build_step("O2-bf16", work, torch.device("cpu"), outputs_16bit=outputs_16bit)()
+        bench.build_step("torch-autocast-bf16", work, torch.device("cpu"),
+                         outputs_16bit=outputs_16bit)()  # fmt: skip
+    assert seen == [torch.float32, torch.float32, torch.bfloat16, torch.bfloat16]
+
+
 def test_rounds_last_at_least_min_round_ms(monkeypatch):
     calls: dict[str, int] = {}
     real = bench.build_step
 
-    def counting(mode, work, device, lr=0.01):
-        step = real(mode, work, device, lr)
+    def counting(mode, work, device, **kwargs):
+        step = real(mode, work, device, **kwargs)
 
         def counted():
             calls[mode] = calls.get(mode, 0) + 1

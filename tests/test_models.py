@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mixprec.models import (
     MODELS,
@@ -65,6 +66,23 @@ def test_lm_loss_is_float32_for_16_bit_logits():
     logits = torch.randn(2, 5, 50).to(torch.bfloat16)
     tokens = torch.randint(0, 50, (2, 5))
     assert lm_loss(logits, tokens).dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lm_loss_equals_cross_entropy_of_the_shifted_logits(dtype):
+    # Control: the slice-and-upcast formula, in float32, of the same logits.
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 9, 50, generator=g).to(dtype).requires_grad_()
+    tokens = torch.randint(0, 50, (3, 9), generator=g)
+    loss = lm_loss(logits, tokens)
+    loss.backward()
+    up = logits.detach().float().requires_grad_()
+    ref = F.cross_entropy(up[:, :-1].reshape(-1, 50), tokens[:, 1:].reshape(-1))
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    eps = torch.finfo(dtype).eps  # the gradient is rounded once to the logits' dtype
+    torch.testing.assert_close(logits.grad.float(), up.grad, rtol=eps, atol=1e-7)
+    assert logits.grad.dtype == dtype and (logits.grad[:, -1] == 0).all()
 
 
 def test_lm_is_causal():

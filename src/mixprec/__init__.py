@@ -3,7 +3,7 @@
 Policies, O0-O3 levels, loss scaling and master weights in one library.
 """
 
-from mixprec import data, distributed, models
+from mixprec import data, distributed, losses, models
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec.casting import cast_floating, to_float
 from mixprec.checkpoint import (
@@ -19,6 +19,7 @@ from mixprec.compensated import CompensatedAdamW, stochastic_round
 from mixprec.doctor import ModuleReport, Report, ScalerHealth, diagnose
 from mixprec.grad_scaler import GradScaler
 from mixprec.levels import LEVELS, auto_mixed_precision, describe, module_dtypes
+from mixprec.losses import cross_entropy
 from mixprec.optim import LossScaleOptimizer, StepResult, split_embedding_parameters
 from mixprec.policy import Policy, get_policy, global_policy, policy_scope, set_global_policy
 from mixprec.scaling import (
@@ -88,6 +89,7 @@ __all__ = [
     "build_train_step",
     "cast_floating",
     "convert_checkpoint",
+    "cross_entropy",
     "data",
     "describe",
     "diagnose",
@@ -96,6 +98,7 @@ __all__ = [
     "get_policy",
     "global_policy",
     "load_checkpoint",
+    "losses",
     "models",
     "module_dtypes",
     "policy_scope",

@@ -27,6 +27,7 @@ from mixprec._dtypes import cpuinfo_field
 from mixprec.levels import applied, auto_mixed_precision
 from mixprec.models import CausalLM, cnn, lm_loss, mlp
 from mixprec.optim import LossScaleOptimizer
+from mixprec.policy import Policy
 
 Step = Callable[[], torch.Tensor]
 
@@ -47,7 +48,12 @@ class Workload:
 def _mlp(batch: int) -> Workload:
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(batch, 784, generator=g), torch.randint(0, 10, (batch,), generator=g)
-    return Workload(f"mlp-b{batch}", lambda: mlp(784), (x, y), F.cross_entropy, batch)
+    return Workload(f"mlp-b{batch}", lambda: mlp(784), (x, y), _float32_cross_entropy, batch)
+
+
+def _float32_cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The classifier loss users write: in float32 whatever the model returns."""
+    return F.cross_entropy(out.float(), y)
 
 
 def _lm(d_model: int = 512, layers: int = 4, batch: int = 8, length: int = 256) -> Workload:
@@ -125,7 +131,7 @@ def _true_float32(device: torch.device) -> Iterator[None]:
 def _cnn(batch: int = 64) -> Workload:
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(batch, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g)
-    return Workload("cnn", lambda: cnn(1, 10), (x, y), F.cross_entropy, batch)
+    return Workload("cnn", lambda: cnn(1, 10), (x, y), _float32_cross_entropy, batch)
 
 
 # Each takes an optional batch size (for --max-batch); None is the workload's own.
@@ -174,8 +180,14 @@ def _device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def build_step(mode: str, work: Workload, device: torch.device, lr: float = 0.01) -> Step:
-    """The training step of ``mode``, ready to call; returns the (detached) loss."""
+def build_step(
+    mode: str, work: Workload, device: torch.device, lr: float = 0.01, outputs_16bit: bool = False
+) -> Step:
+    """The training step of ``mode``, ready to call; returns the (detached) loss.
+
+    ``outputs_16bit``: the model's output reaches the loss in the compute dtype (a policy
+    with ``output_dtype`` the compute dtype; autocast's output as it comes) instead of
+    float32; the workloads' losses compute in float32 either way."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
     torch.manual_seed(0)
@@ -203,7 +215,7 @@ def build_step(mode: str, work: Workload, device: torch.device, lr: float = 0.01
             opt.zero_grad(set_to_none=True)
             with torch.autocast(device.type, dtype=dtype):
                 out = model(x)
-            loss = loss_fn(out.float(), y)
+            loss = loss_fn(out if outputs_16bit else out.float(), y)
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
@@ -211,9 +223,12 @@ def build_step(mode: str, work: Workload, device: torch.device, lr: float = 0.01
 
         return autocast_step
     level, _, precision = mode.partition("-")
-    policy = "mixed_bfloat16" if precision == "bf16" else "mixed_float16"
+    half = "bfloat16" if precision == "bf16" else "float16"
+    policy = Policy(f"mixed_{half}")
     if level == "O3":
-        policy = policy.removeprefix("mixed_")
+        policy = Policy(half)  # pure 16-bit: its outputs are 16-bit already
+    elif outputs_16bit:
+        policy = Policy(param_dtype="float32", compute_dtype=half, output_dtype=half)
     auto_mixed_precision(model, policy, level.upper() if level != "auto" else "auto")
     lso = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=lr))
 
@@ -278,17 +293,17 @@ class PeakMemory:
         return _proc_status_mb("VmHWM") - self.before
 
 
-def _peak_memory(args: tuple[str, str, str, bool, int, int | None]) -> float | None:
+def _peak_memory(args: tuple[str, str, str, bool, int, int | None, bool]) -> float | None:
     """Peak training memory of one mode in MiB, measured alone in this (fresh) process:
     tensor memory from the model's creation on (CUDA's allocator peak; on CPU the
     profiler's allocation records, as RSS would add the C allocator's fragmentation and
     its noise), or peak RSS where the records are not available."""
-    spec, mode, device_name, small, steps, batch = args
+    spec, mode, device_name, small, steps, batch, outputs_16bit = args
     device = _device(device_name)
     work = get_workload(spec, small, batch)
 
     def train() -> None:
-        step = build_step(mode, work, device)
+        step = build_step(mode, work, device, outputs_16bit=outputs_16bit)
         for _ in range(steps):
             step()
         _sync(device)
@@ -347,17 +362,19 @@ def run(
     memory: bool = True,
     small: bool = False,
     min_round_ms: float = 100.0,
+    outputs_16bit: bool = False,
 ) -> list[ModeResult]:
     """Benchmark ``modes`` on ``workload``; ``repeats`` rounds per mode, interleaved, after
     ``warmup`` steps each (at least 2). A round is ``steps`` steps, or more where the
     fastest mode would finish them in under ``min_round_ms`` (a 1 ms step timed 3 at a time
     measures the timer and the cache left by the previous mode); every mode runs the same
-    number of steps, so their final losses compare. Medians of the per-round ms/step."""
+    number of steps, so their final losses compare. Medians of the per-round ms/step.
+    ``outputs_16bit`` as in ``build_step``."""
     if "float32" not in modes:
         modes = ["float32", *modes]
     dev = _device(device)
     work = get_workload(workload, small)
-    built = {mode: build_step(mode, work, dev) for mode in modes}
+    built = {mode: build_step(mode, work, dev, outputs_16bit=outputs_16bit) for mode in modes}
     with _true_float32(dev):
         times, last = _time_modes(built, repeats, steps, warmup, dev, min_round_ms)
     peaks: dict[str, float | None] = dict.fromkeys(modes)
@@ -365,7 +382,8 @@ def run(
         ctx = multiprocessing.get_context("spawn")
         with ctx.Pool(1, maxtasksperchild=1) as pool:
             for mode in modes:
-                peaks[mode] = pool.apply(_peak_memory, ((workload, mode, device, small, 2, None),))
+                args = (workload, mode, device, small, 2, None, outputs_16bit)
+                peaks[mode] = pool.apply(_peak_memory, (args,))
     base = statistics.median(times["float32"])
     results = []
     for mode in modes:
@@ -427,6 +445,7 @@ def max_batch(
     device: str = "auto",
     small: bool = False,
     limit: int = 1 << 16,
+    outputs_16bit: bool = False,
 ) -> int:
     """The largest batch of ``workload`` whose training step, in ``mode`` alone in a fresh
     process, peaks within ``budget_mb``: doubling, then bisection (0 if none fits)."""
@@ -434,7 +453,8 @@ def max_batch(
 
     def fits(batch: int) -> bool:
         with ctx.Pool(1) as pool:
-            peak = pool.apply(_peak_memory, ((workload, mode, device, small, 1, batch),))
+            args = (workload, mode, device, small, 1, batch, outputs_16bit)
+            peak = pool.apply(_peak_memory, (args,))
         if peak is None:
             raise RuntimeError("peak memory cannot be measured on this platform")
         return peak <= budget_mb

@@ -276,7 +276,8 @@ def _bench(args: argparse.Namespace) -> int:
     if args.max_batch:
         for w in workloads:
             found = {m: bench.max_batch(w, m, args.max_batch, args.device, args.small,
-                                        args.batch_limit) for m in modes}  # fmt: skip
+                                        args.batch_limit, args.outputs_16bit)
+                     for m in modes}  # fmt: skip
             base = found.get("float32") or 0
             print(f"workload {w}: largest batch within {args.max_batch:g} MB")
             for m, b in found.items():
@@ -287,7 +288,7 @@ def _bench(args: argparse.Namespace) -> int:
     for w in workloads:
         results[w] = bench.run(
             w, modes, repeats=args.repeats, steps=args.steps, warmup=args.warmup,
-            min_round_ms=args.min_round_ms,
+            min_round_ms=args.min_round_ms, outputs_16bit=args.outputs_16bit,
             device=args.device, memory=not args.no_memory, small=args.small,
         )  # fmt: skip
         print(bench.table(w, results[w]), end="\n\n", flush=True)
@@ -393,6 +394,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead of timing: the largest batch per mode within this peak-memory budget",
     )  # fmt: skip
     bench.add_argument("--batch-limit", type=int, default=1 << 16, help="for --max-batch")
+    bench.add_argument(
+        "--outputs-16bit", action="store_true",
+        help="the models return their compute dtype (policy output=compute) to a loss that "
+        "computes in float32 from it, such as mixprec.cross_entropy: saves memory",
+    )  # fmt: skip
     bench.add_argument("--json", metavar="FILE")
     bench.add_argument("--plot", metavar="FILE.png")
     bench.set_defaults(run=_bench)

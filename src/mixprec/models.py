@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec._dtypes import closest
+from mixprec.losses import cross_entropy
 
 __all__ = [
     "MODELS",
@@ -145,12 +146,17 @@ class CausalLM(nn.Module):
         return self.head(self.norm(h))  # type: ignore[no-any-return]
 
 
+_IGNORE = -100  # lm_loss's target for the last position, which has no next token
+
+
 def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy: position i predicts token i+1."""
-    # float32: the log-sum-exp over a large vocabulary loses precision in 16 bits (float16
-    # keeps ~3 significant digits, bfloat16 ~2), which biases the loss and its gradient.
-    pred = logits[:, :-1].float()
-    return F.cross_entropy(pred.reshape(-1, pred.shape[-1]), tokens[:, 1:].reshape(-1))
+    """Next-token cross-entropy: position i predicts token i+1, in float32 for any logits."""
+    # float32 arithmetic: the log-sum-exp over a large vocabulary loses precision in 16 bits
+    # (float16 keeps ~3 significant digits, bfloat16 ~2), which biases the loss and gradient.
+    # The last position has no next token: ignoring it, instead of slicing it off, spares a
+    # copy of the logits, and mixprec's cross_entropy never holds a float32 copy of them.
+    targets = F.pad(tokens[:, 1:], (0, 1), value=_IGNORE)
+    return cross_entropy(logits, targets, ignore_index=_IGNORE)
 
 
 _KERNEL, _STRIDE, _PADDING = 3, 2, 1  # SpeechCTC's convolution over time
