@@ -60,10 +60,15 @@ def test_16_bit_outputs_train_like_float32_outputs(workload):
     for a, b in zip(default, sixteen, strict=True):
         assert a.mode == b.mode and abs(a.final_loss - b.final_loss) < 0.02, a.mode
     assert default[0].final_loss == sixteen[0].final_loss  # float32 is untouched
-    args = ["bench", workload, "--small", "--modes", "float32,O2-bf16", "--outputs-16bit",
+
+
+def test_outputs_16bit_from_the_command_line_are_recorded_in_the_json(tmp_path):
+    out_json = tmp_path / "b.json"
+    args = ["bench", "mlp-b64", "--small", "--modes", "float32,O2-bf16", "--outputs-16bit",
             "--no-memory", "--repeats", "1", "--steps", "1", "--warmup", "1",
-            "--min-round-ms", "0"]  # fmt: skip
+            "--min-round-ms", "0", "--json", str(out_json)]  # fmt: skip
     assert cli.main(args) == 0
+    assert json.loads(out_json.read_text())["outputs_16bit"] is True
 
 
 def test_outputs_16bit_reach_the_loss_in_bfloat16(monkeypatch):
@@ -125,6 +130,7 @@ def test_custom_workload_json_and_plot(tmp_path, capsys):
     rows = data["results"]["tests.test_bench:tiny_workload"]
     assert [r["mode"] for r in rows] == ["float32", "O2-bf16", "O1-fp16"]
     assert rows[0]["speedup"] == 1.0 and rows[1]["level"] == "O2"
+    assert data["outputs_16bit"] is False
     assert out_png.read_bytes()[:4] == b"\x89PNG"
 
 

@@ -497,7 +497,7 @@ def _fmt(value: float | None, spec: str) -> str:
     return format(value, spec) if value is not None else "-".rjust(width)
 
 
-def to_json(all_results: dict[str, list[ModeResult]]) -> str:
+def to_json(all_results: dict[str, list[ModeResult]], outputs_16bit: bool = False) -> str:
     return json.dumps(
         {
             "torch": torch.__version__,
@@ -506,6 +506,7 @@ def to_json(all_results: dict[str, list[ModeResult]]) -> str:
                 torch.cuda.get_device_name() if torch.cuda.is_available() else _cpu_name()
             ),
             "float32_matmul": "IEEE float32 (TF32 off)",
+            "outputs_16bit": outputs_16bit,
             "results": {w: [asdict(r) for r in rs] for w, rs in all_results.items()},
         },
         indent=2,
