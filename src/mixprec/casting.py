@@ -24,6 +24,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from mixprec._dtypes import HALF_DTYPES, parse_dtype
+from mixprec._upcast_saves import keep_16bit_sources
 
 T = TypeVar("T")
 M = TypeVar("M", bound=nn.Module)
@@ -176,8 +177,11 @@ class Float32Functions(TorchFunctionMode):
         if func not in FLOAT32_FUNCTIONS:
             return func(*args, **(kwargs or {}))
         first = first_floating(args)
+        given = args
         args, kwargs = cast_floating((args, kwargs or {}), torch.float32)
-        result = func(*args, **kwargs)
+        saves = keep_16bit_sources(given, args)
+        with saves if saves is not None else contextlib.nullcontext():
+            result = func(*args, **kwargs)
         if func in FLOAT32_LOSSES or first is None:
             return result
         return cast_floating(result, first.dtype)
@@ -237,9 +241,14 @@ class _RegionHooks:
         region = self.region
         device_type = _device_type(module, args)
         arriving = first_floating(args) if region.output_like_input else None
-        if region.cast_inputs:
-            args, kwargs = cast_floating((args, kwargs), region.compute_dtype)
         stack = contextlib.ExitStack()
+        if region.cast_inputs:
+            given = args
+            args, kwargs = cast_floating((args, kwargs), region.compute_dtype)
+            if region.compute_dtype == torch.float32:
+                saves = keep_16bit_sources(given, args)
+                if saves is not None:
+                    stack.enter_context(saves)
         if _autocast_available(device_type):
             if region.compute_dtype == torch.float32:
                 stack.enter_context(torch.autocast(device_type, enabled=False))
