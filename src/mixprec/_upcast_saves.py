@@ -68,7 +68,7 @@ def keep_16bit_sources(
     # Weak: autograd keeps the pack hook too, and a strong reference would keep every 16-bit
     # input alive as long as the graph (measured: as much memory again as the copies).
     upcast = {
-        (up.data_ptr(), up.shape, up.stride()): weakref.ref(src)
+        (up.data_ptr(), up.shape, up.stride()): (weakref.ref(src), up._version)
         for src, up in zip(before, after, strict=False)
         if isinstance(src, torch.Tensor)
         and src.dtype in HALF_DTYPES
@@ -82,8 +82,10 @@ def keep_16bit_sources(
     def pack(saved: torch.Tensor) -> Any:
         if saved.dtype != torch.float32:
             return saved
-        ref = upcast.get((saved.data_ptr(), saved.shape, saved.stride()))
-        src = None if ref is None else ref()
+        entry = upcast.get((saved.data_ptr(), saved.shape, saved.stride()))
+        if entry is None or saved._version != entry[1]:  # not the upcast, or written since
+            return saved
+        src = entry[0]()
         return saved if src is None else _Source(src)
 
     return torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
