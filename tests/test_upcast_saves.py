@@ -31,10 +31,10 @@ class InPlaceResidual(nn.Module):
         return self.head(h)
 
 
-def _lm() -> nn.Module:
+def _lm(level: str = "auto") -> nn.Module:
     torch.manual_seed(0)
     model = CausalLM(vocab=50, d_model=D, n_layers=1, n_heads=4, max_len=32)
-    return mp.auto_mixed_precision(model, "mixed_bfloat16")
+    return mp.auto_mixed_precision(model, "mixed_bfloat16", level)
 
 
 def _grads(model: nn.Module, enabled: bool, monkeypatch, wrap=None) -> list[torch.Tensor]:
@@ -48,11 +48,7 @@ def _grads(model: nn.Module, enabled: bool, monkeypatch, wrap=None) -> list[torc
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_gradients_are_bit_for_bit_those_of_plain_autograd(level, monkeypatch):
-    torch.manual_seed(0)
-    model = mp.auto_mixed_precision(
-        CausalLM(vocab=50, d_model=D, n_layers=1, n_heads=4, max_len=32), "mixed_bfloat16", level
-    )
-    model.eval()  # no dropout: both runs see the same values
+    model = _lm(level).eval()  # no dropout: both runs see the same values
     ours, plain = _grads(model, True, monkeypatch), _grads(model, False, monkeypatch)
     for a, b in zip(ours, plain, strict=True):
         assert torch.equal(a, b)

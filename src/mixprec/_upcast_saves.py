@@ -74,7 +74,6 @@ def keep_16bit_sources(
         and src.dtype in HALF_DTYPES
         and isinstance(up, torch.Tensor)
         and up.dtype == torch.float32
-        and up is not src
     }
     if not upcast or not _hooks_usable():
         return None

@@ -224,11 +224,12 @@ def build_step(
         return autocast_step
     level, _, precision = mode.partition("-")
     half = "bfloat16" if precision == "bf16" else "float16"
-    policy = Policy(f"mixed_{half}")
     if level == "O3":
         policy = Policy(half)  # pure 16-bit: its outputs are 16-bit already
     elif outputs_16bit:
         policy = Policy(param_dtype="float32", compute_dtype=half, output_dtype=half)
+    else:
+        policy = Policy(f"mixed_{half}")
     auto_mixed_precision(model, policy, level.upper() if level != "auto" else "auto")
     lso = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=lr))
 

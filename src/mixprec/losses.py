@@ -28,10 +28,9 @@ _CHUNK_ELEMENTS = 1 << 20  # float32 working set of one chunk: 4 MiB
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, rows: int
+        ctx: Any, logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, rows: int
     ) -> torch.Tensor:
         math = torch.promote_types(logits.dtype, torch.float32)
-        valid = target != ignore_index
         picks = target.masked_fill(~valid, 0).unsqueeze(1)  # any in-range index: masked below
         lse = torch.empty(logits.shape[0], dtype=math, device=logits.device)
         picked = torch.empty_like(lse)
@@ -95,15 +94,16 @@ def cross_entropy(
         )
     classes = logits.shape[-1]
     flat_target = target.reshape(-1).long()
+    valid = flat_target != ignore_index
     rows = max(1, _CHUNK_ELEMENTS // max(classes, 1))
     flat_logits = logits.reshape(-1, classes)
-    losses: torch.Tensor = _ChunkedCrossEntropy.apply(flat_logits, flat_target, ignore_index, rows)
+    losses: torch.Tensor = _ChunkedCrossEntropy.apply(flat_logits, flat_target, valid, rows)
     if reduction == "none":
         return losses.reshape(target.shape)
     if reduction == "sum":
         return losses.sum()
     # As F.cross_entropy: the mean over targets that are not ignored (NaN when all are).
-    return losses.sum() / (flat_target != ignore_index).sum()
+    return losses.sum() / valid.sum()
 
 
 def _describe(value: object) -> str:
