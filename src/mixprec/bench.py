@@ -481,10 +481,9 @@ def table(workload: str, results: list[ModeResult]) -> str:
         header += f" {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6}"
     lines = [f"workload {workload}", header, "-" * len(header)]
     for r in results:
-        peak = f"{r.peak_mb:8.0f}" if r.peak_mb is not None else f"{'-':>8}"
         line = (
             f"{r.mode:<22} {r.level:<5} {r.ms_per_step:>9.2f} {r.samples_per_s:>10.0f} "
-            f"{r.speedup:>6.2f}x {peak} {r.final_loss:>8.4f}"
+            f"{r.speedup:>6.2f}x {_fmt(r.peak_mb, '8.0f')} {r.final_loss:>8.4f}"
         )
         if lm:
             line += f" {_fmt(r.tokens_per_s, '9.0f')} {_fmt(r.tflops, '8.3f')}"
@@ -498,14 +497,16 @@ def _fmt(value: float | None, spec: str) -> str:
     return format(value, spec) if value is not None else "-".rjust(width)
 
 
-def to_json(all_results: dict[str, list[ModeResult]], outputs_16bit: bool = False) -> str:
+def to_json(
+    all_results: dict[str, list[ModeResult]], outputs_16bit: bool = False, device: str = "auto"
+) -> str:
+    """The results as JSON, with the device they ran on (``device`` as given to ``run``)."""
+    dev = _device(device)
     return json.dumps(
         {
             "torch": torch.__version__,
-            "device": "cuda" if torch.cuda.is_available() else "cpu",
-            "device_name": (
-                torch.cuda.get_device_name() if torch.cuda.is_available() else _cpu_name()
-            ),
+            "device": dev.type,
+            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name(),
             "float32_matmul": "IEEE float32 (TF32 off)",
             "outputs_16bit": outputs_16bit,
             "results": {w: [asdict(r) for r in rs] for w, rs in all_results.items()},

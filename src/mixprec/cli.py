@@ -297,7 +297,7 @@ def _bench(args: argparse.Namespace) -> int:
           "(allocator peak); on CUDA float32 runs without TF32; MFU: model TFLOP/s over "
           "the GPU's data-sheet peak for the mode's matmul dtype")  # fmt: skip
     if args.json:
-        Path(args.json).write_text(bench.to_json(results, args.outputs_16bit))
+        Path(args.json).write_text(bench.to_json(results, args.outputs_16bit, args.device))
         print(f"results written to {args.json}")
     if args.plot:
         bench.plot(results, args.plot)

@@ -20,6 +20,7 @@ from typing import Any, Literal, TypeVar
 import torch
 import torch.distributed as dist
 
+from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import ArgumentError
 
 T = TypeVar("T")
@@ -243,7 +244,7 @@ class LossScaler:
         if isinstance(value, torch.Tensor):
             if not self.needs_scaling:
                 return value  # type: ignore[return-value]
-            wide = value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
+            wide = value.float() if value.dtype in HALF_DTYPES else value
             return wide * (1.0 / self._state.scale)  # type: ignore[return-value]
         if isinstance(value, (list, tuple)):
             return type(value)(self.unscale(v) for v in value)  # type: ignore[return-value]

@@ -155,7 +155,7 @@ class Trainer:
         self.model = model  # the module itself; under torchrun the step runs it through DDP
         # Under torchrun: the process group from the environment, DDP around the prepared
         # model, every rank starting from rank 0's weights and float32 masters.
-        self.distributed = distributed.init_from_env() and distributed.world_size() > 1
+        self.distributed = distributed.init_from_env()  # False outside torchrun (WORLD_SIZE 1)
         self.optimizer = self.step.optimizer
         if self.distributed:
             self.step.model = distributed.distributed_data_parallel(
@@ -202,7 +202,9 @@ class Trainer:
             order = torch.randperm(n) if shuffle else torch.arange(n)
             # Every rank uses rank 0's order and takes its share, as DistributedSampler.
             if split:
-                order = distributed.shard(distributed.broadcast_(order), pad=shuffle)
+                # Without shuffling the order is arange on every rank: nothing to broadcast.
+                order = distributed.broadcast_(order) if shuffle else order
+                order = distributed.shard(order, pad=shuffle)
             return ((xt[idx], yt[idx]) for idx in order.split(local))
 
         per_rank = -(-n // distributed.world_size()) if split else n
@@ -379,7 +381,7 @@ class Trainer:
     def evaluate(self, x: Any, y: Any = None, batch_size: int = 32) -> dict[str, float]:
         """Mean loss and metrics over ``(x, y)`` or an iterable of batches."""
         self._validate(x, y)
-        if y is not None:  # each rank evaluates its share; the sums are combined below
+        if y is not None and distributed.world_size() > 1:  # each rank evaluates its share
             xt, yt = _as_tensor(x, "x"), _as_tensor(y, "y")
             mine = distributed.shard(torch.arange(len(xt)), pad=False)
             x, y = xt[mine], yt[mine]
