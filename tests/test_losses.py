@@ -77,6 +77,22 @@ def test_all_targets_ignored_gives_nan_like_torch():
     assert cross_entropy(logits, target, reduction="sum").item() == 0.0
 
 
+def test_masked_classes_and_fully_masked_rows_like_torch():
+    # Masked vocabulary entries (-inf) are common; a row masked everywhere gives NaN in torch.
+    logits, target = _logits(n=6, classes=9)
+    with torch.no_grad():
+        logits[:, :4] = float("-inf")
+        logits[5] = float("-inf")
+    target = torch.tensor([4, 5, 6, 7, 8, 4])
+    ours = cross_entropy(logits, target, reduction="none")
+    ref = F.cross_entropy(logits, target, reduction="none")
+    torch.testing.assert_close(ours[:5], ref[:5], **F32)
+    assert torch.isnan(ours[5]) and torch.isnan(ref[5])
+    grad_ours = _value_and_grad(lambda x: cross_entropy(x[:5], target[:5]), logits)[1]
+    grad_ref = _value_and_grad(lambda x: F.cross_entropy(x[:5], target[:5]), logits)[1]
+    torch.testing.assert_close(grad_ours, grad_ref, **F32)
+
+
 def test_keeps_only_its_input_and_one_float_per_row_for_backward():
     logits, target = _logits(n=512, classes=2048, dtype=torch.bfloat16)
     saved: list[torch.Tensor] = []

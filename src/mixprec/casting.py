@@ -24,6 +24,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from mixprec._dtypes import HALF_DTYPES, parse_dtype
+from mixprec._output_sources import remember_source
 from mixprec._upcast_saves import keep_16bit_sources
 
 T = TypeVar("T")
@@ -46,29 +47,37 @@ def cast_floating(value: T, dtype: torch.dtype) -> T:
     keeping their types. Tensors that are not floating point, and everything that is not a
     tensor, are returned as they are (the same objects).
     """
+    return _cast(value, dtype, link=False)
+
+
+def _cast(value: T, dtype: torch.dtype, link: bool) -> T:
+    """``cast_floating``; with ``link``, each float32 upcast remembers its 16-bit source."""
     if isinstance(value, torch.Tensor):
         if value.is_floating_point() and value.dtype != dtype:
-            return value.to(dtype)  # type: ignore[return-value]
+            cast = value.to(dtype)
+            if link:
+                remember_source(cast, value)
+            return cast  # type: ignore[return-value]
         return value  # type: ignore[return-value]
     if isinstance(value, tuple):
-        items = [cast_floating(v, dtype) for v in value]
+        items = [_cast(v, dtype, link) for v in value]
         if hasattr(value, "_fields"):  # named tuple
             return type(value)(*items)  # type: ignore[return-value]
         if type(value) is not tuple:  # struct sequences such as torch.return_types.max
             return type(value)(items)  # type: ignore[call-arg]
         return tuple(items)  # type: ignore[return-value]
     if isinstance(value, list):
-        return type(value)(cast_floating(v, dtype) for v in value)  # type: ignore[return-value]
+        return type(value)(_cast(v, dtype, link) for v in value)  # type: ignore[return-value]
     if isinstance(value, dict):
         if type(value) is dict:
-            return {k: cast_floating(v, dtype) for k, v in value.items()}  # type: ignore[return-value]
+            return {k: _cast(v, dtype, link) for k, v in value.items()}  # type: ignore[return-value]
         out = copy.copy(value)  # keeps the subclass and its attributes
         for k, v in value.items():
-            out[k] = cast_floating(v, dtype)
+            out[k] = _cast(v, dtype, link)
         return out
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         changes = {
-            f.name: cast_floating(getattr(value, f.name), dtype)
+            f.name: _cast(getattr(value, f.name), dtype, link)
             for f in dataclasses.fields(value)
             if f.init
         }
@@ -193,12 +202,17 @@ class Region:
 
     ``output_like_input``: return floating outputs in the dtype the first floating input
     arrived in (a normalisation island computes in float32 but hands the next layer what it
-    would have had, so no extra cast happens downstream)."""
+    would have had, so no extra cast happens downstream).
+
+    ``link_sources``: a float32 output upcast from 16 bits keeps its source, for a loss that
+    can use it (``mixprec.cross_entropy``; see ``_output_sources``). Set on the model's own
+    region only, where the loss reads the outputs."""
 
     compute_dtype: torch.dtype
     output_dtype: torch.dtype | None
     cast_inputs: bool = True
     output_like_input: bool = False
+    link_sources: bool = False
 
 
 def _autocast_available(device_type: str) -> bool:
@@ -274,7 +288,7 @@ class _RegionHooks:
         target = arrived if self.region.output_like_input else self.region.output_dtype
         if target is None or output is None:
             return None
-        return cast_floating(output, target)
+        return _cast(output, target, link=self.region.link_sources)
 
 
 def set_region(module: nn.Module, region: Region) -> None:

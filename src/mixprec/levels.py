@@ -247,7 +247,10 @@ def auto_mixed_precision(
 
     # At O1 the first ops decide their own dtype under autocast; at O2/O3 the weights are
     # 16-bit, so inputs are cast once at the model's boundary.
-    set_region(model, Region(compute, output, cast_inputs=lvl in ("O0", "O2", "O3")))
+    set_region(
+        model,
+        Region(compute, output, cast_inputs=lvl in ("O0", "O2", "O3"), link_sources=True),
+    )
     for module in kept.values():
         to_float(module, torch.float32)
 
