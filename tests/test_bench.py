@@ -43,7 +43,9 @@ def test_every_mode_runs_and_reports_well_formed_numbers(workload):
     # Accuracy is not traded: mixed modes with float32 masters end where float32 does
     # (bfloat16 rounding over three SGD steps: 2 warm-up, 1 timed; measured below 0.005).
     for r in results:
-        if r.mode in ("O1-bf16", "O2-bf16", "auto-bf16", "torch-autocast-bf16"):
+        masters_or_autocast = ("O1-bf16", "O2-bf16", "auto-bf16", "torch-autocast-bf16",
+                               "torch-autocast-scaler-bf16")  # fmt: skip
+        if r.mode in masters_or_autocast:
             assert abs(r.final_loss - base.final_loss) < 0.05, r.mode
 
 
@@ -202,3 +204,20 @@ def test_cpu_allocator_peak_counts_tensor_memory():
 
     peak = bench._cpu_allocated_peak_mb(run)
     assert peak is not None and 48 <= peak < 48.5
+
+
+def test_the_scaler_bf16_loop_skips_a_non_finite_step_and_the_plain_one_does_not():
+    base = tiny_workload()
+    calls = {"n": 0}
+
+    def loss_inf_once(out, y):
+        calls["n"] += 1
+        loss = F.cross_entropy(out.float(), y)
+        return loss * float("inf") if calls["n"] == 1 else loss
+
+    work = bench.Workload("tiny", base.make_model, base.batch, loss_inf_once, 16)
+    for mode, survives in (("torch-autocast-scaler-bf16", True), ("torch-autocast-bf16", False)):
+        calls["n"] = 0
+        step = bench.build_step(mode, work, torch.device("cpu"))
+        step()  # inf loss: inf/NaN gradients
+        assert math.isfinite(step().item()) is survives, mode

@@ -145,6 +145,7 @@ WORKLOADS: dict[str, Callable[[int | None], Workload]] = {
 MODES: tuple[str, ...] = (
     "float32",
     "torch-autocast-bf16",
+    "torch-autocast-scaler-bf16",
     "torch-autocast-fp16",
     "O1-bf16",
     "O2-bf16",
@@ -208,8 +209,11 @@ def build_step(
             return step
         dtype = torch.bfloat16 if mode.endswith("bf16") else torch.float16
         # The loop users write by hand: autocast around the forward, float32 loss,
-        # GradScaler (needed for float16; with bfloat16 users usually drop it).
-        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        # GradScaler (needed for float16; with bfloat16 users usually drop it, and with it
+        # the skipping of non-finite steps, which "-scaler-bf16" keeps).
+        scaler = torch.amp.GradScaler(
+            device.type, enabled=dtype == torch.float16 or "-scaler-" in mode
+        )
 
         def autocast_step() -> torch.Tensor:
             opt.zero_grad(set_to_none=True)
@@ -473,7 +477,7 @@ def max_batch(
 
 def table(workload: str, results: list[ModeResult]) -> str:
     header = (
-        f"{'mode':<22} {'level':<5} {'ms/step':>9} {'samples/s':>10} {'vs f32':>7} "
+        f"{'mode':<26} {'level':<5} {'ms/step':>9} {'samples/s':>10} {'vs f32':>7} "
         f"{'peak MB':>8} {'loss':>8}"
     )
     lm = any(r.tokens_per_s is not None for r in results)
@@ -482,7 +486,7 @@ def table(workload: str, results: list[ModeResult]) -> str:
     lines = [f"workload {workload}", header, "-" * len(header)]
     for r in results:
         line = (
-            f"{r.mode:<22} {r.level:<5} {r.ms_per_step:>9.2f} {r.samples_per_s:>10.0f} "
+            f"{r.mode:<26} {r.level:<5} {r.ms_per_step:>9.2f} {r.samples_per_s:>10.0f} "
             f"{r.speedup:>6.2f}x {_fmt(r.peak_mb, '8.0f')} {r.final_loss:>8.4f}"
         )
         if lm:
