@@ -114,6 +114,91 @@ def test_float32_parameters_match_torch_adamw():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)  # float32 operation order
 
 
+def reference_step(
+    group: dict, params: list[torch.Tensor], grads: list[torch.Tensor | None],
+    states: list[dict], generator: torch.Generator | None,
+) -> None:  # fmt: skip
+    """One ``CompensatedAdamW`` step written per parameter, operation for operation as the
+    optimizer applied it in a Python loop: the bit-for-bit reference."""
+    beta1, beta2 = group["betas"]
+    lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
+    for p, grad, s in zip(params, grads, states, strict=True):
+        if grad is None:
+            continue
+        if not s:
+            s["step"] = 0
+            s["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+            s["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            if p.dtype != torch.float32 and group["compensation"] == "kahan":
+                s["compensation"] = torch.zeros_like(p)
+        s["step"] += 1
+        t = s["step"]
+        g = grad.float()
+        s["exp_avg"].lerp_(g, 1.0 - beta1)
+        s["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        denom = s["exp_avg_sq"].sqrt().div_((1.0 - beta2**t) ** 0.5).add_(eps)
+        u = (s["exp_avg"] / denom).mul_(-lr / (1.0 - beta1**t))
+        w = p.float()
+        if decay:
+            u.add_(w * (-lr * decay))
+        if p.dtype == torch.float32:
+            p.add_(u)
+        elif group["compensation"] == "kahan":
+            c = s["compensation"]
+            corrected = u + c.float()
+            new = (w + corrected).to(p.dtype)
+            c.copy_(corrected - (new.float() - w))
+            p.copy_(new)
+        elif group["compensation"] == "stochastic":
+            p.copy_(stochastic_round(w + u, generator))
+        else:
+            p.copy_((w + u).to(p.dtype))
+
+
+def test_update_is_bit_for_bit_the_per_parameter_reference():
+    g = torch.Generator().manual_seed(0)
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    layout = {  # compensation -> the parameters' (shape, dtype), float32 ones mixed in
+        "kahan": [((4, 3), f32), ((5, 7), bf16), ((6,), f16), ((3, 3), bf16)],
+        "none": [((3, 4), bf16), ((5,), f32)],
+        "stochastic": [((8,), bf16), ((2, 5), bf16), ((3,), f32)],
+    }
+    initial = {mode: [torch.randn(shape, generator=g).to(dtype) for shape, dtype in specs]
+               for mode, specs in layout.items()}  # fmt: skip
+    ours = {mode: [torch.nn.Parameter(t.clone()) for t in ts] for mode, ts in initial.items()}
+    ref = {mode: [t.clone() for t in ts] for mode, ts in initial.items()}
+    opt = CompensatedAdamW(
+        [{"params": ps, "compensation": mode} for mode, ps in ours.items()],
+        lr=1e-3, weight_decay=0.1, generator=torch.Generator().manual_seed(7),
+    )  # fmt: skip
+    ref_generator = torch.Generator().manual_seed(7)
+    ref_states = {mode: [{} for _ in ts] for mode, ts in ref.items()}
+    for step in range(6):
+        for group, mode in zip(opt.param_groups, ours, strict=True):
+            grads = []
+            for i, p in enumerate(ours[mode]):
+                # One parameter misses a step: steps (bias corrections) then differ.
+                skip = step == 2 and i == 1
+                grad = None if skip else torch.randn(p.shape, generator=g).to(p.dtype)
+                p.grad = grad
+                grads.append(grad)
+            reference_step(group, ref[mode], grads, ref_states[mode], ref_generator)
+        opt.step()
+    compensated = 0
+    for mode, ps in ours.items():
+        for p, q, s in zip(ps, ref[mode], ref_states[mode], strict=True):
+            assert p.dtype == q.dtype and torch.equal(p, q), (mode, p.dtype)
+            state = opt.state[p]
+            assert state.keys() == s.keys()
+            assert state["step"] == s["step"]
+            for key in ("exp_avg", "exp_avg_sq", "compensation"):
+                if key in s:
+                    assert state[key].dtype == s[key].dtype
+                    assert torch.equal(state[key], s[key]), (mode, p.dtype, key)
+            compensated += "compensation" in s and bool(s["compensation"].any())
+    assert compensated == 3  # Kahan buffers did hold rounding errors
+
+
 def test_stochastic_round_is_unbiased_and_exact_on_representable_values():
     exact = torch.tensor([1.0, -2.5, 0.0, 3.140625])  # representable in bfloat16
     assert torch.equal(stochastic_round(exact), exact.bfloat16())
