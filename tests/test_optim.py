@@ -395,3 +395,90 @@ def test_keras_unscaled_gradients_of_16_bit_weights_are_float32():
     assert unscaled[0].dtype == torch.float32
     assert unscaled[0].abs().max() > 0
     assert opt.apply_gradients(zip(unscaled, params, strict=True)).applied
+
+
+def _trained(opt_factory, steps=15):
+    """An O2 MLP trained ``steps`` AdamW/SGD steps; its weights and the wrapper."""
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(opt_factory(model.parameters()))
+    for _ in range(steps):
+        opt.zero_grad()
+        opt.backward(loss_of(model))
+        opt.step()
+    return [m.detach().clone() for m in opt.master_params()], opt
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+    ],
+    ids=["AdamW", "Adam-amsgrad", "SGD-nesterov"],
+)
+def test_optimizers_left_to_torch_run_fused_and_train_like_the_loop(factory):
+    fused, opt = _trained(factory)
+    assert all(g["fused"] is True for g in opt.param_groups)
+
+    def loop(ps):
+        inner = factory(ps)
+        for g in inner.param_groups:
+            g["foreach"] = False  # the per-parameter loop torch picks on CPU
+        return inner
+
+    looped, ref = _trained(loop)
+    assert all(not g["fused"] for g in ref.param_groups)
+    # Same arithmetic in another order: float32 rounding over 15 steps.
+    for a, b in zip(fused, looped, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("choice", [{"foreach": False}, {"foreach": True}, {"fused": False}])
+def test_an_explicit_kernel_choice_is_kept(choice):
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, **choice))
+    assert not opt.param_groups[0]["fused"]
+
+
+def test_not_fused_once_the_optimizer_has_state_or_for_other_optimizers():
+    model = make_mlp()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss_of(model).backward()
+    inner.step()  # state in the loop's format
+    assert mp.LossScaleOptimizer(inner).param_groups[0]["fused"] is None
+    rms = torch.optim.RMSprop(make_mlp().parameters(), lr=1e-3)
+    mp.LossScaleOptimizer(rms)
+    assert rms.param_groups[0]["foreach"] is None and "fused" not in rms.param_groups[0]
+
+
+def test_a_fused_group_falls_back_for_sparse_gradients():
+    # torch's fused SGD refuses sparse gradients; the wrapper steps that group unfused.
+    torch.manual_seed(0)
+    emb = nn.Embedding(20, 4, sparse=True)
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5))
+    assert opt.param_groups[0]["fused"] is True
+    before = emb.weight.detach().clone()
+    opt.backward(emb(torch.tensor([1, 3, 3])).sum())
+    assert opt.step().applied
+    assert opt.param_groups[0]["fused"] is False
+    changed = (emb.weight.detach() != before).any(dim=1)
+    assert changed.tolist() == [i in (1, 3) for i in range(20)]
+
+
+def test_fused_state_round_trips_and_sparse_fallback_survives_loading():
+    _, opt = _trained(lambda ps: torch.optim.AdamW(ps, lr=1e-2), steps=2)
+    _, fresh = _trained(lambda ps: torch.optim.AdamW(ps, lr=1e-2), steps=0)
+    fresh.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert all(g["fused"] is True for g in fresh.param_groups)
+    # Loading replaces the group dicts: the sparse fallback must follow the new ones.
+    emb = nn.Embedding(20, 4, sparse=True)
+    first = mp.LossScaleOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5, momentum=0.9))
+    first.backward(emb(torch.tensor([2])).sum())
+    first.step()
+    saved = copy.deepcopy(first.state_dict())
+    saved["optimizers"][0]["param_groups"][0]["fused"] = True  # as a dense step left it
+    again = mp.LossScaleOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5, momentum=0.9))
+    again.load_state_dict(saved)
+    again.backward(emb(torch.tensor([2])).sum())
+    assert again.step().applied

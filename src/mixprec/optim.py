@@ -172,6 +172,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             for i, group in enumerate(inner.param_groups):
                 group["params"] = self._adopt(inner, group["params"], f"param_groups[{i}]")
                 _warn_if_eps_vanishes(group, f"{type(inner).__name__} param_groups[{i}]")
+        self._fused: list[dict[str, Any]] = [
+            group
+            for inner in self.optimizers
+            for group in inner.param_groups
+            if _fuse(inner, group)
+        ]
         model_params = self._half + self._plain
         # Where found_inf lives when no parameter has a gradient (a rank with none).
         self._device = model_params[0].device if model_params else None
@@ -240,6 +246,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         group["params"] = self._adopt(self.optimizer, params, "param_group")
         self.optimizer.add_param_group(group)
+        if _fuse(self.optimizer, self.optimizer.param_groups[-1]):
+            self._fused.append(self.optimizer.param_groups[-1])
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -476,6 +484,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             if origin is not None:
                 _log.warning("step skipped: overflow first in %s", origin)
         if not overflow:
+            for group in self._fused:  # torch's fused kernels take dense gradients only
+                group["fused"] = not any(
+                    p.grad is not None and p.grad.is_sparse for p in group["params"]
+                )
             for inner in self.optimizers:
                 inner.step()
             if self._half:
@@ -526,6 +538,14 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 )
         for inner, inner_state in zip(self.optimizers, inner_states, strict=True):
             inner.load_state_dict(inner_state)
+        # Loading made new group dicts, whose "fused" comes from the checkpoint.
+        self._fused = [
+            g
+            for inner in self.optimizers
+            if type(inner) in _FUSABLE
+            for g in inner.param_groups
+            if g.get("fused")
+        ]
         self._loss_scaler.load_state_dict(state_dict["loss_scaler"])
         with torch.no_grad():
             if masters:
@@ -556,6 +576,42 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             f"loss_scaler={self._loss_scaler!r}, masters={len(self._masters)}, "
             f"max_grad_norm={self.max_grad_norm}, accumulation_steps={self.accumulation_steps})"
         )
+
+
+#: torch optimizers with a fused kernel (one per step for all parameters, on CPU and CUDA).
+_FUSABLE: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.SGD,
+)
+
+
+def _fuse(inner: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+    """Switch ``group`` to torch's fused kernel where the user left the choice to torch
+    (``fused`` and ``foreach`` both None), and say whether it was switched.
+
+    On CPU torch then picks the per-parameter loop: AdamW on the LM d512's parameters took
+    30-40 ms a step that way and 9-10 ms fused. Not once the optimizer has state (its
+    ``step`` counters would be in the loop's format)."""
+    if (
+        type(inner) not in _FUSABLE
+        or inner.state
+        or group.get("fused", False) is not None
+        or group.get("foreach") is not None
+        or group.get("differentiable")
+        or group.get("capturable")
+        or not all(
+            p.device.type in ("cpu", "cuda") and p.dtype in _FUSED_DTYPES for p in group["params"]
+        )
+    ):
+        return False
+    group["fused"] = True
+    # What the optimizer's constructor sets for fused=True (GradScaler reads it).
+    inner._step_supports_amp_scaling = True  # type: ignore[attr-defined]
+    return True
+
+
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def _same_count(what: str, saved: Sequence[Any], ours: Sequence[Any]) -> None:
