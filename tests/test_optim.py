@@ -452,6 +452,19 @@ def test_not_fused_once_the_optimizer_has_state_or_for_other_optimizers():
     assert rms.param_groups[0]["foreach"] is None and "fused" not in rms.param_groups[0]
 
 
+def test_16_bit_parameters_keep_the_loop():
+    # torch 2.13's fused CPU SGD skips most of a 16-bit update (pytorch/pytorch#191763).
+    model = mp.auto_mixed_precision(make_mlp(), "bfloat16", "O3")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    assert opt.param_groups[0]["fused"] is None
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.backward(loss_of(model))
+    opt.step()
+    for p, b in zip(model.parameters(), before, strict=True):
+        if p.dim() == 2:  # weight matrices: most elements move (norm scales at 1.0 need not)
+            assert (p.detach() != b).float().mean() > 0.5
+
+
 def test_a_fused_group_falls_back_for_sparse_gradients():
     # torch's fused SGD refuses sparse gradients; the wrapper steps that group unfused.
     torch.manual_seed(0)

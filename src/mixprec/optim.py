@@ -605,13 +605,16 @@ def _fuse(inner: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
         )
     ):
         return False
+    # Not _step_supports_amp_scaling, which fused=True in the constructor also sets: it
+    # would make a GradScaler leave skipping to the kernel, and fused SGD still moves its
+    # momentum on a skipped step. This wrapper never calls the inner step on overflow.
     group["fused"] = True
-    # What the optimizer's constructor sets for fused=True (GradScaler reads it).
-    inner._step_supports_amp_scaling = True  # type: ignore[attr-defined]
     return True
 
 
-_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# Not 16-bit parameters (O3): torch 2.12-2.13's fused CPU SGD skips the vectorised part of
+# float16/bfloat16 updates (pytorch/pytorch#191763); pure float16 SGD diverged with it.
+_FUSED_DTYPES = (torch.float32, torch.float64)
 
 
 def _same_count(what: str, saved: Sequence[Any], ours: Sequence[Any]) -> None:
