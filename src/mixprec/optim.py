@@ -592,7 +592,8 @@ def _fuse(inner: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
 
     On CPU torch then picks the per-parameter loop: AdamW on the LM d512's parameters took
     30-40 ms a step that way and 9-10 ms fused. Not once the optimizer has state (its
-    ``step`` counters would be in the loop's format)."""
+    ``step`` counters would be in the loop's format), and not for FSDP2's DTensor
+    parameters (the fused kernels have no sharding rule)."""
     if (
         type(inner) not in _FUSABLE
         or inner.state
@@ -601,7 +602,8 @@ def _fuse(inner: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
         or group.get("differentiable")
         or group.get("capturable")
         or not all(
-            p.device.type in ("cpu", "cuda") and p.dtype in _FUSED_DTYPES for p in group["params"]
+            p.device.type in ("cpu", "cuda") and p.dtype in _FUSED_DTYPES and not is_dtensor(p)
+            for p in group["params"]
         )
     ):
         return False
