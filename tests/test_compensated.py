@@ -118,8 +118,10 @@ def reference_step(
     group: dict, params: list[torch.Tensor], grads: list[torch.Tensor | None],
     states: list[dict], generator: torch.Generator | None,
 ) -> None:  # fmt: skip
-    """One ``CompensatedAdamW`` step written per parameter, operation for operation as the
-    optimizer applied it in a Python loop: the bit-for-bit reference."""
+    """One ``CompensatedAdamW`` step written per parameter, operation for operation: the
+    bit-for-bit reference. It repeats the optimizer's own loop on purpose, to pin the
+    arithmetic for a multi-tensor rewrite (tried; slower on CPU, kept out until a GPU can
+    show its gain)."""
     beta1, beta2 = group["betas"]
     lr, eps, decay = group["lr"], group["eps"], group["weight_decay"]
     for p, grad, s in zip(params, grads, states, strict=True):

@@ -40,15 +40,15 @@ def _loss_and_grads(level: str, through_copy: bool) -> tuple[torch.Tensor, list[
 
 def _nodes(loss: torch.Tensor) -> list[object]:
     """Every autograd node ``loss`` reaches."""
-    seen: list[object] = []
+    seen: dict[int, object] = {}
     stack = [loss.grad_fn]
     while stack:
         fn = stack.pop()
-        if fn is None or any(fn is s for s in seen):
+        if fn is None or id(fn) in seen:
             continue
-        seen.append(fn)
+        seen[id(fn)] = fn
         stack.extend(f for f, _ in fn.next_functions)
-    return seen
+    return list(seen.values())
 
 
 def _reaches(loss: torch.Tensor, node: object) -> bool:

@@ -44,10 +44,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         picks = target.masked_fill(~valid, 0).unsqueeze(1)  # any in-range index: masked below
         lse = torch.empty(logits.shape[0], dtype=math, device=logits.device)
         picked = torch.empty_like(lse)
-        buf = logits.new_empty((min(rows, logits.shape[0]), logits.shape[1]), dtype=math)
-        for start in range(0, logits.shape[0], rows):
-            end = start + rows
-            chunk = buf[: logits[start:end].shape[0]]
+        n = logits.shape[0]
+        buf = logits.new_empty((min(rows, n), logits.shape[1]), dtype=math)
+        for start in range(0, n, rows):
+            end = min(start + rows, n)
+            chunk = buf[: end - start]
             chunk.copy_(logits[start:end])
             picked[start:end] = chunk.gather(1, picks[start:end]).squeeze(1)
             lse[start:end] = _logsumexp_(chunk)
@@ -61,14 +62,15 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         logits, picks, valid, lse = ctx.saved_tensors
         scale = (grad_losses * valid).unsqueeze(1)  # d loss_i: softmax_i - onehot_i, per row
         grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        rows = min(ctx.rows, logits.shape[0])
+        n = logits.shape[0]
+        rows = min(ctx.rows, n)
         buf = logits.new_empty((rows, logits.shape[1]), dtype=lse.dtype)
         minus_one = torch.full((rows, 1), -1.0, dtype=lse.dtype, device=lse.device)
-        for start in range(0, logits.shape[0], ctx.rows):
-            end = start + ctx.rows
-            probs = buf[: logits[start:end].shape[0]]
+        for start in range(0, n, rows):
+            end = min(start + rows, n)
+            probs = buf[: end - start]
             probs.copy_(logits[start:end]).sub_(lse[start:end, None]).exp_()
-            probs.scatter_add_(1, picks[start:end], minus_one[: probs.shape[0]])
+            probs.scatter_add_(1, picks[start:end], minus_one[: end - start])
             grad[start:end] = probs.mul_(scale[start:end])
         return grad, None, None, None
 

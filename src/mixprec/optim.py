@@ -172,12 +172,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             for i, group in enumerate(inner.param_groups):
                 group["params"] = self._adopt(inner, group["params"], f"param_groups[{i}]")
                 _warn_if_eps_vanishes(group, f"{type(inner).__name__} param_groups[{i}]")
-        self._fused: list[dict[str, Any]] = [
-            group
-            for inner in self.optimizers
-            for group in inner.param_groups
-            if _fuse(inner, group)
-        ]
+        for inner in self.optimizers:
+            for group in inner.param_groups:
+                _fuse(inner, group)
         model_params = self._half + self._plain
         # Where found_inf lives when no parameter has a gradient (a rank with none).
         self._device = model_params[0].device if model_params else None
@@ -246,8 +243,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         group["params"] = self._adopt(self.optimizer, params, "param_group")
         self.optimizer.add_param_group(group)
-        if _fuse(self.optimizer, self.optimizer.param_groups[-1]):
-            self._fused.append(self.optimizer.param_groups[-1])
+        _fuse(self.optimizer, self.optimizer.param_groups[-1])
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -484,11 +480,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             if origin is not None:
                 _log.warning("step skipped: overflow first in %s", origin)
         if not overflow:
-            for group in self._fused:  # torch's fused kernels take dense gradients only
-                group["fused"] = not any(
-                    p.grad is not None and p.grad.is_sparse for p in group["params"]
-                )
             for inner in self.optimizers:
+                _unfuse_sparse(inner)
                 inner.step()
             if self._half:
                 with torch.no_grad():
@@ -538,14 +531,6 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 )
         for inner, inner_state in zip(self.optimizers, inner_states, strict=True):
             inner.load_state_dict(inner_state)
-        # Loading made new group dicts, whose "fused" comes from the checkpoint.
-        self._fused = [
-            g
-            for inner in self.optimizers
-            if type(inner) in _FUSABLE
-            for g in inner.param_groups
-            if g.get("fused")
-        ]
         self._loss_scaler.load_state_dict(state_dict["loss_scaler"])
         with torch.no_grad():
             if masters:
@@ -586,9 +571,9 @@ _FUSABLE: tuple[type[torch.optim.Optimizer], ...] = (
 )
 
 
-def _fuse(inner: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+def _fuse(inner: torch.optim.Optimizer, group: dict[str, Any]) -> None:
     """Switch ``group`` to torch's fused kernel where the user left the choice to torch
-    (``fused`` and ``foreach`` both None), and say whether it was switched.
+    (``fused`` and ``foreach`` both None).
 
     On CPU torch then picks the per-parameter loop: AdamW on the LM d512's parameters took
     30-40 ms a step that way and 9-10 ms fused. Not once the optimizer has state (its
@@ -606,12 +591,24 @@ def _fuse(inner: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
             for p in group["params"]
         )
     ):
-        return False
+        return
     # Not _step_supports_amp_scaling, which fused=True in the constructor also sets: it
     # would make a GradScaler leave skipping to the kernel, and fused SGD still moves its
     # momentum on a skipped step. This wrapper never calls the inner step on overflow.
     group["fused"] = True
-    return True
+
+
+def _unfuse_sparse(inner: torch.optim.Optimizer) -> None:
+    """Fused groups with sparse gradients (a sparse embedding) step unfused from then on:
+    torch's fused kernels refuse them, and which parameters get sparse gradients does not
+    change between steps. Only fused groups are walked: other optimizers pay nothing."""
+    if type(inner) not in _FUSABLE:
+        return
+    for group in inner.param_groups:
+        if group.get("fused") and any(
+            p.grad is not None and p.grad.is_sparse for p in group["params"]
+        ):
+            group["fused"] = False
 
 
 # Not 16-bit parameters (O3): torch 2.12-2.13's fused CPU SGD skips the vectorised part of
