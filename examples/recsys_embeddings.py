@@ -15,7 +15,6 @@ skip, so the replicas stay identical. Only rank 0 prints.
 from __future__ import annotations
 
 import argparse
-import gc
 import hashlib
 import statistics
 from typing import Any
@@ -158,11 +157,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     launched = mpd.init_from_env()  # False when not started by torchrun with 2+ processes
     figures = train(args)  # on an error, torchrun ends the other ranks
     if launched:
-        # Every rank done before the group goes, and DDP's reducer freed first, or gloo can
-        # abort at interpreter exit.
-        dist.barrier()
-        gc.collect()
-        dist.destroy_process_group()
+        mpd.shutdown()
     return figures
 
 

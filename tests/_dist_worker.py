@@ -3,7 +3,6 @@ every rank saw to OUT/<scenario>-<rank>.pt for the test to compare."""
 
 from __future__ import annotations
 
-import gc
 import sys
 from pathlib import Path
 
@@ -153,11 +152,7 @@ def main(out: str) -> None:
         trainer_and_resume(path, rank)
         recommender(path, rank)
     finally:
-        # Let every rank finish its collectives and drop its DDP reducers before the
-        # group goes away (gloo aborts a process whose threads outlive it).
-        dist.barrier()
-        gc.collect()
-        dist.destroy_process_group()
+        mpd.shutdown()
 
 
 if __name__ == "__main__":

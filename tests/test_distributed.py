@@ -143,3 +143,14 @@ def test_fsdp_policy_mapping():
     mixed = mpd.fsdp_mixed_precision("mixed_bfloat16")
     assert mixed.param_dtype == torch.bfloat16 and mixed.reduce_dtype == torch.float32
     assert mixed.output_dtype == torch.float32
+
+
+def test_shutdown_without_a_process_group_is_a_no_op():
+    import torch.distributed as dist
+
+    from mixprec import distributed as mpd
+
+    assert not dist.is_initialized()
+    mpd.shutdown()  # must not raise (the CLI calls it on every exit)
+    mpd.shutdown(wait=False)
+    assert not dist.is_initialized()

@@ -416,9 +416,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mixprec {args.command}: error: {err}", file=sys.stderr)
         return 2
     finally:
-        # Under torchrun: leave the process group cleanly (gloo aborts the process otherwise).
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        # Under torchrun: leave the process group cleanly (gloo aborts the process otherwise);
+        # no barrier, as another rank may have failed.
+        mixprec.distributed.shutdown(wait=False)
 
 
 if __name__ == "__main__":

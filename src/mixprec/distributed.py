@@ -8,6 +8,7 @@ Overflow agreement itself lives in ``scaling.agree_found_inf`` (used by
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from typing import Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "is_main_process",
     "rank",
     "shard",
+    "shutdown",
     "world_size",
 ]
 
@@ -44,6 +46,18 @@ def rank() -> int:
 def is_main_process() -> bool:
     """True on rank 0, and when not distributed: where logs, bars and checkpoints go."""
     return rank() == 0
+
+
+def shutdown(wait: bool = True) -> None:
+    """Leave the process group, if there is one: after a barrier (``wait``; every rank done
+    with its collectives) and with DDP's reducers collected, since gloo aborts a process
+    whose threads outlive the group ("terminate called without an active exception")."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if wait:
+        dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> bool:
