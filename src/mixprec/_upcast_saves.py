@@ -7,7 +7,9 @@ the activation it came from. The upcast is exact, so saving a 16-bit copy of the
 upcasting it again in backward gives backward the same values (bit for bit) at half the
 memory.
 
-Done with ``torch.autograd.graph.saved_tensors_hooks`` while the region runs. Skipped where
+Done with ``torch.autograd.graph.saved_tensors_hooks`` while the region runs (eager only:
+under ``torch.compile`` AOTAutograd's partitioner chooses the saved tensors, and it saves the
+16-bit input and recomputes the cast by itself; tested). Skipped where
 other saved-tensor hooks are active (activation checkpointing has its own, and nesting ours
 inside would keep tensors it means to drop) or where torch has disabled them.
 """
@@ -63,7 +65,9 @@ def keep_16bit_sources(
 ) -> contextlib.AbstractContextManager[Any] | None:
     """Saved-tensor hooks for a float32 region whose positional inputs ``before`` were cast
     to ``after``; ``None`` where no input was upcast from 16 bits or hooks cannot be used."""
-    if not ENABLED or not torch.is_grad_enabled():
+    # Under torch.compile the partitioner picks what backward saves (saved-tensor hooks do not
+    # trace); it keeps the 16-bit input and recomputes the upcast by itself.
+    if not ENABLED or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return None
     # Weak: autograd keeps the pack hook too, and a strong reference would keep every 16-bit
     # input alive as long as the graph (measured: as much memory again as the copies).

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -36,7 +37,6 @@ LEVEL_ATTR = "_mixprec_level"  # level the parameter's model was prepared with
 COMPUTE_ATTR = "_mixprec_compute"  # dtype the parameter's math runs in (to_float)
 POLICY_ATTR = "_mixprec_policy"  # policy the parameter's model was prepared with
 REGION_ATTR = "_mixprec_region"
-_HANDLES_ATTR = "_mixprec_region_handles"
 
 
 def cast_floating(value: T, dtype: torch.dtype) -> T:
@@ -241,74 +241,102 @@ def _device_type(module: nn.Module, args: Any) -> str:
     return tensor.device.type if tensor is not None else "cpu"
 
 
-class _RegionHooks:
-    """The forward pre-hook and post-hook pair that makes a module a region."""
+# Bumped by every set_region/clear_region: a region's cached "needs the Float32Functions mode"
+# depends on the regions below it, which may change after it was made (to_float on a child).
+_generation = 0
 
-    def __init__(self, region: Region) -> None:
+
+class _RegionForward:
+    """A region's forward: the module's own forward inside ``with`` blocks.
+
+    Installed as the module's ``forward`` attribute, so that ``torch.compile`` traces the
+    autocast and ``Float32Functions`` contexts as the ``with`` blocks they are (a context
+    entered in a pre-hook and left in a post-hook cannot be traced). The casts of inputs and
+    outputs happen here too, not in hooks: torch.compile runs a compiled model's own hooks
+    outside its graph, where a cast would be a second graph. Forward hooks therefore see a
+    region's output before its output cast, in the dtype it was computed in.
+    """
+
+    def __init__(self, module: nn.Module, region: Region) -> None:
+        self.module = module
         self.region = region
-        self._open: list[tuple[contextlib.ExitStack, torch.dtype | None]] = []
-        self._needs_mode: bool | None = None  # needs_float32_functions, on the first call
+        # An instance-level forward the module already had (a library's wrapper): run it.
+        self.inner: Callable[..., Any] | None = module.__dict__.get("forward")
+        self._needs_mode = False
+        self._generation = -1  # of the cached _needs_mode
 
-    def pre(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def _forward(self) -> Callable[..., Any]:
+        if self.inner is not None:
+            return self.inner
+        forward: Callable[..., Any] = type(self.module).forward.__get__(self.module)
+        return forward
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # Hugging Face's Trainer reads forward's signature to choose the dataset columns.
+        return inspect.signature(self._forward())
+
+    def _float32_functions(self) -> bool:
+        if self._generation != _generation:
+            needs = needs_float32_functions(self.module)
+            if torch.compiler.is_compiling():
+                return needs  # no cache write while tracing: it would be a guard to fail
+            self._needs_mode, self._generation = needs, _generation
+        return self._needs_mode
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         region = self.region
-        device_type = _device_type(module, args)
+        compute = region.compute_dtype
+        device_type = _device_type(self.module, args)
         arriving = first_floating(args) if region.output_like_input else None
-        stack = contextlib.ExitStack()
+        saves = None
         if region.cast_inputs:
             given = args
-            args, kwargs = cast_floating((args, kwargs), region.compute_dtype)
-            if region.compute_dtype == torch.float32:
+            args, kwargs = cast_floating((args, kwargs), compute)
+            if compute == torch.float32:
                 saves = keep_16bit_sources(given, args)
-                if saves is not None:
-                    stack.enter_context(saves)
+        autocast: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        mode: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if _autocast_available(device_type):
-            if region.compute_dtype == torch.float32:
-                stack.enter_context(torch.autocast(device_type, enabled=False))
+            if compute == torch.float32:
+                autocast = torch.autocast(device_type, enabled=False)
             else:
-                stack.enter_context(torch.autocast(device_type, dtype=region.compute_dtype))
+                autocast = torch.autocast(device_type, dtype=compute)
                 # CUDA's autocast already runs these functions in float32.
-                if device_type != "cuda":
-                    if self._needs_mode is None:
-                        self._needs_mode = needs_float32_functions(module)
-                    if self._needs_mode:
-                        stack.enter_context(Float32Functions())
-        self._open.append((stack, None if arriving is None else arriving.dtype))
-        return args, kwargs
-
-    def post(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
-    ) -> Any:
-        # Registered with always_call: runs even when forward raised, so contexts never leak.
-        arrived = None
-        if self._open:
-            stack, arrived = self._open.pop()
-            stack.close()
-        target = arrived if self.region.output_like_input else self.region.output_dtype
-        if target is None or output is None:
-            return None
-        return _cast(output, target, link=self.region.link_sources)
+                if device_type != "cuda" and self._float32_functions():
+                    mode = Float32Functions()
+        with autocast, mode, saves if saves is not None else contextlib.nullcontext():
+            output = self._forward()(*args, **kwargs)
+        dtype = arriving.dtype if arriving is not None else region.output_dtype
+        if dtype is None or output is None:
+            return output
+        # The link is a Python attribute on a tensor: a compiled graph's outputs cannot carry
+        # one (losses.cross_entropy says so once when it meets such an output).
+        link = region.link_sources and not torch.compiler.is_compiling()
+        return _cast(output, dtype, link=link)
 
 
 def set_region(module: nn.Module, region: Region) -> None:
     """Make ``module`` a region, replacing any region it had."""
+    global _generation
     clear_region(module)
-    hooks = _RegionHooks(region)
-    handles = (
-        module.register_forward_pre_hook(hooks.pre, with_kwargs=True, prepend=True),
-        module.register_forward_hook(hooks.post, with_kwargs=True, always_call=True, prepend=True),
-    )
-    setattr(module, _HANDLES_ATTR, handles)
+    module.forward = _RegionForward(module, region)  # type: ignore[method-assign]
     setattr(module, REGION_ATTR, region)
+    _generation += 1
 
 
 def clear_region(module: nn.Module) -> None:
-    for handle in getattr(module, _HANDLES_ATTR, ()):
-        handle.remove()
-    for attr in (_HANDLES_ATTR, REGION_ATTR):
-        if attr in module.__dict__:
-            delattr(module, attr)
+    """Undo ``set_region``: the module's forward is its own again."""
+    global _generation
+    forward = module.__dict__.get("forward")
+    if isinstance(forward, _RegionForward):
+        if forward.inner is None:
+            del module.forward
+        else:
+            module.forward = forward.inner  # type: ignore[method-assign]
+    if REGION_ATTR in module.__dict__:
+        delattr(module, REGION_ATTR)
+    _generation += 1
 
 
 def get_region(module: nn.Module) -> Region | None:

@@ -246,11 +246,11 @@ def auto_mixed_precision(
                 set_region(sub, Region(torch.float32, torch.float32))
 
     # At O1 the first ops decide their own dtype under autocast; at O2/O3 the weights are
-    # 16-bit, so inputs are cast once at the model's boundary.
-    set_region(
-        model,
-        Region(compute, output, cast_inputs=lvl in ("O0", "O2", "O3"), link_sources=True),
-    )
+    # 16-bit, so inputs are cast once at the model's boundary. A float32 policy (``auto`` on a
+    # CPU without fast 16-bit math) gets no region: plain PyTorch, nothing added per step. O0
+    # under a mixed policy keeps its float32 region, which holds even inside a user's autocast.
+    if resolved.is_mixed:
+        set_region(model, Region(compute, output, cast_inputs=lvl != "O1", link_sources=True))
     for module in kept.values():
         to_float(module, torch.float32)
 

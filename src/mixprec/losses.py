@@ -17,9 +17,12 @@ a float32 copy saved, a float32 gradient or the cast back (see ``_output_sources
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from mixprec._errors import ArgumentError
@@ -118,10 +121,22 @@ def cross_entropy(
         raise ArgumentError(
             f"cross_entropy: reduction={reduction!r} is not valid; valid: 'mean', 'sum', 'none'"
         )
+    classes = logits.shape[-1]
+    if torch.compiler.is_compiling():
+        # Traced with the model, the loss is one graph: inductor fuses the upcast into the
+        # log-softmax and the partitioner saves the 16-bit logits, which is what the chunks
+        # and the source link do by hand in eager mode.
+        return F.cross_entropy(
+            logits.float().reshape(-1, classes),
+            target.reshape(-1).long(),
+            ignore_index=ignore_index,
+            reduction=reduction,
+        ).reshape(target.shape if reduction == "none" else ())
     source = source_of(logits)
     if source is not None:
         logits = source
-    classes = logits.shape[-1]
+    elif _from_compiled_graph(logits):
+        _warn_compiled_output()
     flat_target = target.reshape(-1).long()
     valid = flat_target != ignore_index
     rows = max(1, _CHUNK_ELEMENTS // max(classes, 1))
@@ -133,6 +148,28 @@ def cross_entropy(
         return losses.sum()
     # As F.cross_entropy: the mean over targets that are not ignored (NaN when all are).
     return losses.sum() / valid.sum()
+
+
+def _from_compiled_graph(logits: torch.Tensor) -> bool:
+    grad_fn = logits.grad_fn
+    return (
+        logits.dtype == torch.float32
+        and grad_fn is not None
+        and "CompiledFunction" in grad_fn.name()
+        and torch.is_grad_enabled()
+    )
+
+
+@functools.cache
+def _warn_compiled_output() -> None:
+    warnings.warn(
+        "mixprec.cross_entropy: these float32 logits come out of a torch.compile'd model, whose "
+        "outputs cannot carry the link to their 16-bit source, so the loss keeps a float32 copy "
+        "for backward (same values, more memory). Compile the loss together with the model "
+        "(build_train_step(..., compile=True) does) to let inductor fuse the upcast instead.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _describe(value: object) -> str:
