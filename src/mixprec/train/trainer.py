@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from mixprec import distributed
+from mixprec._compile import CompileOption, compile_options, compile_step
 from mixprec.checkpoint import load_checkpoint
 from mixprec.data import validate_classification
 from mixprec.doctor import ScalerHealth
@@ -48,18 +49,36 @@ class TrainStep:
     """One training step: zero grads, forward, loss, scaled backward, step.
 
     ``step(x, y) -> (loss, StepResult)``; the loss is detached and ``last_output`` holds the
-    detached model output (for metrics)."""
+    detached model output (for metrics). With ``compile``, the forward and the loss run as one
+    ``torch.compile``'d function (so inductor fuses the output's upcast into the loss); the
+    loss scaling and the optimizer step run outside the graph, so a new scale, a skipped step
+    or an accumulation micro-step compile nothing new."""
 
-    def __init__(self, model: nn.Module, optimizer: LossScaleOptimizer, loss_fn: LossFn) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: LossScaleOptimizer,
+        loss_fn: LossFn,
+        compile: CompileOption = False,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.last_output: torch.Tensor | None = None
+        options = compile_options(compile)
+        self._forward_loss = (
+            self._forward_and_loss
+            if options is None
+            else compile_step(self._forward_and_loss, options, model)
+        )
+
+    def _forward_and_loss(self, x: Any, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        output = _call(self.model, x)
+        return self.loss_fn(output, y), output
 
     def __call__(self, x: Any, y: torch.Tensor) -> tuple[torch.Tensor, StepResult]:
         self.optimizer.zero_grad()
-        output = _call(self.model, x)
-        loss = self.loss_fn(output, y)
+        loss, output = self._forward_loss(x, y)
         self.optimizer.backward(loss)
         result = self.optimizer.step()
         self.last_output = output.detach()
@@ -76,9 +95,14 @@ def build_train_step(
     max_grad_norm: float | None = None,
     accumulation_steps: int = 1,
     trace_overflow: bool = False,
+    compile: CompileOption = False,
 ) -> TrainStep:
     """Prepare ``model`` (unless ``auto_mixed_precision`` was already applied) and wrap
-    ``optimizer`` (unless it is a ``LossScaleOptimizer``); return the step callable."""
+    ``optimizer`` (unless it is a ``LossScaleOptimizer``); return the step callable.
+
+    ``compile``: ``True`` or a dict of ``torch.compile`` options compiles the forward and
+    the loss together (see ``TrainStep``)."""
+    compile_options(compile)  # a bad value fails before the model is changed
     done = applied(model)
     if done is None:
         auto_mixed_precision(model, policy, level)
@@ -94,7 +118,7 @@ def build_train_step(
         optimizer = LossScaleOptimizer(
             optimizer, loss_scaler, max_grad_norm, accumulation_steps, trace_overflow
         )
-    return TrainStep(model, optimizer, get_loss(loss_fn))
+    return TrainStep(model, optimizer, get_loss(loss_fn), compile)
 
 
 def _device(device: str | torch.device) -> torch.device:
@@ -116,7 +140,9 @@ class Trainer:
     """Train a float32-built model and optimizer in mixed precision.
 
     ``Trainer(model, loss, optimizer, policy="mixed_bfloat16")`` applies the policy and level
-    to ``model`` (in place) and wraps ``optimizer`` in a ``LossScaleOptimizer``.
+    to ``model`` (in place) and wraps ``optimizer`` in a ``LossScaleOptimizer``. ``compile``
+    (``True`` or a dict of ``torch.compile`` options) compiles each training step's forward
+    and loss; evaluation and prediction run the model as it is.
     """
 
     def __init__(
@@ -133,6 +159,7 @@ class Trainer:
         accumulation_steps: int = 1,
         trace_overflow: bool = False,
         fp32_allreduce: bool = False,
+        compile: CompileOption = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Trainer(model=...) needs an nn.Module, got {type(model).__name__}")
@@ -150,6 +177,7 @@ class Trainer:
             max_grad_norm,
             accumulation_steps,
             trace_overflow,
+            compile,
         )
         self.health = ScalerHealth()
         self.model = model  # the module itself; under torchrun the step runs it through DDP

@@ -1,0 +1,62 @@
+"""``compile=`` of ``Trainer``, ``build_train_step``, ``mixprec train`` and ``mixprec bench``.
+
+One place that checks the option and applies ``torch.compile`` to a training step's forward
+and loss. The optimizer step stays outside the graph: its skip-on-overflow decision reads one
+flag back to the host, which a graph cannot branch on without breaking (see the README).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from mixprec._errors import ArgumentError
+
+__all__ = ["CompileOption", "compile_options", "compile_step"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: ``True`` (torch.compile's defaults), ``False``, or keyword arguments of ``torch.compile``.
+CompileOption = bool | Mapping[str, Any]
+
+
+def compile_options(compile: CompileOption, where: str = "compile") -> dict[str, Any] | None:
+    """``None`` for no compilation, else the ``torch.compile`` keyword arguments to use."""
+    if compile is False or compile is None:
+        return None
+    if compile is True:
+        return {}
+    if not isinstance(compile, Mapping):
+        raise TypeError(
+            f"{where}={compile!r} is invalid; pass True, False or a dict of torch.compile "
+            "options such as {'mode': 'max-autotune-no-cudagraphs', 'fullgraph': True}"
+        )
+    valid = [p for p in inspect.signature(torch.compile).parameters if p != "model"]
+    unknown = sorted(str(k) for k in compile if k not in valid)
+    if unknown:
+        raise ArgumentError(
+            f"{where} has unknown torch.compile option(s) {', '.join(unknown)}; "
+            f"valid: {', '.join(valid)}"
+        )
+    return dict(compile)
+
+
+def compile_step(fn: F, options: Mapping[str, Any], model: nn.Module) -> F:
+    """``torch.compile(fn, **options)``, with dynamo's RNN support switched on while it runs
+    when ``model`` has RNN/GRU/LSTM layers (dynamo refuses to trace them by default, and they
+    trace whole-graph when allowed; the setting is restored after each call)."""
+    compiled = torch.compile(fn, **options)
+    if not any(isinstance(m, nn.RNNBase) for m in model.modules()):
+        return compiled  # type: ignore[return-value]
+
+    @functools.wraps(fn)
+    def with_rnns(*args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(allow_rnn=True):
+            return compiled(*args, **kwargs)
+
+    return with_rnns  # type: ignore[return-value]
