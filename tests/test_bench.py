@@ -221,3 +221,22 @@ def test_the_scaler_bf16_loop_skips_a_non_finite_step_and_the_plain_one_does_not
         step = bench.build_step(mode, work, torch.device("cpu"))
         step()  # inf loss: inf/NaN gradients
         assert math.isfinite(step().item()) is survives, mode
+
+
+def test_compiled_modes_report_compile_time_apart():
+    modes = bench.with_compiled(["float32", "O2-bf16"])
+    assert modes == ["float32", "O2-bf16", "float32+compile", "O2-bf16+compile"]
+    results = bench.run("mlp-b64", modes, repeats=1, steps=1, warmup=2, memory=False,
+                        small=True, min_round_ms=0)  # fmt: skip
+    by_mode = {r.mode: r for r in results}
+    assert by_mode["float32"].compile_s is None and by_mode["O2-bf16"].compile_s is None
+    for mode in ("float32", "O2-bf16"):
+        compiled = by_mode[mode + bench.COMPILED]
+        assert compiled.compile_s is not None and compiled.compile_s > 0
+        assert compiled.level == by_mode[mode].level
+        # The same three SGD steps from the same weights: only inductor's summation order
+        # differs (bfloat16's rounding of it included), far below a training difference.
+        assert compiled.final_loss == pytest.approx(by_mode[mode].final_loss, rel=2e-3)
+    assert "compile s" in bench.table("mlp-b64", results)
+    with pytest.raises(ValueError, match=r"unknown mode 'O9\+compile'; valid: float32"):
+        bench.check_mode("O9+compile")

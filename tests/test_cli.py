@@ -151,3 +151,17 @@ def test_doctor_command(tmp_path, capsys):
     assert out_png.read_bytes()[:4] == b"\x89PNG"
     assert cli.main(["doctor", "--policy", "fp8"]) == 2
     assert "unknown policy 'fp8'" in capsys.readouterr().err
+
+
+def test_train_and_bench_compile(capsys):
+    assert cli.main(["train", "--data", "synthetic", "--epochs", "1", "--compare", "none",
+                     "--quiet", "--in-process", "--compile",
+                     "--policy", "mixed_bfloat16"]) == 0  # fmt: skip
+    assert len(rows(capsys.readouterr().out)) == 1
+    assert cli.main(["bench", "mlp-b64", "--small", "--modes", "float32", "--compile",
+                     "--no-memory", "--repeats", "1", "--steps", "1", "--warmup", "1",
+                     "--min-round-ms", "0"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "float32+compile" in out and "compile s" in out
+    assert cli.main(["bench", "mlp-b64", "--modes", "O9+compile"]) == 2
+    assert "unknown mode 'O9'" in capsys.readouterr().err

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import mixprec as mp
-from mixprec import models
+from mixprec import models, trace
 from mixprec.levels import applied
 from mixprec.optim import LossScaleOptimizer
 from tests.conftest import classification_data, make_mlp
@@ -252,3 +252,33 @@ def test_cross_entropy_says_once_when_logits_come_from_a_compiled_graph():
     assert len(said) == 1 and "Compile the loss together with the model" in said[0]
     eager = mp.cross_entropy(model(x), y)
     assert loss.item() == pytest.approx(eager.item(), rel=1e-3)
+
+
+def test_trace_overflow_is_off_under_compile_and_says_so_once():
+    x, y = classification_data(n=16)
+    bad = x.clone()
+    bad[0, 0] = float("inf")
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
+    lso = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), trace_overflow=True)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")  # the hooks still trace
+    trace._warn_off_under_compile.cache_clear()  # once per process: start afresh
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = [_lso_step(compiled, lso, batch, y) for batch in (bad, bad)]
+    said = [str(w.message) for w in caught if "trace_overflow" in str(w.message)]
+    assert len(said) == 1 and "StepResult.overflow stays None" in said[0]
+    assert all(r.skipped and r.overflow is None for r in results)
+    # Eagerly the same model and optimizer name the layer.
+    eager = _lso_step(model, lso, bad, y)
+    assert eager.skipped and eager.overflow is not None and eager.overflow.module == "0"
+
+
+def test_diagnose_runs_a_compiled_model_eagerly():
+    x, y = classification_data(n=32)
+    loss = nn.functional.cross_entropy
+    compiled = torch.compile(make_mlp(), backend="eager")
+    with pytest.warns(UserWarning, match="diagnose runs the model eagerly"):
+        report = mp.diagnose(compiled, x, y, loss, policy="mixed_float16")
+    expected = mp.diagnose(make_mlp(), x, y, loss, policy="mixed_float16")
+    assert report.loss_mixed == expected.loss_mixed and report.loss_float32 == expected.loss_float32
+    assert [m.name for m in report.modules] == [m.name for m in expected.modules]

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixprec._compile import compile_step
 from mixprec._dtypes import cpuinfo_field
 from mixprec.levels import applied, auto_mixed_precision
 from mixprec.models import CausalLM, cnn, lm_loss, mlp
@@ -181,71 +182,108 @@ def _device(device: str) -> torch.device:
     return torch.device(device)
 
 
+#: Suffix of a mode run under ``torch.compile`` (``"O2-bf16+compile"``): its forward and loss
+#: are one compiled function; backward runs AOTAutograd's compiled graph, the optimizer step
+#: stays eager as in ``TrainStep``.
+COMPILED = "+compile"
+
+
+def with_compiled(modes: Sequence[str]) -> list[str]:
+    """``modes`` followed by the compiled version of each (``mixprec bench --compile``)."""
+    return [*modes, *(m + COMPILED for m in modes if not m.endswith(COMPILED))]
+
+
+def check_mode(mode: str) -> str:
+    """``mode`` without its ``+compile`` suffix, after checking that it names a mode."""
+    base = mode.removesuffix(COMPILED)
+    if base not in MODES:
+        raise ValueError(
+            f"unknown mode {mode!r}; valid: {', '.join(MODES)}, each optionally with {COMPILED!r}"
+        )
+    return base
+
+
 def build_step(
-    mode: str, work: Workload, device: torch.device, lr: float = 0.01, outputs_16bit: bool = False
+    mode: str,
+    work: Workload,
+    device: torch.device,
+    lr: float = 0.01,
+    outputs_16bit: bool = False,
+    compile_mode: str | None = None,
 ) -> Step:
     """The training step of ``mode``, ready to call; returns the (detached) loss.
 
     ``outputs_16bit``: the model's output reaches the loss in the compute dtype (a policy
     with ``output_dtype`` the compute dtype; autocast's output as it comes) instead of
-    float32; the workloads' losses compute in float32 either way."""
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
+    float32; the workloads' losses compute in float32 either way. ``compile_mode``: the
+    ``mode`` given to ``torch.compile`` for ``+compile`` modes (default: its default)."""
+    base = check_mode(mode)
     torch.manual_seed(0)
     model = work.make_model().to(device)
     x, y = (t.to(device) for t in work.batch)
     loss_fn = work.loss_fn
-    if mode == "float32" or mode.startswith("torch-autocast"):
-        opt = torch.optim.SGD(model.parameters(), lr=lr)
-        if mode == "float32":
-
-            def step() -> torch.Tensor:
-                opt.zero_grad(set_to_none=True)
-                loss = loss_fn(model(x), y)
-                loss.backward()
-                opt.step()
-                return loss.detach()
-
-            return step
-        dtype = torch.bfloat16 if mode.endswith("bf16") else torch.float16
+    forward_loss: Callable[[], torch.Tensor]
+    level = "-"
+    if base == "float32" or base.startswith("torch-autocast"):
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        dtype = torch.bfloat16 if base.endswith("bf16") else torch.float16
         # The loop users write by hand: autocast around the forward, float32 loss,
         # GradScaler (needed for float16; with bfloat16 users usually drop it, and with it
         # the skipping of non-finite steps, which "-scaler-bf16" keeps).
         scaler = torch.amp.GradScaler(
-            device.type, enabled=dtype == torch.float16 or "-scaler-" in mode
+            device.type, enabled=dtype == torch.float16 or "-scaler-" in base
         )
 
-        def autocast_step() -> torch.Tensor:
-            opt.zero_grad(set_to_none=True)
+        def forward_loss() -> torch.Tensor:
+            if base == "float32":
+                return loss_fn(model(x), y)
             with torch.autocast(device.type, dtype=dtype):
                 out = model(x)
-            loss = loss_fn(out if outputs_16bit else out.float(), y)
+            return loss_fn(out if outputs_16bit else out.float(), y)
+
+        def backward_step(loss: torch.Tensor) -> None:
+            if base == "float32":
+                loss.backward()
+                opt.step()
+                return
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
-            return loss.detach()
 
-        return autocast_step
-    level, _, precision = mode.partition("-")
-    half = "bfloat16" if precision == "bf16" else "float16"
-    if level == "O3":
-        policy = Policy(half)  # pure 16-bit: its outputs are 16-bit already
-    elif outputs_16bit:
-        policy = Policy(param_dtype="float32", compute_dtype=half, output_dtype=half)
+        zero_grad: Callable[[], None] = lambda: opt.zero_grad(set_to_none=True)  # noqa: E731
     else:
-        policy = Policy(f"mixed_{half}")
-    auto_mixed_precision(model, policy, level.upper() if level != "auto" else "auto")
-    lso = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=lr))
+        prep, _, precision = base.partition("-")
+        half = "bfloat16" if precision == "bf16" else "float16"
+        if prep == "O3":
+            policy = Policy(half)  # pure 16-bit: its outputs are 16-bit already
+        elif outputs_16bit:
+            policy = Policy(param_dtype="float32", compute_dtype=half, output_dtype=half)
+        else:
+            policy = Policy(f"mixed_{half}")
+        auto_mixed_precision(model, policy, prep.upper() if prep != "auto" else "auto")
+        level = applied(model).level  # type: ignore[union-attr]
+        lso = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=lr))
 
-    def mixprec_step() -> torch.Tensor:
-        lso.zero_grad()
-        loss = loss_fn(model(x), y)
-        lso.backward(loss)
-        lso.step()
+        def forward_loss() -> torch.Tensor:
+            return loss_fn(model(x), y)
+
+        def backward_step(loss: torch.Tensor) -> None:
+            lso.backward(loss)
+            lso.step()
+
+        zero_grad = lso.zero_grad
+    if mode.endswith(COMPILED):
+        options = {} if compile_mode is None else {"mode": compile_mode}
+        forward_loss = compile_step(forward_loss, options, model)
+
+    def step() -> torch.Tensor:
+        zero_grad()
+        loss = forward_loss()
+        backward_step(loss)
         return loss.detach()
 
-    mixprec_step.level = applied(model).level  # type: ignore[attr-defined, union-attr]
-    return mixprec_step
+    step.level = level  # type: ignore[attr-defined]
+    return step
 
 
 @dataclass
@@ -260,6 +298,7 @@ class ModeResult:
     tokens_per_s: float | None = None
     tflops: float | None = None  # achieved model TFLOP/s (workloads that state their FLOPs)
     mfu: float | None = None  # model FLOPs utilisation: tflops / the device's peak
+    compile_s: float | None = None  # +compile modes: the first step's time above a steady one
 
 
 def _sync(device: torch.device) -> None:
@@ -298,17 +337,20 @@ class PeakMemory:
         return _proc_status_mb("VmHWM") - self.before
 
 
-def _peak_memory(args: tuple[str, str, str, bool, int, int | None, bool]) -> float | None:
+def _peak_memory(
+    args: tuple[str, str, str, bool, int, int | None, bool, str | None],
+) -> float | None:
     """Peak training memory of one mode in MiB, measured alone in this (fresh) process:
     tensor memory from the model's creation on (CUDA's allocator peak; on CPU the
     profiler's allocation records, as RSS would add the C allocator's fragmentation and
     its noise), or peak RSS where the records are not available."""
-    spec, mode, device_name, small, steps, batch, outputs_16bit = args
+    spec, mode, device_name, small, steps, batch, outputs_16bit, compile_mode = args
     device = _device(device_name)
     work = get_workload(spec, small, batch)
 
     def train() -> None:
-        step = build_step(mode, work, device, outputs_16bit=outputs_16bit)
+        step = build_step(mode, work, device, outputs_16bit=outputs_16bit,
+                          compile_mode=compile_mode)  # fmt: skip
         for _ in range(steps):
             step()
         _sync(device)
@@ -368,26 +410,31 @@ def run(
     small: bool = False,
     min_round_ms: float = 100.0,
     outputs_16bit: bool = False,
+    compile_mode: str | None = None,
 ) -> list[ModeResult]:
     """Benchmark ``modes`` on ``workload``; ``repeats`` rounds per mode, interleaved, after
     ``warmup`` steps each (at least 2). A round is ``steps`` steps, or more where the
     fastest mode would finish them in under ``min_round_ms`` (a 1 ms step timed 3 at a time
     measures the timer and the cache left by the previous mode); every mode runs the same
     number of steps, so their final losses compare. Medians of the per-round ms/step.
-    ``outputs_16bit`` as in ``build_step``."""
+    ``outputs_16bit`` and ``compile_mode`` as in ``build_step``; a ``+compile`` mode's
+    compile time is its first step's time above its steady-state ms/step, kept apart."""
     if "float32" not in modes:
         modes = ["float32", *modes]
     dev = _device(device)
     work = get_workload(workload, small)
-    built = {mode: build_step(mode, work, dev, outputs_16bit=outputs_16bit) for mode in modes}
+    built = {
+        mode: build_step(mode, work, dev, outputs_16bit=outputs_16bit, compile_mode=compile_mode)
+        for mode in modes
+    }
     with _true_float32(dev):
-        times, last = _time_modes(built, repeats, steps, warmup, dev, min_round_ms)
+        times, last, first = _time_modes(built, repeats, steps, warmup, dev, min_round_ms)
     peaks: dict[str, float | None] = dict.fromkeys(modes)
     if memory:
         ctx = multiprocessing.get_context("spawn")
         with ctx.Pool(1, maxtasksperchild=1) as pool:
             for mode in modes:
-                args = (workload, mode, device, small, 2, None, outputs_16bit)
+                args = (workload, mode, device, small, 2, None, outputs_16bit, compile_mode)
                 peaks[mode] = pool.apply(_peak_memory, (args,))
     base = statistics.median(times["float32"])
     results = []
@@ -407,6 +454,7 @@ def run(
                 tokens_per_s=1000 * work.tokens / ms if work.tokens else None,
                 tflops=tflops,
                 mfu=tflops / peak if tflops is not None and peak else None,
+                compile_s=(first[mode] - ms) / 1000 if mode.endswith(COMPILED) else None,
             )
         )
     return results
@@ -419,17 +467,23 @@ def _time_modes(
     warmup: int,
     dev: torch.device,
     min_round_ms: float,
-) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
-    """Per mode: the ms/step of each round, and the loss of the last step."""
+) -> tuple[dict[str, list[float]], dict[str, torch.Tensor], dict[str, float]]:
+    """Per mode: the ms/step of each round, the loss of the last step, and the ms of the
+    first step (which compiles, for compiled modes)."""
     last: dict[str, torch.Tensor] = {}
+    first: dict[str, float] = {}
     fastest = float("inf")
     for mode, step in built.items():
-        for _ in range(max(warmup, 2)):  # the first step is cold: calibrate on a later one
+        for i in range(max(warmup, 2)):  # the first step is cold: calibrate on a later one
             _sync(dev)
             start = time.perf_counter()
             last[mode] = step()
             _sync(dev)
-            fastest = min(fastest, 1000 * (time.perf_counter() - start))
+            ms = 1000 * (time.perf_counter() - start)
+            if i == 0:
+                first[mode] = ms
+            else:
+                fastest = min(fastest, ms)
     steps = max(steps, math.ceil(min_round_ms / max(fastest, 1e-3)))
     times: dict[str, list[float]] = {mode: [] for mode in built}
     for _ in range(repeats):
@@ -440,7 +494,7 @@ def _time_modes(
                 last[mode] = step()
             _sync(dev)
             times[mode].append(1000 * (time.perf_counter() - start) / steps)
-    return times, last
+    return times, last, first
 
 
 def max_batch(
@@ -458,7 +512,7 @@ def max_batch(
 
     def fits(batch: int) -> bool:
         with ctx.Pool(1) as pool:
-            args = (workload, mode, device, small, 1, batch, outputs_16bit)
+            args = (workload, mode, device, small, 1, batch, outputs_16bit, None)
             peak = pool.apply(_peak_memory, (args,))
         if peak is None:
             raise RuntimeError("peak memory cannot be measured on this platform")
@@ -477,21 +531,26 @@ def max_batch(
 
 def table(workload: str, results: list[ModeResult]) -> str:
     header = (
-        f"{'mode':<26} {'level':<5} {'ms/step':>9} {'samples/s':>10} {'vs f32':>7} "
+        f"{'mode':<34} {'level':<5} {'ms/step':>9} {'samples/s':>10} {'vs f32':>7} "
         f"{'peak MB':>8} {'loss':>8}"
     )
     lm = any(r.tokens_per_s is not None for r in results)
     if lm:
         header += f" {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6}"
+    compiled = any(r.compile_s is not None for r in results)
+    if compiled:
+        header += f" {'compile s':>9}"
     lines = [f"workload {workload}", header, "-" * len(header)]
     for r in results:
         line = (
-            f"{r.mode:<26} {r.level:<5} {r.ms_per_step:>9.2f} {r.samples_per_s:>10.0f} "
+            f"{r.mode:<34} {r.level:<5} {r.ms_per_step:>9.2f} {r.samples_per_s:>10.0f} "
             f"{r.speedup:>6.2f}x {_fmt(r.peak_mb, '8.0f')} {r.final_loss:>8.4f}"
         )
         if lm:
             line += f" {_fmt(r.tokens_per_s, '9.0f')} {_fmt(r.tflops, '8.3f')}"
             line += f" {100 * r.mfu:5.1f}%" if r.mfu is not None else f" {'-':>6}"
+        if compiled:
+            line += f" {_fmt(r.compile_s, '9.1f')}"
         lines.append(line)
     return "\n".join(lines)
 

@@ -69,8 +69,9 @@ def run_training(config: dict[str, Any]) -> dict[str, Any]:
     model = _build(config["model"], x_train, classes)
     optimizer = torch.optim.Adam(model.parameters(), lr=config["lr"])
     trainer = mixprec.Trainer(
-        model, "cross_entropy", optimizer, policy=config["policy"], level=config["level"]
-    )
+        model, "cross_entropy", optimizer, policy=config["policy"], level=config["level"],
+        compile=config.get("compile", False),
+    )  # fmt: skip
     from mixprec.bench import PeakMemory
 
     memory = PeakMemory(trainer.device)  # the run's own peak: this process trains once
@@ -164,7 +165,7 @@ def _train(args: argparse.Namespace) -> int:
     common = {
         "model": args.model, "data": args.data, "epochs": args.epochs, "seed": args.seed,
         "batch_size": args.batch_size, "lr": args.lr, "save": args.save,
-        "verbose": 0 if args.quiet else 1,
+        "verbose": 0 if args.quiet else 1, "compile": args.compile,
     }  # fmt: skip
     configs = []
     if args.compare != "none":
@@ -265,7 +266,9 @@ def _bench(args: argparse.Namespace) -> int:
             _choice("workload", w, list(bench.WORKLOADS))
     modes = args.modes.split(",") if args.modes else list(bench.MODES)
     for m in modes:
-        _choice("mode", m, list(bench.MODES))
+        _choice("mode", m.removesuffix(bench.COMPILED), list(bench.MODES))
+    if args.compile:
+        modes = bench.with_compiled(modes)
     for name in ("repeats", "steps"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -290,6 +293,7 @@ def _bench(args: argparse.Namespace) -> int:
             w, modes, repeats=args.repeats, steps=args.steps, warmup=args.warmup,
             min_round_ms=args.min_round_ms, outputs_16bit=args.outputs_16bit,
             device=args.device, memory=not args.no_memory, small=args.small,
+            compile_mode=args.compile_mode,
         )  # fmt: skip
         print(bench.table(w, results[w]), end="\n\n", flush=True)
     print("ms/step: median over interleaved rounds; vs f32: float32 ms / mode ms (higher is "
@@ -342,6 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--plot", metavar="FILE.png", help="write the loss curves of both runs")
     train.add_argument("--save", metavar="DIR", help="save each run's final trainer state")
     train.add_argument("--quiet", action="store_true", help="no progress output")
+    train.add_argument(
+        "--compile", action="store_true", help="torch.compile each run's forward and loss"
+    )
     train.add_argument(
         "--in-process", action="store_true", help="no subprocess per run (peak memory is shared)"
     )
@@ -399,6 +406,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the models return their compute dtype (policy output=compute) to a loss that "
         "computes in float32 from it, such as mixprec.cross_entropy: saves memory",
     )  # fmt: skip
+    bench.add_argument(
+        "--compile", action="store_true",
+        help="add each mode under torch.compile (MODE+compile), compile time reported apart",
+    )  # fmt: skip
+    bench.add_argument(
+        "--compile-mode", help="torch.compile mode for +compile modes, e.g. max-autotune"
+    )
     bench.add_argument("--json", metavar="FILE")
     bench.add_argument("--plot", metavar="FILE.png")
     bench.set_defaults(run=_bench)

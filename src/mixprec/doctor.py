@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -284,6 +285,15 @@ def diagnose(
     Underflow fractions are measured at that scale; pass 1 to see the unscaled gradients."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"diagnose(model=...) needs an nn.Module, got {type(model).__name__}")
+    original = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+    if isinstance(original, nn.Module):
+        warnings.warn(
+            "diagnose runs the model eagerly (its per-module hooks do not compile): it uses "
+            "the module inside torch.compile's wrapper; the figures are eager mode's",
+            UserWarning,
+            stacklevel=2,
+        )
+        model = original
     if applied(model) is not None:
         raise ValueError("diagnose needs the float32 model, before auto_mixed_precision")
     resolved = get_policy(policy)

@@ -4,10 +4,14 @@ Hooks on every module record, per forward call and per output gradient, a non-fi
 and the finite range as device tensors, without synchronising. Only when a step is known to
 have overflowed does ``first_overflow()`` read them back (one transfer) and name the first
 module in execution order: forward first, then backward in the order gradients arrived.
+
+Under ``torch.compile`` the hooks do nothing (and say so once): see ``_warn_off_under_compile``.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +69,9 @@ class OverflowTracer:
 
     def _forward_hook(self, name: str, kind: str) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if torch.compiler.is_compiling():
+                _off_under_compile()
+                return
             out = first_floating(output)
             if out is None or not torch.is_grad_enabled():  # evaluation: no step follows
                 return
@@ -99,6 +106,27 @@ class OverflowTracer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+@torch.compiler.assume_constant_result
+def _off_under_compile() -> bool:
+    # Called while dynamo traces, not from the graph: the notice costs the steps nothing.
+    _warn_off_under_compile()
+    return True
+
+
+@functools.cache
+def _warn_off_under_compile() -> None:
+    # Per-tensor gradient hooks that append to a Python list cannot be part of a compiled
+    # graph (dynamo refuses the side effect, or breaks the graph at every module).
+    warnings.warn(
+        "trace_overflow: the model runs under torch.compile, where the tracer's hooks are off; "
+        "non-finite steps are still skipped, but StepResult.overflow stays None. To find the "
+        "layer, run the failing batch through the uncompiled model (compiled._orig_mod) or "
+        "mixprec.diagnose, which always runs eagerly.",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 def remember_model(model: nn.Module) -> None:
