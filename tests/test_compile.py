@@ -282,3 +282,31 @@ def test_diagnose_runs_a_compiled_model_eagerly():
     expected = mp.diagnose(make_mlp(), x, y, loss, policy="mixed_float16")
     assert report.loss_mixed == expected.loss_mixed and report.loss_float32 == expected.loss_float32
     assert [m.name for m in report.modules] == [m.name for m in expected.modules]
+
+
+@needs_inductor
+def test_compiled_optimizer_step_matches_eager_bit_for_bit():
+    """``torch.compile(opt.step)``, as with PyTorch's compiled optimizers: the same skips,
+    scales and weights as the eager step (it compiles in three pieces; see the README)."""
+    x, y = classification_data(n=16)
+
+    def run(compile: bool) -> tuple[list[tuple[bool, float]], list[torch.Tensor]]:
+        model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
+        lso = mp.LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+        step = torch.compile(lso.step) if compile else lso.step
+        seen = []
+        for i in range(4):
+            batch = x.clone()
+            if i == 1:
+                batch[0, 0] = float("inf")
+            lso.zero_grad()
+            lso.backward(nn.functional.cross_entropy(model(batch), y))
+            result = step()
+            seen.append((result.applied, result.scale))
+        return seen, [p.detach().clone() for p in model.parameters()]
+
+    eager, eager_weights = run(False)
+    compiled, compiled_weights = run(True)
+    assert compiled == eager == [(True, 65536.0), (False, 65536.0), (True, 32768.0),
+                                 (True, 32768.0)]  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(eager_weights, compiled_weights, strict=True))

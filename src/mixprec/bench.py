@@ -111,7 +111,10 @@ def peak_tflops(device: torch.device, kind: str) -> float | None:
 
 
 def _matmul_dtype(mode: str) -> str:
-    return {"bf16": "bfloat16", "fp16": "float16"}.get(mode.rpartition("-")[2], "float32")
+    base = mode.removesuffix(COMPILED)
+    if base == "auto":
+        return str(Policy("auto").compute_dtype).removeprefix("torch.")
+    return {"bf16": "bfloat16", "fp16": "float16"}.get(base.rpartition("-")[2], "float32")
 
 
 @contextlib.contextmanager
@@ -155,6 +158,7 @@ MODES: tuple[str, ...] = (
     "O1-fp16",
     "O2-fp16",
     "auto-fp16",
+    "auto",
 )
 
 
@@ -254,7 +258,9 @@ def build_step(
     else:
         prep, _, precision = base.partition("-")
         half = "bfloat16" if precision == "bf16" else "float16"
-        if prep == "O3":
+        if base == "auto":
+            policy = Policy("auto")  # what this machine's hardware picks, as mixprec train
+        elif prep == "O3":
             policy = Policy(half)  # pure 16-bit: its outputs are 16-bit already
         elif outputs_16bit:
             policy = Policy(param_dtype="float32", compute_dtype=half, output_dtype=half)

@@ -108,7 +108,7 @@ class OverflowTracer:
         self._handles.clear()
 
 
-@torch.compiler.assume_constant_result
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
 def _off_under_compile() -> bool:
     # Called while dynamo traces, not from the graph: the notice costs the steps nothing.
     _warn_off_under_compile()
