@@ -179,3 +179,24 @@ def test_region_recorded():
     m = mp.to_float(nn.Linear(2, 2), "float16")
     region = get_region(m)
     assert region is not None and region.compute_dtype == torch.float16
+
+
+def test_region_forward_keeps_signature_and_survives_deepcopy():
+    """A region is the module's forward wrapped in ``with`` blocks (so that torch.compile
+    traces it): it keeps forward's signature (Hugging Face's Trainer reads it), and a deep
+    copy runs its own region, not the original's."""
+    import copy
+    import inspect
+
+    model = mp.auto_mixed_precision(nn.Sequential(nn.Linear(4, 4)), "mixed_bfloat16", "O2")
+    assert list(inspect.signature(model.forward).parameters) == ["input"]
+    x = torch.randn(2, 4)
+    twin = copy.deepcopy(model)
+    assert twin.forward.module is twin
+    with torch.no_grad():
+        twin[0].weight.zero_()  # the copy's own weights: the original's stay as they are
+        twin[0].bias.zero_()
+    assert twin(x).dtype == torch.float32 and not twin(x).any()
+    assert model(x).any()
+    mp.casting.clear_region(model)
+    assert "forward" not in model.__dict__ and model(x.bfloat16()).dtype == torch.bfloat16

@@ -267,3 +267,19 @@ def test_gpt2_conv1d_weights_are_stored_16_bit_at_o2():
     weights = {n: p.dtype for n, p in model.named_parameters()}
     assert weights["transformer.h.0.attn.c_attn.weight"] == torch.bfloat16  # HF's Conv1D
     assert weights["transformer.h.0.ln_1.weight"] == torch.float32
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+@pytest.mark.parametrize(("policy", "level"), [("mixed_bfloat16", "O2"), ("mixed_float16", "O1")])
+def test_compiles_whole_graph(name, policy, level):
+    """Prepared GPT-2 and BERT trace with no graph break (dynamo only; see test_compile.py).
+
+    GPT-2's config leaves ``loss_type`` unset, and transformers then logs a warning from
+    ``loss_function``, a graph break of its own in float32 too: the type is set here."""
+    model = build(name)
+    if name == "gpt2":
+        model.loss_type = "ForCausalLM"
+    mp.auto_mixed_precision(model, policy, level)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(**batches(name)[0])
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]

@@ -429,6 +429,10 @@ def run(
         modes = ["float32", *modes]
     dev = _device(device)
     work = get_workload(workload, small)
+    if any(m.endswith(COMPILED) for m in modes):
+        # Every mode's step shares one code object; dynamo would take this workload's new
+        # shapes for dynamic ones after the previous workload's (automatic dynamic shapes).
+        torch._dynamo.reset()
     built = {
         mode: build_step(mode, work, dev, outputs_16bit=outputs_16bit, compile_mode=compile_mode)
         for mode in modes
