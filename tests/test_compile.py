@@ -9,6 +9,7 @@ compiler is found.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import warnings
 
@@ -310,3 +311,35 @@ def test_compiled_optimizer_step_matches_eager_bit_for_bit():
     assert compiled == eager == [(True, 65536.0), (False, 65536.0), (True, 32768.0),
                                  (True, 32768.0)]  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(eager_weights, compiled_weights, strict=True))
+
+
+class _Chatty(nn.Module):
+    """A model with a graph break of its own: it logs in its forward (as transformers does
+    for an unset ``loss_type``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        logging.getLogger("tests.chatty").info("forward")
+        return self.b(h).softmax(-1)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_models_own_graph_break_costs_no_more_than_under_autocast(level):
+    """A break inside a region resumes as it does inside a hand-written autocast block: no
+    re-entry of the region at every break until dynamo's recompile limit (seen when the
+    region called a bound method it made with __get__)."""
+    x = torch.randn(2, 8)
+    plain = _Chatty()
+
+    def by_hand(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return plain(x).float()
+
+    expected = torch._dynamo.explain(by_hand)(x).graph_break_count
+    torch._dynamo.reset()
+    model = mp.auto_mixed_precision(_Chatty(), "mixed_bfloat16", level)
+    assert torch._dynamo.explain(model)(x).graph_break_count == expected

@@ -265,16 +265,18 @@ class _RegionForward:
         self._needs_mode = False
         self._generation = -1  # of the cached _needs_mode
 
-    def _forward(self) -> Callable[..., Any]:
+    def _run_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.inner is not None:
-            return self.inner
-        forward: Callable[..., Any] = type(self.module).forward.__get__(self.module)
-        return forward
+            return self.inner(*args, **kwargs)
+        # Called through the class, not a bound method made with __get__: after a graph break
+        # in the model, dynamo resumes this frame only in this form (the other re-entered it
+        # with every break, up to its recompile limit, and fell back to eager).
+        return type(self.module).forward(self.module, *args, **kwargs)
 
     @property
     def __signature__(self) -> inspect.Signature:
         # Hugging Face's Trainer reads forward's signature to choose the dataset columns.
-        return inspect.signature(self._forward())
+        return inspect.signature(self.inner or type(self.module).forward.__get__(self.module))
 
     def _float32_functions(self) -> bool:
         if self._generation != _generation:
@@ -306,7 +308,7 @@ class _RegionForward:
                 if device_type != "cuda" and self._float32_functions():
                     mode = Float32Functions()
         with autocast, mode, saves if saves is not None else contextlib.nullcontext():
-            output = self._forward()(*args, **kwargs)
+            output = self._run_forward(args, kwargs)
         dtype = arriving.dtype if arriving is not None else region.output_dtype
         if dtype is None or output is None:
             return output
