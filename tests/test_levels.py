@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -246,3 +248,61 @@ def test_sparse_tables_stay_float32_under_float16():
         opt.step()
     dense = mp.auto_mixed_precision(mp.models.Recommender(sparse=False), "mixed_float16", "O2")
     assert dense.tables[0].weight.dtype == F16
+
+
+class _Matmul(nn.Module):
+    """A custom module (not a known type) to keep in float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w
+
+
+# kept module, its input, and the normalisations that can follow it
+_KEPT = {
+    "linear": (lambda: nn.Linear(8, 8), lambda: torch.randn(6, 8), ("bn1d", "ln", "gn")),
+    "embedding": (lambda: nn.Embedding(10, 8), lambda: torch.randint(0, 10, (6,)),
+                  ("bn1d", "ln", "gn")),
+    "custom": (_Matmul, lambda: torch.randn(6, 8), ("bn1d", "ln", "gn")),
+    "conv1d": (lambda: nn.Conv1d(8, 8, 1), lambda: torch.randn(6, 8, 5), ("bn1d", "gn")),
+    "conv2d": (lambda: nn.Conv2d(8, 8, 1), lambda: torch.randn(6, 8, 3, 3), ("bn2d", "gn")),
+}  # fmt: skip
+_NORMS = {
+    "bn1d": lambda: nn.BatchNorm1d(8),
+    "bn2d": lambda: nn.BatchNorm2d(8),
+    "ln": lambda: nn.LayerNorm(8),
+    "gn": lambda: nn.GroupNorm(2, 8),
+}
+# Max |mixed - float32| over the whole matrix, measured: float16 2.2e-3, bfloat16 1.8e-2
+# (normalised outputs of unit scale; bfloat16 has 3 fewer mantissa bits). Bounds ~4x.
+_KEPT_TOLERANCE = {"mixed_float16": 1e-2, "mixed_bfloat16": 7e-2}
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("how", ["keep_float32", "to_float after"])
+def test_a_kept_float32_module_feeds_every_normalisation(level, policy, how):
+    """Issue 20: at O3 a Conv kept in float32 followed by BatchNorm raised "mixed dtype
+    (CPU)". Every kept type, followed by every normalisation, at every level, in training
+    and evaluation, gives float32 outputs close to the float32 model's."""
+    for kind, (make, inputs, norms) in _KEPT.items():
+        for norm in norms:
+            torch.manual_seed(0)
+            model = nn.Sequential(make(), _NORMS[norm]())
+            control = copy.deepcopy(model)
+            if how == "keep_float32":
+                mp.auto_mixed_precision(model, policy, level, keep_float32=["0"])
+            else:
+                mp.auto_mixed_precision(model, policy, level)
+                mp.to_float(model[0], "float32")
+            for training in (True, False):
+                model.train(training)
+                control.train(training)
+                x = inputs()
+                out = model(x)
+                assert out.dtype == torch.float32, (kind, norm, training)
+                err = (out - control(x)).abs().max().item()
+                assert err < _KEPT_TOLERANCE[policy], (kind, norm, training, err)

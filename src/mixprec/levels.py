@@ -235,6 +235,13 @@ def auto_mixed_precision(
         for sub in model.modules():
             if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and id(sub) not in fixed:
                 set_region(sub, Region(torch.float16, torch.float32, cast_inputs=False))
+    if lvl == "O3":
+        # A module kept in float32 (keep_float32, to_float before or after this call) hands
+        # float32 to the next layer. Batch norm is the one 16-bit layer that refuses it: CPU
+        # autocast does not cover batch_norm, whose 16-bit weights then meet a float32 input.
+        for sub in model.modules():
+            if id(sub) not in fixed and isinstance(sub, nn.modules.batchnorm._NormBase):
+                set_region(sub, Region(compute, None, cast_inputs=True))
     if lvl in ("O1", "O2"):
         for sub in model.modules():
             if id(sub) in fixed or sub is model or isinstance(sub, MIXED_NORM_MODULES):
