@@ -314,3 +314,77 @@ def test_unscale_widens_16_bit_values():
     grad = torch.tensor([2.0**-10], dtype=torch.float16)
     (out,) = s.unscale([grad])
     assert out.dtype == torch.float32 and out.item() == 2.0**-26  # would be 0 in float16
+
+
+@pytest.mark.parametrize(
+    ("args", "after_one_overflow"),
+    # MindSpore 2.10.0 (CPU), DynamicLossScaleManager(*args).get_update_cell() driven through
+    # TrainOneStepWithLossScaleCell with one overflowing step: the scale it holds then.
+    [((10, 3, 5), 3.3333334922790527), ((7, 1.5, 5), 4.6666669845581055)],
+)
+def test_mindspore_manager_backs_off_by_the_float32_reciprocal(args, after_one_overflow):
+    manager = mp.DynamicLossScaleManager(*args)
+    manager.update(True)
+    assert manager.get_scale() == after_one_overflow  # bit for bit
+    # amp.DynamicLossScaler divides instead, and lands one float32 step away.
+    init, factor, window = args
+    scaler = mp.DynamicLossScaler(scale_value=init, scale_factor=factor, scale_window=window)
+    scaler.update(True)
+    assert scaler.get_scale() != after_one_overflow
+    assert scaler.get_scale() == pytest.approx(after_one_overflow, rel=2**-22)
+
+
+def test_mindspore_manager_defaults_growth_and_floor():
+    manager = mp.DynamicLossScaleManager()
+    assert manager.get_scale() == 2.0**24 and manager.config.growth_interval == 2000
+    small = mp.DynamicLossScaleManager(4, 2, 2)
+    for _ in range(5):
+        small.update(True)
+    assert small.get_scale() == 1.0  # never below 1, as max(scale * ratio, 1)
+    small.update(False)
+    small.update(False)
+    assert small.get_scale() == 2.0  # scale_window clean steps: times scale_factor
+
+
+def test_mindspore_manager_stops_on_the_1001st_overflow_in_a_row():
+    """MindSpore's manager raises RuntimeError once more than 1000 steps in a row
+    overflowed ('... has exceeded maximum threshold'); mixprec's says what to do."""
+    manager = mp.DynamicLossScaleManager(2.0**8, 2, 10)
+    for _ in range(1000):
+        manager.update(True)
+    manager.update(False)  # a finite step resets the count
+    for _ in range(1000):
+        manager.update(True)
+    with pytest.raises(RuntimeError, match=r"1001 overflowing steps in a row .*bfloat16"):
+        manager.update(True)
+    assert manager.state.consecutive_skips == 1001 and manager.get_scale() == 1.0
+    restored = mp.DynamicLossScaleManager()
+    restored.load_state_dict(manager.state_dict())
+    assert restored.config == manager.config
+    # Elsewhere there is no limit unless asked for.
+    plain = mp.DynamicLossScaler()
+    for _ in range(1200):
+        plain.update(True)
+
+
+def test_adjust_returns_what_mindspore_returns():
+    assert mp.DynamicLossScaler(scale_value=8, scale_factor=2, scale_window=5).adjust(True)
+    assert mp.StaticLossScaler(scale_value=8).adjust(True) is False
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: mp.DynamicLossScaleManager(8, 1, 5),
+     lambda: mp.DynamicLossScaler(scale_value=8, scale_factor=1, scale_window=5)],
+)  # fmt: skip
+def test_scale_factor_one_points_to_the_static_scaler(make):
+    with pytest.raises(ValueError, match=r"scale_factor=1 is invalid.*use StaticLossScaler"):
+        make()
+
+
+def test_state_dict_from_before_max_consecutive_skips_loads():
+    saved = mp.DynamicLossScaler().state_dict()
+    del saved["max_consecutive_skips"]
+    scaler = mp.DynamicLossScaler()
+    scaler.load_state_dict(saved)
+    assert scaler.config.max_consecutive_skips is None

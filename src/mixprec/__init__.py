@@ -23,6 +23,7 @@ from mixprec.losses import cross_entropy
 from mixprec.optim import LossScaleOptimizer, StepResult, split_embedding_parameters
 from mixprec.policy import Policy, get_policy, global_policy, policy_scope, set_global_policy
 from mixprec.scaling import (
+    DynamicLossScaleManager,
     DynamicLossScaler,
     ExponentialUpdateLossScaleManager,
     LossScaler,
@@ -58,6 +59,7 @@ __all__ = [
     "Callback",
     "CheckpointError",
     "CompensatedAdamW",
+    "DynamicLossScaleManager",
     "DynamicLossScaler",
     "EarlyStopping",
     "ExponentialUpdateLossScaleManager",

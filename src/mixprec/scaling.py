@@ -55,7 +55,7 @@ class ScalerState:
     last_overflow_step: int | None = None
 
 
-Arithmetic = Literal["torch", "tf1", "mindspore"]
+Arithmetic = Literal["torch", "tf1", "mindspore", "mindspore_manager"]
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,12 @@ class DynamicConfig:
     ``arithmetic`` reproduces each system's rounding, which matters for factors that are not
     powers of two: torch multiplies the float32 scale by the factor in double precision;
     TensorFlow 1 multiplies two float32 values; MindSpore multiplies by a float32
-    ``scale_factor`` to grow and divides by it to back off.
+    ``scale_factor`` to grow and divides by it to back off (``amp.DynamicLossScaler``), or
+    multiplies by the float32 ``1 / scale_factor`` (``DynamicLossScaleManager``'s update
+    cell, ``"mindspore_manager"``).
+
+    ``max_consecutive_skips``: more overflowing steps in a row than this raise
+    ``RuntimeError`` (MindSpore's manager stops at 1000); ``None``: no limit.
     """
 
     growth_factor: float = 2.0
@@ -75,6 +80,7 @@ class DynamicConfig:
     min_scale: float | None = 1.0
     max_scale: float | None = 2.0**24
     arithmetic: Arithmetic = "torch"
+    max_consecutive_skips: int | None = None
 
 
 def _grown(scale: float, config: DynamicConfig) -> float:
@@ -88,6 +94,8 @@ def _backed_off(scale: float, config: DynamicConfig) -> float:
         return to_float32(scale * config.backoff_factor)
     if config.arithmetic == "tf1":
         return to_float32(scale * to_float32(config.backoff_factor))
+    if config.arithmetic == "mindspore_manager":
+        return to_float32(scale * to_float32(1.0 / config.growth_factor))
     return to_float32(scale / to_float32(config.growth_factor))  # mindspore
 
 
@@ -252,11 +260,16 @@ class LossScaler:
             f"unscale(value) needs a tensor or a list of tensors, got {type(value).__name__}"
         )
 
-    def adjust(self, grads_finite: bool | torch.Tensor) -> None:
-        """MindSpore's ``adjust``: ``update`` with the flag inverted (True = all finite)."""
+    #: What ``adjust`` returns: MindSpore's dynamic scaler says True, its static one False.
+    _ADJUSTS = False
+
+    def adjust(self, grads_finite: bool | torch.Tensor) -> bool:
+        """MindSpore's ``adjust``: ``update`` with the flag inverted (True = all finite);
+        returns True for a dynamic scaler and False otherwise, as MindSpore's do."""
         if isinstance(grads_finite, torch.Tensor):
             grads_finite = bool(grads_finite.item())
         self.update(not grads_finite)
+        return self._ADJUSTS
 
     def unscale_(
         self, grads: Sequence[torch.Tensor | None], device: torch.device | str | None = None
@@ -349,6 +362,13 @@ class StaticLossScaler(LossScaler):
         _positive("scale", state_dict["scale"])
 
 
+# MindSpore's constructors take scale_factor=1, a scale that never moves; mixprec says so.
+_FACTOR_ONE = (
+    "scale_factor={!r} is invalid; it must be > 1 (a factor of 1 never changes the scale: "
+    "use StaticLossScaler(scale_value=...) for a fixed one)"
+)
+
+
 class _DefaultMax(float):
     """Marks the default ``max_scale`` so MindSpore-named construction can drop the bound."""
 
@@ -379,6 +399,7 @@ class DynamicLossScaler(LossScaler):
         scale_factor: float | None = None,
         scale_window: int | None = None,
         arithmetic: Arithmetic = "torch",
+        max_consecutive_skips: int | None = None,
     ) -> None:
         if scale_value is not None or scale_factor is not None or scale_window is not None:
             if None in (scale_value, scale_factor, scale_window):
@@ -390,7 +411,7 @@ class DynamicLossScaler(LossScaler):
             init_scale = scale_value  # type: ignore[assignment]
             growth_factor = _positive("scale_factor", scale_factor)  # type: ignore[arg-type]
             if growth_factor <= 1.0:
-                raise ArgumentError(f"scale_factor={scale_factor!r} is invalid; it must be > 1")
+                raise ArgumentError(_FACTOR_ONE.format(scale_factor))
             backoff_factor = 1.0 / growth_factor
             growth_interval = scale_window  # type: ignore[assignment]
             arithmetic = "mindspore"
@@ -404,6 +425,7 @@ class DynamicLossScaler(LossScaler):
             min_scale,
             max_scale,
             arithmetic,
+            max_consecutive_skips,
         )
         init = _scale_value("init_scale", init_scale)
         low = config.min_scale if config.min_scale is not None else SMALLEST_NORMAL_F32
@@ -416,15 +438,30 @@ class DynamicLossScaler(LossScaler):
         self.config = config
         self._state = replace(self._state, hysteresis_left=config.hysteresis)
 
+    _ADJUSTS = True
+
     def _next(self, state: ScalerState, found_inf: bool) -> ScalerState:
-        return next_state(state, found_inf, self.config)
+        new = next_state(state, found_inf, self.config)
+        limit = self.config.max_consecutive_skips
+        if limit is not None and new.consecutive_skips > limit:
+            self._state = new  # counted, as MindSpore's manager counts it before raising
+            raise RuntimeError(
+                f"{new.consecutive_skips} overflowing steps in a row (more than "
+                f"max_consecutive_skips={limit}) at loss scale {new.scale:g}: the model "
+                "overflows at every scale. Train it in bfloat16 (policy='mixed_bfloat16'), "
+                "or keep the overflowing modules in float32 (keep_float32=...; "
+                "mixprec.diagnose names them)"
+            )
+        return new
 
     def _config(self) -> dict[str, Any]:
         return asdict(self.config)
 
     def _load_config(self, state_dict: dict[str, Any]) -> None:
+        # Keys added after a checkpoint was written take their defaults.
+        defaults = asdict(DynamicConfig())
         self.config = _check_config(
-            *(state_dict[k] for k in DynamicConfig.__dataclass_fields__)  # type: ignore[arg-type]
+            *(state_dict.get(k, defaults[k]) for k in DynamicConfig.__dataclass_fields__)
         )
 
 
@@ -436,6 +473,7 @@ def _check_config(
     min_scale: float | None,
     max_scale: float | None,
     arithmetic: Arithmetic = "torch",
+    max_consecutive_skips: int | None = None,
 ) -> DynamicConfig:
     growth = _positive("growth_factor", growth_factor)
     if growth <= 1.0:
@@ -449,9 +487,10 @@ def _check_config(
     high = None if max_scale is None else _positive("max_scale", float(max_scale))
     if low is not None and high is not None and low > high:
         raise ArgumentError(f"min_scale={min_scale!r} is larger than max_scale={max_scale!r}")
-    if arithmetic not in ("torch", "tf1", "mindspore"):
+    if arithmetic not in ("torch", "tf1", "mindspore", "mindspore_manager"):
         raise ArgumentError(
-            f"arithmetic={arithmetic!r} is invalid; valid: 'torch', 'tf1', 'mindspore'"
+            f"arithmetic={arithmetic!r} is invalid; valid: 'torch', 'tf1', 'mindspore', "
+            "'mindspore_manager'"
         )
     return DynamicConfig(
         growth_factor=growth,
@@ -461,6 +500,11 @@ def _check_config(
         min_scale=low,
         max_scale=high,
         arithmetic=arithmetic,
+        max_consecutive_skips=(
+            None
+            if max_consecutive_skips is None
+            else _count("max_consecutive_skips", max_consecutive_skips)
+        ),
     )
 
 
@@ -486,4 +530,35 @@ def ExponentialUpdateLossScaleManager(  # noqa: N802 - TensorFlow 1's name, kept
         min_scale=1.0,
         max_scale=None,
         arithmetic="tf1",
+    )
+
+
+def DynamicLossScaleManager(  # noqa: N802 - MindSpore's name, kept for migrants
+    init_loss_scale: float = 2.0**24,
+    scale_factor: float = 2,
+    scale_window: int = 2000,
+) -> DynamicLossScaler:
+    """MindSpore's ``DynamicLossScaleManager``, with its names, defaults and arithmetic.
+
+    As its update cell (what ``Model.train`` and ``TrainOneStepWithLossScaleCell`` run): an
+    overflow multiplies the scale by the float32 ``1 / scale_factor`` (not a division, as
+    ``DynamicLossScaler(scale_value=...)`` does for ``amp.DynamicLossScaler``; the two part
+    for factors that are not powers of two), never below 1; ``scale_window`` finite steps
+    in a row multiply it by ``scale_factor``, with no upper bound but float32's range. As
+    the manager, the 1001st overflowing step in a row raises ``RuntimeError``.
+    """
+    factor = _positive("scale_factor", scale_factor)
+    if factor <= 1.0:
+        raise ArgumentError(_FACTOR_ONE.format(scale_factor))
+    if _positive("init_loss_scale", init_loss_scale) < 1.0:
+        raise ArgumentError(f"init_loss_scale={init_loss_scale!r} is invalid; it must be >= 1")
+    return DynamicLossScaler(
+        init_scale=init_loss_scale,
+        growth_factor=factor,
+        backoff_factor=1.0 / factor,
+        growth_interval=scale_window,
+        min_scale=1.0,
+        max_scale=None,
+        arithmetic="mindspore_manager",
+        max_consecutive_skips=1000,
     )
