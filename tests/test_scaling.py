@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 import mixprec as mp
 from mixprec.scaling import DynamicConfig, ScalerState, next_state, to_float32, unscale_grads_
@@ -388,3 +389,85 @@ def test_state_dict_from_before_max_consecutive_skips_loads():
     scaler = mp.DynamicLossScaler()
     scaler.load_state_dict(saved)
     assert scaler.config.max_consecutive_skips is None
+
+
+BAD_SCALES = [
+    (float("nan"), ValueError, "'scale'=nan is invalid; it must be finite and > 0"),
+    (float("inf"), ValueError, "'scale'=inf is invalid"),
+    (0.0, ValueError, "'scale'=0.0 is invalid"),
+    (-1024.0, ValueError, "'scale'=-1024.0 is invalid"),
+    ("abc", TypeError, "'scale' must be a number, got str: 'abc'"),
+    (1e300, ValueError, r"'scale'=1e\+300 is invalid; float32 holds scales in"),
+    (1e-45, ValueError, r"'scale'=1e-45 is invalid; float32 holds"),
+    (10**400, ValueError, "'scale'=an int of 401 digits is invalid"),
+]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [mp.DynamicLossScaler, lambda: mp.StaticLossScaler(8.0), mp.NoOpLossScaler,
+     mp.DynamicLossScaleManager],
+)  # fmt: skip
+@pytest.mark.parametrize(("scale", "error", "match"), BAD_SCALES)
+def test_every_scaler_refuses_a_bad_scale_on_load(make, scale, error, match):
+    """Issue 15 item 3: such a scale loaded, and then every step skipped, divided by zero
+    or applied with a negative scale. Nothing changes when the load is refused."""
+    scaler = make()
+    before = scaler.state_dict()
+    bad = {**before, "scale": scale}
+    with pytest.raises(error, match=match):
+        scaler.load_state_dict(bad)
+    assert scaler.state_dict() == before
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "error", "match"),
+    [
+        ("growth_tracker", -1, ValueError, "'growth_tracker'=-1 is invalid"),
+        ("steps", "7", TypeError, "'steps' must be an int, got str"),
+        ("hysteresis_left", 0, ValueError, "'hysteresis_left'=0 is invalid"),
+        ("last_overflow_step", 1.5, TypeError, "'last_overflow_step' must be an int"),
+        ("growth_factor", "x", TypeError, "growth_factor must be a number, got str"),
+        ("scale", 2.0**30, ValueError, r"'scale'=1073741824.0 is outside \[min_scale"),
+    ],
+)
+def test_dynamic_scaler_state_values_are_checked_by_name(key, value, error, match):
+    scaler = mp.DynamicLossScaler()
+    with pytest.raises(error, match=match):
+        scaler.load_state_dict({**scaler.state_dict(), key: value})
+
+
+@pytest.mark.parametrize(("scale", "error", "match"), BAD_SCALES)
+def test_grad_scaler_and_loss_scale_optimizer_refuse_a_bad_scale(scale, error, match):
+    gs = mp.GradScaler("cpu")
+    with pytest.raises(error, match=match):
+        gs.load_state_dict({**gs.state_dict(), "scale": scale})
+    assert gs.get_scale() == 65536.0
+    with pytest.raises(ValueError, match="GradScaler state lacks _growth_tracker"):
+        gs.load_state_dict({"scale": 2.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                            "growth_interval": 10})  # fmt: skip
+    param = nn.Parameter(torch.ones(2))
+    opt = mp.LossScaleOptimizer(torch.optim.Adam([param], lr=0.1),
+                                loss_scaler=mp.DynamicLossScaler())  # fmt: skip
+    opt.backward(param.sum())
+    opt.step()
+    saved = opt.state_dict()
+    fresh = mp.LossScaleOptimizer(torch.optim.Adam([nn.Parameter(torch.ones(2))], lr=0.1),
+                                  loss_scaler=mp.DynamicLossScaler())  # fmt: skip
+    bad = {**saved, "loss_scaler": {**saved["loss_scaler"], "scale": scale}}
+    with pytest.raises(error, match=match):
+        fresh.load_state_dict(bad)
+    assert fresh.state_dict()["optimizers"][0]["state"] == {}  # all or nothing
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: mp.DynamicLossScaler(init_scale=10**400), lambda: mp.StaticLossScaler(10**400),
+     lambda: mp.GradScaler("cpu", 10**400),
+     lambda: mp.LossScaleOptimizer(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0),
+                                   max_grad_norm=10**400)],
+)  # fmt: skip
+def test_numbers_beyond_float_are_refused_by_name(make):
+    """Issue 15 item 7: these raised OverflowError."""
+    with pytest.raises(ValueError, match=r"(init_scale|scale|max_grad_norm)\b.*401 digits"):
+        make()

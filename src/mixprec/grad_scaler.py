@@ -319,15 +319,17 @@ class GradScaler:
                 "The source state dict is empty, possibly because it was saved "
                 "from a disabled instance of GradScaler."
             )
+        torch_keys = ("scale", "growth_factor", "backoff_factor", "growth_interval")
+        missing = [k for k in (*torch_keys, "_growth_tracker") if k not in state_dict]
+        if missing:
+            raise ValueError(f"load_state_dict: GradScaler state lacks {', '.join(missing)}")
         current = self._scaler.state_dict()
+        # The values go to the scaler as they are: its load_state_dict checks each by name.
         merged = {
             **current,
             **{k: v for k, v in state_dict.items() if k in current},
-            "scale": float(state_dict["scale"]),
-            "growth_factor": state_dict["growth_factor"],
-            "backoff_factor": state_dict["backoff_factor"],
-            "growth_interval": state_dict["growth_interval"],
-            "growth_tracker": int(state_dict["_growth_tracker"]),
+            **{k: state_dict[k] for k in torch_keys},
+            "growth_tracker": state_dict["_growth_tracker"],
         }
         self._scaler.load_state_dict(merged)
 

@@ -9,6 +9,7 @@ step, then either apply the inner optimizer and copy the masters back into the 1
 
 from __future__ import annotations
 
+import copy
 import logging
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -150,10 +151,15 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if max_grad_norm is not None and (
             isinstance(max_grad_norm, bool)
             or not isinstance(max_grad_norm, (int, float))
-            or not 0 < max_grad_norm < float("inf")
+            or not 0 < max_grad_norm < torch.finfo(torch.float64).max  # 10**400 too
         ):
+            shown = (
+                f"an int of {len(str(max_grad_norm))} digits"
+                if isinstance(max_grad_norm, int) and max_grad_norm > 0
+                else repr(max_grad_norm)
+            )
             raise ArgumentError(
-                f"max_grad_norm={max_grad_norm!r} is invalid; use a finite number > 0 or None"
+                f"max_grad_norm={shown} is invalid; use a finite number > 0 or None"
             )
         if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int):
             raise TypeError(f"accumulation_steps must be an int, got {accumulation_steps!r}")
@@ -529,6 +535,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                     f"load_state_dict: master weight {i} has shape {tuple(saved.shape)}, "
                     f"expected {tuple(master.shape)}"
                 )
+        # The scaler's state is checked on a copy first, so that a bad one changes nothing.
+        copy.deepcopy(self._loss_scaler).load_state_dict(state_dict["loss_scaler"])
         for inner, inner_state in zip(self.optimizers, inner_states, strict=True):
             inner.load_state_dict(inner_state)
         self._loss_scaler.load_state_dict(state_dict["loss_scaler"])

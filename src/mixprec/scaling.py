@@ -303,10 +303,11 @@ class LossScaler:
         missing = [k for k in fields if k not in state_dict]
         if missing:
             raise ValueError(f"load_state_dict: scaler state lacks {', '.join(missing)}")
-        self._load_config(state_dict)
-        self._state = ScalerState(**{k: state_dict[k] for k in fields})
+        state = _checked_state(state_dict)  # every value checked before anything changes
+        self._load_config(state_dict, state.scale)
+        self._state = state
 
-    def _load_config(self, state_dict: dict[str, Any]) -> None:
+    def _load_config(self, state_dict: dict[str, Any], scale: float) -> None:
         pass
 
     def __repr__(self) -> str:
@@ -328,9 +329,15 @@ class NoOpLossScaler(LossScaler):
 def _positive(name: str, value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}: {value!r}")
-    if not (math.isfinite(value) and value > 0):
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float's range (10**400)
+        raise ArgumentError(
+            f"{name} is invalid: an int of {len(str(value))} digits, beyond float's range"
+        ) from None
+    if not (math.isfinite(number) and number > 0):
         raise ArgumentError(f"{name}={value!r} is invalid; it must be a finite number > 0")
-    return float(value)
+    return number
 
 
 def _scale_value(name: str, value: float) -> float:
@@ -349,6 +356,38 @@ def _count(name: str, value: int, minimum: int = 1) -> int:
     return value
 
 
+def _checked_state(state_dict: dict[str, Any]) -> ScalerState:
+    """The ``ScalerState`` in ``state_dict``, every value checked: a scale of NaN, inf, 0, a
+    negative number, a string or one float32 cannot hold would make every later step skip,
+    divide by zero or apply with a wrong sign."""
+    where = "load_state_dict: scaler state"
+    scale = state_dict["scale"]
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{where} 'scale' must be a number, got {type(scale).__name__}: {scale!r}")
+    try:
+        value = float(scale)
+    except OverflowError:
+        value = math.inf
+    shown = repr(scale) if len(repr(scale)) <= 40 else f"an int of {len(str(scale))} digits"
+    if not (math.isfinite(value) and value > 0):
+        raise ArgumentError(f"{where} 'scale'={shown} is invalid; it must be finite and > 0")
+    if not SMALLEST_NORMAL_F32 <= to_float32(value) < math.inf:
+        raise ArgumentError(
+            f"{where} 'scale'={shown} is invalid; float32 holds scales in "
+            f"[2**-126, ~3.4e38] (normal numbers)"
+        )
+    counts = {}
+    for key, minimum in (
+        ("growth_tracker", 0), ("hysteresis_left", 1), ("steps", 0), ("skipped_steps", 0),
+        ("consecutive_skips", 0),
+    ):  # fmt: skip
+        counts[key] = _count(f"{where} {key!r}", state_dict[key], minimum)
+    last = state_dict["last_overflow_step"]
+    if last is not None:
+        last = _count(f"{where} 'last_overflow_step'", last, 0)
+    return ScalerState(scale=to_float32(value), last_overflow_step=last, **counts)
+
+
 class StaticLossScaler(LossScaler):
     """A fixed scale (MindSpore ``StaticLossScaler(scale_value)``); overflowing steps skip."""
 
@@ -357,9 +396,6 @@ class StaticLossScaler(LossScaler):
             raise TypeError("StaticLossScaler needs exactly one of scale= or scale_value=")
         name, given = ("scale", scale) if scale is not None else ("scale_value", scale_value)
         super().__init__(_scale_value(name, given))  # type: ignore[arg-type]
-
-    def _load_config(self, state_dict: dict[str, Any]) -> None:
-        _positive("scale", state_dict["scale"])
 
 
 # MindSpore's constructors take scale_factor=1, a scale that never moves; mixprec says so.
@@ -457,12 +493,19 @@ class DynamicLossScaler(LossScaler):
     def _config(self) -> dict[str, Any]:
         return asdict(self.config)
 
-    def _load_config(self, state_dict: dict[str, Any]) -> None:
+    def _load_config(self, state_dict: dict[str, Any], scale: float) -> None:
         # Keys added after a checkpoint was written take their defaults.
         defaults = asdict(DynamicConfig())
-        self.config = _check_config(
+        config = _check_config(
             *(state_dict.get(k, defaults[k]) for k in DynamicConfig.__dataclass_fields__)
         )
+        low, high = config.min_scale, config.max_scale
+        if (low is not None and scale < low) or (high is not None and scale > high):
+            raise ArgumentError(
+                f"load_state_dict: scaler state 'scale'={scale!r} is outside [min_scale, "
+                f"max_scale] = [{low!r}, {high!r}]"
+            )
+        self.config = config
 
 
 def _check_config(
