@@ -135,3 +135,13 @@ def test_parse_dtype_aliases():
     assert _dtypes.parse_dtype(F32) is F32
     with pytest.raises(ValueError, match=r"dtype='int8' is not a known dtype"):
         _dtypes.parse_dtype("int8")
+
+
+@pytest.mark.parametrize("value", [0, False, [], {}, 0.0])
+def test_falsy_dtypes_are_refused_not_read_as_float32(value):
+    """Issue 15 item 7: these meant float32 while param_dtype=1 raised."""
+    for keyword in ("param_dtype", "compute_dtype", "output_dtype"):
+        with pytest.raises(TypeError, match=rf"{keyword} must be a str or torch.dtype, got "):
+            mp.Policy(**{keyword: value})
+    with pytest.raises(ValueError, match=r"param_dtype='' is not a known dtype"):
+        mp.Policy(param_dtype="")

@@ -162,3 +162,26 @@ def test_state_dict_round_trip():
     assert t2.global_step == t.global_step
     for a, b in zip(t.model.parameters(), t2.model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_evaluate_and_predict_from_a_callback_leave_the_model_training():
+    """Issue 15 item 8: evaluate() called from a callback left the model in eval mode (dropout
+    off) for the rest of the epoch."""
+    x, y = classification_data(n=64)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.5), nn.Linear(32, 10))
+    trainer = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), lr=0.1),
+                         "mixed_bfloat16")  # fmt: skip
+    seen = []
+
+    class Probe(mp.Callback):
+        def on_train_batch_end(self, step, logs):
+            self.attached.evaluate(x[:8], y[:8])
+            self.attached.predict(x[:8])
+            seen.append(model.training)
+
+    trainer.fit(x, y, batch_size=16, epochs=1, callbacks=[Probe()], verbose=0)
+    assert seen == [True] * 4
+    model.eval()
+    trainer.evaluate(x, y)
+    assert not model.training  # and a model in eval mode stays so

@@ -75,9 +75,16 @@ class Policy:
                 )
             params, compute, output, reason = _parse(name)
         else:
-            params = parse_dtype(param_dtype or torch.float32, argument="param_dtype")
-            compute = parse_dtype(compute_dtype or params, argument="compute_dtype")
-            output = parse_dtype(output_dtype or params, argument="output_dtype")
+            # `is None`, not falsiness: 0, False, "" or [] must be refused, not read as float32.
+            params = parse_dtype(
+                torch.float32 if param_dtype is None else param_dtype, argument="param_dtype"
+            )
+            compute = parse_dtype(
+                params if compute_dtype is None else compute_dtype, argument="compute_dtype"
+            )
+            output = parse_dtype(
+                params if output_dtype is None else output_dtype, argument="output_dtype"
+            )
         object.__setattr__(self, "param_dtype", params)
         object.__setattr__(self, "compute_dtype", compute)
         object.__setattr__(self, "output_dtype", output)

@@ -6,13 +6,14 @@ Composition only: the numerics are ``auto_mixed_precision`` and ``LossScaleOptim
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import os
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -246,11 +247,8 @@ class Trainer:
         if self.loss_fn is get_loss("cross_entropy") and len(xt) > 0:
             # One sample in eval mode tells the number of classes (train mode would update
             # BatchNorm statistics and reject a batch of one).
-            was_training = self.model.training
-            self.model.eval()
-            with torch.no_grad():
+            with torch.no_grad(), self._eval_mode():
                 classes = int(_call(self.model, _to(xt[:2], self.device)).shape[-1])
-            self.model.train(was_training)
         if self.loss_fn is get_loss("cross_entropy") or not yt.is_floating_point():
             validate_classification(xt, yt, classes)
         elif len(xt) == 0:
@@ -406,6 +404,17 @@ class Trainer:
 
     # -- evaluate / predict -----------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _eval_mode(self) -> Iterator[None]:
+        """Evaluation mode, then the mode the model was in: ``evaluate`` called from a
+        callback mid-epoch must not leave dropout off for the rest of the epoch."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(was_training)
+
     def evaluate(self, x: Any, y: Any = None, batch_size: int = 32) -> dict[str, float]:
         """Mean loss and metrics over ``(x, y)`` or an iterable of batches."""
         self._validate(x, y)
@@ -414,10 +423,9 @@ class Trainer:
             mine = distributed.shard(torch.arange(len(xt)), pad=False)
             x, y = xt[mine], yt[mine]
         epoch_batches, _, _ = self._batches(x, y, batch_size, shuffle=False, split=False)
-        self.model.eval()
         sums = dict.fromkeys(["loss", *self.metrics], 0.0)
         samples = 0
-        with torch.no_grad():
+        with torch.no_grad(), self._eval_mode():
             for batch in epoch_batches():
                 xb, yb = _to(batch[0], self.device), _to(batch[1], self.device)
                 output = _call(self.model, xb).float()
@@ -433,14 +441,13 @@ class Trainer:
 
     def predict(self, x: Any, batch_size: int = 32) -> torch.Tensor:
         """The model's outputs in float32, on the CPU, for tensors/arrays or batches."""
-        self.model.eval()
         outputs = []
         if isinstance(x, torch.Tensor) or not isinstance(x, Iterable):
             xt = _as_tensor(x, "x")
             chunks: Iterable[Any] = xt.split(batch_size)
         else:
             chunks = (b[0] if isinstance(b, (tuple, list)) else b for b in x)
-        with torch.no_grad():
+        with torch.no_grad(), self._eval_mode():
             for chunk in chunks:
                 outputs.append(_call(self.model, _to(chunk, self.device)).float().cpu())
         return torch.cat(outputs) if outputs else torch.empty(0)
