@@ -165,3 +165,26 @@ def test_train_and_bench_compile(capsys):
     assert "float32+compile" in out and "compile s" in out
     assert cli.main(["bench", "mlp-b64", "--modes", "O9+compile"]) == 2
     assert "unknown mode 'O9'" in capsys.readouterr().err
+
+
+def test_main_job_trains_bfloat16_where_auto_picks_float32(monkeypatch):
+    """Issue 15: on a CPU without fast 16-bit math `auto` is float32, and the main job
+    trained float32 twice. It trains bfloat16 and says why, whatever this machine has."""
+    float32_here = Policy("float32")
+    object.__setattr__(float32_here, "reason", "CPU without AVX512-BF16 or AMX")
+    monkeypatch.setattr(cli, "Policy", lambda name: float32_here)
+    policy, note = cli._mixed_run_policy("auto")
+    assert policy == "mixed_bfloat16"
+    assert note is not None and "auto picks float32 here (CPU without AVX512-BF16" in note
+    assert "emulated" in note
+    assert cli._mixed_run_policy("float16") == ("float16", None)  # asked for: as asked
+    monkeypatch.setattr(cli, "Policy", lambda name: Policy("mixed_bfloat16"))
+    assert cli._mixed_run_policy("auto") == ("auto", None)  # auto is mixed: as it is
+
+
+def test_identical_configurations_are_not_a_speed_result(capsys):
+    assert cli.main(["train", "--data", "synthetic", "--epochs", "1", "--quiet", "--in-process",
+                     "--policy", "float32", "--compare", "float32"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "the same configuration twice: the speed column is run-to-run noise" in out
+    assert "x the speed" not in out
