@@ -95,26 +95,29 @@ def test_outputs_16bit_reach_the_loss_in_bfloat16(monkeypatch):
 
 
 def test_rounds_last_at_least_min_round_ms(monkeypatch):
+    """On a clock the test controls (steps of 2 and 5 ms), so that it holds on any machine:
+    a round is as many steps as the fastest mode needs to last min_round_ms, for every
+    mode alike, and ms/step is measured on that clock."""
+    now = [0.0]
     calls: dict[str, int] = {}
-    real = bench.build_step
 
-    def counting(mode, work, device, **kwargs):
-        step = real(mode, work, device, **kwargs)
-
-        def counted():
+    def fake_step(mode, work, device, **kwargs):
+        def step():
             calls[mode] = calls.get(mode, 0) + 1
-            return step()
+            now[0] += {"float32": 0.002, "O2-bf16": 0.005}[mode]
+            return torch.tensor(1.0)
 
-        return counted
+        return step
 
-    monkeypatch.setattr(bench, "build_step", counting)
+    monkeypatch.setattr(bench, "build_step", fake_step)
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
     results = bench.run("mlp-b64", ["float32", "O2-bf16"], repeats=2, steps=1, warmup=1,
                         memory=False, small=True, min_round_ms=50.0)  # fmt: skip
-    # Both modes ran the same number of steps, each round ~>= 50 ms for the fastest mode.
-    assert calls["float32"] == calls["O2-bf16"]
-    per_round = (calls["O2-bf16"] - 2) // 2  # after 2 warm-up steps
-    fastest = min(r.ms_per_step for r in results)
-    assert per_round > 1 and per_round * fastest > 25.0
+    # 2 warm-up steps each, then 2 rounds of ceil(50 / 2) = 25 steps each.
+    assert calls == {"float32": 2 + 2 * 25, "O2-bf16": 2 + 2 * 25}
+    by_mode = {r.mode: r for r in results}
+    assert by_mode["float32"].ms_per_step == pytest.approx(2.0)
+    assert by_mode["O2-bf16"].ms_per_step == pytest.approx(5.0)
 
 
 def test_peak_memory_is_measured_per_mode():
