@@ -188,3 +188,13 @@ def test_identical_configurations_are_not_a_speed_result(capsys):
     out = capsys.readouterr().out
     assert "the same configuration twice: the speed column is run-to-run noise" in out
     assert "x the speed" not in out
+
+
+def test_policy_strings_of_the_library_are_accepted(capsys):
+    """Issue 15 item 9: `--policy params=...,compute=...` was refused."""
+    policy = "params=float32,compute=bfloat16,output=float32"
+    assert cli.main(["train", "--data", "synthetic", "--epochs", "1", "--quiet", "--in-process",
+                     "--compare", "none", "--policy", policy]) == 0  # fmt: skip
+    assert "mixed_bfloat16" in capsys.readouterr().out  # the preset those dtypes make
+    assert cli.main(["train", "--quiet", "--in-process", "--policy", "params=float32,x=1"]) == 2
+    assert "bad entry 'x=1'" in capsys.readouterr().err

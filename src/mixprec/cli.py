@@ -144,12 +144,23 @@ def _plot(runs: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
+def _policy_option(kind: str, value: str, extra: Sequence[str] = ()) -> None:
+    """A preset name, or the ``params=...,compute=...,output=...`` string the library takes."""
+    if "=" in value:
+        try:
+            Policy(value)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
+        return
+    _choice(kind, value, [*NAMES, *extra])
+
+
 def _check_model_options(args: argparse.Namespace) -> None:
     """The options train and doctor share (see ``_model_options``)."""
     _choice("model", args.model, TRAIN_MODELS)
     if args.data not in ("digits", "synthetic") and not args.data.startswith("mnist:"):
         _choice("data", args.data, DATA)
-    _choice("policy", args.policy, list(NAMES))
+    _policy_option("policy", args.policy)
     if args.level.upper() not in (*LEVELS, "AUTO"):
         _choice("level", args.level, [*LEVELS, "auto"])
 
@@ -157,7 +168,7 @@ def _check_model_options(args: argparse.Namespace) -> None:
 def _train(args: argparse.Namespace) -> int:
     _check_model_options(args)
     if args.compare != "none":
-        _choice("compare", args.compare, [*NAMES, "none"])
+        _policy_option("compare", args.compare, extra=["none"])
     for name in ("epochs", "batch_size"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
