@@ -208,3 +208,42 @@ def test_new_scale_by_hand():
     assert s.get_scale() == 512.0
     with pytest.raises(ValueError, match=r"scale=-1.0 is invalid"):
         s.update(new_scale=-1.0)
+
+
+class _PassItself(torch.optim.SGD):
+    """An optimizer on torch's older contract: step() takes grad_scaler= and unscales and
+    skips by itself (written as PyTorch's own GradScaler tests write one)."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, lr=0.5)
+        self._step_supports_amp_scaling = True
+        self.seen: list[tuple[float, bool]] = []
+
+    def step(self, closure=None, *, grad_scaler=None):  # type: ignore[override]
+        assert not hasattr(self, "grad_scale") and not hasattr(self, "found_inf")
+        scale = grad_scaler.get_scale()
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        finite = all(bool(torch.isfinite(g).all()) for g in grads)
+        self.seen.append((scale, finite))
+        if finite:
+            for g in grads:
+                g.div_(scale)
+            super().step()
+
+
+def test_an_optimizer_taking_grad_scaler_gets_it_as_from_torch():
+    """Issue 15 item 10: mixprec refused such an optimizer; torch passes itself, with a
+    FutureWarning, and so does mixprec now. (torch's own scaler also needs the optimizer to
+    call its private _check_inf_per_device; mixprec's checks the gradients itself.)"""
+    param = nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = _PassItself([param])
+    scaler = mp.GradScaler("cpu", init_scale=4.0, growth_interval=2)
+    for loss_scale in (1.0, float("inf"), 1.0, 1.0):
+        opt.zero_grad()
+        scaler.scale((param * loss_scale).sum()).backward()
+        with pytest.warns(FutureWarning, match="stop passing itself"):
+            scaler.step(opt)
+        scaler.update()
+    assert opt.seen == [(4.0, True), (4.0, False), (2.0, True), (2.0, True)]
+    assert param.detach().tolist() == [-0.5, 0.5]  # three applied steps of lr 0.5
+    assert scaler.get_scale() == 4.0  # backed off once, grown back after 2 clean steps

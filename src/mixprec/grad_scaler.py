@@ -206,13 +206,23 @@ class GradScaler:
     ) -> Any:
         """Optimizers with ``_step_supports_amp_scaling`` (fused Adam/SGD) unscale and skip
         inside their kernel: hand them the scale and found_inf, as torch does."""
-        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
-            raise RuntimeError(
-                "optimizers taking a grad_scaler= argument are not supported by "
-                "mixprec.GradScaler; use grad_scale/found_inf attributes (torch's new contract)"
-            )
         if state.stage is _Stage.READY:
+            # Checked here in both contracts, so that update() has this step's flag.
             state.found_inf = unscale_grads_(self._grads(optimizer, allow_fp16=True), 1.0)
+        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            # torch's older contract, which torch still honours with a FutureWarning: the
+            # optimizer gets the scaler itself and unscales and skips on its own.
+            warnings.warn(
+                "GradScaler is going to stop passing itself as a keyword argument to the "
+                "passed optimizer (as torch.amp.GradScaler): read optimizer.grad_scale and "
+                "optimizer.found_inf instead",
+                FutureWarning,
+                stacklevel=3,
+            )
+            try:
+                return optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+            finally:
+                state.stage = _Stage.STEPPED
         found_inf = agree_found_inf(state.found_inf.to(device))  # type: ignore[union-attr]
         scale = torch.full((), self._scaler.get_scale(), dtype=torch.float32, device=device)
         optimizer.grad_scale = (  # type: ignore[attr-defined]
