@@ -15,3 +15,11 @@ class MisuseError(RuntimeError, AssertionError):
 
 class ArgumentError(ValueError, AssertionError):
     """An argument has a value outside its valid range (``ValueError``)."""
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for an error message, or "an int of N digits" for an int too long to
+    echo (``10**400``, which also overflows float)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**40:
+        return f"an int of {len(str(abs(value)))} digits"
+    return repr(value)

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec._compile import compile_step
-from mixprec._dtypes import cpuinfo_field
+from mixprec._dtypes import cpuinfo_field, dtype_name
 from mixprec.levels import applied, auto_mixed_precision
 from mixprec.models import CausalLM, cnn, lm_loss, mlp
 from mixprec.optim import LossScaleOptimizer
@@ -113,7 +113,7 @@ def peak_tflops(device: torch.device, kind: str) -> float | None:
 def _matmul_dtype(mode: str) -> str:
     base = mode.removesuffix(COMPILED)
     if base == "auto":
-        return str(Policy("auto").compute_dtype).removeprefix("torch.")
+        return dtype_name(Policy("auto").compute_dtype)
     return {"bf16": "bfloat16", "fp16": "float16"}.get(base.rpartition("-")[2], "float32")
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from mixprec._dtypes import HALF_DTYPES
-from mixprec._errors import ArgumentError, MisuseError
+from mixprec._errors import ArgumentError, MisuseError, shown
 from mixprec.casting import COMPUTE_ATTR, LEVEL_ATTR, POLICY_ATTR, take_float32_copy
 from mixprec.policy import Policy, global_policy
 from mixprec.scaling import (
@@ -153,13 +153,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             or not isinstance(max_grad_norm, (int, float))
             or not 0 < max_grad_norm < torch.finfo(torch.float64).max  # 10**400 too
         ):
-            shown = (
-                f"an int of {len(str(max_grad_norm))} digits"
-                if isinstance(max_grad_norm, int) and max_grad_norm > 0
-                else repr(max_grad_norm)
-            )
             raise ArgumentError(
-                f"max_grad_norm={shown} is invalid; use a finite number > 0 or None"
+                f"max_grad_norm={shown(max_grad_norm)} is invalid; use a finite number > 0 or None"
             )
         if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int):
             raise TypeError(f"accumulation_steps must be an int, got {accumulation_steps!r}")

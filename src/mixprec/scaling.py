@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from mixprec._dtypes import HALF_DTYPES
-from mixprec._errors import ArgumentError
+from mixprec._errors import ArgumentError, shown
 
 T = TypeVar("T")
 
@@ -333,7 +333,7 @@ def _positive(name: str, value: float) -> float:
         number = float(value)
     except OverflowError:  # an int beyond float's range (10**400)
         raise ArgumentError(
-            f"{name} is invalid: an int of {len(str(value))} digits, beyond float's range"
+            f"{name}={shown(value)} is invalid; it is beyond float's range"
         ) from None
     if not (math.isfinite(number) and number > 0):
         raise ArgumentError(f"{name}={value!r} is invalid; it must be a finite number > 0")
@@ -368,12 +368,11 @@ def _checked_state(state_dict: dict[str, Any]) -> ScalerState:
         value = float(scale)
     except OverflowError:
         value = math.inf
-    shown = repr(scale) if len(repr(scale)) <= 40 else f"an int of {len(str(scale))} digits"
     if not (math.isfinite(value) and value > 0):
-        raise ArgumentError(f"{where} 'scale'={shown} is invalid; it must be finite and > 0")
+        raise ArgumentError(f"{where} 'scale'={shown(scale)} is invalid; it must be finite and > 0")
     if not SMALLEST_NORMAL_F32 <= to_float32(value) < math.inf:
         raise ArgumentError(
-            f"{where} 'scale'={shown} is invalid; float32 holds scales in "
+            f"{where} 'scale'={shown(scale)} is invalid; float32 holds scales in "
             f"[2**-126, ~3.4e38] (normal numbers)"
         )
     counts = {}
