@@ -119,6 +119,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     It is a ``torch.optim.Optimizer``, so learning-rate schedulers accept it; their
     ``param_groups`` are the inner optimizers'.
+
+    Keras 3's keywords ``initial_scale=`` and ``dynamic_growth_steps=`` give Keras 3's
+    schedule (start at ``2**15``, double after ``2000`` clean steps, halve on overflow, no
+    ceiling, no floor above float32's smallest normal) in place of mixprec's default.
     """
 
     def __init__(
@@ -128,8 +132,13 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         accumulation_steps: int = 1,
         trace_overflow: bool | nn.Module = False,
+        *,
+        initial_scale: float | None = None,
+        dynamic_growth_steps: int | None = None,
     ) -> None:
         # torch.optim.Optimizer.__init__ is not called: groups and state are the inner ones.
+        if initial_scale is not None or dynamic_growth_steps is not None:
+            loss_scaler = _keras_scaler(loss_scaler, initial_scale, dynamic_growth_steps)
         optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer
         if not isinstance(optimizers, (list, tuple)) or not optimizers:
             raise TypeError(
@@ -312,6 +321,14 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._fresh = True
         factor = self._loss_scaler.get_scale() / self.accumulation_steps
         return loss * factor if factor != 1.0 else loss
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * scale`` (Keras 3's ``scale_loss``): a pure read that starts no
+        micro-batch, for logging or for ``torch.autograd.grad`` followed by
+        ``apply_gradients(zip(get_unscaled_gradients(grads), params))``. To train,
+        use ``backward(loss)``, which also counts the micro-batch."""
+        scale = self._loss_scaler.get_scale()
+        return loss * scale if scale != 1.0 else loss
 
     def get_unscaled_gradients(
         self, grads: Iterable[torch.Tensor | None]
@@ -572,6 +589,27 @@ _FUSABLE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.AdamW,
     torch.optim.SGD,
 )
+
+
+def _keras_scaler(
+    loss_scaler: LossScaler | None, initial_scale: float | None, growth_steps: int | None
+) -> DynamicLossScaler:
+    """Keras 3's dynamic schedule, reached through its keyword names."""
+    if loss_scaler is not None:
+        raise TypeError(
+            "LossScaleOptimizer takes loss_scaler= or Keras' initial_scale=/"
+            "dynamic_growth_steps=, not both"
+        )
+    try:
+        return DynamicLossScaler(
+            init_scale=2.0**15 if initial_scale is None else initial_scale,
+            growth_interval=2000 if growth_steps is None else growth_steps,
+            min_scale=None,  # Keras 3 has no floor; float32's smallest normal is ours
+            max_scale=None,
+        )
+    except (ArgumentError, TypeError) as err:  # name the arguments the user wrote
+        text = str(err).replace("init_scale", "initial_scale")
+        raise type(err)(text.replace("growth_interval", "dynamic_growth_steps")) from None
 
 
 def _fuse(inner: torch.optim.Optimizer, group: dict[str, Any]) -> None:

@@ -48,7 +48,8 @@ class Policy:
 
     ``Policy("mixed_bfloat16")``, ``Policy("auto")``,
     ``Policy("params=float32,compute=float16,output=float32")`` or
-    ``Policy(param_dtype=..., compute_dtype=..., output_dtype=...)``.
+    ``Policy(param_dtype=..., compute_dtype=..., output_dtype=...)``. ``Policy()`` (or
+    ``Policy(None)``) copies the global policy, as Keras 3's ``DTypePolicy(None)`` does.
     ``str(policy)`` gives the ``params=...,compute=...,output=...`` form, which parses back to
     an equal policy. Equality compares the three dtypes only.
     """
@@ -68,7 +69,12 @@ class Policy:
         output_dtype: str | torch.dtype | None = None,
     ) -> None:
         reason = None
-        if name is not None:
+        if name is None and param_dtype is None and compute_dtype is None and output_dtype is None:
+            # Keras 3's DTypePolicy(None): the global policy at construction time.
+            now = _GLOBAL[0]
+            params, compute, output = now.param_dtype, now.compute_dtype, now.output_dtype
+            reason = now.reason
+        elif name is not None:
             if any(d is not None for d in (param_dtype, compute_dtype, output_dtype)):
                 raise ValueError(
                     f"Policy({name!r}, ...) takes either a name or dtype keywords, not both"
