@@ -34,6 +34,7 @@ M = TypeVar("M", bound=nn.Module)
 # Attribute names mixprec sets on parameters and modules.
 FP32_COPY_ATTR = "_mixprec_fp32"  # _Float32Copy of a parameter stored in 16 bits
 LEVEL_ATTR = "_mixprec_level"  # level the parameter's model was prepared with
+MASTERS_ATTR = "_mixprec_masters"  # O3 parameter that still gets a float32 master (MindSpore)
 COMPUTE_ATTR = "_mixprec_compute"  # dtype the parameter's math runs in (to_float)
 POLICY_ATTR = "_mixprec_policy"  # policy the parameter's model was prepared with
 REGION_ATTR = "_mixprec_region"

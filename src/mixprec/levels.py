@@ -10,6 +10,10 @@ O2     weights of compute-heavy modules (linear, conv, embedding, attention, RNN
 O3     every parameter and floating buffer in the compute dtype, no master weights
 =====  ==================================================================================
 
+MindSpore's levels by MindSpore's keyword, ``amp_level=``: O0-O2 as above, and O3 as
+MindSpore's (the whole network computes in 16 bits, normalisation included, with float32
+parameters): mixprec's O3 storage plus float32 master weights in ``LossScaleOptimizer``.
+
 ``level="auto"``: float32 compute -> O0; a pure 16-bit policy (``param_dtype`` equal to the
 16-bit ``compute_dtype``) -> O3; a mixed policy -> O2, because storing the compute-heavy
 weights in 16 bits casts each weight once per step (in the optimizer's copy-back) instead of
@@ -30,6 +34,7 @@ from torch import nn
 from mixprec._dtypes import closest, dtype_name
 from mixprec.casting import (
     LEVEL_ATTR,
+    MASTERS_ATTR,
     POLICY_ATTR,
     Region,
     get_region,
@@ -111,6 +116,8 @@ class Applied:
     policy: Policy
     level: str
     keep_float32: tuple[str, ...]
+    #: O3 with float32 masters (MindSpore's O3, ``amp_level="O3"``).
+    o3_masters: bool = False
 
 
 def resolve_level(level: str, policy: Policy) -> str:
@@ -174,6 +181,8 @@ def auto_mixed_precision(
     policy: PolicyLike = None,
     level: str = "auto",
     keep_float32: Iterable[KeepEntry] = (),
+    *,
+    amp_level: str | None = None,
 ) -> M:
     """Prepare ``model`` for mixed precision in place and return it.
 
@@ -182,11 +191,31 @@ def auto_mixed_precision(
     patterns (``"head"``, ``"blocks.*.norm"``) or modules to keep in float32. Modules already
     given a dtype with ``to_float`` keep it. The model's outputs come back in the policy's
     ``output_dtype``; integer and bool inputs are never cast.
+
+    ``amp_level``: MindSpore's keyword, in place of ``level``, with MindSpore's meanings: its
+    O3 keeps float32 master weights (see the module docstring), and ``policy=None`` means
+    ``"mixed_float16"``, MindSpore's default ``dtype``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"auto_mixed_precision(model=...) needs a torch.nn.Module, got {type(model).__name__}"
         )
+    o3_masters = False
+    if amp_level is not None:
+        if level != "auto":
+            raise ValueError(
+                f"auto_mixed_precision takes level= (mixprec's) or amp_level= (MindSpore's), "
+                f"not both; got level={level!r}, amp_level={amp_level!r}"
+            )
+        key = amp_level.strip().upper() if isinstance(amp_level, str) else None
+        if key not in LEVELS:
+            raise ValueError(
+                f"amp_level={amp_level!r} is invalid; valid: {', '.join(LEVELS)} "
+                "(MindSpore's levels)"
+            )
+        level, o3_masters = key, key == "O3"
+        if policy is None:
+            policy = "mixed_float16"
     if isinstance(policy, str) and policy.strip().upper() in (*LEVELS, "AUTO") and policy != "auto":
         raise ValueError(
             f"policy={policy!r} looks like a level: auto_mixed_precision(model, policy, level); "
@@ -222,9 +251,13 @@ def auto_mixed_precision(
             compute,
             skip=lambda m: id(m) in fixed or not _is_half_storage(m, compute),
         )
-    else:  # O3: no float32 copies either, since there will be no master weights
+    else:  # O3: no float32 copies either, unless there will be master weights
         store_as(
-            model, compute, buffers=True, skip=lambda m: id(m) in fixed, keep_float32_copy=False
+            model,
+            compute,
+            buffers=True,
+            skip=lambda m: id(m) in fixed,
+            keep_float32_copy=o3_masters,
         )
     if lvl == "O2" and compute == torch.float16:
         # float16's range ends at 65504. Embedding outputs start the residual stream, and
@@ -264,8 +297,10 @@ def auto_mixed_precision(
     for param in model.parameters():
         setattr(param, POLICY_ATTR, resolved)
         setattr(param, LEVEL_ATTR, lvl)
+        if o3_masters:
+            setattr(param, MASTERS_ATTR, True)
     remember_model(model)
-    setattr(model, _APPLIED_ATTR, Applied(resolved, lvl, tuple(sorted(kept))))
+    setattr(model, _APPLIED_ATTR, Applied(resolved, lvl, tuple(sorted(kept)), o3_masters))
     return model
 
 
@@ -284,6 +319,11 @@ class ModuleDtypes:
     compute: str
     storage: str
     region: bool
+    #: What the dtypes alone do not say (batch/layer norm in 16-bit compute), or "".
+    note: str = ""
+
+
+_NORM_NOTE = "16-bit in and out; float32 weights and statistics"
 
 
 def module_dtypes(model: nn.Module) -> list[ModuleDtypes]:
@@ -295,6 +335,13 @@ def module_dtypes(model: nn.Module) -> list[ModuleDtypes]:
         if region is not None:
             compute = region.compute_dtype
         dtypes = sorted({dtype_name(p.dtype) for p in module.parameters(recurse=False)})
+        # Batch and layer norm kernels take 16-bit input with float32 weights and keep their
+        # arithmetic and running statistics in float32: "float16" alone would mislead.
+        mixed_norm = (
+            isinstance(module, MIXED_NORM_MODULES)
+            and compute != torch.float32
+            and dtypes == ["float32"]
+        )
         rows.append(
             ModuleDtypes(
                 name=name or "(model)",
@@ -302,6 +349,7 @@ def module_dtypes(model: nn.Module) -> list[ModuleDtypes]:
                 compute=dtype_name(compute),
                 storage=",".join(dtypes) if dtypes else "-",
                 region=region is not None,
+                note=_NORM_NOTE if mixed_norm else "",
             )
         )
         for child_name, child in module.named_children():
@@ -315,11 +363,18 @@ def describe(model: nn.Module) -> str:
     """A table of every module's compute dtype and storage dtype.
 
     ``*`` marks the modules where the compute dtype is set (casts happen at their boundary).
+    A ``note`` column appears when a row needs one (batch and layer norm under 16-bit
+    compute keep float32 weights and statistics).
     """
     rows = module_dtypes(model)
-    header = ("module", "type", "compute", "storage")
+    notes = any(r.note for r in rows)
+    header: tuple[str, ...] = ("module", "type", "compute", "storage") + (
+        ("note",) if notes else ()
+    )
     table = [header] + [
-        (r.name + (" *" if r.region else ""), r.kind, r.compute, r.storage) for r in rows
+        (r.name + (" *" if r.region else ""), r.kind, r.compute, r.storage)
+        + ((r.note,) if notes else ())
+        for r in rows
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines = [
@@ -329,5 +384,6 @@ def describe(model: nn.Module) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     state = applied(model)
     if state is not None:
-        lines.insert(0, f"policy {state.policy.name}, level {state.level}")
+        masters = " (MindSpore's: float32 master weights)" if state.o3_masters else ""
+        lines.insert(0, f"policy {state.policy.name}, level {state.level}{masters}")
     return "\n".join(lines)

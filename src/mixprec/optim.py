@@ -21,7 +21,13 @@ from torch import nn
 
 from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import ArgumentError, MisuseError, shown
-from mixprec.casting import COMPUTE_ATTR, LEVEL_ATTR, POLICY_ATTR, take_float32_copy
+from mixprec.casting import (
+    COMPUTE_ATTR,
+    LEVEL_ATTR,
+    MASTERS_ATTR,
+    POLICY_ATTR,
+    take_float32_copy,
+)
 from mixprec.policy import Policy, global_policy
 from mixprec.scaling import (
     DynamicLossScaler,
@@ -222,7 +228,9 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         adopted = []
         for j, p in enumerate(params):
             _check_param(p, f"{where}['params'][{j}]")
-            if p.dtype in HALF_DTYPES and getattr(p, LEVEL_ATTR, None) != "O3":
+            if p.dtype in HALF_DTYPES and (
+                getattr(p, LEVEL_ATTR, None) != "O3" or getattr(p, MASTERS_ATTR, False)
+            ):
                 # Start from the float32 values auto_mixed_precision kept, when they are
                 # still current (not after a load_state_dict into the 16-bit model).
                 original = take_float32_copy(p)
