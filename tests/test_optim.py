@@ -495,3 +495,66 @@ def test_fused_state_round_trips_and_sparse_fallback_survives_loading():
     again.load_state_dict(saved)
     again.backward(emb(torch.tensor([2])).sum())
     assert again.step().applied
+
+
+# -- an update that overflows a 16-bit weight (issue 15 item 1) -----------------------------
+
+
+def _push_past_float16(scaler: mp.LossScaler | None) -> tuple[mp.LossScaleOptimizer, list[bool]]:
+    lin = nn.Linear(4, 1)
+    lin.bias.data.fill_(65000.0)  # representable; one SGD step of +1000 takes it past 65504
+    model = mp.auto_mixed_precision(nn.Sequential(lin), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), loss_scaler=scaler)
+    applied = []
+    with pytest.raises(FloatingPointError) as err:
+        for _ in range(30):
+            opt.zero_grad()
+            opt.backward(-model(torch.zeros(8, 4)).mean() * 1000)
+            applied.append(opt.step().applied)
+    message = str(err.value)
+    assert (
+        "float16 weights became inf or NaN in the last applied update: 0.bias (float16" in message
+    )
+    assert "float32 master's largest |value| is 66000" in message
+    assert "keep_float32=" in message and "mixed_bfloat16" in message
+    return opt, applied
+
+
+def test_update_past_float16_range_stops_at_the_next_step() -> None:
+    # Before: every step applied with an inf bias, for ever.
+    opt, applied = _push_past_float16(mp.StaticLossScaler(1.0))
+    assert applied == [True]  # the overflowing update, then the error before anything else
+    assert opt.loss_scaler.get_scale() == 1.0
+
+
+def test_update_past_float16_range_with_the_default_dynamic_scaler() -> None:
+    _, applied = _push_past_float16(None)
+    # The scale backs off from 2**16 until the scaled loss fits, one update applies, and the
+    # next step names the weight (before: skipped or applied with an inf weight for ever).
+    assert applied[-1] is True and applied.count(True) == 1
+
+
+def test_o3_float16_weight_pushed_to_inf_is_named() -> None:
+    lin = nn.Linear(2, 1)
+    lin.bias.data.fill_(65000.0)
+    model = mp.auto_mixed_precision(nn.Sequential(lin), "float16", "O3")
+    opt = mp.LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0), loss_scaler=mp.StaticLossScaler(1.0)
+    )
+    opt.zero_grad()
+    opt.backward(-model(torch.zeros(4, 2)).float().mean() * 1000)
+    assert opt.step().applied
+    opt.zero_grad()
+    opt.backward(model(torch.zeros(4, 2)).float().mean())
+    with pytest.raises(FloatingPointError, match=r"update: 0.bias \(float16\)"):
+        opt.step()
+
+
+def test_finite_weights_train_on_unchanged() -> None:
+    torch.manual_seed(0)
+    model = mp.auto_mixed_precision(nn.Sequential(nn.Linear(4, 4)), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for _ in range(5):
+        opt.zero_grad()
+        opt.backward(model(torch.randn(8, 4)).square().mean())
+        assert opt.step().applied

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec._dtypes import HALF_DTYPES
+from mixprec._dtypes import HALF_DTYPES, dtype_name
 from mixprec._errors import ArgumentError, MisuseError, shown
 from mixprec.casting import (
     COMPUTE_ATTR,
@@ -34,6 +34,7 @@ from mixprec.scaling import (
     LossScaler,
     NoOpLossScaler,
     agree_found_inf,
+    all_finite,
     is_dtensor,
     unscale_grads_,
 )
@@ -202,6 +203,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._micro = 0  # backward passes since the last update
         self._fresh = False  # a backward happened since the last step()
         self._found_inf: torch.Tensor | None = None  # set by unscale_()
+        # float16 weights, which an update can push past 65504 while their float32 masters
+        # stay finite: checked after each applied step, read at the next one's
+        # synchronisation. (bfloat16 has float32's range: it overflows only where float32
+        # training would, which no one checks either.)
+        self._checked = [_local(p) for p in self._half + self._plain if p.dtype == torch.float16]
+        self._weights_finite: torch.Tensor | None = None
 
     @staticmethod
     def _make_tracer(
@@ -485,7 +492,14 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         return self._finish()
 
     def _finish(self) -> StepResult:
-        found_inf = agree_found_inf(self._found_inf)  # type: ignore[arg-type]
+        # Flags agreed across ranks in one collective: this step's found_inf, and whether the
+        # last applied update made a 16-bit weight inf/NaN (checked then, read now: no extra
+        # host synchronisation).
+        flags = [self._found_inf.reshape(1).float()]  # type: ignore[union-attr]
+        if self._weights_finite is not None:
+            flags.append((~self._weights_finite).reshape(1).to(flags[0]))
+            self._weights_finite = None
+        agreed = agree_found_inf(torch.cat(flags))
         scale = self._loss_scaler.get_scale()
         norm = None
         if self.max_grad_norm is not None:
@@ -493,12 +507,14 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             norm = nn.utils.clip_grad_norm_(dense, self.max_grad_norm, foreach=True)
             if is_dtensor(norm):  # FSDP2: the norm over every shard
                 norm = norm.full_tensor()  # type: ignore[attr-defined]
-        # The one host synchronisation of the step: found_inf (and the norm) together.
+        # The one host synchronisation of the step: the flags (and the norm) together.
         if norm is not None:
-            found, norm_value = torch.stack([found_inf, norm.to(found_inf)]).tolist()
+            *found_flags, norm_value = torch.cat([agreed, norm.reshape(1).to(agreed)]).tolist()
         else:
-            found, norm_value = found_inf.item(), None
-        overflow = bool(found)
+            found_flags, norm_value = agreed.tolist(), None
+        if len(found_flags) > 1 and found_flags[1]:
+            self._raise_nonfinite_weights()
+        overflow = bool(found_flags[0])
         origin = None
         if self._tracer is not None:
             origin = self._tracer.first_overflow() if overflow else None
@@ -513,6 +529,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 with torch.no_grad():
                     torch._foreach_copy_(self._half, self._masters)
                 self._versions = self._half_versions()
+            if self._checked:
+                self._weights_finite = all_finite(self._checked)
         self._loss_scaler.update(overflow)
         self._micro = 0
         self._found_inf = None
@@ -522,6 +540,30 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             scale=scale,
             grad_norm=norm_value,
             overflow=origin,
+        )
+
+    def _raise_nonfinite_weights(self) -> None:
+        """Raise ``FloatingPointError`` naming the float16 weights that are inf or NaN."""
+        params = self._half + self._plain
+        model = model_of(params)
+        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        lines = []
+        for k, p in enumerate(params):
+            if p.dtype != torch.float16 or bool(all_finite([_local(p)])):
+                continue
+            line = f"{names.get(id(p), f'parameter {k}')} ({dtype_name(p.dtype)}"
+            if k < len(self._half):
+                master = self._masters[k].detach()
+                line += f"; its float32 master's largest |value| is {master.abs().max().item():g}"
+            lines.append(line + ")")
+        more = f"; and {len(lines) - 5} more" if len(lines) > 5 else ""
+        found = "; ".join(lines[:5]) + more if lines else "on another rank"
+        raise FloatingPointError(
+            f"float16 weights became inf or NaN in the last applied update: {found}. Every "
+            "later step would train on them. float16 holds no value past 65504: keep the "
+            "module in float32 (keep_float32=[...]) or train in bfloat16 "
+            "(policy='mixed_bfloat16'); an inf or NaN master needs a smaller learning rate or "
+            "max_grad_norm="
         )
 
     # -- checkpointing ----------------------------------------------------------------------
@@ -597,6 +639,11 @@ _FUSABLE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.AdamW,
     torch.optim.SGD,
 )
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The local shard of an FSDP2 parameter, else the parameter."""
+    return p.to_local() if is_dtensor(p) else p  # type: ignore[attr-defined,no-any-return]
 
 
 def _keras_scaler(
