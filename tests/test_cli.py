@@ -117,7 +117,11 @@ def test_convert_and_inspect(tmp_path, capsys):
     assert re.search(r"model/0\.weight\s+float32\s+\(64, 32\)", out)  # the float32 master
     half = tmp_path / "half.safetensors"
     assert cli.main(["convert", str(ckpt), str(half), "--dtype", "bfloat16"]) == 0
-    assert "8 tensors converted to bfloat16" in capsys.readouterr().out
+    assert "8 tensors in bfloat16 (8 converted from another dtype)" in capsys.readouterr().out
+    same = tmp_path / "same.safetensors"
+    assert cli.main(["convert", str(ckpt), str(same), "--dtype", "float32"]) == 0
+    # Before: "0 tensors converted to float32" after writing 8 (the masters are float32).
+    assert "8 tensors in float32 (0 converted from another dtype)" in capsys.readouterr().out
     tensors, _ = mp.read_checkpoint(half)
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
     assert sorted(tensors) == [f"model/{k}" for k in sorted(make_mlp().state_dict())]
@@ -198,3 +202,77 @@ def test_policy_strings_of_the_library_are_accepted(capsys):
     assert "mixed_bfloat16" in capsys.readouterr().out  # the preset those dtypes make
     assert cli.main(["train", "--quiet", "--in-process", "--policy", "params=float32,x=1"]) == 2
     assert "bad entry 'x=1'" in capsys.readouterr().err
+
+
+@pytest.fixture
+def checkpoint_and_file(tmp_path):
+    import torch
+
+    import mixprec as mp
+    from tests.conftest import make_mlp
+
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    ckpt = mp.save_checkpoint(tmp_path / "c.safetensors", model)
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("x")
+    torch.manual_seed(0)
+    return tmp_path, str(ckpt)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["convert", "{ckpt}", "{tmp}/adir"], "output '{tmp}/adir' is a directory; give a file"),
+        (["convert", "{ckpt}", "{tmp}/afile/x.st"], "'{tmp}/afile' is not a directory"),
+        (["convert", "{ckpt}", "{tmp}/no/such/x.st"], "'{tmp}/no/such' does not exist"),
+        (["convert", "{tmp}/adir", "{tmp}/x.st"], "'{tmp}/adir' is a directory, not a checkpoint"),
+        (["inspect", "{tmp}/adir"], "'{tmp}/adir' is a directory, not a checkpoint file"),
+        (["train", "--save", "{tmp}/afile"], "--save '{tmp}/afile' is an existing file"),
+        (["train", "--plot", "{tmp}/afile/p.png"], "'{tmp}/afile' is not a directory"),
+        (["doctor", "--json", "{tmp}/afile/r.json"], "'{tmp}/afile' is not a directory"),
+        (["doctor", "--plot", "{tmp}/afile/r.png"], "'{tmp}/afile' is not a directory"),
+        (["doctor", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        (["doctor", "--batch-size", "-5"], "--batch-size must be >= 1, got -5"),
+        (["bench", "--small", "--json", "{tmp}/afile/b.json"], "'{tmp}/afile' is not a directory"),
+        (["bench", "--small", "--plot", "{tmp}/adir.png/x"], "'{tmp}/adir.png' does not exist"),
+        (["bench", "nosuchmod:fn"], "cannot import module 'nosuchmod'"),
+        (["bench", "os:nosuch"], "module 'os' has no function 'nosuch'"),
+        (["bench", "--device", "gpu"], "--device 'gpu' is not a device; valid: auto, cpu, cuda"),
+        (["bench", "--max-batch", "-1"], "--max-batch must be a memory budget in MB > 0, got -1"),
+    ],
+)
+def test_bad_paths_and_values_exit_2_before_any_work(argv, message, checkpoint_and_file, capsys):
+    tmp, ckpt = checkpoint_and_file
+    argv = [a.format(tmp=tmp, ckpt=ckpt) for a in argv]
+    if argv[0] == "train":
+        argv += ["--quiet", "--in-process"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"mixprec {argv[0]}: error: ") and message.format(tmp=tmp) in err
+    assert len(err.splitlines()) == 1
+    assert sorted(p.name for p in tmp.iterdir()) == ["adir", "afile", "c.safetensors"]
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA"
+)
+def test_bench_cuda_without_cuda_is_one_line(capsys):
+    assert cli.main(["bench", "--small", "--device", "cuda"]) == 2
+    assert "--device 'cuda': CUDA is not available" in capsys.readouterr().err
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_train", interrupted)
+    assert cli.main(["train"]) == 130
+    assert capsys.readouterr().err.strip() == "mixprec train: interrupted"
+
+
+def test_plot_without_suffix_says_the_file_it_wrote(tmp_path, capsys):
+    target = tmp_path / "curves"
+    assert cli.main(["train", "--data", "synthetic", "--epochs", "2", "--compare", "none",
+                     "--quiet", "--in-process", "--plot", str(target)]) == 0  # fmt: skip
+    assert f"loss curves written to {target}.png" in capsys.readouterr().out
+    assert (tmp_path / "curves.png").stat().st_size > 0 and not target.exists()

@@ -41,6 +41,46 @@ def _choice(kind: str, value: str, valid: Sequence[str]) -> str:
     )
 
 
+def _output_file(option: str, path: str, suffix: str | None = None) -> str:
+    """Check, before any work, that ``path`` can be written; return the path that will be
+    (matplotlib adds ``.png`` to a name without a suffix)."""
+    target = Path(path)
+    if suffix and not target.suffix:
+        target = target.with_name(target.name + suffix)
+    if target.is_dir():
+        raise UsageError(f"{option} {path!r} is a directory; give a file path")
+    _check_parent(option, path, target.parent)
+    return str(target)
+
+
+def _output_dir(option: str, path: str) -> str:
+    """Check that ``path`` is, or can be made, a writable directory."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise UsageError(f"{option} {path!r} is an existing file; give a directory")
+    parent = target
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    _check_parent(option, path, parent)
+    return path
+
+
+def _check_parent(option: str, path: str, parent: Path) -> None:
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise UsageError(f"{option} {path!r}: {str(parent)!r} {what}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {path!r}: cannot write in {str(parent)!r} (permission denied)")
+
+
+def _checkpoint_file(path: str) -> str:
+    if Path(path).is_dir():
+        found = sorted(p.name for p in Path(path).glob("*.safetensors"))
+        hint = f" (it holds {', '.join(found[:4])})" if found else ""
+        raise UsageError(f"{path!r} is a directory, not a checkpoint file{hint}")
+    return path
+
+
 def _load(data: str, seed: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
     if data == "digits":
         return mixprec.data.load_digits(seed=seed)
@@ -127,16 +167,25 @@ def _plot(runs: list[dict[str, Any]], path: str) -> None:
 
     matplotlib.use("Agg")  # headless: no display needed
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for r in runs:
+    # The runs often overlap closely: the first is drawn wide and pale beneath, the second
+    # narrow with markers on top, so that both stay visible where they coincide.
+    styles = [
+        {"color": "tab:blue", "linewidth": 4.0, "alpha": 0.45},
+        {"color": "tab:orange", "linewidth": 1.5, "marker": "o", "markersize": 3},
+    ]
+    for r, style in zip(runs, styles[-len(runs) :], strict=True):
         epochs = range(1, len(r["loss_curve"]) + 1)
         name = f"{r['policy']} ({r['level']})"
-        ax.plot(epochs, r["loss_curve"], label=f"{name} train")
-        ax.plot(epochs, r["val_loss_curve"], "--", label=f"{name} test")
+        ax.plot(epochs, r["loss_curve"], label=f"{name} train", **style)  # type: ignore[arg-type]
+        ax.plot(epochs, r["val_loss_curve"], "--", label=f"{name} test", **style)  # type: ignore[arg-type]
+    ax.set_title("mixprec train: loss per epoch, " + " vs ".join(r["policy"] for r in runs))
     ax.set_xlabel("epoch")
-    ax.set_ylabel("loss")
+    ax.set_ylabel("loss (log scale)")
     ax.set_yscale("log")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend()
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
@@ -163,15 +212,20 @@ def _check_model_options(args: argparse.Namespace) -> None:
     _policy_option("policy", args.policy)
     if args.level.upper() not in (*LEVELS, "AUTO"):
         _choice("level", args.level, [*LEVELS, "auto"])
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
 
 
 def _train(args: argparse.Namespace) -> int:
     _check_model_options(args)
     if args.compare != "none":
         _policy_option("compare", args.compare, extra=["none"])
-    for name in ("epochs", "batch_size"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.epochs < 1:
+        raise UsageError(f"--epochs must be >= 1, got {args.epochs}")
+    # Output paths are checked before training, not found unusable after it.
+    if args.save:
+        _output_dir("--save", args.save)
+    plot = _output_file("--plot", args.plot, ".png") if args.plot else None
 
     common = {
         "model": args.model, "data": args.data, "epochs": args.epochs, "seed": args.seed,
@@ -216,9 +270,9 @@ def _train(args: argparse.Namespace) -> int:
             f"\n{runs[1]['policy']}: test accuracy {runs[1]['test_accuracy']:.3f} vs "
             f"{runs[0]['policy']} {runs[0]['test_accuracy']:.3f} ({diff:+.3f}), {speed}"
         )
-    if args.plot and say is print:
-        _plot(runs, args.plot)
-        say(f"loss curves written to {args.plot}")
+    if plot and say is print:
+        _plot(runs, plot)
+        say(f"loss curves written to {plot}")
     return 0
 
 
@@ -245,15 +299,24 @@ def _silent(*args: Any, **kwargs: Any) -> None:
 
 
 def _convert(args: argparse.Namespace) -> int:
+    _checkpoint_file(args.input)
+    _output_file("output", args.output)
     report = mixprec.convert_checkpoint(args.input, args.output, args.dtype, args.on_range)
-    print(f"wrote {args.output}: {len(report.converted)} tensors converted to {args.dtype}")
+    from safetensors import safe_open
+
+    with safe_open(args.output, "pt") as written:
+        count = len(list(written.keys()))
+    print(
+        f"wrote {args.output}: {count} tensors in {args.dtype} "
+        f"({len(report.converted)} converted from another dtype)"
+    )
     for name, peak, dtype, action in report.out_of_range:
         print(f"  {name}: max |value| {peak:.6g} exceeds {dtype} ({action})")
     return 0
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    tensors, header = mixprec.read_checkpoint(args.checkpoint)
+    tensors, header = mixprec.read_checkpoint(_checkpoint_file(args.checkpoint))
     print(f"{args.checkpoint}: {len(tensors)} tensors")
     for key in ("format_version", "mixprec_version", "torch_version", "policy", "level"):
         if header.get(key) is not None:
@@ -278,6 +341,8 @@ def _doctor(args: argparse.Namespace) -> int:
     """Diagnose one batch of the chosen data with the chosen (untrained) model."""
     _check_model_options(args)
     torch.manual_seed(args.seed)
+    json_path = _output_file("--json", args.json) if args.json else None
+    plot_path = _output_file("--plot", args.plot, ".png") if args.plot else None
     (x_train, y_train), (_, y_test) = _load(args.data, args.seed)
     classes = int(max(y_train.max(), y_test.max())) + 1
     model = _build(args.model, x_train, classes)
@@ -286,12 +351,12 @@ def _doctor(args: argparse.Namespace) -> int:
         model, x, y, torch.nn.functional.cross_entropy, args.policy, args.level
     )
     print(report)
-    if args.json:
-        Path(args.json).write_text(report.to_json(indent=2))
-        print(f"report written to {args.json}")
-    if args.plot:
-        report.plot(args.plot)
-        print(f"ranges plotted to {args.plot}")
+    if json_path:
+        Path(json_path).write_text(report.to_json(indent=2))
+        print(f"report written to {json_path}")
+    if plot_path:
+        report.plot(plot_path)
+        print(f"ranges plotted to {plot_path}")
     return 0
 
 
@@ -302,6 +367,13 @@ def _bench(args: argparse.Namespace) -> int:
     for w in workloads:
         if ":" not in w:
             _choice("workload", w, list(bench.WORKLOADS))
+        else:
+            _workload_function(w)
+    _check_device(args.device)
+    json_path = _output_file("--json", args.json) if args.json else None
+    plot_path = _output_file("--plot", args.plot, ".png") if args.plot else None
+    if args.max_batch is not None and args.max_batch <= 0:
+        raise UsageError(f"--max-batch must be a memory budget in MB > 0, got {args.max_batch:g}")
     modes = args.modes.split(",") if args.modes else list(bench.MODES)
     for m in modes:
         _choice("mode", m.removesuffix(bench.COMPILED), list(bench.MODES))
@@ -338,13 +410,39 @@ def _bench(args: argparse.Namespace) -> int:
           "faster); peak MB: tensor memory of the mode's training alone in a fresh process "
           "(allocator peak); on CUDA float32 runs without TF32; MFU: model TFLOP/s over "
           "the GPU's data-sheet peak for the mode's matmul dtype")  # fmt: skip
-    if args.json:
-        Path(args.json).write_text(bench.to_json(results, args.outputs_16bit, args.device))
-        print(f"results written to {args.json}")
-    if args.plot:
-        bench.plot(results, args.plot)
-        print(f"chart written to {args.plot}")
+    if json_path:
+        Path(json_path).write_text(bench.to_json(results, args.outputs_16bit, args.device))
+        print(f"results written to {json_path}")
+    if plot_path:
+        bench.plot(results, plot_path)
+        print(f"chart written to {plot_path}")
     return 0
+
+
+def _workload_function(spec: str) -> None:
+    """``module:function`` must name an importable callable: a one-line error, else."""
+    import importlib
+
+    module, _, func = spec.partition(":")
+    try:
+        found = getattr(importlib.import_module(module), func, None)
+    except ImportError as err:
+        raise UsageError(f"workload {spec!r}: cannot import module {module!r} ({err})") from None
+    if not callable(found):
+        raise UsageError(f"workload {spec!r}: module {module!r} has no function {func!r}")
+
+
+def _check_device(device: str) -> None:
+    if device == "auto":
+        return
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise UsageError(
+            f"--device {device!r} is not a device; valid: auto, cpu, cuda, cuda:N"
+        ) from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {device!r}: CUDA is not available on this machine")
 
 
 def _info(_: argparse.Namespace) -> int:
@@ -464,9 +562,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
-    except (UsageError, FileNotFoundError, ValueError) as err:
+    except (UsageError, OSError, ValueError) as err:  # OSError: a path that went bad mid-run
         print(f"mixprec {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"mixprec {args.command}: interrupted", file=sys.stderr)
+        return 130
     finally:
         # Under torchrun: leave the process group cleanly (gloo aborts the process otherwise);
         # no barrier, as another rank may have failed.
