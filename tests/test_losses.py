@@ -138,3 +138,13 @@ def test_bad_arguments_are_named(logits, target, kwargs, message):
     with pytest.raises(ArgumentError) as info:
         cross_entropy(logits, target, **kwargs)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_rows_give_nan_and_an_empty_gradient_like_torch(dtype):
+    # Before: backward failed with "range() arg 3 must not be zero".
+    logits = torch.randn(0, 5, dtype=dtype, requires_grad=True)
+    loss = cross_entropy(logits, torch.zeros(0, dtype=torch.long))
+    assert torch.isnan(loss) and torch.isnan(F.cross_entropy(logits.float(), torch.zeros(0).long()))
+    loss.backward()
+    assert logits.grad is not None and logits.grad.shape == (0, 5)

@@ -185,3 +185,36 @@ def test_evaluate_and_predict_from_a_callback_leave_the_model_training():
     model.eval()
     trainer.evaluate(x, y)
     assert not model.training  # and a model in eval mode stays so
+
+
+# -- batches a loader gets wrong (issue 15 item 8) -----------------------------------------
+
+
+def _small_trainer() -> mp.Trainer:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    return mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 0.1))
+
+
+def test_an_empty_batch_is_skipped_with_a_warning_not_a_step() -> None:
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    batches = [(x[:8], y[:8]), (x[:0], y[:0]), (x[8:], y[8:])]
+    trainer = _small_trainer()
+    with pytest.warns(UserWarning, match=r"epoch 1, batch 2 is empty: skipped \(not a step\)"):
+        history = trainer.fit(batches, epochs=1, verbose=0)
+    assert trainer.global_step == 2
+    loss = history.history["loss"][0]
+    assert loss == loss and history.history["accuracy"][0] == history.history["accuracy"][0]
+    # Same as training on the two non-empty batches alone.
+    plain = _small_trainer()
+    expected = plain.fit([batches[0], batches[2]], epochs=1, verbose=0).history["loss"][0]
+    assert loss == pytest.approx(expected, rel=1e-6)
+
+
+def test_out_of_range_labels_from_a_loader_are_a_value_error() -> None:
+    x, y = torch.randn(40, 8), torch.randint(0, 3, (40,))
+    y[25] = 7
+    trainer = _small_trainer()
+    loader = DataLoader(TensorDataset(x, y), batch_size=8)
+    with pytest.raises(ValueError, match=r"epoch 1, batch 4: Target 7 is out of bounds"):
+        trainer.fit(loader, epochs=1, verbose=0)

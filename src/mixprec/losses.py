@@ -66,7 +66,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         scale = (grad_losses * valid).unsqueeze(1)  # d loss_i: softmax_i - onehot_i, per row
         grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
         n = logits.shape[0]
-        rows = min(ctx.rows, n)
+        rows = max(1, min(ctx.rows, n))  # 0 rows: no chunk, an empty gradient
         buf = logits.new_empty((rows, logits.shape[1]), dtype=lse.dtype)
         minus_one = torch.full((rows, 1), -1.0, dtype=lse.dtype, device=lse.device)
         for start in range(0, n, rows):

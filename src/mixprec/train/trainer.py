@@ -346,8 +346,32 @@ class Trainer:
         for step, batch in enumerate(batches, start=first_step):
             self._step_in_epoch = step + 1
             xb, yb = _to(batch[0], self.device), _to(batch[1], self.device)
+            if _is_empty(yb):
+                # Its mean loss is NaN and it would count as a step: not a batch to train on.
+                if distributed.world_size() > 1:
+                    raise ValueError(
+                        f"epoch {epoch + 1}, batch {step + 1} is empty on rank "
+                        f"{distributed.rank()}; "
+                        "every rank must get a non-empty batch at every step"
+                    )
+                warnings.warn(
+                    f"epoch {epoch + 1}, batch {step + 1} is empty: skipped (not a step)",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                continue
             start = time.perf_counter()
-            loss, result = self.step(xb, yb)
+            try:
+                loss, result = self.step(xb, yb)
+            except IndexError as err:
+                # A loader's labels are seen only here; tensors are checked up front
+                # (_validate) with a ValueError, so a loader's get one too.
+                if "out of bounds" not in str(err):
+                    raise
+                raise ValueError(
+                    f"epoch {epoch + 1}, batch {step + 1}: {err} (class labels must be in "
+                    "[0, number of classes), or the loss's ignore_index)"
+                ) from err
             loss_value = loss.item()  # after the step's own sync: no extra stall
             elapsed = time.perf_counter() - start
             size = len(yb)
@@ -484,3 +508,7 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.global_step = int(state["global_step"])
+
+
+def _is_empty(targets: Any) -> bool:
+    return isinstance(targets, torch.Tensor) and targets.dim() > 0 and targets.shape[0] == 0
