@@ -558,3 +558,24 @@ def test_finite_weights_train_on_unchanged() -> None:
         opt.zero_grad()
         opt.backward(model(torch.randn(8, 4)).square().mean())
         assert opt.step().applied
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda good: 5, r"a LossScaleOptimizer state is a dict \(from state_dict\(\)\), got int"),
+        (lambda good: {**good, "optimizers": 5}, r"'optimizers' must be a list of dict, got int"),
+        (
+            lambda good: {**good, "master_weights": [1, 2]},
+            r"'master_weights' must be a list of Tensor, got list of \['int'\]",
+        ),
+    ],
+)
+def test_load_state_dict_of_the_wrong_types_is_a_type_error(change, match) -> None:
+    model = mp.auto_mixed_precision(nn.Sequential(nn.Linear(2, 2)), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), 0.1))
+    good = opt.state_dict()
+    before = [m.clone() for _, m in opt.master_weights()]
+    with pytest.raises(TypeError, match=match):
+        opt.load_state_dict(change(good))
+    assert all(torch.equal(a, m) for a, (_, m) in zip(before, opt.master_weights(), strict=True))

@@ -580,6 +580,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not isinstance(state_dict, dict):
+            raise TypeError(
+                "load_state_dict: a LossScaleOptimizer state is a dict (from state_dict()), "
+                f"got {type(state_dict).__name__}"
+            )
         missing = [
             k for k in ("optimizers", "master_weights", "loss_scaler") if k not in state_dict
         ]
@@ -589,6 +594,20 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             )
         masters = state_dict["master_weights"]
         inner_states = state_dict["optimizers"]
+        for key, value, kind in (
+            ("master_weights", masters, torch.Tensor),
+            ("optimizers", inner_states, dict),
+        ):
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, kind) for v in value):
+                raise TypeError(
+                    f"load_state_dict: '{key}' must be a list of {kind.__name__}, got "
+                    f"{type(value).__name__}"
+                    + (
+                        f" of {sorted({type(v).__name__ for v in value})}"
+                        if isinstance(value, (list, tuple))
+                        else ""
+                    )
+                )
         _same_count("master weights", masters, self._masters)
         _same_count("inner optimizers", inner_states, self.optimizers)
         for i, (saved, master) in enumerate(zip(masters, self._masters, strict=True)):
