@@ -17,6 +17,7 @@ from mixprec.checkpoint import (
 )
 from mixprec.compensated import CompensatedAdamW, stochastic_round
 from mixprec.doctor import ModuleReport, Report, ScalerHealth, diagnose
+from mixprec.float8 import Float8Options
 from mixprec.grad_scaler import GradScaler
 from mixprec.levels import LEVELS, auto_mixed_precision, describe, module_dtypes
 from mixprec.losses import cross_entropy
@@ -63,6 +64,7 @@ __all__ = [
     "DynamicLossScaler",
     "EarlyStopping",
     "ExponentialUpdateLossScaleManager",
+    "Float8Options",
     "GradScaler",
     "History",
     "LearningRateScheduler",

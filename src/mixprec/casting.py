@@ -167,7 +167,7 @@ def needs_float32_functions(module: nn.Module) -> bool:
     its functions in float32 anyway). Forward hooks are not inspected."""
     for child in module.children():
         region = get_region(child)
-        if region is not None and region.compute_dtype == torch.float32:
+        if region is not None and (region.compute_dtype == torch.float32 or region.plain):
             continue
         if needs_float32_functions(child):
             return True
@@ -207,13 +207,18 @@ class Region:
 
     ``link_sources``: a float32 output upcast from 16 bits keeps its source, for a loss that
     can use it (``mixprec.cross_entropy``; see ``_output_sources``). Set on the model's own
-    region only, where the loss reads the outputs."""
+    region only, where the loss reads the outputs.
+
+    ``plain``: the module and everything inside it call none of ``FLOAT32_FUNCTIONS`` (a
+    torchao float8 Linear), so no ``Float32Functions`` mode runs for it: its Python handler
+    would see every cast and amax of torchao's float8 scaling, for nothing."""
 
     compute_dtype: torch.dtype
     output_dtype: torch.dtype | None
     cast_inputs: bool = True
     output_like_input: bool = False
     link_sources: bool = False
+    plain: bool = False
 
 
 def _autocast_available(device_type: str) -> bool:
@@ -306,7 +311,7 @@ class _RegionForward:
             else:
                 autocast = torch.autocast(device_type, dtype=compute)
                 # CUDA's autocast already runs these functions in float32.
-                if device_type != "cuda" and self._float32_functions():
+                if device_type != "cuda" and not region.plain and self._float32_functions():
                     mode = Float32Functions()
         with autocast, mode, saves if saves is not None else contextlib.nullcontext():
             output = self._run_forward(args, kwargs)

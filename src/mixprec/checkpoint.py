@@ -3,9 +3,10 @@ dtype conversion, never executing code from the file.
 
 One ``.safetensors`` file holds every tensor (model weights, optimizer state, RNG states)
 and, under the metadata key ``"mixprec"``, a JSON document: format version, mixprec and
-torch versions, policy and level, the non-tensor parts of the optimizer and trainer state,
-and a SHA-256 checksum of the tensors. Weights that have float32 masters are stored as the
-masters: float32 is the source of truth, and a 16-bit model gets them rounded on load.
+torch versions, policy and level (with a float8 policy's recipe and converted layers), the
+non-tensor parts of the optimizer and trainer state, and a SHA-256 checksum of the tensors.
+Weights that have float32 masters are stored as the masters: float32 is the source of
+truth, and a 16-bit model gets them rounded on load.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import nn
 
 from mixprec._dtypes import HALF_DTYPES, dtype_name, parse_dtype
 from mixprec.casting import remember_float32
+from mixprec.float8 import summary as float8_summary
 from mixprec.levels import applied
 from mixprec.optim import LossScaleOptimizer
 
@@ -220,6 +222,9 @@ def save_checkpoint(
         "torch_version": torch.__version__,
         "policy": str(done.policy) if done else None,
         "level": done.level if done else None,
+        # Float8 policies: the torchao recipe and the converted layers. Their weights are the
+        # float32 (or master) values, as for any layer: float8 copies exist only in a forward.
+        "float8": float8_summary(model),
         "aliases": aliases,
         "masters": master_names,
         "optimizer": optim_state,
@@ -340,7 +345,7 @@ def load_checkpoint(
     if on_range not in ("error", "clamp", "ignore"):
         raise ValueError(f"on_range={on_range!r} is invalid; valid: 'error', 'clamp', 'ignore'")
     tensors, header = read_checkpoint(path)
-    described = ("policy", "level", "mixprec_version", "torch_version", "format_version")
+    described = ("policy", "level", "float8", "mixprec_version", "torch_version", "format_version")
     report = LoadReport(
         path=str(path), metadata={k: v for k, v in header.items() if k in described}
     )

@@ -18,6 +18,10 @@ parameters): mixprec's O3 storage plus float32 master weights in ``LossScaleOpti
 16-bit ``compute_dtype``) -> O3; a mixed policy -> O2, because storing the compute-heavy
 weights in 16 bits casts each weight once per step (in the optimizer's copy-back) instead of
 once per forward, and keeps float32 master weights, so it trains like float32.
+
+Float8 policies (``mixed_float8``...) first swap the eligible Linear layers for torchao's
+float8 Linear (``mixprec.float8``); those keep float32 weights at O1 and O2, the rest of the
+model gets the level as under ``mixed_bfloat16``. O0 converts nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from mixprec.casting import (
     store_as,
     to_float,
 )
+from mixprec.float8 import Float8Options, convert_to_float8, float8_choice, is_float8
 from mixprec.policy import Policy, PolicyLike, get_policy
 from mixprec.trace import remember_model
 
@@ -118,6 +123,8 @@ class Applied:
     keep_float32: tuple[str, ...]
     #: O3 with float32 masters (MindSpore's O3, ``amp_level="O3"``).
     o3_masters: bool = False
+    #: Float8 policies: names of the Linear layers converted to float8.
+    float8: tuple[str, ...] = ()
 
 
 def resolve_level(level: str, policy: Policy) -> str:
@@ -138,7 +145,9 @@ def resolve_level(level: str, policy: Policy) -> str:
     )
 
 
-def _kept_modules(model: nn.Module, keep_float32: Iterable[KeepEntry]) -> dict[str, nn.Module]:
+def _kept_modules(
+    model: nn.Module, keep_float32: Iterable[KeepEntry], argument: str = "keep_float32"
+) -> dict[str, nn.Module]:
     """Resolve ``keep_float32`` entries (types, name patterns, modules) to named modules."""
     if isinstance(keep_float32, (str, nn.Module, type)):
         keep_float32 = [keep_float32]
@@ -152,7 +161,7 @@ def _kept_modules(model: nn.Module, keep_float32: Iterable[KeepEntry]) -> dict[s
             if not hits:
                 hint = closest(entry, [n for n in named if n])
                 raise ValueError(
-                    f"keep_float32 entry {entry!r} matches no module name of the model"
+                    f"{argument} entry {entry!r} matches no module name of the model"
                     + (f"; closest: {hint!r}" if hint else "")
                 )
             kept.update(hits)
@@ -160,12 +169,12 @@ def _kept_modules(model: nn.Module, keep_float32: Iterable[KeepEntry]) -> dict[s
             name = next((n for n, m in named.items() if m is entry), None)
             if name is None:
                 raise ValueError(
-                    f"keep_float32 entry {type(entry).__name__} module is not part of the model"
+                    f"{argument} entry {type(entry).__name__} module is not part of the model"
                 )
             kept[name] = entry
         else:
             raise TypeError(
-                "keep_float32 entries must be nn.Module subclasses, name patterns (str) or "
+                f"{argument} entries must be nn.Module subclasses, name patterns (str) or "
                 f"modules; got {type(entry).__name__}: {entry!r}"
             )
     return kept
@@ -183,6 +192,8 @@ def auto_mixed_precision(
     keep_float32: Iterable[KeepEntry] = (),
     *,
     amp_level: str | None = None,
+    keep_bfloat16: Iterable[KeepEntry] = (),
+    float8: Float8Options | None = None,
 ) -> M:
     """Prepare ``model`` for mixed precision in place and return it.
 
@@ -195,6 +206,10 @@ def auto_mixed_precision(
     ``amp_level``: MindSpore's keyword, in place of ``level``, with MindSpore's meanings: its
     O3 keeps float32 master weights (see the module docstring), and ``policy=None`` means
     ``"mixed_float16"``, MindSpore's default ``dtype``.
+
+    Float8 policies only: ``keep_bfloat16`` (types, name patterns, modules, as
+    ``keep_float32``) names Linear layers that keep bfloat16 matmuls, and ``float8``
+    (``Float8Options``) sets the size rule and the output head's treatment.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -237,9 +252,28 @@ def auto_mixed_precision(
             f"(level {done.level}, policy {done.policy.name}); apply it once, to a float32 model"
         )
     kept = _kept_modules(model, keep_float32)
+    bf16_kept = _kept_modules(model, keep_bfloat16, "keep_bfloat16")
+    if resolved.float8_recipe is None and (bf16_kept or float8 is not None):
+        raise ValueError(
+            f"keep_bfloat16= and float8= apply to float8 policies only; policy "
+            f"{resolved.name!r} has no float8 matmuls (use policy='mixed_float8')"
+        )
+    if float8 is not None and not isinstance(float8, Float8Options):
+        raise TypeError(f"float8 must be a Float8Options or None, got {type(float8).__name__}")
     # Modules the user already set with to_float keep their dtype, like keep_float32 entries.
     preset = [m for m in model.modules() if m is not model and get_region(m) is not None]
     fixed = _inside([*kept.values(), *preset])
+    converted: tuple[str, ...] = ()
+    if resolved.float8_recipe is not None and lvl != "O0":
+        choices = convert_to_float8(
+            model,
+            resolved.float8_recipe,
+            policy_name=resolved.name,
+            float32=fixed,
+            bfloat16=_inside(bf16_kept.values()),
+            options=float8 or Float8Options(),
+        )
+        converted = tuple(n for n, c in choices.items() if c.converted)
 
     compute = resolved.compute_dtype if lvl != "O0" else torch.float32
     output = resolved.output_dtype if lvl != "O0" else torch.float32
@@ -249,7 +283,8 @@ def auto_mixed_precision(
         store_as(
             model,
             compute,
-            skip=lambda m: id(m) in fixed or not _is_half_storage(m, compute),
+            # float8 layers keep float32 weights: torchao casts them to float8 each forward.
+            skip=lambda m: id(m) in fixed or not _is_half_storage(m, compute) or is_float8(m),
         )
     else:  # O3: no float32 copies either, unless there will be master weights
         store_as(
@@ -300,7 +335,11 @@ def auto_mixed_precision(
         if o3_masters:
             setattr(param, MASTERS_ATTR, True)
     remember_model(model)
-    setattr(model, _APPLIED_ATTR, Applied(resolved, lvl, tuple(sorted(kept)), o3_masters))
+    setattr(
+        model,
+        _APPLIED_ATTR,
+        Applied(resolved, lvl, tuple(sorted(kept)), o3_masters, converted),
+    )
     return model
 
 
@@ -342,14 +381,17 @@ def module_dtypes(model: nn.Module) -> list[ModuleDtypes]:
             and compute != torch.float32
             and dtypes == ["float32"]
         )
+        # Float8 policies: a converted Linear's matmuls run in float8 (its region is bfloat16,
+        # the dtype around them); every Linear considered says why it was or was not converted.
+        choice = float8_choice(module)
         rows.append(
             ModuleDtypes(
                 name=name or "(model)",
                 kind=type(module).__name__,
-                compute=dtype_name(compute),
+                compute=choice.compute if choice and choice.converted else dtype_name(compute),
                 storage=",".join(dtypes) if dtypes else "-",
                 region=region is not None,
-                note=_NORM_NOTE if mixed_norm else "",
+                note=choice.reason if choice else _NORM_NOTE if mixed_norm else "",
             )
         )
         for child_name, child in module.named_children():
@@ -385,5 +427,12 @@ def describe(model: nn.Module) -> str:
     state = applied(model)
     if state is not None:
         masters = " (MindSpore's: float32 master weights)" if state.o3_masters else ""
-        lines.insert(0, f"policy {state.policy.name}, level {state.level}{masters}")
+        considered = sum(float8_choice(m) is not None for m in model.modules())
+        float8 = (
+            f"; float8 ({state.policy.float8_recipe}) in {len(state.float8)} of {considered} "
+            "Linear layers"
+            if state.policy.float8_recipe is not None
+            else ""
+        )
+        lines.insert(0, f"policy {state.policy.name}, level {state.level}{masters}{float8}")
     return "\n".join(lines)

@@ -4,6 +4,11 @@ A policy has three dtypes (``param_dtype`` for storage, ``compute_dtype`` for th
 ``output_dtype`` for what the model returns) and implies its loss scaling: float16 compute
 needs dynamic loss scaling because small gradients underflow its 5-bit exponent; bfloat16
 shares float32's exponent range and needs none.
+
+``mixed_float8`` is ``mixed_bfloat16`` plus float8 matmuls in eligible Linear layers through
+torchao (see ``mixprec.float8``); the torchao recipe is part of the policy value, so
+``mixed_float8`` and ``mixed_bfloat16`` are different policies, and every place that takes a
+policy name (``Trainer``, the CLI, a checkpoint's header) carries the recipe with it.
 """
 
 from __future__ import annotations
@@ -29,7 +34,15 @@ PRESETS: dict[str, tuple[torch.dtype, torch.dtype, torch.dtype]] = {
     "mixed_float16": (torch.float32, torch.float16, torch.float32),
     "mixed_bfloat16": (torch.float32, torch.bfloat16, torch.float32),
 }
-NAMES: tuple[str, ...] = (*PRESETS, "auto")
+#: torchao's float8 training recipes (``Float8LinearConfig.from_recipe_name``); the first is
+#: the default. float8 names: float32 variables, bfloat16 compute, float8 matmuls.
+FLOAT8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+FLOAT8_PRESETS: dict[str, str] = {
+    "mixed_float8": "tensorwise",
+    "mixed_float8_rowwise": "rowwise",
+    "mixed_float8_rowwise_with_gw_hp": "rowwise_with_gw_hp",
+}
+NAMES: tuple[str, ...] = (*PRESETS, *FLOAT8_PRESETS, "auto")
 
 _KEYS = {
     "params": "params",
@@ -39,6 +52,7 @@ _KEYS = {
     "c": "compute",
     "output": "output",
     "o": "output",
+    "float8": "float8",
 }
 
 
@@ -51,7 +65,11 @@ class Policy:
     ``Policy(param_dtype=..., compute_dtype=..., output_dtype=...)``. ``Policy()`` (or
     ``Policy(None)``) copies the global policy, as Keras 3's ``DTypePolicy(None)`` does.
     ``str(policy)`` gives the ``params=...,compute=...,output=...`` form, which parses back to
-    an equal policy. Equality compares the three dtypes only.
+    an equal policy. Equality compares the three dtypes and the float8 recipe.
+
+    ``Policy("mixed_float8")`` (torchao's ``tensorwise`` recipe), ``"mixed_float8_rowwise"``,
+    ``"mixed_float8_rowwise_with_gw_hp"``, or ``...,float8=<recipe>`` in the string form:
+    float8 matmuls in eligible Linear layers (``auto_mixed_precision`` picks them).
     """
 
     param_dtype: torch.dtype
@@ -59,6 +77,8 @@ class Policy:
     output_dtype: torch.dtype
     #: Why this policy was chosen; set for ``"auto"``, ``None`` otherwise.
     reason: str | None = field(default=None, compare=False)
+    #: torchao float8 training recipe (one of ``FLOAT8_RECIPES``), or ``None``: no float8.
+    float8_recipe: str | None = None
 
     def __init__(
         self,
@@ -69,17 +89,18 @@ class Policy:
         output_dtype: str | torch.dtype | None = None,
     ) -> None:
         reason = None
+        recipe: str | None = None
         if name is None and param_dtype is None and compute_dtype is None and output_dtype is None:
             # Keras 3's DTypePolicy(None): the global policy at construction time.
             now = _GLOBAL[0]
             params, compute, output = now.param_dtype, now.compute_dtype, now.output_dtype
-            reason = now.reason
+            reason, recipe = now.reason, now.float8_recipe
         elif name is not None:
             if any(d is not None for d in (param_dtype, compute_dtype, output_dtype)):
                 raise ValueError(
                     f"Policy({name!r}, ...) takes either a name or dtype keywords, not both"
                 )
-            params, compute, output, reason = _parse(name)
+            params, compute, output, reason, recipe = _parse(name)
         else:
             # `is None`, not falsiness: 0, False, "" or [] must be refused, not read as float32.
             params = parse_dtype(
@@ -95,14 +116,23 @@ class Policy:
         object.__setattr__(self, "compute_dtype", compute)
         object.__setattr__(self, "output_dtype", output)
         object.__setattr__(self, "reason", reason)
+        object.__setattr__(self, "float8_recipe", recipe)
 
     @property
     def name(self) -> str:
         """The preset name when the dtypes match one, else the ``params=...`` string."""
+        if self.float8_recipe is not None:
+            for preset, recipe in FLOAT8_PRESETS.items():
+                if recipe == self.float8_recipe and self._dtypes() == PRESETS["mixed_bfloat16"]:
+                    return preset
+            return str(self)
         for preset, dtypes in PRESETS.items():
-            if dtypes == (self.param_dtype, self.compute_dtype, self.output_dtype):
+            if dtypes == self._dtypes():
                 return preset
         return str(self)
+
+    def _dtypes(self) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+        return self.param_dtype, self.compute_dtype, self.output_dtype
 
     @property
     def variable_dtype(self) -> torch.dtype:
@@ -123,6 +153,7 @@ class Policy:
         return (
             f"params={dtype_name(self.param_dtype)},compute={dtype_name(self.compute_dtype)},"
             f"output={dtype_name(self.output_dtype)}"
+            + (f",float8={self.float8_recipe}" if self.float8_recipe else "")
         )
 
     def __repr__(self) -> str:
@@ -130,16 +161,23 @@ class Policy:
         return f"Policy({self.name!r}{extra})"
 
 
-def _parse(text: str) -> tuple[torch.dtype, torch.dtype, torch.dtype, str | None]:
+_Parsed = tuple[torch.dtype, torch.dtype, torch.dtype, str | None, str | None]
+
+
+def _parse(text: str) -> _Parsed:
+    """``(params, compute, output, reason, float8_recipe)`` of a policy name or string."""
     if not isinstance(text, str):
         raise TypeError(f"policy must be a str or Policy, got {type(text).__name__}: {text!r}")
     key = text.strip().lower()
     if key in PRESETS:
-        return (*PRESETS[key], None)
+        return (*PRESETS[key], None, None)
+    if key in FLOAT8_PRESETS:
+        return (*PRESETS["mixed_bfloat16"], None, FLOAT8_PRESETS[key])
     if key == "auto":
-        return _auto()
+        return (*_auto(), None)
     if "=" in key:
-        return (*_parse_grammar(text), None)
+        params, compute, output, recipe = _parse_grammar(text)
+        return params, compute, output, None, recipe
     hint = closest(key, list(NAMES))
     raise ValueError(
         f"policy={text!r} is not a known policy; valid names: {', '.join(NAMES)}, or "
@@ -148,27 +186,57 @@ def _parse(text: str) -> tuple[torch.dtype, torch.dtype, torch.dtype, str | None
     )
 
 
-def _parse_grammar(text: str) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
-    """``params=float32,compute=bf16,output=float32``.
+def _parse_grammar(text: str) -> tuple[torch.dtype, torch.dtype, torch.dtype, str | None]:
+    """``params=float32,compute=bf16,output=float32`` (and ``,float8=<recipe>``).
 
     As with the keyword form, a missing ``params`` means float32 and a missing ``compute`` or
     ``output`` means the ``params`` dtype.
     """
     seen: dict[str, torch.dtype] = {}
+    recipe: str | None = None
     for part in text.split(","):
         key, sep, value = part.partition("=")
         key = key.strip().lower()
         if not sep or key not in _KEYS:
             raise ValueError(
                 f"policy={text!r}: bad entry {part.strip()!r}; expected key=dtype with key in "
-                f"{', '.join(sorted(set(_KEYS.values())))} and dtype in {', '.join(CANONICAL)}"
+                f"{', '.join(sorted(set(_KEYS.values()) - {'float8'}))} and dtype in "
+                f"{', '.join(CANONICAL)}, or float8=<recipe> with recipe in "
+                f"{', '.join(FLOAT8_RECIPES)}"
             )
         canonical = _KEYS[key]
-        if canonical in seen:
+        if canonical in seen or (canonical == "float8" and recipe is not None):
             raise ValueError(f"policy={text!r}: {canonical!r} is given twice")
+        if canonical == "float8":
+            recipe = parse_float8_recipe(value, argument="policy float8")
+            continue
         seen[canonical] = parse_dtype(value, argument=f"policy {canonical}")
     params = seen.get("params", torch.float32)
-    return params, seen.get("compute", params), seen.get("output", params)
+    compute = seen.get("compute", params)
+    if recipe is not None and compute != torch.bfloat16:
+        # torchao's float8 Linear returns its input's dtype and runs everything around the
+        # matmuls there; mixprec feeds it bfloat16, the dtype its recipes are tuned and tested
+        # with (float16 would also need loss scaling on top of float8's own scales).
+        raise ValueError(
+            f"policy={text!r}: float8={recipe} needs compute=bfloat16, got "
+            f"compute={dtype_name(compute)}; write e.g. "
+            f"'params=float32,compute=bfloat16,output=float32,float8={recipe}'"
+        )
+    return params, compute, seen.get("output", params), recipe
+
+
+def parse_float8_recipe(value: object, *, argument: str = "float8_recipe") -> str:
+    """A torchao float8 recipe name (case-insensitive), or ``ValueError`` listing them."""
+    if not isinstance(value, str):
+        raise TypeError(f"{argument} must be a str, got {type(value).__name__}: {value!r}")
+    key = value.strip().lower()
+    if key in FLOAT8_RECIPES:
+        return key
+    hint = closest(key, list(FLOAT8_RECIPES))
+    raise ValueError(
+        f"{argument}={value!r} is not a float8 recipe; valid: {', '.join(FLOAT8_RECIPES)}"
+        + (f" (closest: {hint!r})" if hint else "")
+    )
 
 
 def _auto() -> tuple[torch.dtype, torch.dtype, torch.dtype, str]:

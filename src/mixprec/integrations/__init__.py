@@ -1,0 +1,1 @@
+"""Integrations of mixprec with third-party trainers (optional extras)."""
