@@ -222,3 +222,32 @@ def test_header_length_that_looks_like_a_pickle(tmp_path):
     junk.write_bytes(b"hello world, not a checkpoint")
     with pytest.raises(mp.CheckpointError, match="junk.bin: truncated, corrupt, or not a"):
         mp.read_checkpoint(junk)
+
+
+def _rewrite_header(path, edit):
+    """Rewrite a checkpoint's mixprec JSON header in place (the checksum covers tensors)."""
+    raw = path.read_bytes()
+    length = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + length])
+    meta = json.loads(header["__metadata__"]["mixprec"])
+    edit(meta)
+    header["__metadata__"]["mixprec"] = json.dumps(meta)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length :])
+
+
+def test_damaged_optimizer_state_message_does_not_contradict_itself(tmp_path):
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    path = mp.save_checkpoint(tmp_path / "c.safetensors", model, opt)
+
+    def drop(meta):
+        del meta["optimizer"]["__dict__"][0]  # the first saved key: 'optimizers'
+
+    _rewrite_header(path, drop)
+    fresh = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    fresh_opt = mp.LossScaleOptimizer(torch.optim.SGD(fresh.parameters(), lr=0.1))
+    # Before: "optimizer state is from a LossScaleOptimizer, not a LossScaleOptimizer".
+    with pytest.raises(mp.CheckpointError, match="has no 'optimizers' entry"):
+        mp.load_checkpoint(path, fresh, fresh_opt)

@@ -404,16 +404,20 @@ def _load_optimizer(
     state = _unflatten(header["optimizer"], tensors)
     if isinstance(optimizer, LossScaleOptimizer):
         if "optimizers" not in state:
+            kind = header.get("optimizer_kind")
             raise CheckpointError(
-                f"{path}: optimizer state is from a {header.get('optimizer_kind')}, not a "
-                "LossScaleOptimizer"
+                f"{path}: the optimizer state of a LossScaleOptimizer has no 'optimizers' "
+                "entry (a damaged or hand-edited header)"
+                if kind == "LossScaleOptimizer"
+                else f"{path}: optimizer state is from a {kind}, not a LossScaleOptimizer"
             )
         names = _parameter_names(model)
         masters = []
         for param, _ in optimizer.master_weights():
             found = [n for n in names.get(id(param), []) if n in saved]
             if not found:
-                raise CheckpointError(f"{path}: no saved weight for the master of {names}")
+                wanted = ", ".join(names.get(id(param), [])) or f"a {tuple(param.shape)} weight"
+                raise CheckpointError(f"{path}: no saved weight for the master of {wanted}")
             masters.append(saved[found[0]].float())
         state["master_weights"] = masters
     try:
