@@ -146,3 +146,33 @@ def test_callback_argument_errors():
         trainer().fit(x, y, callbacks=["csv"], verbose=0)  # type: ignore[list-item]
     with pytest.raises(RuntimeError, match="EMA is not attached to a Trainer"):
         mp.EMA().on_train_begin({})
+
+
+def test_model_checkpoint_across_a_restart(tmp_path):
+    """keep_last counts an earlier run's checkpoints; a killed save's temp file goes."""
+    x, y = classification_data(n=64)
+    first = trainer()
+    first.fit(x, y, epochs=3, callbacks=[mp.ModelCheckpoint(tmp_path, keep_last=2)], verbose=0)
+    stale = tmp_path / ".epoch-0004.safetensors.k1ll3d.tmp"  # as _atomic_write names them
+    stale.write_bytes(b"half a checkpoint")
+    again = trainer()
+    again.fit(
+        x, y, epochs=5, callbacks=[mp.ModelCheckpoint(tmp_path, keep_last=2)], verbose=0,
+        resume_from=tmp_path / "epoch-0003.safetensors",
+    )  # fmt: skip
+    # Before: epoch-0002 and epoch-0003 of the first run stayed, beside 4 and 5 (and the .tmp).
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "epoch-0004.safetensors",
+        "epoch-0005.safetensors",
+    ]
+
+
+def test_checkpoint_mode_follows_the_umask(tmp_path):
+    import os
+
+    previous = os.umask(0o022)
+    try:
+        path = mp.save_checkpoint(tmp_path / "c.safetensors", make_mlp())
+    finally:
+        os.umask(previous)
+    assert path.stat().st_mode & 0o777 == 0o644  # before: 0o600 whatever the umask

@@ -154,6 +154,8 @@ def _atomic_write(tensors: dict[str, torch.Tensor], metadata: dict[str, str], pa
         save_file(tensors, tmp, metadata)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        # mkstemp makes the file 0600; a checkpoint gets the mode any new file would.
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -164,6 +166,17 @@ def _atomic_write(tensors: dict[str, torch.Tensor], metadata: dict[str, str], pa
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # the only way to read it; set back at once
+    os.umask(mask)
+    return mask
+
+
+def temporary_files(folder: Path) -> list[Path]:
+    """Temporary files ``_atomic_write`` leaves behind when its process is killed."""
+    return sorted(folder.glob(".*.safetensors.*.tmp"))
 
 
 def _model_tensors(

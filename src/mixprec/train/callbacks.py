@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import numpy
 import torch
 
-from mixprec.checkpoint import save_checkpoint
+from mixprec.checkpoint import save_checkpoint, temporary_files
 
 if TYPE_CHECKING:
     from mixprec.train.trainer import Trainer
@@ -334,6 +334,14 @@ class ModelCheckpoint(Callback):
 
     def on_train_begin(self, logs: Logs) -> None:
         self.dirpath.mkdir(parents=True, exist_ok=True)
+        # A save killed mid-write leaves its temporary file: nothing else will remove it.
+        for stale in temporary_files(self.dirpath):
+            stale.unlink(missing_ok=True)
+        # keep_last counts the checkpoints of earlier runs in this folder too (a restart).
+        if not self.saved:
+            earlier = [*self.dirpath.glob("step-*.safetensors")]
+            earlier += self.dirpath.glob("epoch-*.safetensors")
+            self.saved = sorted(earlier, key=lambda p: (p.stat().st_mtime_ns, p.name))
 
     def _write(self, path: Path) -> None:
         trainer = self.attached
