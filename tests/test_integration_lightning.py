@@ -1,0 +1,481 @@
+"""MixprecPrecision and MixprecFabricPrecision: mixprec's numerics inside Lightning's Trainer
+and Fabric, against float32 runs of the same trainer."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import math
+import pickle
+from typing import Any
+
+import pytest
+
+L = pytest.importorskip("lightning")
+
+import torch  # noqa: E402
+from lightning.fabric import Fabric  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import mixprec as mp  # noqa: E402
+from mixprec.integrations.lightning import (  # noqa: E402
+    MixprecFabricPrecision,
+    MixprecPrecision,
+)
+
+STEPS_PER_EPOCH = 8  # 128 samples, batches of 16
+
+# Net defines validation_step for the validate() test; the other runs pass no val data.
+pytestmark = pytest.mark.filterwarnings("ignore:You defined a `validation_step`:UserWarning")
+
+
+def _data() -> DataLoader:
+    """A learnable 4-class problem: labels from a fixed random teacher. Not shuffled, so
+    every run (and a resumed one) sees the same batches."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(128, 16, generator=g)
+    y = (x @ torch.randn(16, 4, generator=g)).argmax(1)
+    return DataLoader(TensorDataset(x, y), batch_size=16)
+
+
+def _mlp(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+class Net(L.LightningModule):
+    """A tiny classifier; ``overflow_at``: the loss is multiplied by inf at that batch."""
+
+    def __init__(self, seed: int = 0, scheduler: bool = False, overflow_at: int = -1) -> None:
+        super().__init__()
+        self.net = _mlp(seed)
+        self.scheduler = scheduler
+        self.overflow_at = overflow_at
+        self.losses: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.losses.append(loss.detach())
+        if batch_idx == self.overflow_at and self.current_epoch == 0:
+            loss = loss * math.inf  # inf/NaN in every gradient
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        if not self.scheduler:
+            return opt
+        sch = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.9**step)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sch, "interval": "step"}}
+
+
+def _trainer(plugin: Any = None, **kwargs: Any) -> L.Trainer:
+    options: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_epochs": 1,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "logger": False,
+        "num_sanity_val_steps": 0,
+        **kwargs,
+    }
+    return L.Trainer(plugins=[plugin] if plugin is not None else None, **options)
+
+
+def _losses(module: Net) -> torch.Tensor:
+    return torch.stack(module.losses).float()
+
+
+@pytest.fixture(scope="module")
+def float32_losses() -> torch.Tensor:
+    module = Net()
+    _trainer(max_epochs=3).fit(module, _data())
+    return _losses(module)
+
+
+# -- training at O2 -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_o2_tracks_the_float32_trainer(policy: str, float32_losses: torch.Tensor) -> None:
+    module = Net()
+    _trainer(MixprecPrecision(policy, level="O2"), max_epochs=3).fit(module, _data())
+    losses = _losses(module)
+    assert losses.shape == float32_losses.shape == (3 * STEPS_PER_EPOCH,)
+    # 24 AdamW steps (lr 1e-2) with 16-bit compute and float32 masters: measured max |loss
+    # difference| 0.0011 for bfloat16 (8 significand bits) and 0.00042 for float16 (11); pure
+    # bfloat16 without masters (O3) measured 0.0015. Tolerances: about 4x the measurement.
+    tolerance = 0.005 if policy == "mixed_bfloat16" else 0.002
+    gap = (losses - float32_losses).abs().max().item()
+    assert 0 < gap < tolerance  # > 0: the steps did run in 16 bits
+    assert losses[-4:].mean() < 0.7 * losses[:4].mean()  # it learns (measured 0.53)
+
+
+def test_accumulation_and_value_clipping_track_float32() -> None:
+    runs = {}
+    for name, plugin in (("f32", None), ("bf16", MixprecPrecision("mixed_bfloat16"))):
+        module = Net(scheduler=True)
+        trainer = _trainer(
+            plugin,
+            max_epochs=2,
+            accumulate_grad_batches=2,
+            gradient_clip_val=0.5,
+            gradient_clip_algorithm="value",
+        )
+        trainer.fit(module, _data())
+        runs[name] = _losses(module)
+        assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == STEPS_PER_EPOCH
+    # 8 updates of 2 micro-batches each: measured max |loss difference| 0.00058.
+    assert 0 < (runs["bf16"] - runs["f32"]).abs().max().item() < 0.003
+
+
+def test_o2_stores_16bit_weights_with_float32_masters() -> None:
+    module = Net()
+    plugin = MixprecPrecision("mixed_float16", level="O2")
+    trainer = _trainer(plugin, limit_train_batches=2)
+    trainer.fit(module, _data())
+    assert trainer.precision == plugin.precision == "16-mixed"
+    assert plugin.device == "cpu"
+    weights = [p for p in module.parameters()]
+    assert {p.dtype for p in weights} == {torch.float16}
+    (lso,) = trainer.optimizers
+    assert isinstance(lso, mp.LossScaleOptimizer) and plugin.optimizers == [lso]
+    assert isinstance(lso.optimizer, torch.optim.AdamW)
+    assert all(p.dtype == torch.float32 for p in lso.master_params())
+    pairs = lso.master_weights()
+    assert [id(half) for half, _ in pairs] == [id(p) for p in weights]
+    for half, master in pairs:  # each 16-bit weight is its master rounded
+        assert torch.equal(half, master.to(torch.float16))
+    assert any(not torch.equal(m, m.half().float()) for _, m in pairs)  # masters are wider
+    # The optimizer's moments live beside the masters, in float32.
+    assert {v.dtype for s in lso.state.values() for v in s.values() if v.dim()} == {torch.float32}
+    assert isinstance(plugin.loss_scaler, mp.DynamicLossScaler)
+    # Lightning prepares the model again at validate(): the plugin leaves it as it is.
+    (metrics,) = trainer.validate(module, _data(), verbose=False)
+    assert math.isfinite(metrics["val_loss"])
+    assert trainer.optimizers == [lso]
+
+
+def test_manual_optimization_steps_through_the_wrapper() -> None:
+    class Manual(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.results: list[mp.StepResult] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            opt = self.optimizers()
+            opt.zero_grad()
+            x, y = batch
+            loss = nn.functional.cross_entropy(self.net(x), y)
+            self.losses.append(loss.detach())
+            self.manual_backward(loss)
+            # Before opt.step(): the plugin unscales first, so the clip acts on true gradients.
+            self.clip_gradients(opt, gradient_clip_val=0.01, gradient_clip_algorithm="norm")
+            self.results.append(opt.step())
+            return loss
+
+        def on_train_start(self) -> None:
+            def pre_step(inner: torch.optim.Optimizer, *_: Any) -> None:
+                grads = [p.grad for g in inner.param_groups for p in g["params"]]
+                self.norms.append(torch.stack([g.norm() for g in grads]).norm().item())
+
+            self.norms: list[float] = []
+            self.trainer.optimizers[0].register_step_pre_hook(pre_step)
+
+    module = Manual()
+    _trainer(MixprecPrecision("mixed_float16", level="O2")).fit(module, _data())
+    assert len(module.results) == STEPS_PER_EPOCH
+    assert all(isinstance(r, mp.StepResult) and r.applied for r in module.results)
+    assert module.results[0].scale == 2.0**16
+    assert module.norms == pytest.approx([0.01] * STEPS_PER_EPOCH, rel=1e-5)
+    assert _losses(module)[-1] < _losses(module)[0]
+
+
+# -- overflow, schedulers, logging --------------------------------------------------------------
+
+
+class _Snapshots(L.Callback):
+    def __init__(self) -> None:
+        self.weights: list[list[torch.Tensor]] = []
+        self.lrs: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: Any, *args: Any) -> None:
+        self.weights.append([p.detach().clone() for p in module.parameters()])
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_overflow_skips_the_step_and_holds_the_scheduler(
+    policy: str, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    k = 3
+    module = Net(scheduler=True, overflow_at=k)
+    plugin = MixprecPrecision(policy, level="O2", trace_overflow=True)
+    snaps = _Snapshots()
+    logger = L.pytorch.loggers.CSVLogger(tmp_path, name="run", version=0)
+    trainer = _trainer(plugin, logger=logger, log_every_n_steps=1, callbacks=[snaps])
+    trainer.fit(module, _data())
+
+    unchanged = zip(snaps.weights[k], snaps.weights[k - 1], strict=True)
+    assert all(torch.equal(a, b) for a, b in unchanged)
+    changed = zip(snaps.weights[k + 1], snaps.weights[k], strict=True)
+    assert all(not torch.equal(a, b) for a, b in changed)
+    # The scheduler stayed where it was at the skipped step, and only there.
+    assert snaps.lrs[k] == snaps.lrs[k - 1]
+    assert all(snaps.lrs[i + 1] < snaps.lrs[i] for i in range(len(snaps.lrs) - 1) if i != k - 1)
+    held = trainer.lr_scheduler_configs[0].scheduler
+    assert isinstance(held, torch.optim.lr_scheduler.LambdaLR)  # user hooks still see its type
+    assert held.last_epoch == STEPS_PER_EPOCH - 1  # applied steps, not Lightning's 8
+    assert copy.deepcopy(held).last_epoch == held.last_epoch
+
+    state = plugin.loss_scaler.state
+    assert state.skipped_steps == 1 and state.last_overflow_step == k
+    expected_scale = 1.0 if policy == "mixed_bfloat16" else 2.0**15  # float16: backed off once
+    assert plugin.loss_scaler.get_scale() == expected_scale
+
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("skipped_steps")]
+    assert [float(r["skipped_steps"]) for r in rows] == [0.0] * k + [1.0] * (STEPS_PER_EPOCH - k)
+    scales = [float(r["loss_scale"]) for r in rows]
+    assert scales[-1] == expected_scale and scales[0] == (2.0**16 if expected_scale > 1 else 1.0)
+    # trace_overflow: the loss was made inf after the model, so the first non-finite value is
+    # the gradient arriving at the model's last layer.
+    assert "step skipped: overflow first in net" in caplog.text
+    assert "backward" in caplog.text
+
+
+def test_gradient_clipping_acts_on_unscaled_float32_masters() -> None:
+    clip = 1e-3
+
+    class Recording(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.before_clip: list[float] = []
+            self.at_step: list[float] = []
+
+        def on_train_start(self) -> None:
+            opt = self.trainer.optimizers[0]
+            if not isinstance(opt, mp.LossScaleOptimizer):
+                return  # float32: torch's step runs the closure after its pre-hooks
+
+            def pre_step(inner: torch.optim.Optimizer, *_: Any) -> None:
+                grads = [p.grad for g in inner.param_groups for p in g["params"]]
+                self.at_step.append(torch.stack([g.norm() for g in grads]).norm().item())
+
+            opt.register_step_pre_hook(pre_step)
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            params = list(self.trainer.precision_plugin.main_params(optimizer))
+            norm = torch.stack([p.grad.norm() for p in params]).norm()
+            self.before_clip.append(norm.item())
+
+    results = {}
+    for name, plugin in (("f32", None), ("f16", MixprecPrecision("mixed_float16", level="O2"))):
+        module = Recording()
+        _trainer(plugin, gradient_clip_val=clip, limit_train_batches=3).fit(module, _data())
+        results[name] = module
+    f16 = results["f16"]
+    # What the hooks see is unscaled: the float32 run's first gradient norm up to float16
+    # rounding (measured 7e-5 relative); scaled, it would be 65536 times larger.
+    assert f16.before_clip[0] == pytest.approx(results["f32"].before_clip[0], rel=1e-2)
+    assert min(f16.before_clip) > 100 * clip  # so the clip is active at every step
+    # What the optimizer applies is the clipped master gradient: total norm == clip.
+    assert f16.at_step == pytest.approx([clip] * 3, rel=1e-5)
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+
+
+def _scaler() -> mp.DynamicLossScaler:
+    # Small and quick to grow, so the scale changes during the run and must be restored.
+    return mp.DynamicLossScaler(init_scale=2.0**10, growth_interval=3)
+
+
+def test_resume_from_a_lightning_checkpoint_equals_an_uninterrupted_run(tmp_path: Any) -> None:
+    whole = Net(scheduler=True)
+    whole_plugin = MixprecPrecision("mixed_float16", level="O2", loss_scaler=_scaler())
+    whole_trainer = _trainer(whole_plugin, max_epochs=2)
+    whole_trainer.fit(whole, _data())
+
+    first = Net(scheduler=True)
+    first_plugin = MixprecPrecision("mixed_float16", level="O2", loss_scaler=_scaler())
+    first_trainer = _trainer(first_plugin, max_epochs=1)
+    first_trainer.fit(first, _data())
+    path = tmp_path / "epoch1.ckpt"
+    first_trainer.save_checkpoint(path)
+    saved_scale = first_plugin.loss_scaler.get_scale()
+    assert saved_scale != 2.0**10
+
+    class Resumed(Net):
+        def on_train_start(self) -> None:
+            self.scale_at_start = self.trainer.precision_plugin.loss_scaler.get_scale()
+
+    resumed = Resumed(seed=7, scheduler=True)  # other initial weights: all must come back
+    plugin = MixprecPrecision("mixed_float16", level="O2", loss_scaler=_scaler())
+    trainer = _trainer(plugin, max_epochs=2)
+    trainer.fit(resumed, _data(), ckpt_path=path)
+
+    assert resumed.scale_at_start == saved_scale
+    assert torch.equal(_losses(resumed), _losses(whole)[STEPS_PER_EPOCH:])
+    for a, b in zip(resumed.parameters(), whole.parameters(), strict=True):
+        assert a.dtype == torch.float16 and torch.equal(a, b)
+    for (_, a), (_, b) in zip(
+        trainer.optimizers[0].master_weights(),
+        whole_trainer.optimizers[0].master_weights(),
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+    assert plugin.loss_scaler.state == whole_plugin.loss_scaler.state
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 2 * STEPS_PER_EPOCH
+
+
+# -- Fabric --------------------------------------------------------------------------------------
+
+
+def _fabric_run(
+    plugin: MixprecFabricPrecision | None,
+    steps: int,
+    seed: int = 0,
+    load: Any = None,
+    save: Any = None,
+    start: int = 0,
+) -> tuple[list[float], nn.Module]:
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin] if plugin else None)
+    model = _mlp(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = fabric.setup(model, opt)
+    state = {"model": model, "optimizer": opt, **({"mixprec": plugin} if plugin else {})}
+    if load is not None:
+        fabric.load(load, state)
+    batches = list(_data()) * 4
+    losses = []
+    for x, y in batches[start : start + steps]:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        fabric.backward(loss)
+        fabric.clip_gradients(model, opt, max_norm=1.0, error_if_nonfinite=False)
+        opt.step()
+        losses.append(loss.item())
+    if save is not None:
+        fabric.save(save, state)
+    return losses, model
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_fabric_o2_tracks_float32(policy: str) -> None:
+    reference, _ = _fabric_run(None, steps=24)
+    plugin = MixprecFabricPrecision(policy, level="O2")
+    losses, model = _fabric_run(plugin, steps=24)
+    # The Trainer's model, data and steps, with clipping: measured max |loss difference|
+    # 0.0011 (bfloat16) and 0.00042 (float16), the Trainer's figures to the last bit.
+    tolerance = 0.005 if policy == "mixed_bfloat16" else 0.002
+    gap = max(abs(a - b) for a, b in zip(losses, reference, strict=True))
+    assert 0 < gap < tolerance
+    assert losses[-1] < 0.8 * losses[0]  # measured 0.57
+    assert {p.dtype for p in model.parameters()} == {plugin.policy.compute_dtype}
+    (lso,) = plugin.optimizers
+    assert all(p.dtype == torch.float32 for p in lso.master_params())
+    # Released after each step: the user's zero_grad only reaches the masters.
+    assert all(p.grad is None for p in model.parameters())
+    assert plugin.last_step is not None and plugin.last_step.applied
+
+
+def test_fabric_checkpoint_with_the_plugin_resumes_bitwise(tmp_path: Any) -> None:
+    whole_plugin = MixprecFabricPrecision("mixed_float16", level="O2", loss_scaler=_scaler())
+    whole, whole_model = _fabric_run(whole_plugin, steps=12)
+    path = tmp_path / "fabric.ckpt"
+    first_plugin = MixprecFabricPrecision("mixed_float16", level="O2", loss_scaler=_scaler())
+    _fabric_run(first_plugin, steps=6, save=path)
+    assert first_plugin.loss_scaler.get_scale() != 2.0**10  # so restoring it is tested
+    # Loaded before Fabric shows the plugin the optimizer: the masters wait for it.
+    plugin = MixprecFabricPrecision("mixed_float16", level="O2", loss_scaler=_scaler())
+    rest, model = _fabric_run(plugin, steps=6, seed=7, load=path, start=6)
+    assert rest == whole[6:]
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), whole_model.parameters(), strict=True)
+    )
+    (lso,), (whole_lso,) = plugin.optimizers, whole_plugin.optimizers
+    for (_, a), (_, b) in zip(lso.master_weights(), whole_lso.master_weights(), strict=True):
+        assert torch.equal(a, b)
+    assert plugin.loss_scaler.state == whole_plugin.loss_scaler.state
+
+
+# -- arguments and pickling ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"policy": "mixed_bfloat"}, ValueError,
+         r"MixprecPrecision: policy='mixed_bfloat' is not a known policy; valid names: .*"
+         r"\(closest: 'mixed_bfloat16'\)"),
+        ({"policy": 16}, TypeError, r"MixprecPrecision: policy must be a str or Policy, got int"),
+        ({"level": "O5"}, ValueError,
+         r"MixprecPrecision: level='O5' is not a known level; valid: O0, O1, O2, O3, auto"),
+        ({"level": 2}, TypeError, r"MixprecPrecision: level must be a str, got int: 2"),
+        ({"loss_scaler": torch.amp.GradScaler("cpu")}, TypeError,
+         r"MixprecPrecision\(loss_scaler=.*\): expected None \(the policy's default\) or a "
+         r"mixprec NoOpLossScaler, StaticLossScaler or DynamicLossScaler, got GradScaler"),
+        ({"keep_float32": [nn.Linear, 3]}, TypeError,
+         r"MixprecPrecision\(keep_float32=...\): entry 3 \(int\) is not an nn.Module subclass"),
+        ({"keep_float32": 3}, TypeError, r"MixprecPrecision\(keep_float32=3\): expected module"),
+        ({"trace_overflow": "yes"}, TypeError,
+         r"MixprecPrecision\(trace_overflow='yes'\): expected True or False, got str"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_name_the_argument_and_what_is_valid(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        MixprecPrecision(**kwargs)
+
+
+def test_bad_keep_float32_name_fails_at_setup_with_the_closest_name() -> None:
+    trainer = _trainer(MixprecPrecision(keep_float32=["net.3"]))
+    with pytest.raises(ValueError, match=r"'net.3' matches no module .*closest: 'net.2'"):
+        trainer.fit(Net(), _data())
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda p: mp.LossScaleOptimizer(torch.optim.SGD(p, lr=0.1)),
+         r"already a LossScaleOptimizer; return the plain torch optimizer"),
+        (lambda p: torch.optim.LBFGS(p), r"LBFGS re-evaluates its closure"),
+    ],
+)  # fmt: skip
+def test_optimizers_it_cannot_wrap_are_refused(make: Any, match: str) -> None:
+    class Custom(Net):
+        def configure_optimizers(self) -> Any:
+            return make(self.parameters())
+
+    with pytest.raises(TypeError, match=match):
+        _trainer(MixprecPrecision()).fit(Custom(), _data())
+
+
+def test_a_checkpoint_of_another_level_is_refused() -> None:
+    saved = MixprecPrecision("mixed_bfloat16", level="O2")
+    saved.convert_module(_mlp(0))
+    state = saved.state_dict()
+    assert state["level"] == "O2" and state["loss_scaler"]["type"] == "NoOpLossScaler"
+    other = MixprecPrecision("mixed_bfloat16", level="O1")
+    other.convert_module(_mlp(0))
+    with pytest.raises(ValueError, match=r"trained at level 'O2' .*this plugin runs level 'O1'"):
+        other.load_state_dict(state)
+
+
+def test_plugin_pickles_before_and_after_a_run() -> None:
+    plugin = MixprecPrecision("mixed_float16", level="O2", keep_float32=[nn.ReLU])
+    copy = pickle.loads(pickle.dumps(plugin))  # what ddp_spawn does before setup
+    assert (copy.policy, copy.level, copy.precision) == (plugin.policy, "O2", "16-mixed")
+    _trainer(plugin, limit_train_batches=2).fit(Net(), _data())
+    after = pickle.loads(pickle.dumps(plugin))
+    assert after.optimizers == [] and after.loss_scaler.state == plugin.loss_scaler.state
