@@ -24,6 +24,7 @@ import mixprec as mp
 transformers = pytest.importorskip("transformers")
 
 from mixprec.integrations.transformers import MixprecTrainer  # noqa: E402
+from tests._tiny_gpt2 import counting_rows, tiny_gpt2  # noqa: E402
 
 VOCAB, SEQ = 100, 16
 POLICIES = ("mixed_bfloat16", "mixed_float16")
@@ -48,34 +49,11 @@ def _offline(monkeypatch):
 
 
 def build() -> nn.Module:
-    """A tiny GPT-2 LM with seeded weights; the global RNG is left untouched."""
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        config = transformers.GPT2Config(
-            n_layer=2,
-            n_head=2,
-            n_embd=32,
-            vocab_size=VOCAB,
-            n_positions=SEQ,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=VOCAB - 1,
-            eos_token_id=VOCAB - 1,
-        )
-        model = transformers.GPT2LMHeadModel(config)
-    # Unset, transformers warns from loss_function on every forward.
-    model.loss_type = "ForCausalLM"
-    return model
+    return tiny_gpt2(VOCAB, SEQ)
 
 
 def dataset(n: int = 128, seed: int = 0) -> list[dict[str, torch.Tensor]]:
-    """Rows counting up from a random start by a stride of 1-3 (mod VOCAB): learnable."""
-    g = torch.Generator().manual_seed(seed)
-    start = torch.randint(0, VOCAB, (n, 1), generator=g)
-    stride = torch.randint(1, 4, (n, 1), generator=g)
-    ids = (start + stride * torch.arange(SEQ)) % VOCAB
-    return [{"input_ids": row, "labels": row} for row in ids]
+    return counting_rows(n, VOCAB, SEQ, seed)
 
 
 def arguments(out: Path, **overrides: Any) -> Any:
