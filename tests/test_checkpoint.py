@@ -251,3 +251,11 @@ def test_damaged_optimizer_state_message_does_not_contradict_itself(tmp_path):
     # Before: "optimizer state is from a LossScaleOptimizer, not a LossScaleOptimizer".
     with pytest.raises(mp.CheckpointError, match="has no 'optimizers' entry"):
         mp.load_checkpoint(path, fresh, fresh_opt)
+
+
+def test_reading_a_directory_says_it_is_one(tmp_path):
+    mp.save_checkpoint(tmp_path / "c.safetensors", make_mlp())
+    with pytest.raises(
+        mp.CheckpointError, match=r"is a directory, not a checkpoint file \(it holds c"
+    ):
+        mp.read_checkpoint(tmp_path)

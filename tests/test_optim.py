@@ -579,3 +579,22 @@ def test_load_state_dict_of_the_wrong_types_is_a_type_error(change, match) -> No
     with pytest.raises(TypeError, match=match):
         opt.load_state_dict(change(good))
     assert all(torch.equal(a, m) for a, (_, m) in zip(before, opt.master_weights(), strict=True))
+
+
+def test_float16_weight_added_later_is_checked_too() -> None:
+    first = nn.Linear(2, 1)
+    later = nn.Linear(4, 1)
+    later.bias.data.fill_(65000.0)
+    model = mp.auto_mixed_precision(nn.ModuleList([first, later]), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(
+        torch.optim.SGD(first.parameters(), lr=1.0), loss_scaler=mp.StaticLossScaler(1.0)
+    )
+    opt.add_param_group({"params": list(later.parameters())})
+    for _ in range(2):
+        opt.zero_grad()
+        x = torch.zeros(8, 4, dtype=torch.float16)  # a ModuleList has no forward: no region
+        opt.backward(-model[1](x).float().mean() * 1000 + model[0].weight.float().sum())
+        if _ == 0:
+            assert opt.step().applied
+    with pytest.raises(FloatingPointError, match=r"1\.bias \(float16"):
+        opt.step()

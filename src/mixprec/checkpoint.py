@@ -283,6 +283,10 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tenso
     ``torch.save`` state dict (model tensors are named ``model/<key>``), after checking the
     format version and the checksum."""
     file = Path(path)
+    if file.is_dir():
+        found = sorted(p.name for p in file.glob("*.safetensors"))
+        hint = f" (it holds {', '.join(found[:4])})" if found else ""
+        raise CheckpointError(f"{str(file)!r} is a directory, not a checkpoint file{hint}")
     if not file.is_file():
         raise CheckpointError(f"{file}: no such checkpoint file")
     with file.open("rb") as f:

@@ -73,14 +73,6 @@ def _check_parent(option: str, path: str, parent: Path) -> None:
         raise UsageError(f"{option} {path!r}: cannot write in {str(parent)!r} (permission denied)")
 
 
-def _checkpoint_file(path: str) -> str:
-    if Path(path).is_dir():
-        found = sorted(p.name for p in Path(path).glob("*.safetensors"))
-        hint = f" (it holds {', '.join(found[:4])})" if found else ""
-        raise UsageError(f"{path!r} is a directory, not a checkpoint file{hint}")
-    return path
-
-
 def _load(data: str, seed: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
     if data == "digits":
         return mixprec.data.load_digits(seed=seed)
@@ -299,7 +291,6 @@ def _silent(*args: Any, **kwargs: Any) -> None:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    _checkpoint_file(args.input)
     _output_file("output", args.output)
     report = mixprec.convert_checkpoint(args.input, args.output, args.dtype, args.on_range)
     from safetensors import safe_open
@@ -316,7 +307,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    tensors, header = mixprec.read_checkpoint(_checkpoint_file(args.checkpoint))
+    tensors, header = mixprec.read_checkpoint(args.checkpoint)
     print(f"{args.checkpoint}: {len(tensors)} tensors")
     for key in ("format_version", "mixprec_version", "torch_version", "policy", "level"):
         if header.get(key) is not None:

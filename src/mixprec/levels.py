@@ -145,12 +145,18 @@ def resolve_level(level: str, policy: Policy) -> str:
     )
 
 
+def keep_list(entries: KeepEntry | Iterable[KeepEntry]) -> tuple[KeepEntry, ...]:
+    """``keep_float32``-style arguments as a tuple: one entry may be given alone."""
+    if isinstance(entries, (str, nn.Module, type)):
+        return (entries,)
+    return tuple(entries)
+
+
 def _kept_modules(
     model: nn.Module, keep_float32: Iterable[KeepEntry], argument: str = "keep_float32"
 ) -> dict[str, nn.Module]:
     """Resolve ``keep_float32`` entries (types, name patterns, modules) to named modules."""
-    if isinstance(keep_float32, (str, nn.Module, type)):
-        keep_float32 = [keep_float32]
+    keep_float32 = keep_list(keep_float32)
     named = dict(model.named_modules())
     kept: dict[str, nn.Module] = {}
     for entry in keep_float32:

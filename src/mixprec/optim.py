@@ -185,6 +185,11 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._masters: list[torch.Tensor] = []  # their float32 masters, same order
         self._plain: list[torch.Tensor] = []  # parameters the inner optimizer updates as is
         self._index: dict[int, tuple[bool, int]] = {}  # id(param) -> (has master, position)
+        # float16 weights, which an update can push past 65504 while their float32 masters
+        # stay finite: checked after each applied step, read at the next one's
+        # synchronisation. (bfloat16 has float32's range: it overflows only where float32
+        # training would, which no one checks either.)
+        self._checked: list[torch.Tensor] = []
         for inner in self.optimizers:
             for i, group in enumerate(inner.param_groups):
                 group["params"] = self._adopt(inner, group["params"], f"param_groups[{i}]")
@@ -203,12 +208,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._micro = 0  # backward passes since the last update
         self._fresh = False  # a backward happened since the last step()
         self._found_inf: torch.Tensor | None = None  # set by unscale_()
-        # float16 weights, which an update can push past 65504 while their float32 masters
-        # stay finite: checked after each applied step, read at the next one's
-        # synchronisation. (bfloat16 has float32's range: it overflows only where float32
-        # training would, which no one checks either.)
-        self._checked = [_local(p) for p in self._half + self._plain if p.dtype == torch.float16]
-        self._weights_finite: torch.Tensor | None = None
+        self._weights_finite: torch.Tensor | None = None  # see _finish
 
     @staticmethod
     def _make_tracer(
@@ -235,6 +235,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         adopted = []
         for j, p in enumerate(params):
             _check_param(p, f"{where}['params'][{j}]")
+            if p.dtype == torch.float16:
+                self._checked.append(_local(p))
             if p.dtype in HALF_DTYPES and (
                 getattr(p, LEVEL_ATTR, None) != "O3" or getattr(p, MASTERS_ATTR, False)
             ):
@@ -267,6 +269,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         group["params"] = self._adopt(self.optimizer, params, "param_group")
+        self._versions = self._half_versions()  # new 16-bit parameters have versions too
         self.optimizer.add_param_group(group)
         _fuse(self.optimizer, self.optimizer.param_groups[-1])
 

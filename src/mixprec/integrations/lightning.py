@@ -35,7 +35,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec.casting import Float32Functions, cast_floating
-from mixprec.levels import KeepEntry, applied, auto_mixed_precision, resolve_level
+from mixprec.levels import KeepEntry, applied, auto_mixed_precision, keep_list, resolve_level
 from mixprec.optim import LossScaleOptimizer, StepResult, _needs_scaling
 from mixprec.policy import Policy, PolicyLike, get_policy
 from mixprec.scaling import DynamicLossScaler, LossScaler, NoOpLossScaler
@@ -57,10 +57,8 @@ def _precision_name(policy: Policy, level: str) -> PrecisionName:
 
 def _keep_entries(owner: str, keep_float32: Any) -> tuple[KeepEntry, ...]:
     """Check the entries' types now; names are matched against the model in convert_module."""
-    if isinstance(keep_float32, (str, nn.Module, type)):
-        keep_float32 = (keep_float32,)
     try:
-        entries = tuple(keep_float32)
+        entries = keep_list(keep_float32)
     except TypeError:
         raise TypeError(
             f"{owner}(keep_float32={keep_float32!r}): expected module types, module name "

@@ -35,7 +35,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.optimization import GreedyLR
 
 from mixprec._errors import ArgumentError, MisuseError
-from mixprec.levels import KeepEntry, applied, auto_mixed_precision, resolve_level
+from mixprec.levels import KeepEntry, applied, auto_mixed_precision, keep_list, resolve_level
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import Policy, PolicyLike, get_policy
 from mixprec.scaling import LossScaler
@@ -104,9 +104,7 @@ class MixprecTrainer(Trainer):
             _check_unprepared(model)
         _refuse_second_mixed_precision(args, self.policy)
         self._loss_scaler = loss_scaler
-        self._keep_float32 = tuple(
-            [keep_float32] if isinstance(keep_float32, (str, nn.Module, type)) else keep_float32
-        )
+        self._keep_float32 = keep_list(keep_float32)
         self._trace_overflow = trace_overflow
         self._mixprec_optimizer: LossScaleOptimizer | None = None
         optimizers = trainer_kwargs.get("optimizers")
