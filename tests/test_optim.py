@@ -252,8 +252,13 @@ def test_state_dict_round_trip():
         opt2.load_state_dict({"optimizers": [], "loss_scaler": {}})
 
 
-def test_one_host_sync_per_step(monkeypatch):
+@pytest.mark.parametrize("on_host", [False, True], ids=["device-path", "cpu-path"])
+def test_one_host_sync_per_step(monkeypatch, on_host):
     # SGD: Adam reads its (CPU-resident) step counter with .item(), which would be counted.
+    # The device path (what CUDA runs) reads one tensor per step; on CPU, where a read costs
+    # no synchronisation, the finiteness checks read their per-tensor sums at once.
+    if not on_host:
+        monkeypatch.setattr(mp.scaling, "checks_on_host", lambda devices: False)
     model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
     opt = mp.LossScaleOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), max_grad_norm=1.0
@@ -272,7 +277,11 @@ def test_one_host_sync_per_step(monkeypatch):
     opt.backward(loss)
     calls.clear()
     opt.step()
-    assert calls == ["tolist"]
+    if not on_host:
+        assert calls == ["tolist"]
+    else:  # the float16 weights' check: one .item() per weight, then the flags' tolist
+        weights = [p for p in model.parameters() if p.dtype == torch.float16]
+        assert calls == ["tolist"] + ["item"] * len(weights)
 
 
 def test_misuse():
@@ -447,6 +456,9 @@ def test_not_fused_once_the_optimizer_has_state_or_for_other_optimizers():
     loss_of(model).backward()
     inner.step()  # state in the loop's format
     assert mp.LossScaleOptimizer(inner).param_groups[0]["fused"] is None
+    # Plain SGD is one add per parameter: torch's loop is as fast as the fused kernel.
+    sgd = mp.LossScaleOptimizer(torch.optim.SGD(make_mlp().parameters(), lr=1e-3))
+    assert sgd.param_groups[0]["fused"] is None
     rms = torch.optim.RMSprop(make_mlp().parameters(), lr=1e-3)
     mp.LossScaleOptimizer(rms)
     assert rms.param_groups[0]["foreach"] is None and "fused" not in rms.param_groups[0]
@@ -469,7 +481,7 @@ def test_a_fused_group_falls_back_for_sparse_gradients():
     # torch's fused SGD refuses sparse gradients; the wrapper steps that group unfused.
     torch.manual_seed(0)
     emb = nn.Embedding(20, 4, sparse=True)
-    opt = mp.LossScaleOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5))
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5, momentum=0.5))
     assert opt.param_groups[0]["fused"] is True
     before = emb.weight.detach().clone()
     opt.backward(emb(torch.tensor([1, 3, 3])).sum())

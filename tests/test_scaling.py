@@ -473,3 +473,36 @@ def test_numbers_beyond_float_are_refused_by_name(make):
         ValueError, match=r"(init_scale|scale|max_grad_norm)=an int of 401 digits is invalid"
     ):
         make()
+
+
+BIG = torch.finfo(torch.float32).max
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["cpu-read", "kernel"])
+@pytest.mark.parametrize(
+    ("values", "finite"),
+    [
+        ([[1.0, -2.0], [3.0]], True),
+        ([[1.0, float("nan")], [3.0]], False),
+        ([[1.0], [float("-inf"), 2.0]], False),
+        ([[float("inf"), float("-inf")]], False),  # sums to NaN: still non-finite
+        ([[BIG, BIG], [BIG]], True),  # finite values whose sum overflows float32
+        ([[-BIG, -BIG]], True),
+        ([[], [5.0]], True),
+    ],
+)
+def test_scale_one_checks_read_only_and_exact(monkeypatch, values, finite, on_host):
+    # At scale 1 on CPU the check reads per-tensor sums (no multiply-by-1 write); a sum
+    # that overflows is confirmed value by value, so finite values are never a false alarm.
+    if not on_host:
+        monkeypatch.setattr(mp.scaling, "checks_on_host", lambda devices: False)
+    grads = [torch.tensor(v, dtype=torch.float32) for v in values]
+    before = [g.clone() for g in grads]
+    found = unscale_grads_(grads, 1.0)
+    assert found.dtype == torch.float32 and found.dim() == 0
+    assert found.item() == (0.0 if finite else 1.0)
+    assert bool(mp.all_finite(grads)) is finite
+    halves = [g.to(torch.float16) for g in grads]  # BIG becomes inf here
+    assert bool(mp.all_finite(halves)) is all(bool(h.isfinite().all()) for h in halves)
+    for g, b in zip(grads, before, strict=True):
+        assert torch.equal(g.nan_to_num(), b.nan_to_num())  # not written

@@ -502,7 +502,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if self._weights_finite is not None:
             flags.append((~self._weights_finite).reshape(1).to(flags[0]))
             self._weights_finite = None
-        agreed = agree_found_inf(torch.cat(flags))
+        agreed = agree_found_inf(flags[0] if len(flags) == 1 else torch.cat(flags))
         scale = self._loss_scaler.get_scale()
         norm = None
         if self.max_grad_norm is not None:
@@ -699,6 +699,9 @@ def _fuse(inner: torch.optim.Optimizer, group: dict[str, Any]) -> None:
     parameters (the fused kernels have no sharding rule)."""
     if (
         type(inner) not in _FUSABLE
+        # Plain SGD (no momentum) is one add per parameter: torch's loop is faster than the
+        # fused kernel on CPU (141 against 158 us a step for the MLP's 0.67 M, one thread).
+        or (type(inner) is torch.optim.SGD and not group.get("momentum"))
         or inner.state
         or group.get("fused", False) is not None
         or group.get("foreach") is not None
