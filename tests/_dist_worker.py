@@ -3,6 +3,7 @@ every rank saw to OUT/<scenario>-<rank>.pt for the test to compare."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -90,6 +91,47 @@ def fsdp_losses(out: Path, rank: int, policy: str) -> None:
                out / f"fsdp-{policy}-{rank}.pt")  # fmt: skip
 
 
+def float8_model() -> nn.Module:
+    """Dimensions float8 takes (multiples of 16); the head stays bfloat16."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 10))  # fmt: skip
+
+
+def float8_losses(out: Path, rank: int, kind: str) -> None:
+    """``ddp``: mixed_float8 at O2 under DDP. ``fsdp``: at O1 (float32 weights) under FSDP2
+    with torchao's float8 all-gather (the sharded weights are gathered in float8)."""
+    from torch.distributed.fsdp import fully_shard
+
+    x, y = global_batch()
+    mine = slice(rank, None, 2)
+    if kind == "ddp":
+        model = mp.auto_mixed_precision(float8_model(), "mixed_float8", "O2",
+                                        float8=mp.Float8Options(min_features=16))  # fmt: skip
+        opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        run = mpd.distributed_data_parallel(model, opt)
+    else:
+        options = mp.Float8Options(min_features=16, fsdp_float8_all_gather=True)
+        model = mp.auto_mixed_precision(float8_model(), "mixed_float8", "O1", float8=options)
+        mixed = mpd.fsdp_mixed_precision("mixed_float8")
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mp_policy=mixed)
+        run = fully_shard(model, mp_policy=mixed)
+        opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    losses, applied = [], []
+    for _ in range(6):
+        opt.zero_grad()
+        loss = CE(run(x[mine]), y[mine])
+        opt.backward(loss)
+        applied.append(opt.step().applied)
+        losses.append(mpd.all_reduce_sum([loss.item()])[0] / 2)
+    weight = model[0].weight
+    local = weight.to_local() if kind == "fsdp" else weight  # type: ignore[operator]
+    torch.save({"losses": losses, "applied": applied, "weight_type": type(local).__name__},
+               out / f"fp8-{kind}-{rank}.pt")  # fmt: skip
+
+
 def trainer_and_resume(out: Path, rank: int) -> None:
     x, y = classification_data(n=256, seed=3)
     results = {}
@@ -151,6 +193,9 @@ def main(out: str) -> None:
         fsdp_losses(path, rank, "mixed_float16")
         trainer_and_resume(path, rank)
         recommender(path, rank)
+        if importlib.util.find_spec("torchao") is not None:  # the float8 extra
+            float8_losses(path, rank, "ddp")
+            float8_losses(path, rank, "fsdp")
     finally:
         mpd.shutdown()
 

@@ -106,6 +106,38 @@ def test_fsdp2_matches_one_process(runs, policy):
         assert abs(ours - ref) < 0.01 * ref
 
 
+def single_process_float8(level: str) -> list[float]:
+    from tests._dist_worker import float8_model
+
+    x, y = classification_data(n=64, seed=5)
+    model = mp.auto_mixed_precision(float8_model(), "mixed_float8", level,
+                                    float8=mp.Float8Options(min_features=16))  # fmt: skip
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    losses = []
+    for _ in range(6):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.backward(loss)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize(("kind", "level"), [("ddp", "O2"), ("fsdp", "O1")])
+def test_float8_under_ddp_and_fsdp2_matches_one_process(runs, kind, level):
+    """Issue 16 item 6. FSDP2 gathers the weights in float8 (torchao's float8 all-gather,
+    which runs on gloo). Each rank scales its own half batch, so the losses differ from one
+    process by the float8 rounding of different scales: measured 4.9e-4 (DDP and FSDP2
+    alike); bound 2e-3."""
+    pytest.importorskip("torchao")
+    r0, r1 = runs(f"fp8-{kind}")
+    assert r0["losses"] == r1["losses"] and all(r0["applied"])
+    if kind == "fsdp":
+        assert r0["weight_type"] == "WeightWithDynamicFloat8CastTensor"
+    for ours, ref in zip(r0["losses"], single_process_float8(level), strict=True):
+        assert abs(ours - ref) < 2e-3
+
+
 def test_trainer_under_torchrun_checkpoints_and_resumes(runs):
     r0, r1 = runs("trainer")
     assert equal_states(r0["full"], r1["full"])  # ranks agree

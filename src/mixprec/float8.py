@@ -41,6 +41,7 @@ is bfloat16, which has float32's exponent range.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,18 +74,22 @@ class Float8Options:
     ``keep_head``: keep the output head (the last ``nn.Linear``) in bfloat16.
     ``module_filter_fn``: torchao's ``(module, fqn) -> bool``, in place of the size rule;
     the type, alignment, keep and head rules still apply.
+    ``fsdp_float8_all_gather``: FSDP2 gathers the converted layers' sharded weights in
+    float8 (half of bfloat16's bytes); tensorwise recipe only, as in torchao.
     """
 
     min_features: int | None = None
     keep_head: bool = True
     module_filter_fn: ModuleFilter | None = None
+    fsdp_float8_all_gather: bool = False
 
     def __post_init__(self) -> None:
         n = self.min_features
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"min_features={n!r} is invalid; use an int >= 1, or None")
-        if not isinstance(self.keep_head, bool):
-            raise TypeError(f"keep_head must be a bool, got {self.keep_head!r}")
+        for name in ("keep_head", "fsdp_float8_all_gather"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.module_filter_fn is not None and not callable(self.module_filter_fn):
             raise TypeError(
                 "module_filter_fn must be a callable (module, fqn) -> bool, got "
@@ -218,6 +223,14 @@ def convert_to_float8(
     ao = torchao_float8()
     _check_device(model, policy_name)
     config = ao.Float8LinearConfig.from_recipe_name(recipe)
+    if options.fsdp_float8_all_gather:
+        if recipe != "tensorwise":
+            raise ValueError(
+                f"Float8Options(fsdp_float8_all_gather=True) needs the tensorwise recipe "
+                f"(torchao gathers float8 weights only with one scale per tensor), got "
+                f"{recipe!r}; use policy 'mixed_float8'"
+            )
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     forward_dtype = dtype_name(config.cast_config_input.target_dtype)
     linears = [(n, m) for n, m in model.named_modules() if n and isinstance(m, nn.Linear)]
     head = linears[-1][0] if linears else None
