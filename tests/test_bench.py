@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 import mixprec as mp
 from mixprec import bench, cli
+from mixprec._dtypes import Hardware
 
 
 def tiny_workload() -> bench.Workload:
@@ -247,3 +249,171 @@ def test_compiled_modes_report_compile_time_apart():
     assert "compile s" in bench.table("mlp-b64", results)
     with pytest.raises(ValueError, match=r"unknown mode 'O9\+compile'; valid: float32"):
         bench.check_mode("O9+compile")
+
+
+# float8 modes (issue 16 item 7). CPU float8 matmuls are emulated and slow: the tiny LM
+# (--small: one block at d=64), one step timed, and at most one compiled float8 graph.
+
+
+def test_float8_modes_convert_the_lm_blocks_and_report_them(capsys):
+    pytest.importorskip("torchao")
+    modes = ["float32", "O2-bf16", *bench.FLOAT8_MODES]
+    results = bench.run("lm-d512", modes, repeats=1, steps=1, warmup=1, memory=False,
+                        small=True, min_round_ms=0)  # fmt: skip
+    by_mode = {r.mode: r for r in results}
+    assert [r.mode for r in results] == modes
+    for mode in modes:
+        r = by_mode[mode]
+        assert r.ms_per_step > 0 and r.tokens_per_s is not None and r.tokens_per_s > 0
+        if mode in bench.FLOAT8_MODES:
+            # Every Linear of the block (qkv, out, two MLP) in float8; the head, the fifth
+            # Linear, stays bfloat16. torchao's own size rule converts none at d=64.
+            assert (r.level, r.float8_layers, r.linear_layers) == ("O2", 4, 5), mode
+            # float8 E4M3/E5M2 rounding over three SGD steps from the same weights: the loss
+            # stays within 0.05 of float32's (measured below 0.01 for the three recipes).
+            assert abs(r.final_loss - by_mode["float32"].final_loss) < 0.05, mode
+        else:
+            assert r.float8_layers is None and r.linear_layers is None
+    text = bench.table("lm-d512", results)
+    assert " fp8 " in text.splitlines()[1] and " 4/5 " in text
+    for mode in bench.FLOAT8_MODES:
+        assert f"{mode}: " in text and "x the tokens/s of O2-bf16" in text
+
+
+def test_float8_modes_match_the_float8_policies():
+    assert sorted(bench.FLOAT8_MODES.values()) == sorted(mp.policy.FLOAT8_PRESETS)
+    assert not set(bench.FLOAT8_MODES) & set(bench.MODES)  # opt-in: not in the default list
+    assert bench.mode_for_policy("mixed_float8_rowwise") == "O2-fp8-rowwise"
+    with pytest.raises(ValueError, match="policy 'mixed_float8' is mode 'O2-fp8'"):
+        bench.check_mode("mixed_float8")
+
+
+def test_float8_layer_choice_follows_the_workload_or_the_override():
+    pytest.importorskip("torchao")
+    work, cpu = bench.get_workload("lm-d512", small=True), torch.device("cpu")
+    assert work.float8 == mp.Float8Options(min_features=64)  # d_model: all block Linears
+    assert bench.build_step("O2-fp8", work, cpu).float8 == (4, 5)
+    torchao_rule = bench.build_step("O2-fp8-rowwise", work, cpu, float8=mp.Float8Options())
+    assert torchao_rule.float8 == (0, 5)
+    # The MLP keeps torchao's thresholds (784->512 is below them): no float8 layer.
+    mlp_step = bench.build_step("O2-fp8", bench.get_workload("mlp-b64"), cpu)
+    assert mlp_step.float8 == (0, 3)
+
+
+def test_auto_never_picks_float8():
+    """`auto` is the hardware's bfloat16/float16/float32 choice: float8 only when asked."""
+    step = bench.build_step("auto", bench.get_workload("lm-d512", small=True), torch.device("cpu"))
+    assert step.float8 is None
+    assert mp.Policy("auto").float8_recipe is None
+
+
+def test_one_compiled_float8_mode_runs_and_trains_as_eager(monkeypatch):
+    """The bench's wiring of O2-fp8+compile: the compiled forward and loss, the layers
+    converted, compile time apart. AOTAutograd's graphs run eagerly (``aot_eager``) to keep
+    this test near a second; inductor's code for torchao's float8 is test_float8's."""
+    pytest.importorskip("torchao")
+    monkeypatch.setattr(
+        bench, "compile_step", lambda fn, options, model: torch.compile(fn, backend="aot_eager")
+    )
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)
+    work = bench.Workload(
+        "tiny-fp8", lambda: torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                                torch.nn.Linear(32, 16), torch.nn.ReLU(),
+                                                torch.nn.Linear(16, 4)),
+        (x, y), F.cross_entropy, 32, float8=mp.Float8Options(min_features=16),
+    )  # fmt: skip
+    monkeypatch.setattr(bench, "get_workload", lambda spec, small=False, batch=None: work)
+    results = bench.run("tiny-fp8", ["O2-fp8", "O2-fp8+compile"], repeats=1, steps=1,
+                        warmup=2, memory=False, min_round_ms=0)  # fmt: skip
+    eager, compiled = results[1], results[2]
+    assert compiled.mode == "O2-fp8+compile" and compiled.compile_s is not None
+    assert (compiled.float8_layers, compiled.linear_layers) == (2, 3) == (
+        eager.float8_layers, eager.linear_layers)  # fmt: skip
+    # The same float8 casts and matmuls, traced: the same three steps' loss.
+    assert compiled.final_loss == pytest.approx(eager.final_loss, rel=1e-5)
+
+
+def test_float8_modes_without_torchao_name_the_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import torchao.float8 fails
+    args = ["bench", "mlp-b64", "--small", "--no-memory", "--repeats", "1", "--steps", "1",
+            "--min-round-ms", "0", "--modes"]  # fmt: skip
+    assert cli.main([*args, "float32,O2-fp8-rowwise"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mixprec bench: error: --modes O2-fp8-rowwise: float8 policies")
+    assert "pip install 'mixprec[float8]'" in err and len(err.splitlines()) == 1
+    assert cli.main([*args, "O2-bf16"]) == 0  # the other modes do not need torchao
+    built: list[str] = []
+    monkeypatch.setattr(bench, "build_step", lambda mode, *a, **k: built.append(mode))
+    with pytest.raises(ImportError, match=r"pip install 'mixprec\[float8\]'"):
+        bench.run("mlp-b64", ["float32", "O2-fp8+compile"], memory=False, small=True)
+    assert built == []  # refused before any work
+
+
+def test_notes_say_what_the_figures_do_not_measure(monkeypatch):
+    slow = Hardware("cpu", False, False, "CPU without AVX512-BF16 or AMX")
+    monkeypatch.setattr(bench, "probe_hardware", lambda: slow)
+    notes = bench.notes(["float32", "O2-bf16", "O2-fp8+compile"], "cpu")
+    assert len(notes) == 2
+    assert notes[0].startswith("CPU without AVX512-BF16 or AMX: bfloat16 matmuls are emulated")
+    assert notes[1].startswith("float8 on CPU is emulated")
+    assert bench.notes(["float32", "O1-fp16"], "cpu") == [
+        "CPU without AMX-FP16: float16 matmuls are emulated here, very slowly"
+    ]
+    fast = Hardware("cpu", True, False, "CPU with amx_bf16")
+    monkeypatch.setattr(bench, "probe_hardware", lambda: fast)
+    assert bench.notes(["float32", "O2-bf16", "auto"], "cpu") == []
+    assert bench.notes(["O2-fp8"], "cpu") == [bench.notes(["O2-fp8"], "cpu")[0]]
+    assert "float8 on CPU is emulated" in bench.notes(["O2-fp8"], "cpu")[0]
+    # On CUDA: eager float8 is slow by design (torchao fuses its casts under compile).
+    assert "fast under torch.compile only" in bench.notes(["O2-fp8", "O2-fp8+compile"], "cuda")[0]
+    assert bench.notes(["O2-bf16+compile", "O2-fp8+compile"], "cuda") == []
+
+
+def test_lm_d2048_is_a_gpu_workload_not_run_by_default():
+    assert "lm-d2048" in bench.WORKLOADS and "lm-d2048" not in bench.DEFAULT_WORKLOADS
+    full, small = bench.get_workload("lm-d2048"), bench.get_workload("lm-d2048", small=True)
+    for work, layers, tokens in ((full, 8, 8 * 1024), (small, 1, 2 * 64)):
+        model = bench._on_meta(work.make_model)  # the structure, without 0.4B weights
+        assert model.embed.embedding_dim == 2048 and len(model.blocks) == layers
+        assert model.blocks[0].n_heads == 16  # head dim 128
+        assert work.tokens == tokens and work.flops == bench.lm_flops(
+            model, tokens, tokens // work.samples
+        )
+        assert work.float8 == mp.Float8Options(min_features=2048)
+    assert 22e12 < full.flops < 23e12  # model TFLOPs a step: sized for a GPU
+
+
+def result(mode: str, speedup: float) -> bench.ModeResult:
+    return bench.ModeResult(mode, "O2", 1.0, 1.0, speedup, 1.0, None)
+
+
+def test_chart_lists_each_mode_once_in_a_colour_of_its_own():
+    """Issue 15: float32 was a bar and the baseline line (two legend entries), and the
+    eleventh mode took the first one's colour (matplotlib's cycle has ten)."""
+    modes = bench.with_compiled(list(bench.ALL_MODES))  # all 30: the most a chart can have
+    all_results = {w: [result(m, 1.0 if m == "float32" else 1.5 + i / 10)
+                       for i, m in enumerate(modes)]
+                   for w in ("mlp-b64", "lm-d512")}  # fmt: skip
+    fig = bench.chart(all_results, "CPU, torch 2")
+    ax = fig.axes[0]
+    labels = [text.get_text() for text in ax.get_legend().get_texts()]
+    assert len(labels) == len(set(labels)) == len(modes)
+    assert [lb for lb in labels if lb.startswith("float32")] == ["float32 (baseline, 1.0)",
+                                                                 "float32+compile"]  # fmt: skip
+    colours = [tuple(c.patches[0].get_facecolor()) for c in ax.containers]
+    assert len(colours) == len(set(colours)) == len(modes) - 1  # float32 is the line
+    for container in ax.containers:  # a mode keeps its colour in every workload
+        assert len({tuple(p.get_facecolor()) for p in container.patches}) == 1
+    assert ax.get_title().startswith("mixprec bench") and "CPU, torch 2" in ax.get_title()
+    assert ax.get_xlabel() == "workload" and "speedup vs float32" in ax.get_ylabel()
+    # A mode and its compiled twin: one hue, dark and light; alone, the dark shade.
+    pair = bench.mode_colours(["O2-bf16", "O2-bf16+compile"])
+    assert pair["O2-bf16"] != pair["O2-bf16+compile"]
+    assert bench.mode_colours(["O2-bf16+compile"])["O2-bf16+compile"] == pair["O2-bf16"]
+
+
+def test_plot_writes_the_chart(tmp_path):
+    path = tmp_path / "b.png"
+    bench.plot({"lm-d512": [result("float32", 1.0), result("O2-fp8", 0.1)]}, str(path))
+    assert path.read_bytes()[:4] == b"\x89PNG"

@@ -171,6 +171,19 @@ def test_train_and_bench_compile(capsys):
     assert "unknown mode 'O9'" in capsys.readouterr().err
 
 
+def test_bench_float8_mode_says_what_it_converted_and_that_cpu_emulates_it(capsys):
+    pytest.importorskip("torchao")
+    # torchao's size thresholds convert none of the small MLP's layers: a fast float8 run.
+    assert cli.main(["bench", "mlp-b64", "--small", "--modes", "O2-bf16,O2-fp8",
+                     "--float8-min-features", "torchao", "--no-memory", "--repeats", "1",
+                     "--steps", "1", "--min-round-ms", "0"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert " fp8 " in out and " 0/3 " in out and "O2-fp8: " in out
+    assert "fp8: Linear layers converted to float8 / Linear layers in the model " in out
+    assert "(torchao's H100 size thresholds; the output head stays bfloat16)" in out
+    assert "note: float8 on CPU is emulated" in out
+
+
 def test_main_job_trains_bfloat16_where_auto_picks_float32(monkeypatch):
     """Issue 15: on a CPU without fast 16-bit math `auto` is float32, and the main job
     trained float32 twice. It trains bfloat16 and says why, whatever this machine has."""
@@ -239,6 +252,9 @@ def checkpoint_and_file(tmp_path):
         (["bench", "os:nosuch"], "module 'os' has no function 'nosuch'"),
         (["bench", "--device", "gpu"], "--device 'gpu' is not a device; valid: auto, cpu, cuda"),
         (["bench", "--max-batch", "-1"], "--max-batch must be a memory budget in MB > 0, got -1"),
+        (["bench", "--modes", "mixed_float8"], "policy 'mixed_float8' is mode 'O2-fp8'"),
+        (["bench", "--float8-min-features", "0"], "an int >= 1 or 'torchao', got '0'"),
+        (["bench", "--float8-min-features", "big"], "an int >= 1 or 'torchao', got 'big'"),
     ],
 )
 def test_bad_paths_and_values_exit_2_before_any_work(argv, message, checkpoint_and_file, capsys):

@@ -18,17 +18,22 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mixprec._compile import compile_step
-from mixprec._dtypes import cpuinfo_field, dtype_name
+from mixprec._dtypes import cpuinfo_field, dtype_name, probe_hardware
+from mixprec.float8 import Float8Options, float8_choice, torchao_float8
 from mixprec.levels import applied, auto_mixed_precision
 from mixprec.models import CausalLM, cnn, lm_loss, mlp
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import Policy
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 Step = Callable[[], torch.Tensor]
 
@@ -44,6 +49,9 @@ class Workload:
     samples: int
     tokens: int = 0
     flops: float = 0.0  # model FLOPs of one training step (forward + backward), 0 if unknown
+    #: Which Linear layers the float8 modes convert; ``None``: torchao's size thresholds
+    #: (``Float8Options()``), measured on H100, under which small models convert nothing.
+    float8: Float8Options | None = None
 
 
 def _mlp(batch: int) -> Workload:
@@ -57,17 +65,25 @@ def _float32_cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.float(), y)
 
 
-def _lm(d_model: int = 512, layers: int = 4, batch: int = 8, length: int = 256) -> Workload:
+def _lm(
+    d_model: int = 512, layers: int = 4, batch: int = 8, length: int = 256, heads: int = 8
+) -> Workload:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 8192, (batch, length), generator=g)
 
     def make() -> CausalLM:
-        return CausalLM(vocab=8192, d_model=d_model, n_layers=layers, n_heads=8, max_len=length)
+        return CausalLM(vocab=8192, d_model=d_model, n_layers=layers, n_heads=heads, max_len=length)
 
     n_tokens = batch * length
+    # float8 modes convert every Linear of the blocks (none has a dim below d_model; all are
+    # multiples of 16), whatever d_model is, so that the float8 figures measure float8 in
+    # all the blocks' matmuls and not torchao's size rule, which converts nothing at
+    # --small's d=64. The head stays bfloat16 (Float8Options.keep_head). At d >= 2048 these
+    # are the layers torchao's tensorwise rule converts anyway (its rowwise rule: half).
     return Workload(
         f"lm-d{d_model}", make, (tokens, tokens), lambda out, t: lm_loss(out, t), batch,
         tokens=n_tokens, flops=lm_flops(_on_meta(make), n_tokens, length),
+        float8=Float8Options(min_features=d_model),
     )  # fmt: skip
 
 
@@ -90,7 +106,8 @@ def lm_flops(model: CausalLM, tokens: int, length: int) -> float:
 
 
 #: Dense peak TFLOP/s per GPU, by name fragment and matmul dtype, from the vendors' data
-#: sheets (SXM parts; float32 without TF32, as ``run`` measures it).
+#: sheets (SXM parts; float32 without TF32, as ``run`` measures it). float8 modes are
+#: measured against the bfloat16 peak (see ``_matmul_dtype``).
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H200": {"bfloat16": 989.4, "float16": 989.4, "float32": 66.9},
     "H100": {"bfloat16": 989.4, "float16": 989.4, "float32": 66.9},
@@ -111,9 +128,15 @@ def peak_tflops(device: torch.device, kind: str) -> float | None:
 
 
 def _matmul_dtype(mode: str) -> str:
+    """The dtype whose peak a mode's MFU is against. float8 modes: bfloat16's, as their
+    attention, output head and unconverted layers run bfloat16, so that their MFU and a
+    bfloat16 mode's compare as their speeds do (against the float8 peak, twice bfloat16's,
+    a float8 mode would read half as efficient for the same speed)."""
     base = mode.removesuffix(COMPILED)
     if base == "auto":
         return dtype_name(Policy("auto").compute_dtype)
+    if base in FLOAT8_MODES:
+        return "bfloat16"
     return {"bf16": "bfloat16", "fp16": "float16"}.get(base.rpartition("-")[2], "float32")
 
 
@@ -144,7 +167,13 @@ WORKLOADS: dict[str, Callable[[int | None], Workload]] = {
     "mlp-b8192": lambda b: _mlp(b or 8192),
     "lm-d512": lambda b: _lm(batch=b or 8),
     "cnn": lambda b: _cnn(b or 64),
+    # For GPUs (float8's speed target is set at d >= 2048): 8 blocks of d=2048, 16 heads of
+    # 128, 8 x 1024 tokens a step, 22 model TFLOPs. It runs on CPU, slowly.
+    "lm-d2048": lambda b: _lm(2048, 8, b or 8, 1024, heads=16),
 }
+
+#: What ``mixprec bench`` runs when no workload is named (lm-d2048 is for GPUs).
+DEFAULT_WORKLOADS: tuple[str, ...] = ("mlp-b64", "mlp-b8192", "lm-d512", "cnn")
 
 MODES: tuple[str, ...] = (
     "float32",
@@ -161,6 +190,19 @@ MODES: tuple[str, ...] = (
     "auto",
 )
 
+#: float8 modes, one per torchao recipe, and their policies: O2 (the rest of the model
+#: stored in bfloat16, float32 masters; converted layers keep float32 weights), as
+#: ``auto-bf16``. Not in ``MODES`` (the default list): they need torchao
+#: (``mixprec[float8]``), and they are emulated, slowly, without float8 matrix units.
+FLOAT8_MODES: dict[str, str] = {
+    "O2-fp8": "mixed_float8",  # torchao's tensorwise recipe
+    "O2-fp8-rowwise": "mixed_float8_rowwise",
+    "O2-fp8-rowwise_with_gw_hp": "mixed_float8_rowwise_with_gw_hp",
+}
+
+#: Every mode ``build_step`` accepts, each also with the ``+compile`` suffix.
+ALL_MODES: tuple[str, ...] = (*MODES, *FLOAT8_MODES)
+
 
 def get_workload(spec: str, small: bool = False, batch: int | None = None) -> Workload:
     """A named workload (at ``batch`` samples if given), or ``module:function`` returning
@@ -175,6 +217,8 @@ def get_workload(spec: str, small: bool = False, batch: int | None = None) -> Wo
     if small:  # tiny versions for tests
         if spec == "lm-d512":
             return _lm(64, 1, batch or 2, 32)
+        if spec == "lm-d2048":  # the width is the point: one block at d=2048, 2 x 64 tokens
+            return _lm(2048, 1, batch or 2, 64, heads=16)
         if spec == "mlp-b8192":
             return _mlp(batch or 256)
     return WORKLOADS[spec](batch)
@@ -200,11 +244,36 @@ def with_compiled(modes: Sequence[str]) -> list[str]:
 def check_mode(mode: str) -> str:
     """``mode`` without its ``+compile`` suffix, after checking that it names a mode."""
     base = mode.removesuffix(COMPILED)
-    if base not in MODES:
+    if base not in ALL_MODES:
         raise ValueError(
-            f"unknown mode {mode!r}; valid: {', '.join(MODES)}, each optionally with {COMPILED!r}"
+            f"unknown mode {mode!r}; valid: {', '.join(ALL_MODES)}, each optionally with "
+            f"{COMPILED!r}" + _policy_hint(base)
         )
     return base
+
+
+def _policy_hint(name: str) -> str:
+    mode = mode_for_policy(name)
+    return f" (policy {name!r} is mode {mode!r})" if mode else ""
+
+
+def mode_for_policy(name: str) -> str | None:
+    """The mode that runs policy ``name`` at level O2 (``"mixed_float8"``: ``"O2-fp8"``),
+    for a policy name given where a mode is expected; ``None`` for other names."""
+    policies = {"mixed_bfloat16": "O2-bf16", "mixed_float16": "O2-fp16"}
+    policies.update({policy: mode for mode, policy in FLOAT8_MODES.items()})
+    return policies.get(name)
+
+
+def is_float8_mode(mode: str) -> bool:
+    return mode.removesuffix(COMPILED) in FLOAT8_MODES
+
+
+def require_float8(modes: Sequence[str]) -> None:
+    """``ImportError`` naming ``mixprec[float8]`` when ``modes`` has a float8 mode and
+    torchao is not installed."""
+    if any(is_float8_mode(m) for m in modes):
+        torchao_float8()
 
 
 def build_step(
@@ -214,13 +283,20 @@ def build_step(
     lr: float = 0.01,
     outputs_16bit: bool = False,
     compile_mode: str | None = None,
+    float8: Float8Options | None = None,
 ) -> Step:
     """The training step of ``mode``, ready to call; returns the (detached) loss.
 
     ``outputs_16bit``: the model's output reaches the loss in the compute dtype (a policy
     with ``output_dtype`` the compute dtype; autocast's output as it comes) instead of
     float32; the workloads' losses compute in float32 either way. ``compile_mode``: the
-    ``mode`` given to ``torch.compile`` for ``+compile`` modes (default: its default)."""
+    ``mode`` given to ``torch.compile`` for ``+compile`` modes (default: its default).
+    ``float8``: which Linear layers float8 modes convert, in place of the workload's
+    ``float8`` (whose ``None`` is torchao's size thresholds).
+
+    The step's ``level`` attribute is the level applied (``"-"`` for the hand-written
+    loops); its ``float8`` attribute, for float8 modes, is ``(converted, linear layers)``,
+    else ``None``."""
     base = check_mode(mode)
     torch.manual_seed(0)
     model = work.make_model().to(device)
@@ -228,6 +304,7 @@ def build_step(
     loss_fn = work.loss_fn
     forward_loss: Callable[[], torch.Tensor]
     level = "-"
+    float8_layers: tuple[int, int] | None = None
     if base == "float32" or base.startswith("torch-autocast"):
         opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=lr)
         dtype = torch.bfloat16 if base.endswith("bf16") else torch.float16
@@ -258,7 +335,14 @@ def build_step(
     else:
         prep, _, precision = base.partition("-")
         half = "bfloat16" if precision == "bf16" else "float16"
-        if base == "auto":
+        converts: Float8Options | None = None
+        if base in FLOAT8_MODES:
+            policy = Policy(FLOAT8_MODES[base])
+            if outputs_16bit:
+                policy = Policy(f"params=float32,compute=bfloat16,output=bfloat16,"
+                                f"float8={policy.float8_recipe}")  # fmt: skip
+            converts = float8 if float8 is not None else work.float8 or Float8Options()
+        elif base == "auto":
             policy = Policy("auto")  # what this machine's hardware picks, as mixprec train
         elif prep == "O3":
             policy = Policy(half)  # pure 16-bit: its outputs are 16-bit already
@@ -266,8 +350,13 @@ def build_step(
             policy = Policy(param_dtype="float32", compute_dtype=half, output_dtype=half)
         else:
             policy = Policy(f"mixed_{half}")
-        auto_mixed_precision(model, policy, prep.upper() if prep != "auto" else "auto")
+        auto_mixed_precision(
+            model, policy, prep.upper() if prep != "auto" else "auto", float8=converts
+        )
         level = applied(model).level  # type: ignore[union-attr]
+        if converts is not None:
+            choices = [c for m in model.modules() if (c := float8_choice(m)) is not None]
+            float8_layers = (sum(c.converted for c in choices), len(choices))
         lso = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=lr))
 
         def forward_loss() -> torch.Tensor:
@@ -289,6 +378,7 @@ def build_step(
         return loss.detach()
 
     step.level = level  # type: ignore[attr-defined]
+    step.float8 = float8_layers  # type: ignore[attr-defined]
     return step
 
 
@@ -305,6 +395,8 @@ class ModeResult:
     tflops: float | None = None  # achieved model TFLOP/s (workloads that state their FLOPs)
     mfu: float | None = None  # model FLOPs utilisation: tflops / the device's peak
     compile_s: float | None = None  # +compile modes: the first step's time above a steady one
+    float8_layers: int | None = None  # float8 modes: Linear layers converted to float8...
+    linear_layers: int | None = None  # ...of this many
 
 
 def _sync(device: torch.device) -> None:
@@ -343,20 +435,23 @@ class PeakMemory:
         return _proc_status_mb("VmHWM") - self.before
 
 
-def _peak_memory(
-    args: tuple[str, str, str, bool, int, int | None, bool, str | None],
-) -> float | None:
+#: ``_peak_memory``'s arguments: workload, mode, device, small, steps, batch, outputs_16bit,
+#: compile_mode, float8.
+MemoryArgs = tuple[str, str, str, bool, int, int | None, bool, str | None, Float8Options | None]
+
+
+def _peak_memory(args: MemoryArgs) -> float | None:
     """Peak training memory of one mode in MiB, measured alone in this (fresh) process:
     tensor memory from the model's creation on (CUDA's allocator peak; on CPU the
     profiler's allocation records, as RSS would add the C allocator's fragmentation and
     its noise), or peak RSS where the records are not available."""
-    spec, mode, device_name, small, steps, batch, outputs_16bit, compile_mode = args
+    spec, mode, device_name, small, steps, batch, outputs_16bit, compile_mode, float8 = args
     device = _device(device_name)
     work = get_workload(spec, small, batch)
 
     def train() -> None:
         step = build_step(mode, work, device, outputs_16bit=outputs_16bit,
-                          compile_mode=compile_mode)  # fmt: skip
+                          compile_mode=compile_mode, float8=float8)  # fmt: skip
         for _ in range(steps):
             step()
         _sync(device)
@@ -417,14 +512,19 @@ def run(
     min_round_ms: float = 100.0,
     outputs_16bit: bool = False,
     compile_mode: str | None = None,
+    float8: Float8Options | None = None,
 ) -> list[ModeResult]:
     """Benchmark ``modes`` on ``workload``; ``repeats`` rounds per mode, interleaved, after
     ``warmup`` steps each (at least 2). A round is ``steps`` steps, or more where the
     fastest mode would finish them in under ``min_round_ms`` (a 1 ms step timed 3 at a time
     measures the timer and the cache left by the previous mode); every mode runs the same
     number of steps, so their final losses compare. Medians of the per-round ms/step.
-    ``outputs_16bit`` and ``compile_mode`` as in ``build_step``; a ``+compile`` mode's
-    compile time is its first step's time above its steady-state ms/step, kept apart."""
+    ``outputs_16bit``, ``compile_mode`` and ``float8`` as in ``build_step``; a ``+compile``
+    mode's compile time is its first step's time above its steady-state ms/step, kept
+    apart. float8 modes need torchao: ``ImportError`` naming ``mixprec[float8]`` first."""
+    for mode in modes:
+        check_mode(mode)
+    require_float8(modes)
     if "float32" not in modes:
         modes = ["float32", *modes]
     dev = _device(device)
@@ -434,9 +534,10 @@ def run(
         # shapes for dynamic ones after the previous workload's (automatic dynamic shapes).
         torch._dynamo.reset()
     built = {
-        mode: build_step(mode, work, dev, outputs_16bit=outputs_16bit, compile_mode=compile_mode)
+        mode: build_step(mode, work, dev, outputs_16bit=outputs_16bit,
+                         compile_mode=compile_mode, float8=float8)
         for mode in modes
-    }
+    }  # fmt: skip
     with _true_float32(dev):
         times, last, first = _time_modes(built, repeats, steps, warmup, dev, min_round_ms)
     peaks: dict[str, float | None] = dict.fromkeys(modes)
@@ -444,12 +545,14 @@ def run(
         ctx = multiprocessing.get_context("spawn")
         with ctx.Pool(1, maxtasksperchild=1) as pool:
             for mode in modes:
-                args = (workload, mode, device, small, 2, None, outputs_16bit, compile_mode)
+                args: MemoryArgs = (workload, mode, device, small, 2, None, outputs_16bit,
+                                    compile_mode, float8)  # fmt: skip
                 peaks[mode] = pool.apply(_peak_memory, (args,))
     base = statistics.median(times["float32"])
     results = []
     for mode in modes:
         ms = statistics.median(times[mode])
+        converted, linears = getattr(built[mode], "float8", None) or (None, None)
         tflops = work.flops / ms / 1e9 if work.flops else None
         peak = peak_tflops(dev, _matmul_dtype(mode))
         results.append(
@@ -465,6 +568,8 @@ def run(
                 tflops=tflops,
                 mfu=tflops / peak if tflops is not None and peak else None,
                 compile_s=(first[mode] - ms) / 1000 if mode.endswith(COMPILED) else None,
+                float8_layers=converted,
+                linear_layers=linears,
             )
         )
     return results
@@ -515,14 +620,18 @@ def max_batch(
     small: bool = False,
     limit: int = 1 << 16,
     outputs_16bit: bool = False,
+    float8: Float8Options | None = None,
 ) -> int:
     """The largest batch of ``workload`` whose training step, in ``mode`` alone in a fresh
     process, peaks within ``budget_mb``: doubling, then bisection (0 if none fits)."""
+    check_mode(mode)
+    require_float8([mode])
     ctx = multiprocessing.get_context("spawn")
 
     def fits(batch: int) -> bool:
         with ctx.Pool(1) as pool:
-            args = (workload, mode, device, small, 1, batch, outputs_16bit, None)
+            args: MemoryArgs = (workload, mode, device, small, 1, batch, outputs_16bit, None,
+                                float8)  # fmt: skip
             peak = pool.apply(_peak_memory, (args,))
         if peak is None:
             raise RuntimeError("peak memory cannot be measured on this platform")
@@ -540,10 +649,13 @@ def max_batch(
 
 
 def table(workload: str, results: list[ModeResult]) -> str:
-    header = (
-        f"{'mode':<34} {'level':<5} {'ms/step':>9} {'samples/s':>10} {'vs f32':>7} "
-        f"{'peak MB':>8} {'loss':>8}"
-    )
+    """The results as a text table; float8 modes add their converted Linear layers (``fp8``:
+    converted/all) and, below, their speed against ``O2-bf16`` run the same way."""
+    header = f"{'mode':<34} {'level':<5}"
+    float8 = any(r.float8_layers is not None for r in results)
+    if float8:
+        header += f" {'fp8':>5}"
+    header += f" {'ms/step':>9} {'samples/s':>10} {'vs f32':>7} {'peak MB':>8} {'loss':>8}"
     lm = any(r.tokens_per_s is not None for r in results)
     if lm:
         header += f" {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6}"
@@ -552,8 +664,12 @@ def table(workload: str, results: list[ModeResult]) -> str:
         header += f" {'compile s':>9}"
     lines = [f"workload {workload}", header, "-" * len(header)]
     for r in results:
-        line = (
-            f"{r.mode:<34} {r.level:<5} {r.ms_per_step:>9.2f} {r.samples_per_s:>10.0f} "
+        line = f"{r.mode:<34} {r.level:<5}"
+        if float8:
+            layers = f"{r.float8_layers}/{r.linear_layers}" if r.float8_layers is not None else "-"
+            line += f" {layers:>5}"
+        line += (
+            f" {r.ms_per_step:>9.2f} {r.samples_per_s:>10.0f} "
             f"{r.speedup:>6.2f}x {_fmt(r.peak_mb, '8.0f')} {r.final_loss:>8.4f}"
         )
         if lm:
@@ -562,6 +678,14 @@ def table(workload: str, results: list[ModeResult]) -> str:
         if compiled:
             line += f" {_fmt(r.compile_s, '9.1f')}"
         lines.append(line)
+    by_mode = {r.mode: r for r in results}
+    unit = "tokens/s" if lm else "samples/s"
+    for r in results:
+        bf16 = by_mode.get("O2-bf16" + (COMPILED if r.mode.endswith(COMPILED) else ""))
+        if r.float8_layers is not None and bf16 is not None:
+            lines.append(
+                f"{r.mode}: {bf16.ms_per_step / r.ms_per_step:.2f}x the {unit} of {bf16.mode}"
+            )
     return "\n".join(lines)
 
 
@@ -570,18 +694,57 @@ def _fmt(value: float | None, spec: str) -> str:
     return format(value, spec) if value is not None else "-".rjust(width)
 
 
+def notes(modes: Sequence[str], device: str = "auto") -> list[str]:
+    """What the figures of ``modes`` on ``device`` do not measure: 16-bit and float8
+    matmuls that this device emulates, and eager float8 on CUDA (fast compiled only)."""
+    dev = _device(device)
+    dtypes = {_matmul_dtype(m) for m in modes if not is_float8_mode(m)}
+    float8 = [m for m in modes if is_float8_mode(m)]
+    found: list[str] = []
+    hw = probe_hardware()
+    if dev.type == "cpu" and hw.device == "cpu":
+        if ("bfloat16" in dtypes or float8) and not hw.bf16_fast:
+            found.append(
+                f"{hw.detail}: bfloat16 matmuls are emulated here, slower than float32; the "
+                "bf16 figures compare the modes at equal, slow matmuls, not bfloat16's speed"
+            )
+        if "float16" in dtypes and not hw.fp16_fast:
+            found.append("CPU without AMX-FP16: float16 matmuls are emulated here, very slowly")
+    if dev.type == "cpu" and float8:
+        found.append(
+            "float8 on CPU is emulated (torch's CPU _scaled_mm; no CPU float8 matrix units): "
+            "the fp8 figures measure the emulation, not float8's speed, which needs CUDA "
+            "sm_89+ (H100/H200, L4) and +compile"
+        )
+    if dev.type == "cuda" and any(not m.endswith(COMPILED) for m in float8):
+        found.append(
+            "float8 is fast under torch.compile only (it fuses torchao's scaling and casts): "
+            "compare the +compile fp8 modes"
+        )
+    return found
+
+
+def device_name(device: str = "auto") -> str:
+    """The GPU's name, or the CPU's model name, of ``device`` as given to ``run``."""
+    dev = _device(device)
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name()
+
+
 def to_json(
     all_results: dict[str, list[ModeResult]], outputs_16bit: bool = False, device: str = "auto"
 ) -> str:
-    """The results as JSON, with the device they ran on (``device`` as given to ``run``)."""
+    """The results as JSON, with the device they ran on (``device`` as given to ``run``)
+    and the ``notes`` on what its figures do not measure."""
     dev = _device(device)
+    modes = list(dict.fromkeys(r.mode for rs in all_results.values() for r in rs))
     return json.dumps(
         {
             "torch": torch.__version__,
             "device": dev.type,
-            "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name(),
+            "device_name": device_name(device),
             "float32_matmul": "IEEE float32 (TF32 off)",
             "outputs_16bit": outputs_16bit,
+            "notes": notes(modes, device),
             "results": {w: [asdict(r) for r in rs] for w, rs in all_results.items()},
         },
         indent=2,
@@ -594,25 +757,73 @@ def _cpu_name() -> str:
     return cpuinfo_field("model name") or platform.processor() or "cpu"
 
 
-def plot(all_results: dict[str, list[ModeResult]], path: str) -> None:
-    """Bar chart of speedups against float32 (the line at 1), one group per workload."""
-    import matplotlib
+def mode_colours(modes: Sequence[str]) -> dict[str, tuple[float, ...]]:
+    """A distinct colour for each of ``modes`` (``MODE`` and ``MODE+compile`` alike).
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Each mode without its suffix gets a hue, in ``ALL_MODES`` order: tab20's ten, then
+    five of tab20b's. Where both ``MODE`` and ``MODE+compile`` are in ``modes``, the eager
+    one takes the hue's dark shade and the compiled one its light shade, so that the pair
+    reads as one; alone, either takes the dark shade. 15 hues x 2 shades: every mode and
+    its compiled twin at once get different colours."""
+    from matplotlib import colormaps
+
+    tab20, tab20b = colormaps["tab20"], colormaps["tab20b"]  # called with i: colour i
+    # (dark, light): tab20 pairs its shades; tab20b has four shades a hue, dark to light.
+    shades = [(tab20(2 * i), tab20(2 * i + 1)) for i in range(10)]
+    shades += [(tab20b(4 * i + 1), tab20b(4 * i + 3)) for i in range(5)]
+    known = list(ALL_MODES)
+    bases = sorted(
+        {m.removesuffix(COMPILED) for m in modes},
+        key=lambda b: (known.index(b) if b in known else len(known), b),
+    )
+    colours: dict[str, tuple[float, ...]] = {}
+    for mode in modes:
+        base = mode.removesuffix(COMPILED)
+        dark, light = shades[bases.index(base) % len(shades)]
+        paired = base in modes and base + COMPILED in modes
+        colours[mode] = tuple(
+            float(c) for c in (light if paired and mode.endswith(COMPILED) else dark)
+        )
+    return colours
+
+
+def chart(all_results: dict[str, list[ModeResult]], subtitle: str | None = None) -> Figure:
+    """Bar chart of speedups against float32, one group of bars per workload, one colour
+    per mode (``mode_colours``) across the groups. float32 is the line at 1, not a bar (its
+    speedup is 1 by definition); ``float32+compile`` is a bar. ``subtitle``: a second
+    title line, such as the device."""
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure
 
     workloads = list(all_results)
-    modes = [r.mode for r in all_results[workloads[0]]]
-    width = 0.8 / len(modes)
-    fig, ax = plt.subplots(figsize=(max(6.0, 2.2 * len(workloads)), 4.5))
+    modes = [m for m in dict.fromkeys(r.mode for w in workloads for r in all_results[w])
+             if m != "float32"]  # fmt: skip
+    colours = mode_colours(modes)
+    width = 0.8 / max(len(modes), 1)
+    ncol = 1 if len(modes) <= 16 else 2
+    fig = Figure(figsize=(max(5.0, 1.6 * len(workloads)) + 2.2 * ncol, 4.8))
+    ax = fig.subplots()
     for i, mode in enumerate(modes):
-        values = [next((r.speedup for r in all_results[w] if r.mode == mode), 0.0)
+        values = [next((r.speedup for r in all_results[w] if r.mode == mode), math.nan)
                   for w in workloads]  # fmt: skip
-        ax.bar([j + i * width for j in range(len(workloads))], values, width, label=mode)
-    ax.axhline(1.0, color="black", lw=1, label="float32")
+        bars = ax.bar([j + i * width for j in range(len(workloads))], values, width,
+                      label=mode, color=colours[mode])  # fmt: skip
+        if len(modes) <= 4:
+            ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
+        elif len(modes) <= 10:  # upright, so that neighbours' labels do not overlap
+            ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=2, rotation=90)
+    ax.axhline(1.0, color="black", lw=1, label="float32 (baseline, 1.0)")
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(workloads))], workloads)
+    ax.set_xlabel("workload")
     ax.set_ylabel("speedup vs float32 (higher is faster)")
-    ax.legend(fontsize=7, ncol=2)
+    title = "mixprec bench: training-step speed against float32"
+    ax.set_title(title + (f"\n{subtitle}" if subtitle else ""), fontsize=10)
+    ax.margins(y=0.12)
+    ax.legend(fontsize=8, ncol=ncol, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              borderaxespad=0.0)  # fmt: skip
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
+
+
+def plot(all_results: dict[str, list[ModeResult]], path: str, subtitle: str | None = None) -> None:
+    """``chart`` written to ``path`` (PNG, 120 dpi)."""
+    chart(all_results, subtitle).savefig(path, dpi=120)

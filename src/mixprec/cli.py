@@ -354,7 +354,7 @@ def _doctor(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from mixprec import bench
 
-    workloads = args.workload or ["mlp-b64", "mlp-b8192", "lm-d512", "cnn"]
+    workloads = args.workload or list(bench.DEFAULT_WORKLOADS)
     for w in workloads:
         if ":" not in w:
             _choice("workload", w, list(bench.WORKLOADS))
@@ -367,7 +367,19 @@ def _bench(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-batch must be a memory budget in MB > 0, got {args.max_batch:g}")
     modes = args.modes.split(",") if args.modes else list(bench.MODES)
     for m in modes:
-        _choice("mode", m.removesuffix(bench.COMPILED), list(bench.MODES))
+        base = m.removesuffix(bench.COMPILED)
+        if bench.mode_for_policy(base) is not None:
+            raise UsageError(
+                f"unknown mode {base!r}; modes are levels with a precision: policy {base!r} "
+                f"is mode {bench.mode_for_policy(base)!r} (valid: {', '.join(bench.ALL_MODES)})"
+            )
+        _choice("mode", base, list(bench.ALL_MODES))
+    try:
+        bench.require_float8(modes)
+    except ImportError as err:
+        raise UsageError(f"--modes {','.join(m for m in modes if bench.is_float8_mode(m))}: "
+                         f"{err}") from err  # fmt: skip
+    float8 = _float8_sizes(args.float8_min_features)
     if args.compile:
         modes = bench.with_compiled(modes)
     for name in ("repeats", "steps"):
@@ -380,7 +392,7 @@ def _bench(args: argparse.Namespace) -> int:
     if args.max_batch:
         for w in workloads:
             found = {m: bench.max_batch(w, m, args.max_batch, args.device, args.small,
-                                        args.batch_limit, args.outputs_16bit)
+                                        args.batch_limit, args.outputs_16bit, float8)
                      for m in modes}  # fmt: skip
             base = found.get("float32") or 0
             print(f"workload {w}: largest batch within {args.max_batch:g} MB")
@@ -394,20 +406,57 @@ def _bench(args: argparse.Namespace) -> int:
             w, modes, repeats=args.repeats, steps=args.steps, warmup=args.warmup,
             min_round_ms=args.min_round_ms, outputs_16bit=args.outputs_16bit,
             device=args.device, memory=not args.no_memory, small=args.small,
-            compile_mode=args.compile_mode,
+            compile_mode=args.compile_mode, float8=float8,
         )  # fmt: skip
         print(bench.table(w, results[w]), end="\n\n", flush=True)
     print("ms/step: median over interleaved rounds; vs f32: float32 ms / mode ms (higher is "
           "faster); peak MB: tensor memory of the mode's training alone in a fresh process "
           "(allocator peak); on CUDA float32 runs without TF32; MFU: model TFLOP/s over "
-          "the GPU's data-sheet peak for the mode's matmul dtype")  # fmt: skip
+          "the GPU's data-sheet peak for the mode's matmul dtype (bfloat16 for fp8 "
+          "modes)")  # fmt: skip
+    if any(bench.is_float8_mode(m) for m in modes):
+        rule = ("the workload's rule: lm-* every Linear of the blocks, the others torchao's "
+                "H100 size thresholds" if float8 is None else _float8_rule(float8))  # fmt: skip
+        print(f"fp8: Linear layers converted to float8 / Linear layers in the model ({rule}; "
+              "the output head stays bfloat16)")  # fmt: skip
+    for note in bench.notes(modes, args.device):
+        print(f"note: {note}")
     if json_path:
         Path(json_path).write_text(bench.to_json(results, args.outputs_16bit, args.device))
         print(f"results written to {json_path}")
     if plot_path:
-        bench.plot(results, plot_path)
+        bench.plot(results, plot_path, _bench_subtitle(args.device, args.small))
         print(f"chart written to {plot_path}")
     return 0
+
+
+def _float8_sizes(value: str | None) -> mixprec.Float8Options | None:
+    """``--float8-min-features``: ``None`` (each workload's rule), ``torchao`` (torchao's
+    size thresholds) or N (both dims >= N)."""
+    if value is None:
+        return None
+    if value == "torchao":
+        return mixprec.Float8Options()
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise UsageError(f"--float8-min-features must be an int >= 1 or 'torchao', got {value!r}")
+    return mixprec.Float8Options(min_features=n)
+
+
+def _float8_rule(options: mixprec.Float8Options) -> str:
+    if options.min_features is None:
+        return "torchao's H100 size thresholds"
+    return f"both dims >= {options.min_features} (--float8-min-features)"
+
+
+def _bench_subtitle(device: str, small: bool) -> str:
+    from mixprec import bench
+
+    shapes = ", --small shapes" if small else ""
+    return f"{bench.device_name(device)}, torch {torch.__version__}{shapes}"
 
 
 def _workload_function(spec: str) -> None:
@@ -510,9 +559,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "workload", nargs="*",
-        help="mlp-b64, mlp-b8192, lm-d512, cnn or module:function (default: the first four)",
+        help="mlp-b64, mlp-b8192, lm-d512, cnn, lm-d2048 (d=2048, for GPUs) or "
+        "module:function (default: the first four)",
     )  # fmt: skip
-    bench.add_argument("--modes", help="comma-separated; default: all")
+    bench.add_argument(
+        "--modes",
+        help="comma-separated, each optionally MODE+compile; default: all but the float8 "
+        "ones. float8 (needs mixprec[float8]): O2-fp8 (policy mixed_float8), O2-fp8-rowwise "
+        "(mixed_float8_rowwise), O2-fp8-rowwise_with_gw_hp (mixed_float8_rowwise_with_gw_hp)",
+    )  # fmt: skip
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--steps", type=int, default=3, help="steps per timed round, at least")
     bench.add_argument(
@@ -522,7 +577,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=2)
     bench.add_argument("--device", default="auto")
     bench.add_argument("--no-memory", action="store_true", help="skip peak-memory runs")
-    bench.add_argument("--small", action="store_true", help="tiny sizes (for tests)")
+    bench.add_argument(
+        "--small", action="store_true",
+        help="tiny sizes, for tests (lm-d2048 keeps d=2048: one block, 2 x 64 tokens)",
+    )  # fmt: skip
     bench.add_argument(
         "--max-batch", type=float, metavar="MB",
         help="instead of timing: the largest batch per mode within this peak-memory budget",
@@ -540,6 +598,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--compile-mode", help="torch.compile mode for +compile modes, e.g. max-autotune"
     )
+    bench.add_argument(
+        "--float8-min-features", metavar="N|torchao",
+        help="float8 modes convert Linear layers with both dims >= N, or by torchao's H100 "
+        "size thresholds (default: every block Linear of the LMs, torchao's elsewhere)",
+    )  # fmt: skip
     bench.add_argument("--json", metavar="FILE")
     bench.add_argument("--plot", metavar="FILE.png")
     bench.set_defaults(run=_bench)
