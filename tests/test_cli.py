@@ -255,6 +255,7 @@ def checkpoint_and_file(tmp_path):
         (["bench", "--modes", "mixed_float8"], "policy 'mixed_float8' is mode 'O2-fp8'"),
         (["bench", "--float8-min-features", "0"], "an int >= 1 or 'torchao', got '0'"),
         (["bench", "--float8-min-features", "big"], "an int >= 1 or 'torchao', got 'big'"),
+        (["train", "--float8-min-features", "-3"], "an int >= 1 or 'torchao', got '-3'"),
     ],
 )
 def test_bad_paths_and_values_exit_2_before_any_work(argv, message, checkpoint_and_file, capsys):

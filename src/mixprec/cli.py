@@ -25,6 +25,9 @@ from mixprec.policy import NAMES, Policy
 
 TRAIN_MODELS = ("mlp", "cnn")  # the classification models of mixprec.models
 DATA = ("digits", "mnist:DIR", "synthetic")
+# float8 policies in `mixprec train`: torchao's H100 thresholds convert none of the small
+# models' layers, so every Linear whose dims float8 takes is converted (the head stays).
+TRAIN_FLOAT8_MIN_FEATURES = 16
 
 
 class UsageError(Exception):
@@ -99,9 +102,20 @@ def run_training(config: dict[str, Any]) -> dict[str, Any]:
     (x_train, y_train), (x_test, y_test) = _load(config["data"], config["seed"])
     classes = int(max(y_train.max(), y_test.max())) + 1
     model = _build(config["model"], x_train, classes)
+    policy: str | None = config["policy"]
+    float8_layers = None
+    if Policy(config["policy"]).float8_recipe is not None:
+        # float8 options are per model: prepare here, then hand the model over prepared.
+        options = _float8_sizes(config.get("float8_min_features")) or mixprec.Float8Options(
+            min_features=TRAIN_FLOAT8_MIN_FEATURES
+        )
+        mixprec.auto_mixed_precision(model, config["policy"], config["level"], float8=options)
+        choices = [c for m in model.modules() if (c := mixprec.float8.float8_choice(m))]
+        float8_layers = f"{sum(c.converted for c in choices)} of {len(choices)}"
+        policy = None
     optimizer = torch.optim.Adam(model.parameters(), lr=config["lr"])
     trainer = mixprec.Trainer(
-        model, "cross_entropy", optimizer, policy=config["policy"], level=config["level"],
+        model, "cross_entropy", optimizer, policy=policy, level=config["level"],
         compile=config.get("compile", False),
     )  # fmt: skip
     from mixprec.bench import PeakMemory
@@ -131,6 +145,7 @@ def run_training(config: dict[str, Any]) -> dict[str, Any]:
         "skipped_steps": sum(history.history["skipped_steps"]),
         "peak_mb": memory.mb(),
         "memory_kind": memory.kind,
+        "float8_layers": float8_layers,
     }
 
 
@@ -223,7 +238,9 @@ def _train(args: argparse.Namespace) -> int:
         "model": args.model, "data": args.data, "epochs": args.epochs, "seed": args.seed,
         "batch_size": args.batch_size, "lr": args.lr, "save": args.save,
         "verbose": 0 if args.quiet else 1, "compile": args.compile,
+        "float8_min_features": args.float8_min_features,
     }  # fmt: skip
+    _float8_sizes(args.float8_min_features)  # a bad value fails before training
     configs = []
     if args.compare != "none":
         configs.append({**common, "label": "baseline", "policy": args.compare, "level": "auto"})
@@ -248,6 +265,11 @@ def _train(args: argparse.Namespace) -> int:
             runs.append(pool.submit(run_training, config).result())
     say()
     say(_table(runs))
+    for run in runs:
+        if run.get("float8_layers"):
+            rule = args.float8_min_features or TRAIN_FLOAT8_MIN_FEATURES
+            say(f"{run['label']} run: float8 in {run['float8_layers']} Linear layers "
+                f"(both dims >= {rule}; the output head stays bfloat16)")  # fmt: skip
     say(f"(peak MB: {runs[0]['memory_kind']}; speedup: ms/step of the first row / this row)")
     if len(runs) == 2:
         diff = runs[1]["test_accuracy"] - runs[0]["test_accuracy"]
@@ -257,6 +279,7 @@ def _train(args: argparse.Namespace) -> int:
             if same
             else f"{runs[0]['ms_per_step'] / runs[1]['ms_per_step']:.2f}x the speed"
             + (" (16-bit math emulated on this CPU)" if note else "")
+            + (" (float8 matmuls emulated on CPU)" if runs[1].get("float8_layers") else "")
         )
         say(
             f"\n{runs[1]['policy']}: test accuracy {runs[1]['test_accuracy']:.3f} vs "
@@ -528,6 +551,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--in-process", action="store_true", help="no subprocess per run (peak memory is shared)"
     )
+    train.add_argument(
+        "--float8-min-features", metavar="N|torchao",
+        help="float8 policies convert Linear layers with both dims >= N (default "
+        f"{TRAIN_FLOAT8_MIN_FEATURES}: the small models' layers), or by torchao's H100 size "
+        "thresholds",
+    )  # fmt: skip
     train.set_defaults(run=_train)
 
     convert = commands.add_parser(
