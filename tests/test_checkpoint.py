@@ -3,15 +3,19 @@ report, plain state dicts, tampering, truncation, unsafe pickles, key mismatches
 
 from __future__ import annotations
 
+import copy
 import json
 import pickle
+import random
 import struct
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 import mixprec as mp
+from mixprec.checkpoint import _checksum
 from tests.conftest import classification_data, make_mlp, make_transformer
 
 LEVELS = ["O0", "O1", "O2", "O3"]
@@ -173,7 +177,7 @@ def test_tampered_and_truncated_files(tmp_path):
     header_len = struct.unpack("<Q", path.read_bytes()[:8])[0]
     header = json.loads(path.read_bytes()[8 : 8 + header_len])
     meta = json.loads(header["__metadata__"]["mixprec"])
-    assert meta["format"] == "mixprec-checkpoint" and meta["format_version"] == 1
+    assert meta["format"] == "mixprec-checkpoint" and meta["format_version"] == 2
     with pytest.raises(mp.CheckpointError, match="no such checkpoint file"):
         mp.load_checkpoint(tmp_path / "absent.safetensors", make_mlp())
     with pytest.raises(mp.CheckpointError, match="holds no optimizer state"):
@@ -224,13 +228,16 @@ def test_header_length_that_looks_like_a_pickle(tmp_path):
         mp.read_checkpoint(junk)
 
 
-def _rewrite_header(path, edit):
-    """Rewrite a checkpoint's mixprec JSON header in place (the checksum covers tensors)."""
+def _rewrite_header(path, edit, rehash=True):
+    """Rewrite a checkpoint's mixprec JSON header in place; with ``rehash``, with the
+    checksum a writer would give it (so that what is tested is the header's checking)."""
     raw = path.read_bytes()
     length = struct.unpack("<Q", raw[:8])[0]
     header = json.loads(raw[8 : 8 + length])
     meta = json.loads(header["__metadata__"]["mixprec"])
     edit(meta)
+    if rehash:
+        meta["checksum"] = _checksum(load_file(path), meta)
     header["__metadata__"]["mixprec"] = json.dumps(meta)
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
@@ -259,3 +266,271 @@ def test_reading_a_directory_says_it_is_one(tmp_path):
         mp.CheckpointError, match=r"is a directory, not a checkpoint file \(it holds c"
     ):
         mp.read_checkpoint(tmp_path)
+
+
+# -- issue 15 items 2 and 5: values, dtypes, the header's schema and checksum, all or nothing
+
+
+def _with_bad_values():
+    model = make_mlp()
+    with torch.no_grad():
+        model[0].weight[0, :3] = torch.tensor([float("nan"), float("inf"), 1.0])
+        model[5].bias[1] = float("-inf")
+    return model
+
+
+@pytest.mark.parametrize("on_range", ["error", "clamp"])
+@pytest.mark.parametrize("level", ["O0", "O2"])
+def test_non_finite_weights_are_refused_by_name(tmp_path, on_range, level):
+    path = mp.save_checkpoint(tmp_path / "nan.safetensors", _with_bad_values())
+    target = mp.auto_mixed_precision(make_mlp(seed=1), "mixed_float16", level)
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    # Before: loaded silently ('clamp' kept NaN and inf), and every step was then skipped.
+    with pytest.raises(
+        mp.CheckpointError,
+        match=r"non-finite values in 2 tensor\(s\): '0.weight' \(1 NaN, 1 inf\), "
+        r"'5.bias' \(0 NaN, 1 inf\).*on_range='ignore' loads them",
+    ):
+        mp.load_checkpoint(path, target, on_range=on_range)
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+
+
+def test_non_finite_values_load_under_ignore_and_in_optimizer_state_are_refused(tmp_path):
+    path = mp.save_checkpoint(tmp_path / "nan.safetensors", _with_bad_values())
+    model = make_mlp(seed=1)
+    report = mp.load_checkpoint(path, model, on_range="ignore")
+    assert report.non_finite == [("0.weight", 1, 1), ("5.bias", 0, 1)]
+    assert "0.weight: 1 NaN, 1 inf (loaded as they are)" in str(report)
+    assert model[0].weight[0, 0].isnan() and model[5].bias[1] == float("-inf")
+    with pytest.raises(mp.CheckpointError, match=r"non-finite values in 2 tensor"):
+        mp.convert_checkpoint(path, tmp_path / "out.safetensors", "bfloat16")
+
+    model, opt = trained("mixed_bfloat16", "O2")
+    with torch.no_grad():
+        opt.optimizer.state[opt.optimizer.param_groups[0]["params"][0]]["exp_avg"][0, 0] = torch.nan
+    path = mp.save_checkpoint(tmp_path / "opt.safetensors", model, opt)
+    fresh = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    fresh_opt = mp.LossScaleOptimizer(torch.optim.Adam(fresh.parameters(), lr=1e-2, eps=1e-4))
+    with pytest.raises(
+        mp.CheckpointError, match=r"'optim/optimizers/0/state/0/exp_avg' \(1 NaN, 0 inf\)"
+    ):
+        mp.load_checkpoint(path, fresh, fresh_opt)
+    mp.load_checkpoint(path, make_mlp())  # the weights alone are finite
+
+
+@pytest.mark.parametrize(
+    ("dtype", "reason"),
+    [
+        (torch.complex64, "the imaginary parts would be dropped"),
+        (torch.uint64, "quantized or foreign data"),
+        (torch.bool, "booleans are flags"),
+        (torch.int32, "quantized or foreign data"),
+        (torch.float8_e4m3fn, "only with the scales stored beside them"),
+    ],
+)
+def test_dtypes_that_do_not_convert_are_refused(tmp_path, dtype, reason):
+    from safetensors.torch import save_file
+
+    state = make_mlp().state_dict()
+    state["3.weight"] = torch.ones(state["3.weight"].shape, dtype=dtype)
+    save_file(state, tmp_path / "odd.safetensors")
+    target = mp.auto_mixed_precision(make_mlp(seed=1), "mixed_bfloat16", "O2")
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    # Before: copied into the float32 LayerNorm weight with no `converted` entry (float8:
+    # converted without its scales; into bfloat16, an unhandled NotImplementedError).
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(
+        mp.CheckpointError,
+        match=rf"tensor '3.weight' is {name} in the checkpoint; it does not convert to "
+        rf"float32 \(.*{reason}",
+    ):
+        mp.load_checkpoint(tmp_path / "odd.safetensors", target)
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+    if dtype == torch.float8_e4m3fn:  # listed by inspect; refused by convert too
+        tensors, _ = mp.read_checkpoint(tmp_path / "odd.safetensors")
+        assert tensors["model/3.weight"].dtype == torch.float8_e4m3fn
+        with pytest.raises(mp.CheckpointError, match="does not convert to float16 .float8"):
+            mp.convert_checkpoint(tmp_path / "odd.safetensors", tmp_path / "o.st", "float16")
+
+
+def _entry(skeleton, *keys):
+    """The node at ``keys`` in a ``_flatten`` skeleton (``__dict__`` pairs, lists)."""
+    for key in keys:
+        items = skeleton["__dict__"] if isinstance(skeleton, dict) else enumerate(skeleton)
+        skeleton = next(v for k, v in items if k == key)
+    return skeleton
+
+
+def _set(skeleton, value, *keys):
+    parent = _entry(skeleton, *keys[:-1])
+    for pair in parent["__dict__"]:
+        if pair[0] == keys[-1]:
+            pair[1] = value
+
+
+def _deep(levels):
+    node = 1
+    for _ in range(levels):
+        node = [node]
+    return node
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("aliases", "abc", r"'aliases' is 'abc'; valid: an object mapping a state-dict key"),
+        ("aliases", {"x": "nope"}, r"'aliases/x' is 'nope'; valid: the name of a stored model"),
+        ("masters", 5, r"'masters' is 5; valid: a list of strings"),
+        ("trainer_state", [1, 2], r"'trainer_state' is \[1, 2\]; valid: \{'__dict__'"),
+        ("trainer_state", {"__dict__": [["step_in_epoch", -5]]},
+         r"'trainer_state/step_in_epoch' is -5; valid: an int from 0 to 2\*\*63 - 1"),
+        ("trainer_state", {"__dict__": [["epoch", 2**70]]}, r"'trainer_state/epoch' is 1180"),
+        ("trainer_state", {"__dict__": [["data", _deep(80)]]},
+         r"'trainer_state/data/0/0/0/0/0.*' is \[\[\[\[...\]\]\]\]; valid: at most 64 levels"),
+        ("rng", "abc", r"'rng' is 'abc'; valid: null or \{'__dict__': \[\['torch'"),
+        ("optimizer", {"__tensor__": "nope"}, r"'optimizer' is \{'__tensor__': 'nope'\}; valid"),
+        ("optimizer", {"__dict__": [[[1], 2]]},
+         r"'optimizer' is \[\[1\], 2\]; valid: a \[key, value\] pair with a scalar key"),
+        ("format_version", "1", r"'format_version' is '1'; valid: an int from 1 to 2"),
+        ("float8", {"recipe": 5, "converted": []}, r"'float8/recipe' is 5; valid: a string"),
+        ("level", ["O2"], r"'level' is \['O2'\]; valid: a string or null"),
+        ("checksum", 7, r"'checksum' is 7; valid: a SHA-256 digest"),
+        ("extra", 1, r"'extra' is 1; valid: only the keys mixprec writes: format, "),
+    ],
+)  # fmt: skip
+def test_header_of_the_wrong_types_is_refused_by_key(tmp_path, key, value, match):
+    path = mp.save_checkpoint(tmp_path / "c.safetensors", make_mlp(), trainer_state={"step": 1})
+
+    def edit(meta):
+        meta[key] = value
+
+    _rewrite_header(path, edit, rehash=key != "checksum")
+    # Before: KeyError, AttributeError, TypeError, islice's ValueError, or a silent load.
+    with pytest.raises(mp.CheckpointError, match=rf"c.safetensors: mixprec header: {match}"):
+        mp.load_checkpoint(path, make_mlp(seed=1), restore_rng=True)
+
+
+def test_rng_of_the_wrong_type_is_refused_before_the_weights_change(tmp_path):
+    path = mp.save_checkpoint(tmp_path / "c.safetensors", make_mlp())
+    _rewrite_header(path, lambda meta: _set(meta["rng"], {"__tuple__": [3, "abc", None]},
+                                            "python"))  # fmt: skip
+    model = make_mlp(seed=1)
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(mp.CheckpointError, match=r"'rng/python' is \{'__tuple__'"):
+        mp.load_checkpoint(path, model, restore_rng=True)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_checksum_covers_the_header_and_format_1_files_still_load(tmp_path):
+    model = make_mlp()
+    path = mp.save_checkpoint(tmp_path / "c.safetensors", model)
+    _rewrite_header(path, lambda meta: meta.update(level="O1"), rehash=False)
+    # Before: the checksum covered the tensors only, and the edited header loaded.
+    with pytest.raises(mp.CheckpointError, match="checksum mismatch: the header or tensors"):
+        mp.load_checkpoint(path, make_mlp(seed=1))
+
+    old = mp.save_checkpoint(tmp_path / "v1.safetensors", model)
+
+    def format_1(meta):
+        meta["format_version"] = 1
+        meta["checksum"] = _checksum(load_file(old))  # tensors only, as format 1 wrote it
+
+    _rewrite_header(old, format_1, rehash=False)
+    fresh = make_mlp(seed=1)
+    assert mp.load_checkpoint(old, fresh).metadata["format_version"] == 1
+    assert torch.equal(fresh[0].weight, model[0].weight)
+    data = bytearray(old.read_bytes())
+    data[-5] ^= 0xFF
+    old.write_bytes(bytes(data))
+    with pytest.raises(mp.CheckpointError, match="checksum mismatch: the tensors were"):
+        mp.load_checkpoint(old, make_mlp(seed=1))
+
+
+def _state(model, opt):
+    """Everything a load may change, copied."""
+    return copy.deepcopy(
+        {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scaler": opt.loss_scaler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+        }
+    )
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+_PARAM_0 = ("optimizers", 0, "state", 0)  # the inner Adam's state of the first parameter
+
+
+def _python_rng_too_short(meta):
+    _set(meta["rng"], {"__tuple__": [3, {"__tuple__": [1, 2]}, None]}, "python")
+
+
+def _torch_rng_too_short(meta):
+    _set(meta["rng"], {"__tensor__": "trainer/blob"}, "torch")
+
+
+def _step_not_a_number(meta):
+    _set(meta["optimizer"], "abc", *_PARAM_0, "step")
+
+
+def _step_missing(meta):
+    exp_avg = _entry(meta["optimizer"], *_PARAM_0, "exp_avg")
+    _set(meta["optimizer"], {"__dict__": [["exp_avg", exp_avg]]}, *_PARAM_0)
+
+
+def _extra_param_group(meta):
+    groups = _entry(meta["optimizer"], "optimizers", 0, "param_groups")
+    groups.append(groups[0])
+
+
+def _negative_scale(meta):
+    _set(meta["optimizer"], -1.0, "loss_scaler", "scale")
+
+
+def _micro_steps_not_an_int(meta):
+    _set(meta["optimizer"], "abc", "micro_steps")
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (_python_rng_too_short, r"RNG state cannot be restored \(state vector is the wrong size"),
+        (_torch_rng_too_short, r"RNG state cannot be restored \(Expected a CPUGeneratorImpl"),
+        (_step_not_a_number, "optimizer state does not fit this optimizer: ValueError"),
+        (_step_missing, "optimizer state does not fit this optimizer: KeyError: 'step'"),
+        (_extra_param_group, "ValueError: loaded state dict has a different number of param"),
+        (_negative_scale, "loss scaler state does not load"),
+        (_micro_steps_not_an_int, "optimizer state: 'micro_steps' is 'abc'; valid: an int >= 0"),
+    ],
+)
+def test_a_failed_load_changes_nothing(tmp_path, edit, match):
+    model, opt = trained("mixed_float16", "O2", steps=1)
+    intact = mp.save_checkpoint(tmp_path / "intact.safetensors", model, opt)
+    path = mp.save_checkpoint(
+        tmp_path / "c.safetensors", model, opt, {"blob": torch.zeros(3, dtype=torch.uint8)}
+    )
+    _rewrite_header(path, edit)
+    target, target_opt = trained("mixed_float16", "O2", steps=1, model=make_mlp(seed=4))
+    torch.manual_seed(123)
+    random.seed(123)
+    before = _state(target, target_opt)
+    # Before: the weights (and the first inner optimizer, the scaler, the torch RNG) were
+    # already replaced when the optimizer or RNG state failed.
+    with pytest.raises(mp.CheckpointError, match=match):
+        mp.load_checkpoint(path, target, target_opt, restore_rng=True)
+    assert _same(before, _state(target, target_opt))
+    # The same load with the file intact does change all of it: the comparison can fail.
+    mp.load_checkpoint(intact, target, target_opt, restore_rng=True)
+    after = _state(target, target_opt)
+    assert not any(_same(before[k], after[k]) for k in ("model", "optimizer", "torch_rng"))

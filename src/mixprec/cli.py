@@ -326,6 +326,8 @@ def _convert(args: argparse.Namespace) -> int:
     )
     for name, peak, dtype, action in report.out_of_range:
         print(f"  {name}: max |value| {peak:.6g} exceeds {dtype} ({action})")
+    for name, nan, inf in report.non_finite:
+        print(f"  {name}: {nan} NaN, {inf} inf (kept: --on-range ignore)")
     return 0
 
 
@@ -567,7 +569,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     convert.add_argument(
         "--on-range", default="error", choices=("error", "clamp", "ignore"),
-        help="values beyond the dtype's range: fail (default), saturate, or cast as is",
+        help="values beyond the dtype's range: fail (default), saturate, or cast as is; "
+        "NaN/inf fail unless 'ignore'",
     )  # fmt: skip
     convert.set_defaults(run=_convert)
 
