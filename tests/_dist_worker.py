@@ -132,6 +132,21 @@ def float8_losses(out: Path, rank: int, kind: str) -> None:
                out / f"fp8-{kind}-{rank}.pt")  # fmt: skip
 
 
+def mismatched_data(out: Path, rank: int) -> None:
+    """Rank 1 passes fewer samples: both ranks must raise the same ValueError, with no
+    collective left half-done (the next scenario still runs)."""
+    x, y = classification_data(n=64 if rank == 0 else 48, seed=3)
+    model = make_mlp()
+    t = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 0.1),
+                   policy="mixed_bfloat16", device="cpu")  # fmt: skip
+    try:
+        t.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        message = None
+    except ValueError as err:
+        message = str(err)
+    torch.save({"message": message}, out / f"mismatch-{rank}.pt")
+
+
 def trainer_and_resume(out: Path, rank: int) -> None:
     x, y = classification_data(n=256, seed=3)
     results = {}
@@ -192,6 +207,7 @@ def main(out: str) -> None:
         fsdp_losses(path, rank, "mixed_bfloat16")
         fsdp_losses(path, rank, "mixed_float16")
         trainer_and_resume(path, rank)
+        mismatched_data(path, rank)
         recommender(path, rank)
         if importlib.util.find_spec("torchao") is not None:  # the float8 extra
             float8_losses(path, rank, "ddp")

@@ -138,6 +138,17 @@ def test_float8_under_ddp_and_fsdp2_matches_one_process(runs, kind, level):
         assert abs(ours - ref) < 2e-3
 
 
+def test_ranks_with_different_data_sizes_fail_on_every_rank_with_a_clear_error(runs):
+    """Issue 15 item 8: this died in gloo's raw "collective mismatch" abort after ~10 s."""
+    r0, r1 = runs("mismatch")
+    assert r0["message"] == r1["message"]
+    assert r0["message"].startswith(
+        "fit()'s data sizes differ between ranks (rank 0: samples_or_batches=64, batch_size=16, "
+        "epochs=1, validation_samples=-1; rank 1: samples_or_batches=48, "
+    )
+    assert "every rank must pass the same global data, batch_size and epochs" in r0["message"]
+
+
 def test_trainer_under_torchrun_checkpoints_and_resumes(runs):
     r0, r1 = runs("trainer")
     assert equal_states(r0["full"], r1["full"])  # ranks agree

@@ -1,11 +1,13 @@
 """Numerics doctor: the overflowing layer is named (report and provenance), keeping it in
-float32 fixes training, underflow gets the loss scale that fixes it, healthy models get a
-clean report, and the scaler health warnings."""
+float32 fixes training, the recommendation accounts for the backward at the loss scale
+training reaches (issue 15 item 4), underflow gets the loss scale that fixes it, healthy
+models get a clean report, the plot, and the scaler health warnings (stuck at the floor)."""
 
 from __future__ import annotations
 
 import copy
 import json
+import math
 import warnings
 
 import pytest
@@ -13,8 +15,9 @@ import torch
 from torch import nn
 
 import mixprec as mp
-from mixprec.doctor import ScalerHealth
+from mixprec.doctor import ScalerHealth, scale_floor
 from mixprec.scaling import ScalerState
+from mixprec.trace import Overflow
 
 CE = nn.functional.cross_entropy
 
@@ -43,6 +46,56 @@ def healthy(seed: int = 0) -> nn.Module:
         nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.LayerNorm(64), nn.ReLU(),
         nn.Linear(64, 4),
     )  # fmt: skip
+
+
+class Blow(nn.Module):
+    """Issue 15 item 4's block input: multiplies by ``gain``."""
+
+    def __init__(self, gain: float) -> None:
+        super().__init__()
+        self.gain = gain
+
+    def forward(self, x):
+        return x * self.gain
+
+
+def gained(gain: float, seed: int = 0) -> nn.Module:
+    """Issue 15 item 4's model: a float32-kept block's gain sends gradients ``gain`` times
+    larger back into the 16-bit Linear and ReLU before it."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.ReLU(), nn.Sequential(Blow(gain), nn.Linear(64, 64)), nn.ReLU(),
+        nn.Linear(64, 4),
+    )  # fmt: skip
+
+
+def wide_batch(seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(64, 32, generator=g), torch.randint(0, 4, (64,), generator=g)
+
+
+@pytest.fixture
+def one_thread():
+    """Emulated 16-bit backward on this machine's 2 shared cores: two threads contend
+    (measured 9.6 s against 1.3 s for the back-off test)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def train_applied(model: nn.Module, x, y, scaler=None, steps: int = 30):
+    """Adam (float32 training of these models converges; SGD at lr 0.05 diverges to NaN in
+    float32 by step 3 whatever the precision): the applied flag of each step, and losses."""
+    opt = mp.LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), loss_scaler=scaler)
+    flags, losses = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = CE(model(x), y)
+        opt.backward(loss)
+        flags.append(opt.step().applied)
+        losses.append(loss.item())
+    return flags, losses
 
 
 def batch(seed: int = 1):
@@ -114,6 +167,62 @@ def test_underflowing_gradients_get_the_loss_scale_that_fixes_them():
     assert errors["suggested"] < 0.05  # float16 rounding only
 
 
+def test_recommendation_accounts_for_the_backward_at_the_scale_training_reaches(one_thread):
+    # Issue 15 item 4, gain 1e5: keeping the block and what follows it leaves the Linear and
+    # ReLU before it in float16 with gradients up to ~1.5e3 (the weight gradient of '0'):
+    # they fit float16 at loss scales <= 65504 / 1548, so the scaler settles at 32 after
+    # 11 halvings from 2**16. The doctor runs that back-off on the batch and says so.
+    x, y = wide_batch()
+    report = mp.diagnose(gained(1e5), x, y, CE, policy="mixed_float16")
+    assert report.recommended_keep_float32 == ["2.0", "2.1", "3", "4"]
+    assert report.loss_scale_reached == 32.0 and report.backoff_steps == 11
+    assert any(
+        "skips the first 11 steps" in a and "DynamicLossScaler(init_scale=32)" in a
+        for a in report.advice
+    ), report.advice
+
+    def prepared():
+        return mp.auto_mixed_precision(gained(1e5), "mixed_float16", "O2",
+                                       keep_float32=report.recommended_keep_float32)  # fmt: skip
+
+    # The default scaler does exactly what was predicted: 11 skips, then steps apply (all
+    # 19 after them in a 30-step run; 4 checked here, for time).
+    flags, _ = train_applied(prepared(), x, y, steps=15)
+    assert flags == [False] * 11 + [True] * 4
+    # Started where the doctor says, all 30 apply and the loss goes where float32's goes.
+    flags, losses = train_applied(
+        prepared(), x, y, mp.DynamicLossScaler(init_scale=report.loss_scale_reached)
+    )
+    reference = gained(1e5)
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=1e-3)
+    for _ in range(30):
+        ref_opt.zero_grad()
+        ref_loss = CE(reference(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+    assert all(flags)
+    assert losses[0] > 1000 and losses[-1] < 0.01 and ref_loss.item() < 0.01
+
+
+def test_backward_overflowing_at_the_scale_floor_is_kept_and_bfloat16_advised(one_thread):
+    # Gain 1e8: the gradients before the block reach ~1e8 x 3e-3 even at loss scale 1, the
+    # dynamic scaler's floor. With only the forward's keep list ('2.0', '2.1', '3', '4'),
+    # training is stuck there and applies 0 of 30 steps (the tracer names '1 (ReLU)
+    # backward'). Those leaves must be kept too, which leaves nothing in float16.
+    x, y = wide_batch()
+    report = mp.diagnose(gained(1e8), x, y, CE, policy="mixed_float16")
+    assert report.recommended_keep_float32 == ["0", "1", "2.0", "2.1", "3", "4"]
+    upstream = {m.name: m for m in report.culprits()}
+    for name in ("0", "1"):
+        assert any("even at loss scale 1" in r for r in upstream[name].reasons)
+    assert report.bfloat16_would_help
+    assert any("no float16 keep list fixes this model" in a for a in report.advice)
+    model = mp.auto_mixed_precision(gained(1e8), "mixed_float16", "O2",
+                                    keep_float32=report.recommended_keep_float32)  # fmt: skip
+    flags, losses = train_applied(model, x, y)
+    assert sum(flags) >= 29 and losses[-1] < 0.01  # measured: 30 of 30
+
+
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_healthy_model_gets_a_clean_report(policy, seed):
@@ -130,8 +239,44 @@ def test_report_json_and_plot(tmp_path):
     data = json.loads(report.to_json())
     assert data["culprits"][0] == "2" and data["policy"] == "mixed_float16"
     assert {m["name"] for m in data["modules"]} >= {"0", "1", "2", "3", "(model)"}
-    report.plot(str(tmp_path / "ranges.png"))
+    fig = report.plot(str(tmp_path / "ranges.png"))
     assert (tmp_path / "ranges.png").read_bytes()[:4] == b"\x89PNG"
+    ax = fig.axes[0]
+    assert "Sequential under mixed_float16" in ax.get_title()
+    assert "loss scale 65536" in ax.get_title()
+    assert ax.get_xlabel() == "module (forward execution order)"
+    labels = ax.get_legend_handles_labels()[1]
+    assert "recommended keep_float32" in labels and not any("zero" in t for t in labels)
+
+
+class Zero(nn.Module):
+    def forward(self, x):
+        return x * 0.0
+
+
+def test_plot_marks_zero_gradients_instead_of_drawing_them_at_1e_30(tmp_path):
+    # Everything before Zero gets an all-zero gradient; Zero's own output is all zero.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), Zero(), nn.Linear(32, 4))
+    x, y = batch()
+    report = mp.diagnose(model, x, y, CE)
+    by_name = {m.name: m for m in report.modules}
+    assert by_name["0"].max_backward == 0 and by_name["2"].max_output == 0
+    fig = report.plot(str(tmp_path / "zeros.png"))
+    ax = fig.axes[0]
+    labels = ax.get_legend_handles_labels()[1]
+    assert {"zero or no gradient", "zero output", "0 (no place on a log axis)"} <= set(labels)
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    grads = [float(v) for v in lines["max |gradient| (output, input, weights)"].get_ydata()]
+    assert math.isnan(grads[0]) and math.isnan(grads[1])  # gaps, not 1e-30
+    marks = lines["zero or no gradient"]
+    assert list(marks.get_xdata()) == [0, 1]
+    low = ax.get_ylim()[0]
+    # The marks sit in the lane below every plotted value, whose tick reads "0".
+    assert all(v < min(g for g in grads if g == g) for v in marks.get_ydata())
+    assert marks.get_ydata()[0] > low
+    fig.canvas.draw()
+    assert ax.get_yticklabels()[0].get_text() == "0"
 
 
 def test_diagnose_bad_input():
@@ -191,3 +336,53 @@ def test_tracing_off_installs_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         copy.deepcopy(model)
+
+
+def test_scaler_health_stuck_at_the_floor_warns_once_with_module_and_remedy():
+    floor = scale_floor(mp.DynamicLossScaler())
+    assert floor == 1.0 and scale_floor(mp.DynamicLossScaler(min_scale=None)) == 2.0**-126
+    assert scale_floor(mp.StaticLossScaler(8.0)) is None  # a fixed scale has no back-off
+    culprit = Overflow("1", "ReLU", "backward", "float16", 785, -6.5e4, 6.5e4)
+    health = ScalerHealth(floor_skips=3)
+    at_floor = ScalerState(scale=1.0, consecutive_skips=5)
+    assert health.observe(ScalerState(scale=2.0), True, culprit, floor) is None  # backing off
+    assert health.observe(at_floor, True, culprit, floor) is None
+    assert health.observe(at_floor, False, None, floor) is None  # an applied step resets
+    assert health.observe(at_floor, True, culprit, floor, loss=7.0e3) is None
+    assert health.observe(at_floor, True, culprit, floor) is None
+    message = health.observe(at_floor, True, culprit, floor, loss=5.7e12)
+    assert message.startswith("training is stuck: the loss scale is at its floor (1)")
+    assert "came from 1 (ReLU) backward" in message and "keep '1' in float32" in message
+    assert "mixed_bfloat16" in message and "keep_float32=" in message
+    assert "lower the learning rate (loss 7000 at the first step, now 5.7e+12)" in message
+    streak = ScalerState(scale=1.0, consecutive_skips=500)
+    assert all(health.observe(streak, True, culprit, floor) is None for _ in range(120))
+
+    # No module known: the first stuck step asks for a trace; the next one warns anyway.
+    health = ScalerHealth(floor_skips=2)
+    assert health.observe(at_floor, True, None, floor) is None and not health.needs_trace
+    assert health.observe(at_floor, True, None, floor) is None and health.needs_trace
+    message = health.observe(at_floor, True, None, floor)
+    assert "stuck" in message and "trace_overflow=True" in message and not health.needs_trace
+
+
+def test_trainer_stuck_at_the_floor_traces_one_step_and_warns_once(one_thread, recwarn):
+    # The gain-1e8 model with only the forward's keep list overflows at loss scale 1: from
+    # init_scale 4, skips at 4, 2, then at the floor; tracing is off, so the Trainer traces
+    # one step itself to name the module.
+    x, y = wide_batch()
+    model = mp.auto_mixed_precision(gained(1e8), "mixed_float16", "O2",
+                                    keep_float32=["2.0", "2.1", "3", "4"])  # fmt: skip
+    hooks = sum(len(m._forward_hooks) for m in model.modules())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = mp.DynamicLossScaler(init_scale=4.0)
+    trainer = mp.Trainer(model, "cross_entropy", opt, loss_scaler=scaler, device="cpu")
+    history = trainer.fit(x.repeat(3, 1), y.repeat(3), batch_size=16, epochs=1, verbose=0)
+    assert history.history["skipped_steps"] == [12]  # 12 steps, none applied
+    health = [str(w.message) for w in recwarn.list if issubclass(w.category, UserWarning)]
+    stuck = [m for m in health if "training is stuck" in m]
+    assert len(stuck) == 1, health
+    assert "came from 1 (ReLU) backward" in stuck[0] and "keep '1' in float32" in stuck[0]
+    assert "at the first step, now" in stuck[0]  # the loss, for telling divergence apart
+    assert not any("steps in a row" in m for m in health)  # said once, by the stuck warning
+    assert sum(len(m._forward_hooks) for m in model.modules()) == hooks  # tracer removed

@@ -24,6 +24,7 @@ __all__ = [
     "all_reduce_sum",
     "broadcast_",
     "check_batch",
+    "check_same_on_every_rank",
     "distributed_data_parallel",
     "fsdp_mixed_precision",
     "init_from_env",
@@ -96,6 +97,28 @@ def check_batch(global_batch: int) -> int:
             f"use a multiple of {size}"
         )
     return global_batch // size
+
+
+def check_same_on_every_rank(what: str, values: dict[str, int], remedy: str) -> None:
+    """Raise ``ValueError`` on every rank when ``values`` differ between ranks (one
+    collective). Ranks that disagree on, say, their number of batches would otherwise run
+    different numbers of collectives and die in the backend's raw mismatch abort."""
+    size = world_size()
+    if size == 1:
+        return
+    device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+    mine = torch.tensor(list(values.values()), dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(gathered, mine)
+    rows = [g.tolist() for g in gathered]
+    if all(row == rows[0] for row in rows):
+        return
+    keys = list(values)
+    seen = "; ".join(
+        f"rank {r}: " + ", ".join(f"{k}={v}" for k, v in zip(keys, row, strict=True))
+        for r, row in enumerate(rows)
+    )
+    raise ValueError(f"{what} differ between ranks ({seen}); {remedy}")
 
 
 def broadcast_(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """Numerics diagnostics: which layer overflows or underflows in 16 bits, and what to do.
 
 ``diagnose`` runs one batch twice, in float32 and under the policy, with hooks on every
-module, and compares them. ``ScalerHealth`` watches a loss scaler during training and says,
-once, what a collapsing scale or a run of skipped steps means.
+module, and compares them; for float16 it then checks its own recommendation by doing on
+that batch what the dynamic loss scaler would (see ``_back_off``). ``ScalerHealth`` watches a
+loss scaler during training and says, once, what a collapsing scale, a run stuck at the
+scaler's floor or a run of skipped steps means.
 """
 
 from __future__ import annotations
@@ -11,20 +13,27 @@ import copy
 import json
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from mixprec._dtypes import dtype_name
 from mixprec.casting import first_floating
-from mixprec.levels import applied, auto_mixed_precision, module_dtypes
-from mixprec.policy import PolicyLike, get_policy
-from mixprec.scaling import ScalerState
+from mixprec.float8 import Float8Options
+from mixprec.levels import KeepEntry, applied, auto_mixed_precision, module_dtypes
+from mixprec.policy import Policy, PolicyLike, get_policy
+from mixprec.scaling import SMALLEST_NORMAL_F32, DynamicLossScaler, LossScaler, ScalerState
+from mixprec.trace import Overflow
 
-__all__ = ["ModuleReport", "Report", "ScalerHealth", "diagnose"]
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from mixprec.float8_doctor import Float8Report
+
+__all__ = ["ModuleReport", "Report", "ScalerHealth", "diagnose", "scale_floor"]
 
 # Relative error (||mixed - float32|| / ||float32||) above which a module is flagged. Healthy
 # layers measured ~4e-4 (float16) and ~3e-3 (bfloat16) on outputs; gradients are noisier
@@ -34,6 +43,10 @@ OUTPUT_ERROR_LIMIT = {torch.bfloat16: 0.1, torch.float16: 0.02, torch.float32: 1
 GRAD_ERROR_LIMIT = {torch.bfloat16: 0.5, torch.float16: 0.25, torch.float32: 1e-4}
 # Fraction of non-zero gradient values that vanish in 16 bits before flagging a module.
 UNDERFLOW_LIMIT = 0.05
+# The lowest loss scale a float16 run reaches: DynamicLossScaler's default min_scale. Backing
+# off below it is not possible, so a backward that overflows float16 there overflows at every
+# step: such modules must compute in float32 (or the run needs bfloat16).
+SCALE_FLOOR = 1.0
 
 
 @dataclass
@@ -60,12 +73,22 @@ class ModuleReport:
     grad_rel_error: float
     float32: bool  # computes in float32 under the policy (an island)
     min_grad: float = 0.0  # smallest non-zero |gradient| in float32
+    max_input_grad: float = 0.0  # max |gradient of its input| (float32 run)
+    max_param_grad: float = 0.0  # max |gradient of its own parameters| (float32 run)
     risk: float = 0.0
     reasons: list[str] = field(default_factory=list)
 
+    @property
+    def max_backward(self) -> float:
+        """The largest |gradient| its backward receives or produces (float32 run, unscaled):
+        of its output, of its input, of its parameters. Times the loss scale, this is what
+        the 16-bit backward must hold."""
+        return max(self.max_grad, self.max_input_grad, self.max_param_grad)
+
 
 class _Recorder:
-    """Forward hooks on every module: input max, output and output gradient per call."""
+    """Forward hooks on every module: input, output, and the gradients of both, per call
+    (the first call of each module); ``_run`` adds its parameters' gradients."""
 
     def __init__(self, model: nn.Module) -> None:
         self.calls: dict[str, dict[str, Any]] = {}
@@ -83,13 +106,17 @@ class _Recorder:
             entry: dict[str, Any] = {
                 "kind": type(module).__name__,
                 "order": len(self.calls),
+                "module": module,
                 "input": None if inp is None else inp.detach(),
                 "output": out.detach(),
                 "grad": None,
+                "input_grad": None,
             }
             self.calls[name] = entry
             if out.requires_grad:
                 out.register_hook(lambda g: entry.__setitem__("grad", g.detach()))
+            if inp is not None and inp.requires_grad:
+                inp.register_hook(lambda g: entry.__setitem__("input_grad", g.detach()))
 
         return hook
 
@@ -98,15 +125,17 @@ class _Recorder:
             h.remove()
 
 
+# Both read 16-bit tensors through float32: the same values, and 16-bit reductions are
+# emulated (slow) on CPUs.
 def _max_abs(t: torch.Tensor | None) -> float:
     if t is None or t.numel() == 0:
         return 0.0
-    finite = t[torch.isfinite(t)]
-    return float(finite.abs().max()) if finite.numel() else 0.0
+    values = t.detach().float().abs()
+    return float(torch.where(torch.isfinite(values), values, 0.0).max())
 
 
 def _nonfinite(t: torch.Tensor | None) -> int:
-    return 0 if t is None else int((~torch.isfinite(t)).sum())
+    return 0 if t is None else int((~torch.isfinite(t.detach().float())).sum())
 
 
 def _lost(t: torch.Tensor | None, dtype: torch.dtype) -> tuple[float, float]:
@@ -153,7 +182,11 @@ def _run(
     scale: float = 1.0,
 ) -> tuple[dict[str, dict[str, Any]], float]:
     """One forward and backward, the loss multiplied by ``scale``; the recorded gradients
-    are divided by it again (in float32) so they compare with the float32 run."""
+    are divided by it again (in float32) so they compare with the float32 run.
+
+    Per module besides the recorder's entries: ``param_grad_max`` (unscaled, finite values)
+    and ``nonfinite_backward``, the inf/NaN count of its output, input and parameter
+    gradients as computed (scaled), which is what the scaler's check sees."""
     recorder = _Recorder(model)
     try:
         model.zero_grad(set_to_none=True)
@@ -163,18 +196,32 @@ def _run(
             (loss * scale).backward()
     finally:
         recorder.remove()
-    if scale != 1.0:
-        for entry in recorder.calls.values():
+    for entry in recorder.calls.values():
+        module = entry.pop("module")
+        params = [p.grad for p in module.parameters(recurse=False) if p.grad is not None]
+        entry["param_grad_max"] = max((_max_abs(g) for g in params), default=0.0) / scale
+        entry["nonfinite_backward"] = (
+            _nonfinite(entry["grad"])
+            + _nonfinite(entry["input_grad"])
+            + sum(_nonfinite(g) for g in params)
+        )
+        if scale != 1.0:
             if entry["grad"] is not None:
                 entry["scaled_grad"] = entry["grad"]
                 entry["grad"] = entry["grad"].float() / scale
+            if entry["input_grad"] is not None:
+                entry["input_grad"] = entry["input_grad"].float() / scale
     return recorder.calls, float(loss.detach().float())
 
 
 @dataclass
 class Report:
     """What ``diagnose`` found. ``culprits()``, ``recommended_keep_float32``,
-    ``suggested_loss_scale``, ``bfloat16_would_help``, ``to_json()``, ``plot(path)``."""
+    ``suggested_loss_scale``, ``bfloat16_would_help``, ``to_json()``, ``plot(path)``.
+
+    ``loss_scale_reached``: float16 only: the scale a ``DynamicLossScaler`` starting at
+    ``loss_scale`` backs off to on this batch with the recommendation applied, after
+    ``backoff_steps`` skipped steps (checked by running the 16-bit backward there)."""
 
     policy: str
     level: str
@@ -188,6 +235,9 @@ class Report:
     loss_scale_range: tuple[float, float] | None
     bfloat16_would_help: bool
     advice: list[str]
+    loss_scale_reached: float | None = None
+    backoff_steps: int = 0
+    model: str = ""  # the model's class name
 
     def culprits(self) -> list[ModuleReport]:
         """Flagged modules, most dangerous first (ties: execution order)."""
@@ -241,30 +291,112 @@ class Report:
 
         return json.dumps(clean(self.to_dict()), **kwargs)
 
-    def plot(self, path: str) -> None:
-        """Per-module max |output| and max |gradient| (float32 run) on a log scale, against
-        the 16-bit dtype's largest and smallest normal values."""
+    def plot(self, path: str) -> Figure:
+        """Per-module max |output|, max |gradient| (of its output, input or weights) and
+        small |gradient| (of its output) in the float32 run, on a log scale, against the
+        16-bit dtype's largest and smallest normal values: as they are for outputs, divided
+        by the loss scale for gradients (the backward holds the gradient times the scale).
+        Modules recommended for float32 are shaded. A zero (an all-zero output; an all-zero
+        or absent gradient) has no place on a log axis: it is a gap in its line and a mark
+        in a grey lane below the axis. Saves a PNG to ``path``; returns the closed figure."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, NullLocator
 
         mods = sorted(self.modules, key=lambda m: m.order)
-        dtype = getattr(torch, self.compute_dtype)
-        fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(mods)), 4.5))
-        x = range(len(mods))
-        ax.semilogy(x, [max(m.max_output, 1e-30) for m in mods], "o-", label="max |output|")
-        ax.semilogy(x, [max(m.max_grad, 1e-30) for m in mods], "s-", label="max |gradient|")
-        ax.semilogy(x, [max(m.min_grad, 1e-30) for m in mods], "v:", label="small |gradient|")
-        info = torch.finfo(dtype)
+        info = torch.finfo(getattr(torch, self.compute_dtype))
+        fig, ax = plt.subplots(figsize=(max(8.0, 0.45 * len(mods) + 4.0), 5.0))
+        x = list(range(len(mods)))
+        kept = set(self.recommended_keep_float32)
+        shaded = [i for i, m in enumerate(mods) if m.name in kept]
+        for i in shaded:
+            label = "recommended keep_float32" if i == shaded[0] else None
+            ax.axvspan(i - 0.45, i + 0.45, color="tab:red", alpha=0.1, lw=0, label=label)
+        series = [
+            ("max |output|", "o-", "tab:blue", [m.max_output for m in mods]),
+            ("max |gradient| (output, input, weights)", "s-", "tab:orange",
+             [m.max_backward for m in mods]),
+            ("small |gradient| (1st pct.)", "v:", "tab:green", [m.min_grad for m in mods]),
+        ]  # fmt: skip
+        for label, style, color, values in series:
+            # A log axis has no 0: zeros are gaps in the lines, marked in their own lane.
+            shown = [v if v > 0 else math.nan for v in values]
+            ax.semilogy(x, shown, style, color=color, label=label)
+        scale = self.loss_scale
         ax.axhline(info.max, color="red", ls="--", label=f"{self.compute_dtype} max")
-        ax.axhline(info.tiny, color="orange", ls="--", label=f"{self.compute_dtype} min normal")
-        ax.set_xticks(list(x), [m.name for m in mods], rotation=60, ha="right", fontsize=7)
-        ax.set_ylabel("|value| (float32 run)")
-        ax.legend(fontsize=7)
+        ax.axhline(info.tiny, color="darkorange", ls="--", label=f"{self.compute_dtype} min normal")
+        if scale != 1.0:
+            ax.axhline(
+                info.max / scale,
+                color="red",
+                ls=":",
+                label=f"{self.compute_dtype} max / loss scale {scale:g} (gradients)",
+            )
+            ax.axhline(
+                info.tiny / scale,
+                color="darkorange",
+                ls=":",
+                label=f"min normal / loss scale {scale:g} (gradients)",
+            )
+        reached = self.loss_scale_reached
+        if reached is not None and reached != scale:
+            ax.axhline(
+                info.max / reached,
+                color="purple",
+                ls=":",
+                label=f"{self.compute_dtype} max / scale {reached:g} reached",
+            )
+        zeros = [
+            (what, marker, [i for i, v in enumerate(values) if v == 0])
+            for what, marker, values in (
+                ("zero output", "o", [m.max_output for m in mods]),
+                # None at all, too: a Flatten of the input has nothing to send one to.
+                ("zero or no gradient", "x", [m.max_backward for m in mods]),
+            )
+        ]
+        if any(found for _, _, found in zeros):
+            # A grey lane below every value: 8% of the axis height, in log space.
+            low, high = ax.get_ylim()
+            lane = low / (high / low) ** 0.09
+            ax.set_ylim(lane, high)
+            ax.axhspan(lane, low, color="0.85", lw=0, label="0 (no place on a log axis)")
+            # The lane's one tick reads "0"; the log ticks stay above it.
+            middle = math.sqrt(lane * low)
+            log_format = ax.yaxis.get_major_formatter()
+            ax.set_yticks([middle, *(t for t in ax.get_yticks() if low <= t <= high)])
+            ax.yaxis.set_major_formatter(
+                FuncFormatter(lambda v, pos: "0" if v < low else log_format(v, pos))
+            )
+            ax.yaxis.set_minor_locator(NullLocator())
+            for what, marker, found in zeros:
+                if found:
+                    ax.plot(
+                        found,
+                        [middle] * len(found),
+                        marker,
+                        color="black",
+                        ls="none",
+                        ms=7,
+                        label=what,
+                    )
+        ax.set_xticks(x, [m.name for m in mods], rotation=60, ha="right", fontsize=7)
+        ax.set_xlim(-0.6, len(mods) - 0.4)
+        ax.set_xlabel("module (forward execution order)")
+        ax.set_ylabel("|value| in the float32 run (gradients unscaled)")
+        detail = f"level {self.level}, {self.compute_dtype} compute, loss scale {scale:g}"
+        if reached is not None and reached != scale:
+            detail += f" (backs off to {reached:g})"
+        ax.set_title(
+            f"mixprec doctor: {self.model or 'model'} under {self.policy}\n{detail}",
+            fontsize=10,
+        )
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
+        return fig
 
 
 def diagnose(
@@ -275,14 +407,48 @@ def diagnose(
     policy: PolicyLike = "mixed_float16",
     level: str = "auto",
     loss_scale: float | None = None,
-) -> Report:
+    *,
+    float8: Float8Options | None = None,
+    keep_bfloat16: Iterable[KeepEntry] = (),
+    keep_float32: Iterable[KeepEntry] = (),
+) -> Report | Float8Report:
     """Run one batch in float32 and under ``policy``/``level`` and report, per module, the
     value ranges against the 16-bit dtype, underflow, non-finite values and the error
     against float32. ``model`` is a float32 model; it is copied, never modified.
 
     ``loss_scale``: the scale the mixed run's backward uses, as training would; by default
     what the policy implies (2**16, ``DynamicLossScaler``'s start, for float16; 1 otherwise).
-    Underflow fractions are measured at that scale; pass 1 to see the unscaled gradients."""
+    Underflow fractions are measured at that scale; pass 1 to see the unscaled gradients.
+
+    ``recommended_keep_float32`` accounts for the backward as well as the forward: for
+    float16 it also lists the leaves whose gradients overflow even at the scaler's floor
+    (loss scale 1), then applies the list to a copy and backs the scale off from
+    ``loss_scale`` as ``DynamicLossScaler`` would on this batch (``loss_scale_reached``,
+    ``backoff_steps``), keeping any further leaf that still overflows at the floor.
+
+    A float8 policy (``mixed_float8``...) gives ``diagnose_float8``'s ``Float8Report``: per
+    float8 layer, its casts' amax, scales, saturation and flush, and its error against
+    bfloat16; ``float8``, ``keep_bfloat16`` and ``keep_float32`` are passed to it (and are
+    float8-only: other policies diagnose the model without keeps, to find them)."""
+    if get_policy(policy).float8_recipe is not None:
+        if loss_scale is not None:
+            raise ValueError(
+                f"loss_scale={loss_scale!r} does not apply to float8 policies: each float8 "
+                "cast has its own scale; leave it None"
+            )
+        from mixprec.float8_doctor import diagnose_float8
+
+        return diagnose_float8(
+            model, inputs, targets, loss_fn, policy, level,
+            float8=float8, keep_bfloat16=keep_bfloat16, keep_float32=keep_float32,
+        )  # fmt: skip
+    given = [n for n, v in (("float8", float8), ("keep_bfloat16", keep_bfloat16),
+                            ("keep_float32", keep_float32)) if v]  # fmt: skip
+    if given:
+        raise ValueError(
+            f"diagnose: {', '.join(given)} apply to float8 policies only; policy "
+            f"{get_policy(policy).name!r} is diagnosed without keeps, to find them"
+        )
     if not isinstance(model, nn.Module):
         raise TypeError(f"diagnose(model=...) needs an nn.Module, got {type(model).__name__}")
     original = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
@@ -338,12 +504,16 @@ def diagnose(
             grad_rel_error=_rel_error(mix.get("grad"), ref["grad"]),
             float32=name in islands or compute == torch.float32,
             min_grad=_min_nonzero(ref["grad"]),
+            max_input_grad=_max_abs(ref["input_grad"]),
+            max_param_grad=ref["param_grad_max"],
         )
         reports.append(rep)
     origin = _origin(reports, leaves)
     for rep in reports:
         _score(rep, compute, limit, origin)
 
+    # Forward: leaves whose values leave the 16-bit range (the overflowing layer and its
+    # consumer), and those whose output turns inf/NaN from finite inputs.
     recommended = [
         r.name
         for r in sorted(reports, key=lambda r: r.order)
@@ -355,13 +525,41 @@ def diagnose(
             or (r.nonfinite_output > 0 and r.nonfinite_input == 0)
         )
     ]
-    scale, scale_range = _loss_scale(reports, compute)
+    # Backward: the gradient a float32 block sends back to the 16-bit layers before it is
+    # as large as the block's forward gain. A dynamic scaler backs off until the 16-bit
+    # backward fits, but not below its floor: a leaf whose gradients exceed the range even
+    # there overflows at every step, so it is kept too (float32 figures; power-of-two
+    # scaling is exact, so floor * gradient is what the 16-bit backward would hold).
+    dynamic = resolved.loss_scaling == "dynamic"
+    floor = min(SCALE_FLOOR, float(loss_scale)) if dynamic else float(loss_scale)
+    for r in reports:
+        if r.name in leaves and not r.float32 and floor * r.max_backward > limit:
+            r.risk += 100 + floor * r.max_backward / limit
+            r.reasons.append(
+                f"gradients up to {r.max_backward:.3g} exceed {dtype_name(compute)} max "
+                f"{limit:.4g} even at loss scale {floor:g}"
+            )
+            if r.name not in recommended:
+                recommended.append(r.name)
+    reached, backoff, half = None, 0, {r.name for r in reports if not r.float32}
+    if compute == torch.float16:
+        recommended, reached, backoff, half = _back_off(
+            model, inputs, targets, loss_fn, resolved, level, recommended,
+            reports, float(loss_scale), floor, limit,
+        )  # fmt: skip
+    order = {r.name: r.order for r in reports}
+    recommended.sort(key=lambda n: order.get(n, len(order)))
+    # The loss scale range for what stays in 16 bits once the recommendation is applied.
+    scale, scale_range = _loss_scale([r for r in reports if r.name in half & leaves], compute)
     bf16_max = float(torch.finfo(torch.bfloat16).max)
-    overflow = any(r.max_input > limit or r.max_output > limit for r in reports)
+    overflow = any(
+        r.max_input > limit or r.max_output > limit or floor * r.max_backward > limit
+        for r in reports
+    )
     bf16_helps = (
         compute == torch.float16
         and overflow
-        and all(r.max_output < bf16_max and r.max_grad < bf16_max for r in reports)
+        and all(max(r.max_output, r.max_backward) < bf16_max for r in reports)
     )
     done = applied(mixed)
     report = Report(
@@ -377,9 +575,78 @@ def diagnose(
         loss_scale_range=scale_range,
         bfloat16_would_help=bf16_helps,
         advice=[],
+        loss_scale_reached=reached,
+        backoff_steps=backoff,
+        model=type(model).__name__,
     )
-    report.advice = _advice(report, compute)
+    report.advice = _advice(report, compute, half & leaves)
     return report
+
+
+def _back_off(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any,
+    loss_fn: Callable[..., torch.Tensor],
+    policy: Policy,
+    level: str,
+    keep: list[str],
+    reports: list[ModuleReport],
+    start: float,
+    floor: float,
+    limit: float,
+) -> tuple[list[str], float, int, set[str]]:
+    """Check the recommendation the way training would meet it: on a copy prepared with
+    ``keep`` in float32, do what ``DynamicLossScaler`` does on this batch (a skipped step
+    changes no weight, so every retry sees the same batch and weights): halve the scale
+    while the 16-bit backward overflows, down to ``floor``. If it still overflows there,
+    keep the 16-bit leaf where the inf/NaN starts and start again.
+
+    The first scale tried is predicted from the float32 gradients of the leaves left in 16
+    bits (exact for powers of two); a real backward then confirms it, so the prediction
+    only saves the runs that would overflow anyway. Returns the keep list, the scale
+    reached, the number of steps skipped reaching it, and the modules left in 16 bits."""
+    keep = list(keep)
+    peaks = {r.name: r.max_backward for r in reports}
+    leaves = {n or "(model)" for n, m in model.named_modules() if not list(m.children())}
+    for _ in range(len(leaves) + 1):
+        prepared = copy.deepcopy(model)
+        named = {n or "(model)": m for n, m in prepared.named_modules()}
+        auto_mixed_precision(prepared, policy, level, keep_float32=[named[n] for n in keep])
+        half = {r.name for r in module_dtypes(prepared) if r.compute != "float32"}
+        peak = max((peaks.get(n, 0.0) for n in half & leaves), default=0.0)
+        scale, steps = start, 0
+        while scale > floor and scale * peak > limit:
+            scale, steps = max(scale / 2, floor), steps + 1
+        while True:
+            calls, loss = _run(prepared, inputs, targets, loss_fn, scale)
+            if math.isfinite(loss) and not any(
+                c["nonfinite_backward"] or _nonfinite(c["output"]) for c in calls.values()
+            ):
+                return keep, scale, steps, half
+            if scale <= floor:
+                break
+            scale, steps = max(scale / 2, floor), steps + 1
+        culprit = _first_nonfinite_leaf(calls, half & leaves)
+        if culprit is None:  # nothing left in 16 bits to keep: float32 itself overflows
+            break
+        keep.append(culprit)
+    return keep, scale, steps, half
+
+
+def _first_nonfinite_leaf(calls: dict[str, dict[str, Any]], half: set[str]) -> str | None:
+    """The 16-bit leaf where inf/NaN starts: forward order first (a non-finite output from
+    finite input), then backward order (the leaf run last whose output, input or parameter
+    gradients are non-finite)."""
+    ordered = sorted((n for n in calls if n in half), key=lambda n: calls[n]["order"])
+    for name in ordered:
+        entry = calls[name]
+        if _nonfinite(entry["output"]) and not _nonfinite(entry["input"]):
+            return name
+    for name in reversed(ordered):
+        if calls[name]["nonfinite_backward"]:
+            return name
+    return None
 
 
 def _origin(reports: list[ModuleReport], leaves: set[str]) -> tuple[str, str] | None:
@@ -432,8 +699,9 @@ def _loss_scale(
     if compute != torch.float16:
         return None, None
     info = torch.finfo(compute)
+    # Large: every gradient the 16-bit backward holds (of outputs, inputs, parameters).
     small = [r.min_grad for r in reports if r.min_grad > 0 and not r.float32]
-    large = [r.max_grad for r in reports if r.max_grad > 0 and not r.float32]
+    large = [r.max_backward for r in reports if r.max_backward > 0 and not r.float32]
     if not small or not large:
         return None, None
     low = info.tiny / min(small)
@@ -444,17 +712,34 @@ def _loss_scale(
     return scale, (low, high)
 
 
-def _advice(report: Report, compute: torch.dtype) -> list[str]:
+def _advice(report: Report, compute: torch.dtype, left: set[str]) -> list[str]:
+    """``left``: the leaves still computing in 16 bits with the recommendation applied."""
     advice = []
     if report.recommended_keep_float32:
         advice.append(
             "keep in float32: auto_mixed_precision(..., keep_float32="
             f"{report.recommended_keep_float32!r})"
         )
+        if not left:
+            advice.append(
+                "that keeps every module in float32: no float16 keep list fixes this model "
+                "(the gradients before the overflowing layers are as large as their gain)"
+                + ("" if report.bfloat16_would_help else "; train it in float32")
+            )
     if report.bfloat16_would_help:
         advice.append(
             "every value fits bfloat16's range: policy 'mixed_bfloat16' avoids the overflow "
             "without keeping layers in float32"
+        )
+    reached = report.loss_scale_reached
+    if report.backoff_steps and reached is not None and left:
+        top = max((m for m in report.modules if m.name in left), key=lambda m: m.max_backward)
+        advice.append(
+            f"{'with that, ' if report.recommended_keep_float32 else ''}the float16 backward "
+            f"holds gradients up to {top.max_backward:.3g} (in {top.name!r}): a "
+            f"DynamicLossScaler starting at {report.loss_scale:g} skips the first "
+            f"{report.backoff_steps} steps backing off to {reached:g}; start it there: "
+            f"LossScaleOptimizer(..., loss_scaler=DynamicLossScaler(init_scale={reached:g}))"
         )
     if compute == torch.float16 and report.loss_scale_range is not None:
         low, high = report.loss_scale_range
@@ -482,21 +767,69 @@ def _advice(report: Report, compute: torch.dtype) -> list[str]:
 # -- watching the scaler during training ----------------------------------------------------
 
 
+def scale_floor(scaler: LossScaler) -> float | None:
+    """The lowest scale ``scaler`` backs off to: a ``DynamicLossScaler``'s ``min_scale``
+    (float32's smallest normal number without one); ``None`` for scalers that never move."""
+    if isinstance(scaler, DynamicLossScaler):
+        low = scaler.config.min_scale
+        return SMALLEST_NORMAL_F32 if low is None else low
+    return None
+
+
 class ScalerHealth:
-    """Watches ``ScalerState`` after each step and returns a diagnosis, once per kind."""
+    """Watches ``ScalerState`` after each step and returns a diagnosis, once per kind.
+
+    ``floor_skips``: this many skipped steps in a row with the scale at the scaler's floor
+    (``observe(..., floor=scale_floor(scaler))``) mean the run is stuck: it overflows at
+    every scale it can reach, and no update will ever be applied. That is said once, with
+    the module where the inf/NaN starts when known. When it is not known, the first
+    ``observe`` that finds the run stuck returns nothing and sets ``needs_trace``: the caller
+    may trace the next step (``mixprec.trace.OverflowTracer``) and pass its culprit; the
+    warning comes then, with the module or without it."""
 
     def __init__(
-        self, max_consecutive_skips: int = 10, window: int = 100, max_skip_rate: float = 0.2
+        self,
+        max_consecutive_skips: int = 10,
+        window: int = 100,
+        max_skip_rate: float = 0.2,
+        floor_skips: int = 3,
     ) -> None:
         self.max_consecutive_skips = max_consecutive_skips
         self.window = window
         self.max_skip_rate = max_skip_rate
+        self.floor_skips = floor_skips
         self._recent: list[bool] = []
+        self._at_floor = 0  # skipped steps in a row with the scale at its floor
+        self._asked = False  # needs_trace was set once: the next stuck step warns regardless
+        self.needs_trace = False
+        self._first_loss: float | None = None
         self.warned: set[str] = set()
 
-    def observe(self, state: ScalerState, skipped: bool, culprit: str | None = None) -> str | None:
+    def observe(
+        self,
+        state: ScalerState,
+        skipped: bool,
+        culprit: str | Overflow | None = None,
+        floor: float | None = None,
+        loss: float | None = None,
+    ) -> str | None:
+        """``floor``: the scaler's lowest scale (``scale_floor``); ``loss``: this step's
+        loss, for the stuck warning to show how it moved since the first step observed."""
         self._recent = [*self._recent[-(self.window - 1) :], skipped]
+        if self._first_loss is None and loss is not None:
+            self._first_loss = loss
+        self.needs_trace = False
+        stuck = skipped and floor is not None and state.scale <= floor
+        self._at_floor = self._at_floor + 1 if stuck else 0
         where = f" The first non-finite values came from {culprit}." if culprit else ""
+        if self._at_floor >= self.floor_skips and "floor" not in self.warned:
+            if culprit is None and not self._asked:
+                self._asked = self.needs_trace = True
+                return None
+            # Said once: the streak and skip-rate warnings would repeat it less precisely.
+            self.warned |= {"floor", "streak", "rate"}
+            losses = None if loss is None else (self._first_loss or loss, loss)
+            return _stuck_message(state, self._at_floor, culprit, losses)
         if state.scale < 1.0 and "scale" not in self.warned:
             self.warned.add("scale")
             return (
@@ -510,8 +843,9 @@ class ScalerHealth:
             return (
                 f"{state.consecutive_skips} steps in a row were skipped for inf/NaN "
                 f"gradients (scale now {state.scale:g}).{where} If the scale is already low, "
-                "the overflow is in the forward pass: run mp.diagnose(model, x, y, loss_fn) "
-                "to find the layer, then keep it in float32 or use bfloat16."
+                "values overflow even unscaled (in the forward pass, or in a backward through "
+                "a large gain): run mp.diagnose(model, x, y, loss_fn) to find the layers, "
+                "then keep them in float32 or use bfloat16."
             )
         if (
             len(self._recent) == self.window
@@ -526,3 +860,34 @@ class ScalerHealth:
                 "layer with mp.diagnose."
             )
         return None
+
+
+def _stuck_message(
+    state: ScalerState,
+    steps: int,
+    culprit: str | Overflow | None,
+    losses: tuple[float, float] | None,
+) -> str:
+    if isinstance(culprit, Overflow):
+        named = f" The first non-finite values came from {culprit}."
+        keep = f"keep {culprit.module!r} in float32 with the modules mp.diagnose names"
+    elif culprit:
+        named = f" The first non-finite values came from {culprit}."
+        keep = "keep that module in float32 with the modules mp.diagnose names"
+    else:
+        named = (
+            " The module was not found (run with trace_overflow=True to name it, or "
+            "mp.diagnose(model, x, y, loss_fn) on the float32 model)."
+        )
+        keep = "keep the modules mp.diagnose names in float32"
+    return (
+        f"training is stuck: the loss scale is at its floor ({state.scale:g}) and the last "
+        f"{steps} steps there were all skipped for inf/NaN gradients, so no update is being "
+        f"applied.{named} Values overflow float16 at every scale the scaler can reach; in "
+        "the backward too, where a float32 block's gain multiplies the gradient sent to the "
+        "16-bit layers before it. Fix: policy='mixed_bfloat16' (float32's range), or "
+        f"{keep} (keep_float32=report.recommended_keep_float32). If the loss was growing "
+        "before the skips began, the run diverges in any precision: lower the learning rate"
+        + ("." if losses is None else f" (loss {losses[0]:.4g} at the first step, now "
+           f"{losses[1]:.4g}).")
+    )  # fmt: skip

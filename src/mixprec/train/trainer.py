@@ -23,11 +23,12 @@ from mixprec import distributed
 from mixprec._compile import CompileOption, compile_options, compile_step
 from mixprec.checkpoint import load_checkpoint
 from mixprec.data import validate_classification
-from mixprec.doctor import ScalerHealth
+from mixprec.doctor import ScalerHealth, scale_floor
 from mixprec.levels import applied, auto_mixed_precision, resolve_level
 from mixprec.optim import LossScaleOptimizer, StepResult
 from mixprec.policy import PolicyLike, get_policy
 from mixprec.scaling import LossScaler
+from mixprec.trace import Overflow, OverflowTracer
 from mixprec.train.callbacks import Callback, CallbackList, History, Logs, ProgressBar
 from mixprec.train.metrics import LossFn, Metric, get_loss, get_metric
 
@@ -181,6 +182,10 @@ class Trainer:
             compile,
         )
         self.health = ScalerHealth()
+        # A tracer for one step, installed when the health check finds the run stuck without
+        # a module named (not under compile, where module hooks do nothing).
+        self._stuck_tracer: OverflowTracer | None = None
+        self._can_trace = compile_options(compile) is None
         self.model = model  # the module itself; under torchrun the step runs it through DDP
         # Under torchrun: the process group from the environment, DDP around the prepared
         # model, every rank starting from rank 0's weights and float32 masters.
@@ -239,6 +244,29 @@ class Trainer:
         per_rank = -(-n // distributed.world_size()) if split else n
         return epoch, -(-per_rank // local), n
 
+    @staticmethod
+    def _check_ranks_agree(
+        x: Any, y: Any, batch_size: int, epochs: int, validation_data: Any
+    ) -> None:
+        """Under torchrun every rank must pass the same data sizes: ranks with different
+        numbers of steps would run different collectives and die in the backend's raw
+        "collective mismatch" abort, on one rank and after a timeout."""
+        if distributed.world_size() == 1:
+            return
+        if y is None:  # a loader: its length, where it has one (-1: unknown)
+            size, batch = (len(x) if hasattr(x, "__len__") else -1), -1
+        else:
+            size, batch = len(_as_tensor(x, "x")), batch_size
+        val = len(_as_tensor(validation_data[0], "x")) if validation_data is not None else -1
+        sizes = {"samples_or_batches": size, "batch_size": batch, "epochs": epochs}
+        sizes["validation_samples"] = val
+        distributed.check_same_on_every_rank(
+            "fit()'s data sizes",
+            sizes,
+            "every rank must pass the same global data, batch_size and epochs (the Trainer "
+            "deals each rank its share), or loaders of the same length",
+        )
+
     def _validate(self, x: Any, y: Any) -> None:
         if y is None:
             return
@@ -289,6 +317,7 @@ class Trainer:
         self._validate(x, y)
         if validation_data is not None:
             self._validate(*validation_data)
+        self._check_ranks_agree(x, y, batch_size, epochs, validation_data)
         epoch_batches, steps, _ = self._batches(x, y, batch_size, shuffle)
         start_epoch, skip, replay = 0, 0, None
         if resume_from is not None:
@@ -381,12 +410,18 @@ class Trainer:
                 self.global_step += 1
             skipped += int(result.found_inf)
             if not result.accumulating:
-                culprit = str(result.overflow) if result.overflow else None
+                scaler = self.optimizer.loss_scaler
                 warning = self.health.observe(
-                    self.optimizer.loss_scaler.state, result.found_inf, culprit
+                    scaler.state,
+                    result.found_inf,
+                    self._culprit(result),
+                    scale_floor(scaler),
+                    loss_value,
                 )
                 if warning:
                     warnings.warn(warning, UserWarning, stacklevel=2)
+                if self.health.needs_trace and self._can_trace:
+                    self._stuck_tracer = OverflowTracer(self.model)  # for the next step only
             loss_sum += loss_value * size
             samples += size
             output = self.step.last_output
@@ -408,6 +443,7 @@ class Trainer:
                     "overflow": str(result.overflow) if result.overflow else None,
                 },
             )
+        self._culprit(None)  # a tracer left for a next step: no hooks outlive the epoch
         if samples == 0:
             raise ValueError("the training data produced no batches")
         # Means over every rank's samples.
@@ -425,6 +461,17 @@ class Trainer:
             "loss_scale": self.optimizer.loss_scaler.get_scale(),
             "skipped_steps": skipped,
         }
+
+    def _culprit(self, result: StepResult | None) -> Overflow | None:
+        """The step's first non-finite module: from ``trace_overflow``, or from the tracer
+        the health check asked for (installed after the previous step, removed now)."""
+        tracer, self._stuck_tracer = self._stuck_tracer, None
+        found = None if result is None else result.overflow
+        if tracer is not None:
+            if found is None and result is not None and result.found_inf:
+                found = tracer.first_overflow()
+            tracer.remove()
+        return found
 
     # -- evaluate / predict -----------------------------------------------------------------
 
