@@ -384,3 +384,27 @@ def test_bad_arguments_say_what_is_valid():
         diagnose_float8(prepared, x, y, F.mse_loss, float8=SMALL)
     with pytest.raises(TypeError, match=r"diagnose_float8\(model=...\) needs an nn.Module, got"):
         diagnose_float8(lambda t: t, x, y, F.mse_loss)  # type: ignore[arg-type]
+
+
+def test_mp_diagnose_dispatches_float8_policies():
+    x, y = readings(64, 0)
+    report = mp.diagnose(sensors(), x, y, F.mse_loss, "mixed_float8_rowwise", float8=SMALL)
+    assert isinstance(report, Float8Report) and report.recipe == "rowwise"
+    assert {r.name for r in report.layers} == {"embed", "fc1", "fc2"}
+    with pytest.raises(ValueError, match=r"loss_scale=8 does not apply to float8 policies"):
+        mp.diagnose(sensors(), x, y, F.mse_loss, "mixed_float8", loss_scale=8, float8=SMALL)
+    with pytest.raises(ValueError, match=r"keep_bfloat16 apply to float8 policies only"):
+        mp.diagnose(sensors(), x, y, F.mse_loss, "mixed_float16", keep_bfloat16=["fc1"])
+
+
+def test_cli_doctor_with_a_float8_policy(tmp_path, capsys):
+    from mixprec import cli
+
+    out = tmp_path / "r.json"
+    argv = ["doctor", "--policy", "mixed_float8", "--batch-size", "32", "--json", str(out)]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "float8 doctor: policy mixed_float8 (tensorwise)" in text
+    assert {row["name"] for row in json.loads(out.read_text())["layers"]} == {"1", "3"}
+    assert cli.main(["doctor", "--policy", "mixed_float8", "--plot", str(tmp_path / "p.png")]) == 2
+    assert "--plot: the float8 doctor's report is a table; use --json" in capsys.readouterr().err

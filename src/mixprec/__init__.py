@@ -18,6 +18,7 @@ from mixprec.checkpoint import (
 from mixprec.compensated import CompensatedAdamW, stochastic_round
 from mixprec.doctor import ModuleReport, Report, ScalerHealth, diagnose
 from mixprec.float8 import Float8Options
+from mixprec.float8_doctor import Float8LayerReport, Float8Report, diagnose_float8
 from mixprec.grad_scaler import GradScaler
 from mixprec.levels import LEVELS, auto_mixed_precision, describe, module_dtypes
 from mixprec.losses import cross_entropy
@@ -64,7 +65,9 @@ __all__ = [
     "DynamicLossScaler",
     "EarlyStopping",
     "ExponentialUpdateLossScaleManager",
+    "Float8LayerReport",
     "Float8Options",
+    "Float8Report",
     "GradScaler",
     "History",
     "LearningRateScheduler",
@@ -97,6 +100,7 @@ __all__ = [
     "data",
     "describe",
     "diagnose",
+    "diagnose_float8",
     "distributed",
     "export_weights",
     "get_policy",

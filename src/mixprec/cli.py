@@ -363,9 +363,21 @@ def _doctor(args: argparse.Namespace) -> int:
     classes = int(max(y_train.max(), y_test.max())) + 1
     model = _build(args.model, x_train, classes)
     x, y = x_train[: args.batch_size], y_train[: args.batch_size]
-    report = mixprec.diagnose(
-        model, x, y, torch.nn.functional.cross_entropy, args.policy, args.level
-    )
+    loss_fn = torch.nn.functional.cross_entropy
+    if Policy(args.policy).float8_recipe is not None:
+        if plot_path:
+            raise UsageError("--plot: the float8 doctor's report is a table; use --json")
+        # As `mixprec train` converts them: every Linear float8 takes, the head kept.
+        options = mixprec.Float8Options(min_features=TRAIN_FLOAT8_MIN_FEATURES)
+        report8 = mixprec.diagnose_float8(model, x, y, loss_fn, args.policy, args.level,
+                                          float8=options)  # fmt: skip
+        print(report8)
+        if json_path:
+            Path(json_path).write_text(report8.to_json(indent=2))
+            print(f"report written to {json_path}")
+        return 0
+    report = mixprec.diagnose(model, x, y, loss_fn, args.policy, args.level)
+    assert isinstance(report, mixprec.Report)  # not a float8 policy
     print(report)
     if json_path:
         Path(json_path).write_text(report.to_json(indent=2))
