@@ -128,8 +128,10 @@ def float8_losses(out: Path, rank: int, kind: str) -> None:
         losses.append(mpd.all_reduce_sum([loss.item()])[0] / 2)
     weight = model[0].weight
     local = weight.to_local() if kind == "fsdp" else weight  # type: ignore[operator]
-    torch.save({"losses": losses, "applied": applied, "weight_type": type(local).__name__},
-               out / f"fp8-{kind}-{rank}.pt")  # fmt: skip
+    # DDP: every rank holds the whole model, which must be identical across ranks.
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()} if kind == "ddp" else {}
+    torch.save({"losses": losses, "applied": applied, "weight_type": type(local).__name__,
+                "state": state}, out / f"fp8-{kind}-{rank}.pt")  # fmt: skip
 
 
 def mismatched_data(out: Path, rank: int) -> None:

@@ -363,8 +363,8 @@ def test_notes_say_what_the_figures_do_not_measure(monkeypatch):
     fast = Hardware("cpu", True, False, "CPU with amx_bf16")
     monkeypatch.setattr(bench, "probe_hardware", lambda: fast)
     assert bench.notes(["float32", "O2-bf16", "auto"], "cpu") == []
-    assert bench.notes(["O2-fp8"], "cpu") == [bench.notes(["O2-fp8"], "cpu")[0]]
-    assert "float8 on CPU is emulated" in bench.notes(["O2-fp8"], "cpu")[0]
+    only = bench.notes(["O2-fp8"], "cpu")  # fast bfloat16, but float8 is still emulated
+    assert len(only) == 1 and only[0].startswith("float8 on CPU is emulated")
     # On CUDA: eager float8 is slow by design (torchao fuses its casts under compile).
     assert "fast under torch.compile only" in bench.notes(["O2-fp8", "O2-fp8+compile"], "cuda")[0]
     assert bench.notes(["O2-bf16+compile", "O2-fp8+compile"], "cuda") == []

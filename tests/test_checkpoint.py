@@ -534,3 +534,49 @@ def test_a_failed_load_changes_nothing(tmp_path, edit, match):
     mp.load_checkpoint(intact, target, target_opt, restore_rng=True)
     after = _state(target, target_opt)
     assert not any(_same(before[k], after[k]) for k in ("model", "optimizer", "torch_rng"))
+
+
+class _Masked(nn.Module):
+    """A causal mask buffer of -inf, as attention models register."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.full((4, 4), float("-inf")).triu(1))
+
+    def forward(self, x):
+        return (self.lin(x) @ (self.mask.exp())).sum(-1)
+
+
+def test_non_finite_buffers_load_and_export_as_saved(tmp_path):
+    # Review: the non-finite check refused a -inf mask buffer, which is normal; it covers
+    # parameters and optimizer state only.
+    model = _Masked()
+    path = mp.save_checkpoint(tmp_path / "m.safetensors", model)
+    again = _Masked()
+    nn.init.zeros_(again.lin.weight)
+    report = mp.load_checkpoint(path, again)
+    assert report.non_finite == [] and torch.equal(again.lin.weight, model.lin.weight)
+    mp.export_weights(model, tmp_path / "w.safetensors", "bfloat16")
+    with torch.no_grad():
+        model.lin.weight[0, 0] = float("nan")  # a parameter still is refused
+    bad = mp.save_checkpoint(tmp_path / "bad.safetensors", model)
+    with pytest.raises(mp.CheckpointError, match=r"'lin.weight' \(1 NaN, 0 inf\)"):
+        mp.load_checkpoint(bad, _Masked())
+
+
+@pytest.mark.parametrize(
+    ("state", "match"),
+    [
+        ({"global_step": torch.tensor(5)}, "'trainer_state/global_step' is"),
+        ({"epoch": None}, "'trainer_state/epoch' is None; valid: an int from 0 to 2"),
+        ({"step_in_epoch": -5}, "'trainer_state/step_in_epoch' is -5"),
+        ({"epoch_rng": torch.zeros(3)}, "'trainer_state/epoch_rng' is .*null or a uint8"),
+    ],
+)
+def test_save_refuses_a_trainer_state_load_would_refuse(tmp_path, state, match):
+    # Review: these saved, then load_checkpoint (and inspect, convert) refused the file.
+    target = tmp_path / "t.safetensors"
+    with pytest.raises(ValueError, match=f"save_checkpoint: {match}"):
+        mp.save_checkpoint(target, make_mlp(), trainer_state=state)
+    assert not target.exists()

@@ -131,7 +131,9 @@ def test_float8_under_ddp_and_fsdp2_matches_one_process(runs, kind, level):
     alike); bound 2e-3."""
     pytest.importorskip("torchao")
     r0, r1 = runs(f"fp8-{kind}")
-    assert r0["losses"] == r1["losses"] and all(r0["applied"])
+    assert all(r0["applied"]) and all(r1["applied"])
+    if kind == "ddp":
+        assert r0["state"] and equal_states(r0["state"], r1["state"])
     if kind == "fsdp":
         assert r0["weight_type"] == "WeightWithDynamicFloat8CastTensor"
     for ours, ref in zip(r0["losses"], single_process_float8(level), strict=True):

@@ -386,3 +386,33 @@ def test_trainer_stuck_at_the_floor_traces_one_step_and_warns_once(one_thread, r
     assert "at the first step, now" in stuck[0]  # the loss, for telling divergence apart
     assert not any("steps in a row" in m for m in health)  # said once, by the stuck warning
     assert sum(len(m._forward_hooks) for m in model.modules()) == hooks  # tracer removed
+
+
+def test_the_stuck_tracer_is_removed_when_a_step_raises(one_thread):
+    # Review: the tracer installed for the next step leaked its hooks when that step raised
+    # (here the scaler's own stop after too many skips in a row).
+    x, y = wide_batch()
+    model = mp.auto_mixed_precision(gained(1e8), "mixed_float16", "O2",
+                                    keep_float32=["2.0", "2.1", "3", "4"])  # fmt: skip
+    hooks = sum(len(m._forward_hooks) for m in model.modules())
+    scaler = mp.DynamicLossScaler(init_scale=4.0, max_consecutive_skips=5)
+    trainer = mp.Trainer(model, "cross_entropy", torch.optim.Adam(model.parameters(), 1e-3),
+                         loss_scaler=scaler, device="cpu")  # fmt: skip
+    with pytest.raises(RuntimeError), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(x.repeat(3, 1), y.repeat(3), batch_size=16, epochs=1, verbose=0)
+    assert sum(len(m._forward_hooks) for m in model.modules()) == hooks
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"floor_skips": 0}, r"ScalerHealth\(floor_skips=0\) is invalid; use an int >= 1"),
+        ({"window": -1}, r"ScalerHealth\(window=-1\) is invalid"),
+        ({"max_consecutive_skips": 2.5}, r"max_consecutive_skips=2.5\) is invalid"),
+        ({"max_skip_rate": 1.5}, r"max_skip_rate=1.5\) is invalid; use a fraction in \[0, 1\]"),
+    ],
+)
+def test_scaler_health_refuses_bad_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ScalerHealth(**kwargs)

@@ -506,3 +506,15 @@ def test_scale_one_checks_read_only_and_exact(monkeypatch, values, finite, on_ho
     assert bool(mp.all_finite(halves)) is all(bool(h.isfinite().all()) for h in halves)
     for g, b in zip(grads, before, strict=True):
         assert torch.equal(g.nan_to_num(), b.nan_to_num())  # not written
+
+
+def test_the_cpu_check_flag_is_float32_whatever_the_default_dtype():
+    # Review: under torch.set_default_dtype(float64) the flag was float64, and GradScaler's
+    # fused optimizer step refused it.
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        found = unscale_grads_([torch.ones(3, dtype=torch.float32)], 1.0)
+        assert found.dtype == torch.float32 and found.item() == 0.0
+    finally:
+        torch.set_default_dtype(before)

@@ -218,3 +218,25 @@ def test_out_of_range_labels_from_a_loader_are_a_value_error() -> None:
     loader = DataLoader(TensorDataset(x, y), batch_size=8)
     with pytest.raises(ValueError, match=r"epoch 1, batch 4: Target 7 is out of bounds"):
         trainer.fit(loader, epochs=1, verbose=0)
+
+
+def test_rank_agreement_reads_loaders_without_a_length(monkeypatch):
+    # Review: the rank check called len() on a loader over an IterableDataset (TypeError)
+    # and refused a validation loader that fit() accepts.
+    from mixprec import distributed
+    from mixprec.train import trainer as trainer_module
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            x, y = classification_data(n=32)
+            return iter(zip(x.split(8), y.split(8), strict=True))
+
+    seen = []
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(distributed, "check_same_on_every_rank",
+                        lambda what, values, remedy: seen.append(values))  # fmt: skip
+    loader = torch.utils.data.DataLoader(Stream(), batch_size=None)
+    listed = [(x, y) for x, y in loader]
+    trainer_module.Trainer._check_ranks_agree(loader, None, 32, 2, (listed, None))
+    assert seen == [{"samples_or_batches": -1, "batch_size": -1, "epochs": 2,
+                     "validation_samples": 4}]  # fmt: skip

@@ -273,15 +273,25 @@ def _model_tensors(
     aliases: dict[str, str] = {}
     seen: dict[tuple[int, int, tuple[int, ...], torch.dtype], str] = {}
     for key, value in model.state_dict().items():
-        value = masters.get(key, value)
-        ident = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
-                 value.dtype)  # fmt: skip
+        value = _unwrapped(masters.get(key, value))
+        storage = value.untyped_storage().data_ptr()
+        ident = (storage, int(value.storage_offset()), tuple(value.shape), value.dtype)
         if value.numel() and ident in seen:
             aliases[key] = seen[ident]
             continue
         seen[ident] = key
         tensors[f"model/{key}"] = value.detach().cpu().contiguous()
     return tensors, aliases, sorted(masters)
+
+
+def _unwrapped(value: torch.Tensor) -> torch.Tensor:
+    """The plain tensor inside a wrapper subclass that holds one as ``_tensor`` (torchao's
+    float8 all-gather weights): the wrapper has no storage of its own."""
+    while type(value) is not torch.Tensor and isinstance(
+        getattr(value, "_tensor", None), torch.Tensor
+    ):
+        value = value._tensor  # type: ignore[attr-defined]
+    return value
 
 
 def _parameter_names(model: nn.Module) -> dict[int, list[str]]:
@@ -298,7 +308,11 @@ def save_checkpoint(
     trainer_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write model, optimizer (inner state, masters, loss scaler), ``trainer_state`` (step,
-    epoch, data order...) and RNG states to ``path`` atomically. Returns the path."""
+    epoch, data order...) and RNG states to ``path`` atomically. Returns the path.
+
+    ``trainer_state``'s ``global_step``, ``epoch`` and ``step_in_epoch``, where present, must
+    be ints >= 0 and ``epoch_rng`` a uint8 tensor (the Trainer's resume state): a
+    ``ValueError`` here, rather than a checkpoint that ``load_checkpoint`` refuses."""
     target = Path(path)
     tensors, aliases, master_names = _model_tensors(model, optimizer)
     optim_state: Any = None
@@ -325,6 +339,13 @@ def save_checkpoint(
         "trainer_state": _flatten(trainer_state or {}, "trainer", tensors),
         "rng": _flatten(_rng_state(), "rng", tensors),
     }
+    # What load_checkpoint will refuse is refused here, before anything is written.
+    entries = {n: (t.dtype, tuple(t.shape), 0, 0) for n, t in tensors.items()}
+    try:
+        _check_trainer_state(json.loads(json.dumps(header["trainer_state"])), "trainer_state",
+                             entries)  # fmt: skip
+    except _BadValueError as err:
+        raise ValueError(f"save_checkpoint: {err}") from None
     # The checksum covers the header as a reader parses it back.
     header["checksum"] = _checksum(tensors, json.loads(json.dumps(header)))
     _atomic_write(tensors, {"mixprec": json.dumps(header)}, target)
@@ -875,18 +896,24 @@ def _raise_non_finite(report: LoadReport, on_range: OnRange) -> None:
 
 
 def _convert(
-    name: str, value: torch.Tensor, target: torch.dtype, on_range: OnRange, report: LoadReport
+    name: str,
+    value: torch.Tensor,
+    target: torch.dtype,
+    on_range: OnRange,
+    report: LoadReport,
+    check_finite: bool = True,
 ) -> torch.Tensor:
     """``value`` as ``target``: refused where the dtype does not convert meaningfully;
-    non-finite values counted (see ``_raise_non_finite``); out-of-range values per
-    ``on_range``."""
+    non-finite values counted (see ``_raise_non_finite``) unless ``check_finite`` is off
+    (buffers: a causal mask of -inf is normal); out-of-range values per ``on_range``."""
     reason = _refusal(value.dtype, target)
     if reason is not None:
         raise CheckpointError(
             f"{report.path}: tensor {name!r} is {dtype_name(value.dtype)} in the checkpoint; it "
             f"does not convert to {dtype_name(target)} ({reason})"
         )
-    _count_non_finite(name, value, report)
+    if check_finite:
+        _count_non_finite(name, value, report)
     if value.dtype == target:
         return value
     report.converted.append((name, dtype_name(value.dtype), dtype_name(target)))
@@ -930,7 +957,8 @@ def load_checkpoint(
     change, and any problem raises ``CheckpointError`` with all three as they were. Refused:
     a tensor whose dtype does not convert meaningfully to its destination's (complex, bool,
     integer or float8 values into a floating-point parameter; float8 values need their
-    scales); NaN or inf in a floating tensor of the model or the optimizer state (under
+    scales); NaN or inf in a parameter or the optimizer state (buffers are exempt: a mask
+    of -inf is normal) (under
     ``on_range="error"`` and ``"clamp"``: no finite value stands in for a NaN; ``"ignore"``
     loads them and lists them in ``LoadReport.non_finite``); a value beyond a 16-bit
     destination's range (``"error"``; ``"clamp"`` saturates it, ``"ignore"`` casts it to
@@ -963,8 +991,9 @@ def load_checkpoint(
 
     # Check and prepare everything; nothing changes before the commit below.
     skip = {k for k, _, _ in report.mismatched}
+    buffers = _buffer_names(model)
     loaded = {
-        k: _convert(k, saved[k], current[k].dtype, on_range, report)
+        k: _convert(k, saved[k], current[k].dtype, on_range, report, k not in buffers)
         for k in current
         if k in saved and k not in skip
     }
@@ -1115,6 +1144,13 @@ def _try_load(path: str | os.PathLike[str], optimizer: torch.optim.Optimizer, st
         ) from None
 
 
+def _buffer_names(model: nn.Module) -> set[str]:
+    """State-dict names of buffers (not parameters): their values are not weights, and
+    non-finite ones are normal (attention masks of -inf)."""
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    return {k for k in model.state_dict() if k not in params}
+
+
 def _write_weights(
     weights: dict[str, torch.Tensor],
     dtype: str | torch.dtype,
@@ -1122,13 +1158,14 @@ def _write_weights(
     aliases: dict[str, str],
     source: str,
     path: str | os.PathLike[str],
+    buffers: frozenset[str] | set[str] = frozenset(),
 ) -> LoadReport:
     """Cast the floating-point ``weights`` to ``dtype`` (range- and finiteness-checked; other
     dtypes, step counters say, are kept) and write them as plain safetensors."""
     target = parse_dtype(dtype, argument="dtype")
     report = LoadReport(path=source)
     out = {
-        name: _convert(name, value, target, on_range, report)
+        name: _convert(name, value, target, on_range, report, name not in buffers)
         if value.is_floating_point()  # float8 included: _convert refuses it with the reason
         else value
         for name, value in weights.items()
@@ -1152,7 +1189,9 @@ def export_weights(
     Raises ``CheckpointError`` if a value does not fit ``dtype`` or is NaN or inf."""
     tensors, aliases, _ = _model_tensors(model, optimizer)
     weights = {k.removeprefix("model/"): v for k, v in tensors.items()}
-    _write_weights(weights, dtype, "error", aliases, type(model).__name__, path)
+    _write_weights(
+        weights, dtype, "error", aliases, type(model).__name__, path, _buffer_names(model)
+    )
     return Path(path)
 
 

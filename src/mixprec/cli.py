@@ -267,9 +267,11 @@ def _train(args: argparse.Namespace) -> int:
     say(_table(runs))
     for run in runs:
         if run.get("float8_layers"):
-            rule = args.float8_min_features or TRAIN_FLOAT8_MIN_FEATURES
+            options = _float8_sizes(args.float8_min_features) or mixprec.Float8Options(
+                min_features=TRAIN_FLOAT8_MIN_FEATURES
+            )
             say(f"{run['label']} run: float8 in {run['float8_layers']} Linear layers "
-                f"(both dims >= {rule}; the output head stays bfloat16)")  # fmt: skip
+                f"({_float8_rule(options)}; the output head stays bfloat16)")  # fmt: skip
     say(f"(peak MB: {runs[0]['memory_kind']}; speedup: ms/step of the first row / this row)")
     if len(runs) == 2:
         diff = runs[1]["test_accuracy"] - runs[0]["test_accuracy"]

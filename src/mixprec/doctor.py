@@ -542,7 +542,13 @@ def diagnose(
             if r.name not in recommended:
                 recommended.append(r.name)
     reached, backoff, half = None, 0, {r.name for r in reports if not r.float32}
-    if compute == torch.float16:
+    # The mixed run at this scale with nothing kept had nothing non-finite: nothing to back off.
+    healthy = math.isfinite(mixed_loss) and not any(
+        c["nonfinite_backward"] or _nonfinite(c["output"]) for c in mixed_calls.values()
+    )
+    if compute == torch.float16 and healthy and not recommended:
+        reached = float(loss_scale)  # the mixed run at this scale had nothing non-finite
+    elif compute == torch.float16:
         recommended, reached, backoff, half = _back_off(
             model, inputs, targets, loss_fn, resolved, level, recommended,
             reports, float(loss_scale), floor, limit,
@@ -602,36 +608,45 @@ def _back_off(
     while the 16-bit backward overflows, down to ``floor``. If it still overflows there,
     keep the 16-bit leaf where the inf/NaN starts and start again.
 
-    The first scale tried is predicted from the float32 gradients of the leaves left in 16
-    bits (exact for powers of two); a real backward then confirms it, so the prediction
-    only saves the runs that would overflow anyway. Returns the keep list, the scale
-    reached, the number of steps skipped reaching it, and the modules left in 16 bits."""
+    Each pass first runs at ``floor``: a further culprit is found with one run. Once the
+    floor passes, the scale reached is searched from a prediction made with the float32
+    gradients of the leaves left in 16 bits (exact for powers of two), confirmed by real
+    backwards. Returns the keep list, the scale reached, the number of steps skipped
+    reaching it, and the modules left in 16 bits."""
     keep = list(keep)
     peaks = {r.name: r.max_backward for r in reports}
     leaves = {n or "(model)" for n, m in model.named_modules() if not list(m.children())}
+
+    def finite(calls: dict[str, dict[str, Any]], loss: float) -> bool:
+        return math.isfinite(loss) and not any(
+            c["nonfinite_backward"] or _nonfinite(c["output"]) for c in calls.values()
+        )
+
+    steps_to_floor = max(0, math.ceil(math.log2(start / floor))) if start > floor else 0
+    half: set[str] = set()
     for _ in range(len(leaves) + 1):
         prepared = copy.deepcopy(model)
         named = {n or "(model)": m for n, m in prepared.named_modules()}
         auto_mixed_precision(prepared, policy, level, keep_float32=[named[n] for n in keep])
         half = {r.name for r in module_dtypes(prepared) if r.compute != "float32"}
+        calls, loss = _run(prepared, inputs, targets, loss_fn, floor)
+        if not finite(calls, loss):
+            culprit = _first_nonfinite_leaf(calls, half & leaves)
+            if culprit is None:  # nothing left in 16 bits to keep: float32 itself overflows
+                return keep, floor, steps_to_floor, half
+            keep.append(culprit)
+            continue
         peak = max((peaks.get(n, 0.0) for n in half & leaves), default=0.0)
         scale, steps = start, 0
         while scale > floor and scale * peak > limit:
             scale, steps = max(scale / 2, floor), steps + 1
-        while True:
+        while scale > floor:
             calls, loss = _run(prepared, inputs, targets, loss_fn, scale)
-            if math.isfinite(loss) and not any(
-                c["nonfinite_backward"] or _nonfinite(c["output"]) for c in calls.values()
-            ):
-                return keep, scale, steps, half
-            if scale <= floor:
+            if finite(calls, loss):
                 break
             scale, steps = max(scale / 2, floor), steps + 1
-        culprit = _first_nonfinite_leaf(calls, half & leaves)
-        if culprit is None:  # nothing left in 16 bits to keep: float32 itself overflows
-            break
-        keep.append(culprit)
-    return keep, scale, steps, half
+        return keep, scale, steps, half
+    return keep, floor, steps_to_floor, half
 
 
 def _first_nonfinite_leaf(calls: dict[str, dict[str, Any]], half: set[str]) -> str | None:
@@ -794,6 +809,15 @@ class ScalerHealth:
         max_skip_rate: float = 0.2,
         floor_skips: int = 3,
     ) -> None:
+        for name, value in (("max_consecutive_skips", max_consecutive_skips),
+                            ("window", window), ("floor_skips", floor_skips)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ScalerHealth({name}={value!r}) is invalid; use an int >= 1")
+        if not 0.0 <= max_skip_rate <= 1.0:
+            raise ValueError(
+                f"ScalerHealth(max_skip_rate={max_skip_rate!r}) is invalid; use a fraction "
+                "in [0, 1]"
+            )
         self.max_consecutive_skips = max_consecutive_skips
         self.window = window
         self.max_skip_rate = max_skip_rate

@@ -169,7 +169,7 @@ def unscale_grads_(
         # Scale 1 (float32, bfloat16) on CPU: a read-only check, as the multiply by 1 is
         # not needed. On CPU reading the answer costs no device synchronisation.
         tensors = [t for group in groups.values() for t in group]
-        return torch.tensor(0.0 if finite_on_cpu(tensors) else 1.0)
+        return torch.tensor(0.0 if finite_on_cpu(tensors) else 1.0, dtype=torch.float32)
     found: dict[torch.device, torch.Tensor] = {}
     inv: dict[torch.device, torch.Tensor] = {}
     with torch.no_grad():
@@ -233,7 +233,8 @@ def all_finite(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
     if not floating:
         return torch.ones((), dtype=torch.bool)
     device = floating[0].device
-    if checks_on_host(t.device for t in floating):
+    # Not for DTensors: a read on the host would see this rank's partial sum only.
+    if not any(is_dtensor(t) for t in floating) and checks_on_host(t.device for t in floating):
         return torch.tensor(finite_on_cpu(floating))
     with torch.no_grad():
         # The inf-norm is inf when any value is inf and NaN when any is NaN.

@@ -129,6 +129,15 @@ def _device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
+def _length(loader: Any) -> int:
+    """A loader's number of batches, -1 where it has none (an iterable dataset's loader
+    has ``__len__`` but raises ``TypeError``)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return -1
+
+
 def _as_tensor(value: Any, name: str) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value
@@ -217,10 +226,7 @@ class Trainer:
         if y is None:  # an iterable of (inputs, targets) batches, e.g. a DataLoader
             if isinstance(x, torch.Tensor):
                 raise ValueError("fit(x, y): y is missing; pass targets or a loader of batches")
-            try:
-                steps = len(x)
-            except TypeError:
-                steps = 0
+            steps = max(_length(x), 0)
             # iter() now: a shuffling DataLoader draws its order from the RNG at this point.
             return (lambda: iter(x)), steps, 0
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -253,11 +259,12 @@ class Trainer:
         "collective mismatch" abort, on one rank and after a timeout."""
         if distributed.world_size() == 1:
             return
-        if y is None:  # a loader: its length, where it has one (-1: unknown)
-            size, batch = (len(x) if hasattr(x, "__len__") else -1), -1
-        else:
-            size, batch = len(_as_tensor(x, "x")), batch_size
-        val = len(_as_tensor(validation_data[0], "x")) if validation_data is not None else -1
+        size = _length(x) if y is None else len(_as_tensor(x, "x"))
+        batch = -1 if y is None else batch_size
+        val = -1
+        if validation_data is not None:
+            vx, vy = validation_data
+            val = _length(vx) if vy is None else len(_as_tensor(vx, "x"))
         sizes = {"samples_or_batches": size, "batch_size": batch, "epochs": epochs}
         sizes["validation_samples"] = val
         distributed.check_same_on_every_rank(
@@ -372,78 +379,82 @@ class Trainer:
         metric_sums: dict[str, torch.Tensor | float] = dict.fromkeys(self.metrics, 0.0)
         times: list[float] = []
         start_epoch = time.perf_counter()
-        for step, batch in enumerate(batches, start=first_step):
-            self._step_in_epoch = step + 1
-            xb, yb = _to(batch[0], self.device), _to(batch[1], self.device)
-            if _is_empty(yb):
-                # Its mean loss is NaN and it would count as a step: not a batch to train on.
-                if distributed.world_size() > 1:
-                    raise ValueError(
-                        f"epoch {epoch + 1}, batch {step + 1} is empty on rank "
-                        f"{distributed.rank()}; "
-                        "every rank must get a non-empty batch at every step"
+        try:
+            for step, batch in enumerate(batches, start=first_step):
+                self._step_in_epoch = step + 1
+                xb, yb = _to(batch[0], self.device), _to(batch[1], self.device)
+                if _is_empty(yb):
+                    # Its mean loss is NaN and it would count as a step: not a batch to train on.
+                    if distributed.world_size() > 1:
+                        raise ValueError(
+                            f"epoch {epoch + 1}, batch {step + 1} is empty on rank "
+                            f"{distributed.rank()}; "
+                            "every rank must get a non-empty batch at every step"
+                        )
+                    warnings.warn(
+                        f"epoch {epoch + 1}, batch {step + 1} is empty: skipped (not a step)",
+                        UserWarning,
+                        stacklevel=2,
                     )
-                warnings.warn(
-                    f"epoch {epoch + 1}, batch {step + 1} is empty: skipped (not a step)",
-                    UserWarning,
-                    stacklevel=2,
+                    continue
+                start = time.perf_counter()
+                try:
+                    loss, result = self.step(xb, yb)
+                except IndexError as err:
+                    # A loader's labels are seen only here; tensors are checked up front
+                    # (_validate) with a ValueError, so a loader's get one too.
+                    if "out of bounds" not in str(err):
+                        raise
+                    raise ValueError(
+                        f"epoch {epoch + 1}, batch {step + 1}: {err} (class labels must be in "
+                        "[0, number of classes), or the loss's ignore_index)"
+                    ) from err
+                loss_value = loss.item()  # after the step's own sync: no extra stall
+                elapsed = time.perf_counter() - start
+                size = len(yb)
+                if not result.accumulating:
+                    times.append(elapsed)
+                if result.applied:
+                    self.global_step += 1
+                skipped += int(result.found_inf)
+                if not result.accumulating:
+                    scaler = self.optimizer.loss_scaler
+                    warning = self.health.observe(
+                        scaler.state,
+                        result.found_inf,
+                        self._culprit(result),
+                        scale_floor(scaler),
+                        loss_value,
+                    )
+                    if warning:
+                        warnings.warn(warning, UserWarning, stacklevel=2)
+                    if self.health.needs_trace and self._can_trace:
+                        self._stuck_tracer = OverflowTracer(self.model)  # for the next step only
+                loss_sum += loss_value * size
+                samples += size
+                output = self.step.last_output
+                if output is not None:
+                    with torch.no_grad():
+                        for name, fn in self.metrics.items():
+                            metric_sums[name] = metric_sums[name] + fn(output.float(), yb) * size
+                cbs.on_train_batch_end(
+                    step,
+                    {
+                        "epoch": epoch,
+                        "loss": loss_value,
+                        "applied": result.applied,
+                        "found_inf": result.found_inf,
+                        "loss_scale": result.scale,
+                        "step_ms": 1000 * elapsed,
+                        "size": size,
+                        "global_step": self.global_step,
+                        "overflow": str(result.overflow) if result.overflow else None,
+                    },
                 )
-                continue
-            start = time.perf_counter()
-            try:
-                loss, result = self.step(xb, yb)
-            except IndexError as err:
-                # A loader's labels are seen only here; tensors are checked up front
-                # (_validate) with a ValueError, so a loader's get one too.
-                if "out of bounds" not in str(err):
-                    raise
-                raise ValueError(
-                    f"epoch {epoch + 1}, batch {step + 1}: {err} (class labels must be in "
-                    "[0, number of classes), or the loss's ignore_index)"
-                ) from err
-            loss_value = loss.item()  # after the step's own sync: no extra stall
-            elapsed = time.perf_counter() - start
-            size = len(yb)
-            if not result.accumulating:
-                times.append(elapsed)
-            if result.applied:
-                self.global_step += 1
-            skipped += int(result.found_inf)
-            if not result.accumulating:
-                scaler = self.optimizer.loss_scaler
-                warning = self.health.observe(
-                    scaler.state,
-                    result.found_inf,
-                    self._culprit(result),
-                    scale_floor(scaler),
-                    loss_value,
-                )
-                if warning:
-                    warnings.warn(warning, UserWarning, stacklevel=2)
-                if self.health.needs_trace and self._can_trace:
-                    self._stuck_tracer = OverflowTracer(self.model)  # for the next step only
-            loss_sum += loss_value * size
-            samples += size
-            output = self.step.last_output
-            if output is not None:
-                with torch.no_grad():
-                    for name, fn in self.metrics.items():
-                        metric_sums[name] = metric_sums[name] + fn(output.float(), yb) * size
-            cbs.on_train_batch_end(
-                step,
-                {
-                    "epoch": epoch,
-                    "loss": loss_value,
-                    "applied": result.applied,
-                    "found_inf": result.found_inf,
-                    "loss_scale": result.scale,
-                    "step_ms": 1000 * elapsed,
-                    "size": size,
-                    "global_step": self.global_step,
-                    "overflow": str(result.overflow) if result.overflow else None,
-                },
-            )
-        self._culprit(None)  # a tracer left for a next step: no hooks outlive the epoch
+        finally:
+            # A tracer left for a next step: no hooks outlive the epoch, also when a
+            # step raises (the scaler's max_consecutive_skips, Ctrl-C, a callback).
+            self._culprit(None)
         if samples == 0:
             raise ValueError("the training data produced no batches")
         # Means over every rank's samples.
