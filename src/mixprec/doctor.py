@@ -10,9 +10,7 @@ scaler's floor or a run of skipped steps means.
 from __future__ import annotations
 
 import copy
-import json
 import math
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,6 +19,7 @@ import torch
 from torch import nn
 
 from mixprec._dtypes import dtype_name
+from mixprec._report import float32_model, to_json
 from mixprec.casting import first_floating
 from mixprec.float8 import Float8Options
 from mixprec.levels import KeepEntry, applied, auto_mixed_precision, module_dtypes
@@ -280,16 +279,7 @@ class Report:
         return data
 
     def to_json(self, **kwargs: Any) -> str:
-        def clean(value: Any) -> Any:  # JSON has no inf/NaN
-            if isinstance(value, float) and not math.isfinite(value):
-                return str(value)
-            if isinstance(value, dict):
-                return {k: clean(v) for k, v in value.items()}
-            if isinstance(value, (list, tuple)):
-                return [clean(v) for v in value]
-            return value
-
-        return json.dumps(clean(self.to_dict()), **kwargs)
+        return to_json(self.to_dict(), **kwargs)
 
     def plot(self, path: str) -> Figure:
         """Per-module max |output|, max |gradient| (of its output, input or weights) and
@@ -449,19 +439,7 @@ def diagnose(
             f"diagnose: {', '.join(given)} apply to float8 policies only; policy "
             f"{get_policy(policy).name!r} is diagnosed without keeps, to find them"
         )
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"diagnose(model=...) needs an nn.Module, got {type(model).__name__}")
-    original = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
-    if isinstance(original, nn.Module):
-        warnings.warn(
-            "diagnose runs the model eagerly (its per-module hooks do not compile): it uses "
-            "the module inside torch.compile's wrapper; the figures are eager mode's",
-            UserWarning,
-            stacklevel=2,
-        )
-        model = original
-    if applied(model) is not None:
-        raise ValueError("diagnose needs the float32 model, before auto_mixed_precision")
+    model = float32_model(model, "diagnose")
     resolved = get_policy(policy)
     if loss_scale is None:
         loss_scale = 2.0**16 if resolved.loss_scaling == "dynamic" else 1.0

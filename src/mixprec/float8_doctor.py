@@ -35,9 +35,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
-import json
 import math
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -47,9 +45,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec._dtypes import dtype_name
+from mixprec._report import float32_model, to_json
 from mixprec.casting import first_floating, get_region
 from mixprec.float8 import Float8Options, float8_choice, is_float8, torchao_float8
-from mixprec.levels import KeepEntry, applied, auto_mixed_precision, keep_list, resolve_level
+from mixprec.levels import KeepEntry, auto_mixed_precision, keep_list, resolve_level
 from mixprec.policy import FLOAT8_PRESETS, PolicyLike, get_policy, parse_float8_recipe
 
 __all__ = [
@@ -380,16 +379,7 @@ class Float8Report:
         return data
 
     def to_json(self, **kwargs: Any) -> str:
-        def clean(value: Any) -> Any:  # JSON has no inf/NaN
-            if isinstance(value, float) and not math.isfinite(value):
-                return str(value)
-            if isinstance(value, dict):
-                return {k: clean(v) for k, v in value.items()}
-            if isinstance(value, (list, tuple)):
-                return [clean(v) for v in value]
-            return value
-
-        return json.dumps(clean(self.to_dict()), **kwargs)
+        return to_json(self.to_dict(), **kwargs)
 
 
 # -- running the model -------------------------------------------------------------------------
@@ -658,21 +648,7 @@ def diagnose_float8(
     ``keep_float32``: as ``auto_mixed_precision`` takes them, to diagnose the model as it
     will be trained.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"diagnose_float8(model=...) needs an nn.Module, got {type(model).__name__}"
-        )
-    original = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
-    if isinstance(original, nn.Module):
-        warnings.warn(
-            "diagnose_float8 runs the model eagerly (its hooks do not compile): it uses the "
-            "module inside torch.compile's wrapper; the figures are eager mode's",
-            UserWarning,
-            stacklevel=2,
-        )
-        model = original
-    if applied(model) is not None:
-        raise ValueError("diagnose_float8 needs the float32 model, before auto_mixed_precision")
+    model = float32_model(model, "diagnose_float8")
     resolved = get_policy(policy)
     recipe = resolved.float8_recipe
     if recipe is None:
