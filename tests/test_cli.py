@@ -192,10 +192,13 @@ def test_convert_refuses_nan_by_default_and_lists_it_when_ignored(tmp_path, caps
 def test_bench_float8_mode_says_what_it_converted_and_that_cpu_emulates_it(capsys):
     pytest.importorskip("torchao")
     # torchao's size thresholds convert none of the small MLP's layers: a fast float8 run.
-    assert cli.main(["bench", "mlp-b64", "--small", "--modes", "O2-bf16,O2-fp8",
+    # --policy adds the policy's mode beside float32 and O2-bf16 (issue 16: `bench --policy`).
+    assert cli.main(["bench", "mlp-b64", "--small", "--policy", "mixed_float8",
                      "--float8-min-features", "torchao", "--no-memory", "--repeats", "1",
                      "--steps", "1", "--min-round-ms", "0"]) == 0  # fmt: skip
     out = capsys.readouterr().out
+    rows = [line.split()[0] for line in out.splitlines() if line.startswith(("float32 ", "O2-"))]
+    assert rows[:3] == ["float32", "O2-bf16", "O2-fp8"]
     assert " fp8 " in out and " 0/3 " in out and "O2-fp8: " in out
     assert "fp8: Linear layers converted to float8 / Linear layers in the model " in out
     assert "(torchao's H100 size thresholds; the output head stays bfloat16)" in out
@@ -274,6 +277,7 @@ def checkpoint_and_file(tmp_path):
         (["bench", "--float8-min-features", "0"], "an int >= 1 or 'torchao', got '0'"),
         (["bench", "--float8-min-features", "big"], "an int >= 1 or 'torchao', got 'big'"),
         (["train", "--float8-min-features", "-3"], "an int >= 1 or 'torchao', got '-3'"),
+        (["bench", "--policy", "float32"], "--policy 'float32' has no bench mode; valid: mixed_"),
     ],
 )
 def test_bad_paths_and_values_exit_2_before_any_work(argv, message, checkpoint_and_file, capsys):

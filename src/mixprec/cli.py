@@ -405,6 +405,15 @@ def _bench(args: argparse.Namespace) -> int:
     if args.max_batch is not None and args.max_batch <= 0:
         raise UsageError(f"--max-batch must be a memory budget in MB > 0, got {args.max_batch:g}")
     modes = args.modes.split(",") if args.modes else list(bench.MODES)
+    if args.policy is not None:
+        # A policy is its O2 mode beside float32 and O2 bfloat16 (or the given --modes).
+        policy_mode = bench.mode_for_policy(args.policy)
+        if policy_mode is None:
+            valid = ["mixed_bfloat16", "mixed_float16", *bench.FLOAT8_MODES.values()]
+            raise UsageError(f"--policy {args.policy!r} has no bench mode; valid: "
+                             f"{', '.join(valid)}")  # fmt: skip
+        base_modes = args.modes.split(",") if args.modes else ["float32", "O2-bf16"]
+        modes = list(dict.fromkeys([*base_modes, policy_mode]))
     for m in modes:
         base = m.removesuffix(bench.COMPILED)
         if bench.mode_for_policy(base) is not None:
@@ -613,6 +622,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated, each optionally MODE+compile; default: all but the float8 "
         "ones. float8 (needs mixprec[float8]): O2-fp8 (policy mixed_float8), O2-fp8-rowwise "
         "(mixed_float8_rowwise), O2-fp8-rowwise_with_gw_hp (mixed_float8_rowwise_with_gw_hp)",
+    )  # fmt: skip
+    bench.add_argument(
+        "--policy", metavar="POLICY",
+        help="add the policy's O2 mode (mixed_float8: O2-fp8) beside float32 and O2-bf16, or "
+        "beside --modes",
     )  # fmt: skip
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--steps", type=int, default=3, help="steps per timed round, at least")
