@@ -258,7 +258,7 @@ def test_one_host_sync_per_step(monkeypatch, on_host):
     # The device path (what CUDA runs) reads one tensor per step; on CPU, where a read costs
     # no synchronisation, the finiteness checks read their per-tensor sums at once.
     if not on_host:
-        monkeypatch.setattr(mp.scaling, "checks_on_host", lambda devices: False)
+        monkeypatch.setattr(mp.scaling, "checks_on_host", lambda tensors: False)
     model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
     opt = mp.LossScaleOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), max_grad_norm=1.0

@@ -495,7 +495,7 @@ def test_scale_one_checks_read_only_and_exact(monkeypatch, values, finite, on_ho
     # At scale 1 on CPU the check reads per-tensor sums (no multiply-by-1 write); a sum
     # that overflows is confirmed value by value, so finite values are never a false alarm.
     if not on_host:
-        monkeypatch.setattr(mp.scaling, "checks_on_host", lambda devices: False)
+        monkeypatch.setattr(mp.scaling, "checks_on_host", lambda tensors: False)
     grads = [torch.tensor(v, dtype=torch.float32) for v in values]
     before = [g.clone() for g in grads]
     found = unscale_grads_(grads, 1.0)

@@ -8,6 +8,8 @@ These classes derive from both, so code written against either convention keeps 
 
 from __future__ import annotations
 
+import reprlib
+
 
 class MisuseError(RuntimeError, AssertionError):
     """A method was called in the wrong order or state (``RuntimeError``)."""
@@ -17,9 +19,16 @@ class ArgumentError(ValueError, AssertionError):
     """An argument has a value outside its valid range (``ValueError``)."""
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 3, 40, 40
+_SHORT.maxlist = _SHORT.maxdict = _SHORT.maxtuple = 4
+
+
 def shown(value: object) -> str:
-    """``repr(value)`` for an error message, or "an int of N digits" for an int too long to
-    echo (``10**400``, which also overflows float)."""
+    """``repr(value)`` for an error message, bounded however long or deeply nested the value
+    (a hostile checkpoint header's), or "an int of N digits" for an int too long to echo
+    (``10**400``, which also overflows float)."""
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**40:
         return f"an int of {len(str(abs(value)))} digits"
-    return repr(value)
+    text = _SHORT.repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -26,7 +26,7 @@ from torch import nn
 
 from mixprec._compile import compile_step
 from mixprec._dtypes import cpuinfo_field, dtype_name, probe_hardware
-from mixprec.float8 import Float8Options, float8_choice, torchao_float8
+from mixprec.float8 import Float8Options, layer_counts, torchao_float8
 from mixprec.levels import applied, auto_mixed_precision
 from mixprec.models import CausalLM, cnn, lm_loss, mlp
 from mixprec.optim import LossScaleOptimizer
@@ -257,12 +257,18 @@ def _policy_hint(name: str) -> str:
     return f" (policy {name!r} is mode {mode!r})" if mode else ""
 
 
+#: The mode that runs each policy at level O2 (``--policy``, and a policy given as a mode).
+POLICY_MODES: dict[str, str] = {
+    "mixed_bfloat16": "O2-bf16",
+    "mixed_float16": "O2-fp16",
+    **{policy: mode for mode, policy in FLOAT8_MODES.items()},
+}
+
+
 def mode_for_policy(name: str) -> str | None:
     """The mode that runs policy ``name`` at level O2 (``"mixed_float8"``: ``"O2-fp8"``),
     for a policy name given where a mode is expected; ``None`` for other names."""
-    policies = {"mixed_bfloat16": "O2-bf16", "mixed_float16": "O2-fp16"}
-    policies.update({policy: mode for mode, policy in FLOAT8_MODES.items()})
-    return policies.get(name)
+    return POLICY_MODES.get(name)
 
 
 def is_float8_mode(mode: str) -> bool:
@@ -355,8 +361,7 @@ def build_step(
         )
         level = applied(model).level  # type: ignore[union-attr]
         if converts is not None:
-            choices = [c for m in model.modules() if (c := float8_choice(m)) is not None]
-            float8_layers = (sum(c.converted for c in choices), len(choices))
+            float8_layers = layer_counts(model)
         lso = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=lr))
 
         def forward_loss() -> torch.Tensor:

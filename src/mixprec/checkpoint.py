@@ -26,11 +26,10 @@ import json
 import math
 import os
 import random
-import reprlib
 import stat
 import tempfile
 from collections import defaultdict
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
@@ -41,6 +40,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from mixprec._dtypes import HALF_DTYPES, dtype_name, parse_dtype
+from mixprec._errors import shown
 from mixprec.casting import remember_float32
 from mixprec.float8 import summary as float8_summary
 from mixprec.levels import applied
@@ -369,18 +369,7 @@ class _BadValueError(Exception):
         self.key, self.value, self.valid = key, value, valid
 
     def __str__(self) -> str:
-        return f"{_cut(self.key)!r} is {_short(self.value)}; valid: {self.valid}"
-
-
-_SHORT = reprlib.Repr()
-_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 3, 40, 40
-_SHORT.maxlist = _SHORT.maxdict = _SHORT.maxtuple = 4
-
-
-def _short(value: Any) -> str:
-    """``repr`` cut for a message: bounded however long or deeply nested ``value`` is."""
-    text = _SHORT.repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+        return f"{_cut(self.key)!r} is {shown(self.value)}; valid: {self.valid}"
 
 
 def _cut(text: str, limit: int = 80) -> str:
@@ -485,19 +474,19 @@ def _entry(file: Path, name: str, value: Any) -> _Entry:
     hold, and offsets that span exactly the shape's bytes."""
     if not (isinstance(value, dict) and {"dtype", "shape", "data_offsets"} <= set(value)):
         raise CheckpointError(
-            f"{file}: corrupt safetensors entry {_short(name)}: {_short(value)}; valid: an "
+            f"{file}: corrupt safetensors entry {shown(name)}: {shown(value)}; valid: an "
             "object with dtype, shape and data_offsets"
         )
     dtype = _SAFETENSORS_DTYPES.get(value["dtype"]) if isinstance(value["dtype"], str) else None
     if dtype is None:
         raise CheckpointError(
-            f"{file}: tensor {_short(name)} has dtype {_short(value['dtype'])}; valid: "
+            f"{file}: tensor {shown(name)} has dtype {shown(value['dtype'])}; valid: "
             f"{', '.join(_SAFETENSORS_DTYPES)}"
         )
     shape, offsets = value["shape"], value["data_offsets"]
     if not (isinstance(shape, list) and all(_is_count(d) for d in shape) and _fits_int64(shape)):
         raise CheckpointError(
-            f"{file}: tensor {_short(name)} has shape {_short(shape)}; valid: a list of ints "
+            f"{file}: tensor {shown(name)} has shape {shown(shape)}; valid: a list of ints "
             ">= 0 whose product is at most 2**63 - 1"
         )
     numel = math.prod(shape)
@@ -508,8 +497,8 @@ def _entry(file: Path, name: str, value: Any) -> _Entry:
         and offsets[1] - offsets[0] == numel * dtype.itemsize
     ):
         raise CheckpointError(
-            f"{file}: truncated or corrupt: tensor {_short(name)} has data_offsets "
-            f"{_short(offsets)}; valid: [begin, begin + {numel * dtype.itemsize}] for its "
+            f"{file}: truncated or corrupt: tensor {shown(name)} has data_offsets "
+            f"{shown(offsets)}; valid: [begin, begin + {numel * dtype.itemsize}] for its "
             f"{numel} {dtype_name(dtype)} values"
         )
     return dtype, tuple(shape), offsets[0], offsets[1]
@@ -542,7 +531,7 @@ def _safetensors_header(
     meta = {} if meta is None else meta
     if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
         raise CheckpointError(
-            f"{file}: corrupt safetensors header: __metadata__ is {_short(meta)}; valid: an "
+            f"{file}: corrupt safetensors header: __metadata__ is {shown(meta)}; valid: an "
             "object of strings"
         )
     if len(parsed) > limit:
@@ -558,7 +547,7 @@ def _safetensors_header(
     for begin, end, name in sorted((b, e, n) for n, (_, _, b, e) in entries.items()):
         if begin != position:
             raise CheckpointError(
-                f"{file}: truncated or corrupt: tensor {_short(name)} starts at byte {begin} "
+                f"{file}: truncated or corrupt: tensor {shown(name)} starts at byte {begin} "
                 f"of the data, not {position}"
             )
         position = end
@@ -745,7 +734,7 @@ def _mixprec_header(file: Path, text: str, entries: Mapping[str, _Entry]) -> dic
     version = header.get("format_version")
     if type(version) is not int or version < 1:
         raise CheckpointError(
-            f"{file}: mixprec header: 'format_version' is {_short(version)}; valid: an int "
+            f"{file}: mixprec header: 'format_version' is {shown(version)}; valid: an int "
             f"from 1 to {FORMAT_VERSION}"
         )
     if version > FORMAT_VERSION:
@@ -991,7 +980,7 @@ def load_checkpoint(
 
     # Check and prepare everything; nothing changes before the commit below.
     skip = {k for k, _, _ in report.mismatched}
-    buffers = _buffer_names(model)
+    buffers = _buffer_names(model, current)
     loaded = {
         k: _convert(k, saved[k], current[k].dtype, on_range, report, k not in buffers)
         for k in current
@@ -1077,17 +1066,17 @@ def _optimizer_state(
     inner = state["optimizers"]
     if not isinstance(inner, list) or len(inner) != len(optimizer.optimizers):
         raise CheckpointError(
-            f"{path}: optimizer state: 'optimizers' is {_short(inner)}; valid: a list of "
+            f"{path}: optimizer state: 'optimizers' is {shown(inner)}; valid: a list of "
             f"{len(optimizer.optimizers)} optimizer state(s)"
         )
     if not _is_count(state.get("micro_steps", 0)):
         raise CheckpointError(
-            f"{path}: optimizer state: 'micro_steps' is {_short(state['micro_steps'])}; "
+            f"{path}: optimizer state: 'micro_steps' is {shown(state['micro_steps'])}; "
             "valid: an int >= 0"
         )
     if not isinstance(state.get("loss_scaler"), dict):
         raise CheckpointError(
-            f"{path}: optimizer state: 'loss_scaler' is {_short(state.get('loss_scaler'))}; "
+            f"{path}: optimizer state: 'loss_scaler' is {shown(state.get('loss_scaler'))}; "
             "valid: a loss scaler's state_dict()"
         )
     try:  # the scaler's load checks each value by name; a copy keeps the real one as it is
@@ -1144,11 +1133,11 @@ def _try_load(path: str | os.PathLike[str], optimizer: torch.optim.Optimizer, st
         ) from None
 
 
-def _buffer_names(model: nn.Module) -> set[str]:
-    """State-dict names of buffers (not parameters): their values are not weights, and
-    non-finite ones are normal (attention masks of -inf)."""
+def _buffer_names(model: nn.Module, keys: Iterable[str]) -> set[str]:
+    """Which state-dict ``keys`` are buffers (not parameters): their values are not weights,
+    and non-finite ones are normal (attention masks of -inf)."""
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    return {k for k in model.state_dict() if k not in params}
+    return {k for k in keys if k not in params}
 
 
 def _write_weights(
@@ -1189,9 +1178,8 @@ def export_weights(
     Raises ``CheckpointError`` if a value does not fit ``dtype`` or is NaN or inf."""
     tensors, aliases, _ = _model_tensors(model, optimizer)
     weights = {k.removeprefix("model/"): v for k, v in tensors.items()}
-    _write_weights(
-        weights, dtype, "error", aliases, type(model).__name__, path, _buffer_names(model)
-    )
+    buffers = _buffer_names(model, weights)
+    _write_weights(weights, dtype, "error", aliases, type(model).__name__, path, buffers)
     return Path(path)
 
 

@@ -106,12 +106,10 @@ def run_training(config: dict[str, Any]) -> dict[str, Any]:
     float8_layers = None
     if Policy(config["policy"]).float8_recipe is not None:
         # float8 options are per model: prepare here, then hand the model over prepared.
-        options = _float8_sizes(config.get("float8_min_features")) or mixprec.Float8Options(
-            min_features=TRAIN_FLOAT8_MIN_FEATURES
-        )
+        options = _train_float8(config.get("float8_min_features"))
         mixprec.auto_mixed_precision(model, config["policy"], config["level"], float8=options)
-        choices = [c for m in model.modules() if (c := mixprec.float8.float8_choice(m))]
-        float8_layers = f"{sum(c.converted for c in choices)} of {len(choices)}"
+        converted, considered = mixprec.float8.layer_counts(model)
+        float8_layers = f"{converted} of {considered}"
         policy = None
     optimizer = torch.optim.Adam(model.parameters(), lr=config["lr"])
     trainer = mixprec.Trainer(
@@ -267,11 +265,9 @@ def _train(args: argparse.Namespace) -> int:
     say(_table(runs))
     for run in runs:
         if run.get("float8_layers"):
-            options = _float8_sizes(args.float8_min_features) or mixprec.Float8Options(
-                min_features=TRAIN_FLOAT8_MIN_FEATURES
-            )
+            rule = _float8_rule(_train_float8(args.float8_min_features))
             say(f"{run['label']} run: float8 in {run['float8_layers']} Linear layers "
-                f"({_float8_rule(options)}; the output head stays bfloat16)")  # fmt: skip
+                f"({rule}; the output head stays bfloat16)")  # fmt: skip
     say(f"(peak MB: {runs[0]['memory_kind']}; speedup: ms/step of the first row / this row)")
     if len(runs) == 2:
         diff = runs[1]["test_accuracy"] - runs[0]["test_accuracy"]
@@ -370,9 +366,8 @@ def _doctor(args: argparse.Namespace) -> int:
         if plot_path:
             raise UsageError("--plot: the float8 doctor's report is a table; use --json")
         # As `mixprec train` converts them: every Linear float8 takes, the head kept.
-        options = mixprec.Float8Options(min_features=TRAIN_FLOAT8_MIN_FEATURES)
         report8 = mixprec.diagnose_float8(model, x, y, loss_fn, args.policy, args.level,
-                                          float8=options)  # fmt: skip
+                                          float8=_train_float8(None))  # fmt: skip
         print(report8)
         if json_path:
             Path(json_path).write_text(report8.to_json(indent=2))
@@ -409,9 +404,8 @@ def _bench(args: argparse.Namespace) -> int:
         # A policy is its O2 mode beside float32 and O2 bfloat16 (or the given --modes).
         policy_mode = bench.mode_for_policy(args.policy)
         if policy_mode is None:
-            valid = ["mixed_bfloat16", "mixed_float16", *bench.FLOAT8_MODES.values()]
             raise UsageError(f"--policy {args.policy!r} has no bench mode; valid: "
-                             f"{', '.join(valid)}")  # fmt: skip
+                             f"{', '.join(bench.POLICY_MODES)}")  # fmt: skip
         base_modes = args.modes.split(",") if args.modes else ["float32", "O2-bf16"]
         modes = list(dict.fromkeys([*base_modes, policy_mode]))
     for m in modes:
@@ -492,6 +486,12 @@ def _float8_sizes(value: str | None) -> mixprec.Float8Options | None:
     if n < 1:
         raise UsageError(f"--float8-min-features must be an int >= 1 or 'torchao', got {value!r}")
     return mixprec.Float8Options(min_features=n)
+
+
+def _train_float8(value: str | None) -> mixprec.Float8Options:
+    """The float8 layer rule of `mixprec train` and `doctor`: ``--float8-min-features``, by
+    default ``TRAIN_FLOAT8_MIN_FEATURES``."""
+    return _float8_sizes(value) or mixprec.Float8Options(min_features=TRAIN_FLOAT8_MIN_FEATURES)
 
 
 def _float8_rule(options: mixprec.Float8Options) -> str:

@@ -600,7 +600,7 @@ def _back_off(
             c["nonfinite_backward"] or _nonfinite(c["output"]) for c in calls.values()
         )
 
-    steps_to_floor = max(0, math.ceil(math.log2(start / floor))) if start > floor else 0
+    steps_to_floor = math.ceil(math.log2(start / floor)) if start > floor else 0
     half: set[str] = set()
     for _ in range(len(leaves) + 1):
         prepared = copy.deepcopy(model)

@@ -263,6 +263,12 @@ def convert_to_float8(
     return choices
 
 
+def layer_counts(model: nn.Module) -> tuple[int, int]:
+    """How many Linear layers a float8 policy converted, of the Linear layers it considered."""
+    choices = [c for m in model.modules() if (c := float8_choice(m)) is not None]
+    return sum(c.converted for c in choices), len(choices)
+
+
 def summary(model: nn.Module) -> dict[str, object] | None:
     """The float8 recipe and converted layer names (for a checkpoint header), or ``None``."""
     choices = [(n, c) for n, m in model.named_modules() if (c := float8_choice(m)) is not None]

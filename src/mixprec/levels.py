@@ -46,7 +46,13 @@ from mixprec.casting import (
     store_as,
     to_float,
 )
-from mixprec.float8 import Float8Options, convert_to_float8, float8_choice, is_float8
+from mixprec.float8 import (
+    Float8Options,
+    convert_to_float8,
+    float8_choice,
+    is_float8,
+    layer_counts,
+)
 from mixprec.policy import Policy, PolicyLike, get_policy
 from mixprec.trace import remember_model
 
@@ -433,10 +439,9 @@ def describe(model: nn.Module) -> str:
     state = applied(model)
     if state is not None:
         masters = " (MindSpore's: float32 master weights)" if state.o3_masters else ""
-        considered = sum(float8_choice(m) is not None for m in model.modules())
+        converted, considered = layer_counts(model)
         float8 = (
-            f"; float8 ({state.policy.float8_recipe}) in {len(state.float8)} of {considered} "
-            "Linear layers"
+            f"; float8 ({state.policy.float8_recipe}) in {converted} of {considered} Linear layers"
             if state.policy.float8_recipe is not None
             else ""
         )

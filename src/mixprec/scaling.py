@@ -165,10 +165,10 @@ def unscale_grads_(
         if is_dtensor(values):  # FSDP2: each rank unscales and checks its own shard
             values = values.to_local()  # type: ignore[attr-defined]
         groups.setdefault((values.device, values.dtype), []).append(values)
-    if inv_scale == 1.0 and groups and checks_on_host(device for device, _ in groups):
+    tensors = [t for group in groups.values() for t in group]
+    if inv_scale == 1.0 and tensors and checks_on_host(tensors):
         # Scale 1 (float32, bfloat16) on CPU: a read-only check, as the multiply by 1 is
         # not needed. On CPU reading the answer costs no device synchronisation.
-        tensors = [t for group in groups.values() for t in group]
         return torch.tensor(0.0 if finite_on_cpu(tensors) else 1.0, dtype=torch.float32)
     found: dict[torch.device, torch.Tensor] = {}
     inv: dict[torch.device, torch.Tensor] = {}
@@ -202,10 +202,13 @@ def agree_found_inf(found_inf: torch.Tensor) -> torch.Tensor:
     return found_inf
 
 
-def checks_on_host(devices: Iterable[torch.device]) -> bool:
+def checks_on_host(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether finiteness checks read their answer at once (``finite_on_cpu``): on CPU,
-    where that costs no synchronisation, and not under ``torch.compile``."""
-    return all(d.type == "cpu" for d in devices) and not torch.compiler.is_compiling()
+    where that costs no synchronisation; not under ``torch.compile``, and not for DTensors
+    (a read on the host would see this rank's partial sum only)."""
+    return not torch.compiler.is_compiling() and all(
+        t.device.type == "cpu" and not is_dtensor(t) for t in tensors
+    )
 
 
 def finite_on_cpu(tensors: Sequence[torch.Tensor]) -> bool:
@@ -233,8 +236,7 @@ def all_finite(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
     if not floating:
         return torch.ones((), dtype=torch.bool)
     device = floating[0].device
-    # Not for DTensors: a read on the host would see this rank's partial sum only.
-    if not any(is_dtensor(t) for t in floating) and checks_on_host(t.device for t in floating):
+    if checks_on_host(floating):
         return torch.tensor(finite_on_cpu(floating))
     with torch.no_grad():
         # The inf-norm is inf when any value is inf and NaN when any is NaN.

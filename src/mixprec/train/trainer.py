@@ -129,11 +129,11 @@ def _device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
-def _length(loader: Any) -> int:
-    """A loader's number of batches, -1 where it has none (an iterable dataset's loader
-    has ``__len__`` but raises ``TypeError``)."""
+def _length(data: Any) -> int:
+    """``len(data)``: a tensor's or array's samples, a loader's batches; -1 where there is
+    none (an iterable dataset's loader has ``__len__`` but raises ``TypeError``)."""
     try:
-        return len(loader)
+        return len(data)
     except TypeError:
         return -1
 
@@ -259,14 +259,13 @@ class Trainer:
         "collective mismatch" abort, on one rank and after a timeout."""
         if distributed.world_size() == 1:
             return
-        size = _length(x) if y is None else len(_as_tensor(x, "x"))
-        batch = -1 if y is None else batch_size
-        val = -1
-        if validation_data is not None:
-            vx, vy = validation_data
-            val = _length(vx) if vy is None else len(_as_tensor(vx, "x"))
-        sizes = {"samples_or_batches": size, "batch_size": batch, "epochs": epochs}
-        sizes["validation_samples"] = val
+        # Samples (tensors and arrays, checked by _validate) or a loader's batches.
+        sizes = {
+            "samples_or_batches": _length(x),
+            "batch_size": -1 if y is None else batch_size,
+            "epochs": epochs,
+            "validation_samples": -1 if validation_data is None else _length(validation_data[0]),
+        }
         distributed.check_same_on_every_rank(
             "fit()'s data sizes",
             sizes,
