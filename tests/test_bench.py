@@ -417,3 +417,33 @@ def test_plot_writes_the_chart(tmp_path):
     path = tmp_path / "b.png"
     bench.plot({"lm-d512": [result("float32", 1.0), result("O2-fp8", 0.1)]}, str(path))
     assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_rounds_alternate_direction_and_the_speedup_pairs_them(monkeypatch):
+    calls: list[str] = []
+
+    def step_of(name: str):
+        def step() -> torch.Tensor:
+            calls.append(name)
+            return torch.zeros(())
+
+        return step
+
+    built = {m: step_of(m) for m in ("float32", "O1-bf16", "O2-bf16")}
+    bench._time_modes(built, repeats=2, steps=1, warmup=2, dev=torch.device("cpu"),
+                      min_round_ms=0)  # fmt: skip
+    warm = ["float32"] * 2 + ["O1-bf16"] * 2 + ["O2-bf16"] * 2
+    assert calls == [*warm, "float32", "O1-bf16", "O2-bf16", "O2-bf16", "O1-bf16", "float32"]
+    # A busy machine in rounds 3-5 slows float32 9x and the mode 5x: the medians of each
+    # (1 ms, 10 ms) would say 0.1x, the rounds themselves say 0.5x.
+    times = {"float32": [1.0, 1.0, 1.0, 9.0, 9.0], "O2-bf16": [2.0, 2.0, 10.0, 10.0, 10.0]}
+    last = {m: torch.tensor(1.0) for m in times}
+    monkeypatch.setattr(bench, "build_step", lambda mode, *a, **k: step_of(mode))
+    monkeypatch.setattr(
+        bench, "_time_modes", lambda *a, **k: (times, last, dict.fromkeys(times, 1.0))
+    )
+    results = bench.run("mlp-b64", ["O2-bf16"], memory=False, small=True)
+    assert [(r.mode, r.ms_per_step, r.speedup) for r in results] == [
+        ("float32", 1.0, 1.0),
+        ("O2-bf16", 10.0, 0.5),
+    ]

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections import Counter
 
 import pytest
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 import mixprec as mp
 from tests.conftest import classification_data, make_mlp, make_transformer
@@ -610,3 +612,88 @@ def test_float16_weight_added_later_is_checked_too() -> None:
             assert opt.step().applied
     with pytest.raises(FloatingPointError, match=r"1\.bias \(float16"):
         opt.step()
+
+
+def _aten_ops(step) -> Counter[str]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    # Outermost aten ops only: what a kernel calls inside itself is the kernel's business.
+    return Counter(
+        e.name
+        for e in prof.events()
+        if e.name.startswith("aten::")
+        and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    )
+
+
+@pytest.mark.parametrize("level", ["auto", "O0"])
+def test_float32_step_adds_only_the_finiteness_check(level):
+    # Issue 14 item 5: where a model trains in float32 (``auto`` on a CPU without fast
+    # 16-bit math, or O0), the step runs plain SGD's kernels plus one sum and one read per
+    # gradient, and nothing else (no flag tensors, copies or collectives).
+    torch.manual_seed(0)
+    plain = make_mlp()
+    model = mp.auto_mixed_precision(copy.deepcopy(plain), "float32", level)
+    # Both fused: LossScaleOptimizer would pick fused for a float32 SGD left to torch.
+    sgd = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9, fused=True)
+    opt = mp.LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    )
+    for _ in range(2):  # the first steps create the momentum buffers
+        sgd.zero_grad()
+        loss_of(plain).backward()
+        opt.zero_grad()
+        opt.backward(loss_of(model))
+        ours, theirs = _aten_ops(opt.step), _aten_ops(sgd.step)
+    grads = len(list(model.parameters()))
+    extra = ours - theirs
+    assert set(extra) <= {"aten::sum", "aten::item", "aten::_local_scalar_dense"}
+    assert extra["aten::sum"] == grads and extra["aten::item"] == grads
+    assert not theirs - ours
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bad", ["dense-nan", "sparse-inf"])
+def test_scale_one_host_step_skips_non_finite_gradients(bad):
+    # The scale-1 host path (float32, bfloat16 O1 on CPU): dense and sparse gradients are
+    # checked, a skip leaves weights and state untouched and is counted.
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, sparse=True)
+    lin = nn.Linear(4, 1)
+    opt = mp.LossScaleOptimizer(
+        [torch.optim.SparseAdam(emb.parameters(), lr=0.1), torch.optim.Adam(lin.parameters())]
+    )
+    ids = torch.tensor([[1, 2], [3, 4]])
+
+    def backward() -> None:
+        opt.zero_grad()
+        opt.backward(lin(emb(ids).mean(1)).square().mean())
+
+    backward()
+    assert opt.step().applied
+    before = [p.detach().clone() for p in (*emb.parameters(), *lin.parameters())]
+    state = copy.deepcopy(opt.state_dict())
+    backward()
+    if bad == "dense-nan":
+        lin.weight.grad[0, 0] = float("nan")
+    else:
+        emb.weight.grad._values()[0, 0] = float("inf")
+    result = opt.step()
+    assert (result.applied, result.found_inf, result.scale) == (False, True, 1.0)
+    for a, b in zip(before, (*emb.parameters(), *lin.parameters()), strict=True):
+        assert torch.equal(a, b)
+    assert _same_state(opt.state_dict()["optimizers"], state["optimizers"])
+    assert opt.loss_scaler.state.skipped_steps == 1 and opt.loss_scaler.state.steps == 2
+    backward()
+    assert opt.step().applied and opt.loss_scaler.state.consecutive_skips == 0
+
+
+def _same_state(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b, strict=True))
+    if torch.is_tensor(a):
+        return torch.equal(a, b)
+    return a == b

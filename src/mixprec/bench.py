@@ -393,7 +393,7 @@ class ModeResult:
     level: str
     ms_per_step: float
     samples_per_s: float
-    speedup: float  # float32 ms / this mode's ms
+    speedup: float  # median over rounds of float32's ms / this mode's ms in the same round
     final_loss: float
     peak_mb: float | None
     tokens_per_s: float | None = None
@@ -523,7 +523,9 @@ def run(
     ``warmup`` steps each (at least 2). A round is ``steps`` steps, or more where the
     fastest mode would finish them in under ``min_round_ms`` (a 1 ms step timed 3 at a time
     measures the timer and the cache left by the previous mode); every mode runs the same
-    number of steps, so their final losses compare. Medians of the per-round ms/step.
+    number of steps, so their final losses compare. Rounds run the modes forwards and
+    backwards in turn. ms/step is the median of the per-round ms/step; the speedup, the
+    median of the per-round ratios to float32.
     ``outputs_16bit``, ``compile_mode`` and ``float8`` as in ``build_step``; a ``+compile``
     mode's compile time is its first step's time above its steady-state ms/step, kept
     apart. float8 modes need torchao: ``ImportError`` naming ``mixprec[float8]`` first."""
@@ -553,10 +555,14 @@ def run(
                 args: MemoryArgs = (workload, mode, device, small, 2, None, outputs_16bit,
                                     compile_mode, float8)  # fmt: skip
                 peaks[mode] = pool.apply(_peak_memory, (args,))
-    base = statistics.median(times["float32"])
     results = []
     for mode in modes:
         ms = statistics.median(times[mode])
+        # Paired: each round's float32 time over the mode's in the same round, so load that
+        # drifts between rounds (a shared machine) cancels instead of tilting the medians.
+        speedup = statistics.median(
+            b / t for b, t in zip(times["float32"], times[mode], strict=True)
+        )
         converted, linears = getattr(built[mode], "float8", None) or (None, None)
         tflops = work.flops / ms / 1e9 if work.flops else None
         peak = peak_tflops(dev, _matmul_dtype(mode))
@@ -566,7 +572,7 @@ def run(
                 level=getattr(built[mode], "level", "-"),
                 ms_per_step=ms,
                 samples_per_s=1000 * work.samples / ms,
-                speedup=base / ms,
+                speedup=speedup,
                 final_loss=float(last[mode]),
                 peak_mb=peaks[mode],
                 tokens_per_s=1000 * work.tokens / ms if work.tokens else None,
@@ -606,8 +612,11 @@ def _time_modes(
                 fastest = min(fastest, ms)
     steps = max(steps, math.ceil(min_round_ms / max(fastest, 1e-3)))
     times: dict[str, list[float]] = {mode: [] for mode in built}
-    for _ in range(repeats):
-        for mode, step in built.items():
+    order = list(built.items())
+    for r in range(repeats):
+        # Every other round backwards: no mode always follows the same one (whose cache
+        # and allocator state it would inherit).
+        for mode, step in order if r % 2 == 0 else order[::-1]:
             _sync(dev)
             start = time.perf_counter()
             for _ in range(steps):

@@ -451,11 +451,11 @@ def _bench(args: argparse.Namespace) -> int:
             compile_mode=args.compile_mode, float8=float8,
         )  # fmt: skip
         print(bench.table(w, results[w]), end="\n\n", flush=True)
-    print("ms/step: median over interleaved rounds; vs f32: float32 ms / mode ms (higher is "
-          "faster); peak MB: tensor memory of the mode's training alone in a fresh process "
-          "(allocator peak); on CUDA float32 runs without TF32; MFU: model TFLOP/s over "
-          "the GPU's data-sheet peak for the mode's matmul dtype (bfloat16 for fp8 "
-          "modes)")  # fmt: skip
+    print("ms/step: median over interleaved rounds; vs f32: median of each round's float32 "
+          "ms / mode ms (higher is faster); peak MB: tensor memory of the mode's training "
+          "alone in a fresh process (allocator peak); on CUDA float32 runs without TF32; "
+          "MFU: model TFLOP/s over the GPU's data-sheet peak for the mode's matmul dtype "
+          "(bfloat16 for fp8 modes)")  # fmt: skip
     if any(bench.is_float8_mode(m) for m in modes):
         rule = ("the workload's rule: lm-* every Linear of the blocks, the others torchao's "
                 "H100 size thresholds" if float8 is None else _float8_rule(float8))  # fmt: skip

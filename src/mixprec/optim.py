@@ -33,8 +33,12 @@ from mixprec.scaling import (
     DynamicLossScaler,
     LossScaler,
     NoOpLossScaler,
+    StaticLossScaler,
     agree_found_inf,
     all_finite,
+    checks_on_host,
+    finite_on_cpu,
+    is_distributed,
     is_dtensor,
     unscale_grads_,
 )
@@ -458,8 +462,39 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         if self._micro < self.accumulation_steps:
             return StepResult(False, False, self._loss_scaler.get_scale(), accumulating=True)
         if self._found_inf is None:
+            result = self._host_step()
+            if result is not None:
+                return result
             self._unscale()
         return self._finish()
+
+    def _host_step(self) -> StepResult | None:
+        """The whole step with a Python bool for ``found_inf``, or None where the general path
+        is needed: float32 (O0, ``auto`` on a CPU without fast 16-bit math) and bfloat16 O1
+        on CPU, one process, nothing to unscale, copy back, clip or trace. There the check
+        reads its answer at once, and the tensor flags, collective and copies of ``_finish``
+        would be per-step work that float32 training does not do."""
+        if (
+            self._half
+            or self._checked
+            or self.max_grad_norm is not None
+            or self._tracer is not None
+            or type(self._loss_scaler) not in _HOST_SCALERS
+            or self._loss_scaler.get_scale() != 1.0
+            or is_distributed()
+        ):
+            return None
+        grads = [g._values() if g.is_sparse else g for g in self._plain_grads()]
+        if not checks_on_host(grads):
+            return None
+        overflow = bool(grads) and not finite_on_cpu(grads)
+        if not overflow:
+            for inner in self.optimizers:
+                _unfuse_sparse(inner)
+                inner.step()
+        self._loss_scaler.update(overflow)
+        self._micro = 0
+        return StepResult(applied=not overflow, found_inf=overflow, scale=1.0)
 
     def apply_gradients(
         self, grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]]
@@ -661,6 +696,10 @@ _FUSABLE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.AdamW,
     torch.optim.SGD,
 )
+
+
+# Scalers whose scale-1 unscale is the finiteness check alone (a subclass may do more).
+_HOST_SCALERS = (NoOpLossScaler, StaticLossScaler, DynamicLossScaler)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

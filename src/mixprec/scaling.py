@@ -197,9 +197,14 @@ def agree_found_inf(found_inf: torch.Tensor) -> torch.Tensor:
     Without this, a rank whose gradients overflowed would skip while the others stepped, and
     the replicas would drift apart.
     """
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if is_distributed():
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
     return found_inf
+
+
+def is_distributed() -> bool:
+    """Whether ``torch.distributed`` runs more than one process."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def checks_on_host(tensors: Sequence[torch.Tensor]) -> bool:
