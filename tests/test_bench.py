@@ -447,3 +447,14 @@ def test_rounds_alternate_direction_and_the_speedup_pairs_them(monkeypatch):
         ("float32", 1.0, 1.0),
         ("O2-bf16", 10.0, 0.5),
     ]
+
+
+def test_float32_checked_is_an_opt_in_baseline_that_trains_as_float32():
+    # Float32 skipping non-finite steps by hand: what the check costs any loop.
+    assert "float32-checked" not in bench.MODES and bench.check_mode("float32-checked+compile")
+    results = bench.run("mlp-b64", ["float32-checked", "auto"], repeats=1, steps=2, warmup=2,
+                        memory=False, small=True, min_round_ms=0)  # fmt: skip
+    losses = {r.mode: r.final_loss for r in results}
+    assert losses["float32-checked"] == losses["float32"]
+    if not mp.Policy("auto").is_mixed:  # float32 here: mixprec's step is the same SGD
+        assert losses["auto"] == losses["float32"]

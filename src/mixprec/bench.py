@@ -31,6 +31,7 @@ from mixprec.levels import applied, auto_mixed_precision
 from mixprec.models import CausalLM, cnn, lm_loss, mlp
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import Policy
+from mixprec.scaling import all_finite
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -200,8 +201,13 @@ FLOAT8_MODES: dict[str, str] = {
     "O2-fp8-rowwise_with_gw_hp": "mixed_float8_rowwise_with_gw_hp",
 }
 
+#: Opt-in baselines, not in ``MODES``. ``float32-checked``: float32 that skips a step whose
+#: gradients hold inf/NaN, checked by hand with ``all_finite``; what skipping costs in any
+#: loop, and all that ``LossScaleOptimizer`` adds to float32 training.
+BASELINE_MODES: tuple[str, ...] = ("float32-checked",)
+
 #: Every mode ``build_step`` accepts, each also with the ``+compile`` suffix.
-ALL_MODES: tuple[str, ...] = (*MODES, *FLOAT8_MODES)
+ALL_MODES: tuple[str, ...] = (*MODES, *FLOAT8_MODES, *BASELINE_MODES)
 
 
 def get_workload(spec: str, small: bool = False, batch: int | None = None) -> Workload:
@@ -311,8 +317,10 @@ def build_step(
     forward_loss: Callable[[], torch.Tensor]
     level = "-"
     float8_layers: tuple[int, int] | None = None
-    if base == "float32" or base.startswith("torch-autocast"):
+    float32 = base.startswith("float32")
+    if float32 or base.startswith("torch-autocast"):
         opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        params = list(model.parameters())
         dtype = torch.bfloat16 if base.endswith("bf16") else torch.float16
         # The loop users write by hand: autocast around the forward, float32 loss,
         # GradScaler (needed for float16; with bfloat16 users usually drop it, and with it
@@ -322,16 +330,17 @@ def build_step(
         )
 
         def forward_loss() -> torch.Tensor:
-            if base == "float32":
+            if float32:
                 return loss_fn(model(x), y)
             with torch.autocast(device.type, dtype=dtype):
                 out = model(x)
             return loss_fn(out if outputs_16bit else out.float(), y)
 
         def backward_step(loss: torch.Tensor) -> None:
-            if base == "float32":
+            if float32:
                 loss.backward()
-                opt.step()
+                if base == "float32" or bool(all_finite(p.grad for p in params)):
+                    opt.step()
                 return
             scaler.scale(loss).backward()
             scaler.step(opt)
