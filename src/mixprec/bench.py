@@ -784,16 +784,17 @@ def mode_colours(modes: Sequence[str]) -> dict[str, tuple[float, ...]]:
     """A distinct colour for each of ``modes`` (``MODE`` and ``MODE+compile`` alike).
 
     Each mode without its suffix gets a hue, in ``ALL_MODES`` order: tab20's ten, then
-    five of tab20b's. Where both ``MODE`` and ``MODE+compile`` are in ``modes``, the eager
-    one takes the hue's dark shade and the compiled one its light shade, so that the pair
-    reads as one; alone, either takes the dark shade. 15 hues x 2 shades: every mode and
-    its compiled twin at once get different colours."""
+    tab20b's five and tab20c's five. Where both ``MODE`` and ``MODE+compile`` are in
+    ``modes``, the eager one takes the hue's dark shade and the compiled one its light
+    shade, so that the pair reads as one; alone, either takes the dark shade. 20 hues x 2
+    shades: every mode and its compiled twin at once get different colours."""
     from matplotlib import colormaps
 
-    tab20, tab20b = colormaps["tab20"], colormaps["tab20b"]  # called with i: colour i
-    # (dark, light): tab20 pairs its shades; tab20b has four shades a hue, dark to light.
+    # Called with i: colour i. (dark, light): tab20 pairs its shades; tab20b and tab20c
+    # have four shades a hue, dark to light.
+    tab20, tab20b, tab20c = colormaps["tab20"], colormaps["tab20b"], colormaps["tab20c"]
     shades = [(tab20(2 * i), tab20(2 * i + 1)) for i in range(10)]
-    shades += [(tab20b(4 * i + 1), tab20b(4 * i + 3)) for i in range(5)]
+    shades += [(cmap(4 * i + 1), cmap(4 * i + 3)) for cmap in (tab20b, tab20c) for i in range(5)]
     known = list(ALL_MODES)
     bases = sorted(
         {m.removesuffix(COMPILED) for m in modes},
