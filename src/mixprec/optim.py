@@ -471,7 +471,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def _host_step(self) -> StepResult | None:
         """The whole step with a Python bool for ``found_inf``, or None where the general path
         is needed: float32 (O0, ``auto`` on a CPU without fast 16-bit math) and bfloat16 O1
-        on CPU, one process, nothing to unscale, copy back, clip or trace. There the check
+        and O3 on CPU, one process, nothing to unscale, copy back, clip or trace. The check
         reads its answer at once, and the tensor flags, collective and copies of ``_finish``
         would be per-step work that float32 training does not do."""
         if (
