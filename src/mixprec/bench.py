@@ -385,11 +385,15 @@ def build_step(
         options = {} if compile_mode is None else {"mode": compile_mode}
         forward_loss = compile_step(forward_loss, options, model)
 
+    # CUDA graphs (reduce-overhead) reuse a graph's output memory at its next replay, so a
+    # loss kept past that (the last one is read after the other modes ran) is copied out.
+    cudagraphs = mode.endswith(COMPILED) and compile_mode == "reduce-overhead"
+
     def step() -> torch.Tensor:
         zero_grad()
         loss = forward_loss()
         backward_step(loss)
-        return loss.detach()
+        return loss.detach().clone() if cudagraphs else loss.detach()
 
     step.level = level  # type: ignore[attr-defined]
     step.float8 = float8_layers  # type: ignore[attr-defined]
