@@ -435,8 +435,8 @@ def test_rounds_alternate_direction_and_the_speedup_pairs_them(monkeypatch):
                       min_round_ms=0)  # fmt: skip
     warm = ["float32"] * 2 + ["O1-bf16"] * 2 + ["O2-bf16"] * 2
     assert calls == [*warm, "float32", "O1-bf16", "O2-bf16", "O2-bf16", "O1-bf16", "float32"]
-    # A busy machine in rounds 3-5 slows float32 9x and the mode 5x: the medians of each
-    # (1 ms, 10 ms) would say 0.1x, the rounds themselves say 0.5x.
+    # Load late in the run (the mode's rounds 3-5, float32's 4-5): the medians of each
+    # (1 ms, 10 ms) would say 0.1x; the median of the rounds' own ratios says 0.5x.
     times = {"float32": [1.0, 1.0, 1.0, 9.0, 9.0], "O2-bf16": [2.0, 2.0, 10.0, 10.0, 10.0]}
     last = {m: torch.tensor(1.0) for m in times}
     monkeypatch.setattr(bench, "build_step", lambda mode, *a, **k: step_of(mode))
@@ -459,3 +459,23 @@ def test_float32_checked_is_an_opt_in_baseline_that_trains_as_float32():
     assert losses["float32-checked"] == losses["float32"]
     if not mp.Policy("auto").is_mixed:  # float32 here: mixprec's step is the same SGD
         assert losses["auto"] == losses["float32"]
+
+
+@pytest.mark.parametrize("mode", ["float32", "float32-checked"])
+def test_float32_checked_skips_a_step_whose_gradients_are_not_finite(mode):
+    made: list[torch.nn.Module] = []
+
+    def make_model() -> torch.nn.Module:
+        made.append(torch.nn.Linear(8, 3))
+        return made[-1]
+
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    nan_loss = lambda out, target: F.cross_entropy(out, target) * float("nan")  # noqa: E731
+    step = bench.build_step(mode, bench.Workload("nan", make_model, (x, y), nan_loss, 4),
+                            torch.device("cpu"))  # fmt: skip
+    before = made[0].weight.detach().clone()
+    step()
+    if mode == "float32":  # the plain loop applies the NaN update
+        assert made[0].weight.isnan().all()
+    else:
+        assert torch.equal(made[0].weight, before)

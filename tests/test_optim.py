@@ -655,7 +655,7 @@ def test_float32_step_adds_only_the_finiteness_check(level):
 
 
 @pytest.mark.parametrize("bad", ["dense-nan", "sparse-inf"])
-def test_scale_one_host_step_skips_non_finite_gradients(bad):
+def test_scale_one_host_step_skips_non_finite_gradients(bad, monkeypatch):
     # The scale-1 host path (float32, bfloat16 O1 on CPU): dense and sparse gradients are
     # checked, a skip leaves weights and state untouched and is counted.
     torch.manual_seed(0)
@@ -664,6 +664,7 @@ def test_scale_one_host_step_skips_non_finite_gradients(bad):
     opt = mp.LossScaleOptimizer(
         [torch.optim.SparseAdam(emb.parameters(), lr=0.1), torch.optim.Adam(lin.parameters())]
     )
+    monkeypatch.setattr(opt, "_finish", _not_called)
     ids = torch.tensor([[1, 2], [3, 4]])
 
     def backward() -> None:
@@ -697,3 +698,40 @@ def _same_state(a, b) -> bool:
     if torch.is_tensor(a):
         return torch.equal(a, b)
     return a == b
+
+
+def _not_called() -> None:
+    raise AssertionError("the general step path ran")
+
+
+class _Scaler(mp.NoOpLossScaler):
+    """A subclass may do more in unscale_ than the check: it gets the general path."""
+
+
+def _float16_o3():
+    return mp.auto_mixed_precision(make_mlp(), "float16", "O3")
+
+
+@pytest.mark.parametrize(
+    "case", ["scale-2", "clipping-set-later", "scaler-subclass", "float16-weights", "masters"]
+)
+def test_the_general_step_path_where_the_host_step_does_not_apply(case, monkeypatch):
+    model = _float16_o3() if case == "float16-weights" else make_mlp()
+    if case == "masters":
+        model = mp.auto_mixed_precision(model, "mixed_bfloat16", "O2")
+    scaler = {
+        "scale-2": mp.StaticLossScaler(2.0),
+        "scaler-subclass": _Scaler(),
+        "float16-weights": mp.NoOpLossScaler(),  # scale 1: only the float16 weights decide
+    }.get(case)
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler)
+    if case == "clipping-set-later":
+        opt.max_grad_norm = 1.0
+    finished = []
+    general = opt._finish
+    monkeypatch.setattr(opt, "_finish", lambda: finished.append(1) or general())
+    opt.backward(loss_of(model))
+    result = opt.step()
+    assert finished == [1] and result.applied
+    if case == "clipping-set-later":
+        assert result.grad_norm is not None

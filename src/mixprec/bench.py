@@ -385,9 +385,10 @@ def build_step(
         options = {} if compile_mode is None else {"mode": compile_mode}
         forward_loss = compile_step(forward_loss, options, model)
 
-    # CUDA graphs (reduce-overhead) reuse a graph's output memory at its next replay, so a
-    # loss kept past that (the last one is read after the other modes ran) is copied out.
-    cudagraphs = mode.endswith(COMPILED) and compile_mode == "reduce-overhead"
+    # CUDA graphs (which "reduce-overhead" and "max-autotune" switch on) reuse a graph's
+    # output memory at its next replay, so a loss kept past that (the last one is read after
+    # the other modes ran) is copied out.
+    cudagraphs = mode.endswith(COMPILED) and compile_mode in ("reduce-overhead", "max-autotune")
 
     def step() -> torch.Tensor:
         zero_grad()
