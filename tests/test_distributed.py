@@ -50,18 +50,22 @@ def test_overflow_on_one_rank_skips_on_every_rank(runs):
     assert all(torch.equal(a, b) for a, b in zip(r0["masters"], r1["masters"], strict=True))
 
 
-def single_process_ddp_reference() -> list[float]:
+def _sgd_losses(model: nn.Module, steps: int) -> list[float]:
+    """One process on the workers' global batch: the losses of ``steps`` SGD steps."""
     x, y = classification_data(n=64, seed=5)
-    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
     opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     losses = []
-    for _ in range(8):
+    for _ in range(steps):
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)
         opt.backward(loss)
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def single_process_ddp_reference() -> list[float]:
+    return _sgd_losses(mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2"), 8)
 
 
 @pytest.mark.parametrize("name", ["ddp", "ddp32"])
@@ -109,18 +113,9 @@ def test_fsdp2_matches_one_process(runs, policy):
 def single_process_float8(level: str) -> list[float]:
     from tests._dist_worker import float8_model
 
-    x, y = classification_data(n=64, seed=5)
     model = mp.auto_mixed_precision(float8_model(), "mixed_float8", level,
                                     float8=mp.Float8Options(min_features=16))  # fmt: skip
-    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    losses = []
-    for _ in range(6):
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        opt.backward(loss)
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return _sgd_losses(model, 6)
 
 
 @pytest.mark.parametrize(("kind", "level"), [("ddp", "O2"), ("fsdp", "O1")])
