@@ -735,15 +735,3 @@ def test_the_general_step_path_where_the_host_step_does_not_apply(case, monkeypa
     assert finished == [1] and result.applied
     if case == "clipping-set-later":
         assert result.grad_norm is not None
-
-
-def test_the_host_step_names_the_overflow_origin_with_trace_overflow(monkeypatch):
-    model = mp.auto_mixed_precision(make_mlp(), "float32", "O0")
-    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), trace_overflow=True)
-    monkeypatch.setattr(opt, "_finish", _not_called)
-    x, y = classification_data(n=8)
-    x[0, 0] = float("inf")
-    opt.backward(nn.functional.cross_entropy(model(x), y))
-    result = opt.step()
-    assert result.skipped and result.overflow is not None
-    assert result.overflow.module == "0" and result.overflow.phase == "forward"

@@ -469,15 +469,16 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         return self._finish()
 
     def _host_step(self) -> StepResult | None:
-        """The step with a Python bool for ``found_inf``, or None where ``_finish`` is needed:
-        float32 (O0, ``auto`` on a CPU without fast 16-bit math) and bfloat16 O1 and O3 on
-        CPU, one process, nothing to unscale, copy back or clip. The check reads its answer
-        at once, and ``_finish``'s tensor flags and collective would be per-step work that
-        float32 training does not do."""
+        """The whole step with a Python bool for ``found_inf``, or None where the general path
+        is needed: float32 (O0, ``auto`` on a CPU without fast 16-bit math) and bfloat16 O1
+        and O3 on CPU, one process, nothing to unscale, copy back, clip or trace. The check
+        reads its answer at once, and the tensor flags, collective and copies of ``_finish``
+        would be per-step work that float32 training does not do."""
         if (
             self._half
             or self._checked
             or self.max_grad_norm is not None
+            or self._tracer is not None
             or type(self._loss_scaler) not in _HOST_SCALERS
             or self._loss_scaler.get_scale() != 1.0
             or is_distributed()
@@ -486,7 +487,17 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         grads = [g._values() if g.is_sparse else g for g in self._plain_grads()]
         if not checks_on_host(grads):
             return None
-        return self._conclude(bool(grads) and not finite_on_cpu(grads), 1.0, None)
+        overflow = bool(grads) and not finite_on_cpu(grads)
+        # The tail of _finish, restated: as a function of its own shared by both, it cost
+        # torch.compile(opt.step) two more graphs, and dynamo then traced the scaler's
+        # float32 rounding into a recursion in its struct polyfill (torch 2.13).
+        if not overflow:
+            for inner in self.optimizers:
+                _unfuse_sparse(inner)
+                inner.step()
+        self._loss_scaler.update(overflow)
+        self._micro = 0
+        return StepResult(applied=not overflow, found_inf=overflow, scale=1.0)
 
     def apply_gradients(
         self, grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]]
@@ -544,11 +555,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             found_flags, norm_value = agreed.tolist(), None
         if len(found_flags) > 1 and found_flags[1]:
             self._raise_nonfinite_weights()
-        return self._conclude(bool(found_flags[0]), scale, norm_value)
-
-    def _conclude(self, overflow: bool, scale: float, norm_value: float | None) -> StepResult:
-        """After the step's one synchronisation: name the overflow's origin, apply or skip,
-        copy the masters back, update the scaler."""
+        overflow = bool(found_flags[0])
         origin = None
         if self._tracer is not None:
             origin = self._tracer.first_overflow() if overflow else None
