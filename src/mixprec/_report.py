@@ -1,5 +1,5 @@
 """What the two doctors (``doctor``, ``float8_doctor``) share: taking the float32 model
-they diagnose, and writing reports as JSON."""
+they diagnose, calling it on a batch (as the Trainer does), and writing reports as JSON."""
 
 from __future__ import annotations
 
@@ -8,9 +8,15 @@ import math
 import warnings
 from typing import Any
 
+import torch
 from torch import nn
 
 from mixprec.levels import applied
+
+
+def call(model: nn.Module, inputs: Any) -> torch.Tensor:
+    """``model(*inputs)`` for a tuple or list of inputs, else ``model(inputs)``."""
+    return model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)  # type: ignore[no-any-return]
 
 
 def float32_model(model: Any, who: str) -> nn.Module:

@@ -339,16 +339,17 @@ def save_checkpoint(
         "trainer_state": _flatten(trainer_state or {}, "trainer", tensors),
         "rng": _flatten(_rng_state(), "rng", tensors),
     }
+    # The header as a reader parses it back: what load_checkpoint checks and the checksum
+    # covers.
+    parsed = json.loads(json.dumps(header))
     # What load_checkpoint will refuse is refused here, before anything is written.
     entries = {n: (t.dtype, tuple(t.shape), 0, 0) for n, t in tensors.items()}
     try:
-        _check_trainer_state(json.loads(json.dumps(header["trainer_state"])), "trainer_state",
-                             entries)  # fmt: skip
+        _check_trainer_state(parsed["trainer_state"], "trainer_state", entries)
     except _BadValueError as err:
         raise ValueError(f"save_checkpoint: {err}") from None
-    # The checksum covers the header as a reader parses it back.
-    header["checksum"] = _checksum(tensors, json.loads(json.dumps(header)))
-    _atomic_write(tensors, {"mixprec": json.dumps(header)}, target)
+    parsed["checksum"] = _checksum(tensors, parsed)
+    _atomic_write(tensors, {"mixprec": json.dumps(parsed)}, target)
     return target
 
 

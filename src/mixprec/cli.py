@@ -362,24 +362,17 @@ def _doctor(args: argparse.Namespace) -> int:
     model = _build(args.model, x_train, classes)
     x, y = x_train[: args.batch_size], y_train[: args.batch_size]
     loss_fn = torch.nn.functional.cross_entropy
+    float8 = None
     if Policy(args.policy).float8_recipe is not None:
         if plot_path:
             raise UsageError("--plot: the float8 doctor's report is a table; use --json")
-        # As `mixprec train` converts them: every Linear float8 takes, the head kept.
-        report8 = mixprec.diagnose_float8(model, x, y, loss_fn, args.policy, args.level,
-                                          float8=_train_float8(None))  # fmt: skip
-        print(report8)
-        if json_path:
-            Path(json_path).write_text(report8.to_json(indent=2))
-            print(f"report written to {json_path}")
-        return 0
-    report = mixprec.diagnose(model, x, y, loss_fn, args.policy, args.level)
-    assert isinstance(report, mixprec.Report)  # not a float8 policy
+        float8 = _train_float8(None)  # as `mixprec train` converts: the head kept
+    report = mixprec.diagnose(model, x, y, loss_fn, args.policy, args.level, float8=float8)
     print(report)
     if json_path:
         Path(json_path).write_text(report.to_json(indent=2))
         print(f"report written to {json_path}")
-    if plot_path:
+    if plot_path and isinstance(report, mixprec.Report):
         report.plot(plot_path)
         print(f"ranges plotted to {plot_path}")
     return 0

@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 from mixprec._dtypes import dtype_name
-from mixprec._report import float32_model, to_json
+from mixprec._report import call, float32_model, to_json
 from mixprec.casting import first_floating
 from mixprec.float8 import Float8Options
 from mixprec.levels import KeepEntry, applied, auto_mixed_precision, module_dtypes
 from mixprec.policy import Policy, PolicyLike, get_policy
-from mixprec.scaling import SMALLEST_NORMAL_F32, DynamicLossScaler, LossScaler, ScalerState
+from mixprec.scaling import DynamicConfig, DynamicLossScaler, LossScaler, ScalerState
 from mixprec.trace import Overflow
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ UNDERFLOW_LIMIT = 0.05
 # The lowest loss scale a float16 run reaches: DynamicLossScaler's default min_scale. Backing
 # off below it is not possible, so a backward that overflows float16 there overflows at every
 # step: such modules must compute in float32 (or the run needs bfloat16).
-SCALE_FLOOR = 1.0
+SCALE_FLOOR = DynamicConfig().floor
 
 
 @dataclass
@@ -137,6 +137,13 @@ def _nonfinite(t: torch.Tensor | None) -> int:
     return 0 if t is None else int((~torch.isfinite(t.detach().float())).sum())
 
 
+def _finite_run(calls: dict[str, dict[str, Any]], loss: float) -> bool:
+    """A recorded run had a finite loss and no inf/NaN in any output or backward."""
+    return math.isfinite(loss) and not any(
+        c["nonfinite_backward"] or _nonfinite(c["output"]) for c in calls.values()
+    )
+
+
 def _lost(t: torch.Tensor | None, dtype: torch.dtype) -> tuple[float, float]:
     """Fractions of non-zero float32 values that flush to zero / are subnormal in ``dtype``."""
     if t is None or dtype == torch.float32:
@@ -189,8 +196,7 @@ def _run(
     recorder = _Recorder(model)
     try:
         model.zero_grad(set_to_none=True)
-        out = model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
-        loss = loss_fn(out, targets)
+        loss = loss_fn(call(model, inputs), targets)
         if loss.requires_grad:
             (loss * scale).backward()
     finally:
@@ -521,15 +527,13 @@ def diagnose(
                 recommended.append(r.name)
     reached, backoff, half = None, 0, {r.name for r in reports if not r.float32}
     # The mixed run at this scale with nothing kept had nothing non-finite: nothing to back off.
-    healthy = math.isfinite(mixed_loss) and not any(
-        c["nonfinite_backward"] or _nonfinite(c["output"]) for c in mixed_calls.values()
-    )
+    healthy = _finite_run(mixed_calls, mixed_loss)
     if compute == torch.float16 and healthy and not recommended:
         reached = float(loss_scale)  # the mixed run at this scale had nothing non-finite
     elif compute == torch.float16:
         recommended, reached, backoff, half = _back_off(
             model, inputs, targets, loss_fn, resolved, level, recommended,
-            reports, float(loss_scale), floor, limit,
+            reports, float(loss_scale), floor, limit, leaves,
         )  # fmt: skip
     order = {r.name: r.order for r in reports}
     recommended.sort(key=lambda n: order.get(n, len(order)))
@@ -579,6 +583,7 @@ def _back_off(
     start: float,
     floor: float,
     limit: float,
+    leaves: set[str],
 ) -> tuple[list[str], float, int, set[str]]:
     """Check the recommendation the way training would meet it: on a copy prepared with
     ``keep`` in float32, do what ``DynamicLossScaler`` does on this batch (a skipped step
@@ -593,13 +598,6 @@ def _back_off(
     reaching it, and the modules left in 16 bits."""
     keep = list(keep)
     peaks = {r.name: r.max_backward for r in reports}
-    leaves = {n or "(model)" for n, m in model.named_modules() if not list(m.children())}
-
-    def finite(calls: dict[str, dict[str, Any]], loss: float) -> bool:
-        return math.isfinite(loss) and not any(
-            c["nonfinite_backward"] or _nonfinite(c["output"]) for c in calls.values()
-        )
-
     steps_to_floor = math.ceil(math.log2(start / floor)) if start > floor else 0
     half: set[str] = set()
     for _ in range(len(leaves) + 1):
@@ -608,7 +606,7 @@ def _back_off(
         auto_mixed_precision(prepared, policy, level, keep_float32=[named[n] for n in keep])
         half = {r.name for r in module_dtypes(prepared) if r.compute != "float32"}
         calls, loss = _run(prepared, inputs, targets, loss_fn, floor)
-        if not finite(calls, loss):
+        if not _finite_run(calls, loss):
             culprit = _first_nonfinite_leaf(calls, half & leaves)
             if culprit is None:  # nothing left in 16 bits to keep: float32 itself overflows
                 return keep, floor, steps_to_floor, half
@@ -620,7 +618,7 @@ def _back_off(
             scale, steps = max(scale / 2, floor), steps + 1
         while scale > floor:
             calls, loss = _run(prepared, inputs, targets, loss_fn, scale)
-            if finite(calls, loss):
+            if _finite_run(calls, loss):
                 break
             scale, steps = max(scale / 2, floor), steps + 1
         return keep, scale, steps, half
@@ -763,10 +761,7 @@ def _advice(report: Report, compute: torch.dtype, left: set[str]) -> list[str]:
 def scale_floor(scaler: LossScaler) -> float | None:
     """The lowest scale ``scaler`` backs off to: a ``DynamicLossScaler``'s ``min_scale``
     (float32's smallest normal number without one); ``None`` for scalers that never move."""
-    if isinstance(scaler, DynamicLossScaler):
-        low = scaler.config.min_scale
-        return SMALLEST_NORMAL_F32 if low is None else low
-    return None
+    return scaler.config.floor if isinstance(scaler, DynamicLossScaler) else None
 
 
 class ScalerHealth:

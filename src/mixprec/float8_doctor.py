@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec._dtypes import dtype_name
-from mixprec._report import float32_model, to_json
+from mixprec._report import call, float32_model, to_json
 from mixprec.casting import first_floating, get_region
 from mixprec.float8 import Float8Options, float8_choice, is_float8, torchao_float8
 from mixprec.levels import KeepEntry, auto_mixed_precision, keep_list, resolve_level
@@ -429,13 +429,6 @@ def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> Non
         torch.cuda.set_rng_state_all(state[1])
 
 
-def _forward_loss(
-    model: nn.Module, inputs: Any, targets: Any, loss_fn: Callable[..., torch.Tensor]
-) -> torch.Tensor:
-    out = model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
-    return loss_fn(out, targets)
-
-
 def _rel_error(mixed: torch.Tensor, ref: torch.Tensor) -> float:
     diff = mixed.detach().float() - ref.detach().float()
     if not torch.isfinite(diff).all():
@@ -691,7 +684,7 @@ def diagnose_float8(
     recorder = _Recorder(layers)
     try:
         _set_rng_state(rng)
-        loss8 = _forward_loss(mixed, inputs, targets, loss_fn)
+        loss8 = loss_fn(call(mixed, inputs), targets)
         if loss8.requires_grad:
             loss8.backward()
     finally:
@@ -700,7 +693,7 @@ def diagnose_float8(
     reference = auto_mixed_precision(copy.deepcopy(model), "mixed_bfloat16", lvl, keep_float32)
     _set_rng_state(rng)
     with torch.no_grad():
-        loss16 = _forward_loss(reference, inputs, targets, loss_fn)
+        loss16 = loss_fn(call(reference, inputs), targets)
 
     reports = [
         _layer_report(name, layers[name], call)

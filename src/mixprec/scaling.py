@@ -82,6 +82,12 @@ class DynamicConfig:
     arithmetic: Arithmetic = "torch"
     max_consecutive_skips: int | None = None
 
+    @property
+    def floor(self) -> float:
+        """The lowest scale backing off reaches: ``min_scale``, else float32's smallest
+        normal number."""
+        return self.min_scale if self.min_scale is not None else SMALLEST_NORMAL_F32
+
 
 def _grown(scale: float, config: DynamicConfig) -> float:
     if config.arithmetic == "torch":
@@ -129,8 +135,7 @@ def next_state(state: ScalerState, found_inf: bool, config: DynamicConfig) -> Sc
         left = state.hysteresis_left - 1
         if left > 0:
             return replace(counted, growth_tracker=0, hysteresis_left=left)
-        floor = config.min_scale if config.min_scale is not None else SMALLEST_NORMAL_F32
-        scale = max(_backed_off(scale, config), floor)
+        scale = max(_backed_off(scale, config), config.floor)
         return replace(counted, scale=scale, growth_tracker=0, hysteresis_left=config.hysteresis)
     tracker = state.growth_tracker + 1
     if tracker < config.growth_interval:
@@ -500,7 +505,7 @@ class DynamicLossScaler(LossScaler):
             max_consecutive_skips,
         )
         init = _scale_value("init_scale", init_scale)
-        low = config.min_scale if config.min_scale is not None else SMALLEST_NORMAL_F32
+        low = config.floor
         high = config.max_scale if config.max_scale is not None else float(torch.finfo().max)
         if not low <= init <= high:
             raise ArgumentError(

@@ -21,6 +21,7 @@ from torch import nn
 
 from mixprec import distributed
 from mixprec._compile import CompileOption, compile_options, compile_step
+from mixprec._report import call
 from mixprec.checkpoint import load_checkpoint
 from mixprec.data import validate_classification
 from mixprec.doctor import ScalerHealth, scale_floor
@@ -41,10 +42,6 @@ def _to(value: Any, device: torch.device) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_to(v, device) for v in value)
     return value
-
-
-def _call(model: nn.Module, inputs: Any) -> torch.Tensor:
-    return model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)  # type: ignore[no-any-return]
 
 
 class TrainStep:
@@ -75,7 +72,7 @@ class TrainStep:
         )
 
     def _forward_and_loss(self, x: Any, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        output = _call(self.model, x)
+        output = call(self.model, x)
         return self.loss_fn(output, y), output
 
     def __call__(self, x: Any, y: torch.Tensor) -> tuple[torch.Tensor, StepResult]:
@@ -282,7 +279,7 @@ class Trainer:
             # One sample in eval mode tells the number of classes (train mode would update
             # BatchNorm statistics and reject a batch of one).
             with torch.no_grad(), self._eval_mode():
-                classes = int(_call(self.model, _to(xt[:2], self.device)).shape[-1])
+                classes = int(call(self.model, _to(xt[:2], self.device)).shape[-1])
         if self.loss_fn is get_loss("cross_entropy") or not yt.is_floating_point():
             validate_classification(xt, yt, classes)
         elif len(xt) == 0:
@@ -509,7 +506,7 @@ class Trainer:
         with torch.no_grad(), self._eval_mode():
             for batch in epoch_batches():
                 xb, yb = _to(batch[0], self.device), _to(batch[1], self.device)
-                output = _call(self.model, xb).float()
+                output = call(self.model, xb).float()
                 size = len(yb)
                 sums["loss"] += float(self.loss_fn(output, yb)) * size
                 for name, fn in self.metrics.items():
@@ -530,7 +527,7 @@ class Trainer:
             chunks = (b[0] if isinstance(b, (tuple, list)) else b for b in x)
         with torch.no_grad(), self._eval_mode():
             for chunk in chunks:
-                outputs.append(_call(self.model, _to(chunk, self.device)).float().cpu())
+                outputs.append(call(self.model, _to(chunk, self.device)).float().cpu())
         return torch.cat(outputs) if outputs else torch.empty(0)
 
     # -- MindSpore style --------------------------------------------------------------------
