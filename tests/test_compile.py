@@ -313,6 +313,35 @@ def test_compiled_optimizer_step_matches_eager_bit_for_bit():
     assert all(torch.equal(a, b) for a, b in zip(eager_weights, compiled_weights, strict=True))
 
 
+@needs_inductor
+def test_compiled_optimizer_step_does_not_recompile_per_loss_scale():
+    """The loss scale is a graph input of the compiled step's unscale, not a constant: the
+    first scale change compiles once more (dynamo makes the scale dynamic), later back-offs
+    and growths compile nothing. A constant would recompile on every new scale and fall back
+    to eager after ``recompile_limit`` of them. Inductor, not the ``eager`` backend: the
+    specialisation came from inductor's pass that turns float inputs into tensors."""
+    x, y = classification_data(n=16)
+    bad = x.clone()
+    bad[0, 0] = float("inf")
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
+    scaler = mp.DynamicLossScaler(init_scale=2.0**10, growth_interval=2)
+    lso = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler)
+    step = torch.compile(lso.step)
+
+    def train(batch: torch.Tensor) -> mp.StepResult:
+        lso.zero_grad()
+        lso.backward(nn.functional.cross_entropy(model(batch), y))
+        return step()
+
+    # Warm-up: an applied step, an overflow (the first new scale) and an applied step.
+    assert [train(b).applied for b in (x, bad, x)] == [True, False, True]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        results = [train(b) for b in (bad, x, x, x, bad, x)]
+    assert [r.applied for r in results] == [False, True, True, True, False, True]
+    # 512 backs off to 256; two clean steps grow it to 512; an overflow, 256 again.
+    assert [r.scale for r in results] == [512.0, 256.0, 256.0, 512.0, 512.0, 256.0]
+
+
 class _Chatty(nn.Module):
     """A model with a graph break of its own: it logs in its forward (as transformers does
     for an unset ``loss_type``)."""

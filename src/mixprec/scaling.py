@@ -181,7 +181,12 @@ def unscale_grads_(
         for (device, _), tensors in groups.items():
             if device not in found:
                 found[device] = torch.zeros((), dtype=torch.float32, device=device)
-                inv[device] = torch.full((), inv_scale, dtype=torch.float32, device=device)
+                if torch.compiler.is_compiling():
+                    # Inductor bakes a fill value into the graph (a recompile per loss
+                    # scale); a product keeps the scale a graph input.
+                    inv[device] = torch.ones((), dtype=torch.float32, device=device) * inv_scale
+                else:
+                    inv[device] = torch.full((), inv_scale, dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(tensors, found[device], inv[device])
     if not found:
         return torch.zeros((), dtype=torch.float32, device=device)
