@@ -233,6 +233,32 @@ def test_healthy_model_gets_a_clean_report(policy, seed):
     assert abs(report.loss_mixed - report.loss_float32) < 0.02
 
 
+def dropped(model: nn.Module) -> nn.Module:
+    """``model`` behind a Dropout(0.5): every pass over the batch draws a mask."""
+    return nn.Sequential(nn.Dropout(0.5), *model)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_every_pass_draws_the_same_dropout_masks_and_the_rng_is_left_as_it_was(policy):
+    """The float32, 16-bit and back-off passes compare like for like (with masks of their
+    own, every module after the dropout differed by ~100%), and the diagnosis does not
+    change the random numbers the training after it draws."""
+    x, y = batch()
+    model = dropped(healthy() if policy == "mixed_bfloat16" else overflowing())
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    report = mp.diagnose(model, x, y, CE, policy=policy)
+    assert torch.equal(torch.get_rng_state(), before)
+    if policy == "mixed_bfloat16":
+        assert report.healthy, str(report)
+        # bfloat16 rounding (8 bits of mantissa) bounds every error well below 5%.
+        assert max(r.output_rel_error for r in report.modules) < 0.05
+        assert abs(report.loss_mixed - report.loss_float32) < 0.02
+    else:  # the back-off passes ran too; the overflow found is the one without dropout
+        assert report.recommended_keep_float32 == ["3", "4", "5"]
+        assert report.loss_scale_reached == 65536.0
+
+
 def test_report_json_and_plot(tmp_path):
     x, y = batch()
     report = mp.diagnose(overflowing(), x, y, CE)

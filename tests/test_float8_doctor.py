@@ -353,6 +353,17 @@ def test_a_healthy_model_at_o1_and_a_layer_the_batch_never_calls():
     assert report.not_run == [] and [r.name for r in report.layers] == ["a"]
 
 
+def test_both_passes_draw_the_same_dropout_mask_and_the_rng_is_left_as_it_was():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.5), nn.Linear(32, 16))
+    x, y = torch.randn(32, 32), torch.randn(32, 16)
+    before = torch.get_rng_state()
+    report = diagnose_float8(model, x, y, F.mse_loss, float8=SMALL)
+    assert torch.equal(torch.get_rng_state(), before)
+    # The same mask in both passes: the float8 loss is within float8's error of bfloat16's.
+    assert report.loss_gap < 0.05, str(report)
+
+
 def test_bad_arguments_say_what_is_valid():
     x, y = readings(BATCH, seed=0)
     with pytest.raises(ValueError, match=r"diagnose_float8\(policy='mixed_bfloat16'\) needs a "

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from mixprec._dtypes import dtype_name
-from mixprec._report import call, float32_model, to_json
+from mixprec._report import call, float32_model, same_draws, to_json
 from mixprec.casting import first_floating
 from mixprec.float8 import Float8Options
 from mixprec.levels import KeepEntry, applied, auto_mixed_precision, module_dtypes
@@ -185,16 +185,19 @@ def _run(
     inputs: Any,
     targets: Any,
     loss_fn: Callable[..., torch.Tensor],
-    scale: float = 1.0,
+    scale: float,
+    rewind: Callable[[], None],
 ) -> tuple[dict[str, dict[str, Any]], float]:
-    """One forward and backward, the loss multiplied by ``scale``; the recorded gradients
-    are divided by it again (in float32) so they compare with the float32 run.
+    """One forward and backward, the loss multiplied by ``scale``, after ``rewind()`` (every
+    pass draws the same random numbers); the recorded gradients are divided by the scale
+    again (in float32) so they compare with the float32 run.
 
     Per module besides the recorder's entries: ``param_grad_max`` (unscaled, finite values)
     and ``nonfinite_backward``, the inf/NaN count of its output, input and parameter
     gradients as computed (scaled), which is what the scaler's check sees."""
     recorder = _Recorder(model)
     try:
+        rewind()
         model.zero_grad(set_to_none=True)
         loss = loss_fn(call(model, inputs), targets)
         if loss.requires_grad:
@@ -452,9 +455,11 @@ def diagnose(
     if not (isinstance(loss_scale, (int, float)) and 0 < loss_scale < math.inf):
         raise ValueError(f"loss_scale={loss_scale!r} is invalid; it must be finite and > 0")
     reference = copy.deepcopy(model).float()
-    ref_calls, ref_loss = _run(reference, inputs, targets, loss_fn)
     mixed = auto_mixed_precision(copy.deepcopy(model), resolved, level)
-    mixed_calls, mixed_loss = _run(mixed, inputs, targets, loss_fn, float(loss_scale))
+    # Each `same_draws` block starts from the caller's RNG state and restores it.
+    with same_draws() as rewind:
+        ref_calls, ref_loss = _run(reference, inputs, targets, loss_fn, 1.0, rewind)
+        mixed_calls, mixed_loss = _run(mixed, inputs, targets, loss_fn, float(loss_scale), rewind)
     compute = resolved.compute_dtype
     limit = float(torch.finfo(compute).max)
     # Modules that compute in float32 under the policy (islands, kept modules, inside them).
@@ -531,10 +536,11 @@ def diagnose(
     if compute == torch.float16 and healthy and not recommended:
         reached = float(loss_scale)  # the mixed run at this scale had nothing non-finite
     elif compute == torch.float16:
-        recommended, reached, backoff, half = _back_off(
-            model, inputs, targets, loss_fn, resolved, level, recommended,
-            reports, float(loss_scale), floor, limit, leaves,
-        )  # fmt: skip
+        with same_draws() as rewind:
+            recommended, reached, backoff, half = _back_off(
+                model, inputs, targets, loss_fn, resolved, level, recommended,
+                reports, float(loss_scale), floor, limit, leaves, rewind,
+            )  # fmt: skip
     order = {r.name: r.order for r in reports}
     recommended.sort(key=lambda n: order.get(n, len(order)))
     # The loss scale range for what stays in 16 bits once the recommendation is applied.
@@ -584,6 +590,7 @@ def _back_off(
     floor: float,
     limit: float,
     leaves: set[str],
+    rewind: Callable[[], None],
 ) -> tuple[list[str], float, int, set[str]]:
     """Check the recommendation the way training would meet it: on a copy prepared with
     ``keep`` in float32, do what ``DynamicLossScaler`` does on this batch (a skipped step
@@ -605,7 +612,7 @@ def _back_off(
         named = {n or "(model)": m for n, m in prepared.named_modules()}
         auto_mixed_precision(prepared, policy, level, keep_float32=[named[n] for n in keep])
         half = {r.name for r in module_dtypes(prepared) if r.compute != "float32"}
-        calls, loss = _run(prepared, inputs, targets, loss_fn, floor)
+        calls, loss = _run(prepared, inputs, targets, loss_fn, floor, rewind)
         if not _finite_run(calls, loss):
             culprit = _first_nonfinite_leaf(calls, half & leaves)
             if culprit is None:  # nothing left in 16 bits to keep: float32 itself overflows
@@ -617,7 +624,7 @@ def _back_off(
         while scale > floor and scale * peak > limit:
             scale, steps = max(scale / 2, floor), steps + 1
         while scale > floor:
-            calls, loss = _run(prepared, inputs, targets, loss_fn, scale)
+            calls, loss = _run(prepared, inputs, targets, loss_fn, scale, rewind)
             if _finite_run(calls, loss):
                 break
             scale, steps = max(scale / 2, floor), steps + 1

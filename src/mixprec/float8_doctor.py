@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec._dtypes import dtype_name
-from mixprec._report import call, float32_model, to_json
+from mixprec._report import call, float32_model, same_draws, to_json
 from mixprec.casting import first_floating, get_region
 from mixprec.float8 import Float8Options, float8_choice, is_float8, torchao_float8
 from mixprec.levels import KeepEntry, auto_mixed_precision, keep_list, resolve_level
@@ -418,17 +418,6 @@ class _Recorder:
             h.remove()
 
 
-def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])
-
-
 def _rel_error(mixed: torch.Tensor, ref: torch.Tensor) -> float:
     diff = mixed.detach().float() - ref.detach().float()
     if not torch.isfinite(diff).all():
@@ -656,7 +645,6 @@ def diagnose_float8(
             "layer to float8; valid: O1, O2, O3, auto (O2)"
         )
     keep_float32 = keep_list(keep_float32)
-    rng = _rng_state()
 
     mixed = auto_mixed_precision(
         copy.deepcopy(model),
@@ -682,18 +670,17 @@ def diagnose_float8(
             f"({len(considered)} considered{': ' + why + more if considered else ''}).{hint}"
         )
     recorder = _Recorder(layers)
-    try:
-        _set_rng_state(rng)
-        loss8 = loss_fn(call(mixed, inputs), targets)
-        if loss8.requires_grad:
-            loss8.backward()
-    finally:
-        recorder.remove()
-
-    reference = auto_mixed_precision(copy.deepcopy(model), "mixed_bfloat16", lvl, keep_float32)
-    _set_rng_state(rng)
-    with torch.no_grad():
-        loss16 = loss_fn(call(reference, inputs), targets)
+    with same_draws() as rewind:
+        try:
+            loss8 = loss_fn(call(mixed, inputs), targets)
+            if loss8.requires_grad:
+                loss8.backward()
+        finally:
+            recorder.remove()
+        reference = auto_mixed_precision(copy.deepcopy(model), "mixed_bfloat16", lvl, keep_float32)
+        rewind()
+        with torch.no_grad():
+            loss16 = loss_fn(call(reference, inputs), targets)
 
     reports = [
         _layer_report(name, layers[name], call)
