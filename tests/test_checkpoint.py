@@ -72,10 +72,11 @@ def test_float32_checkpoint_into_16_bit_model_and_back(tmp_path):
     assert torch.equal(back[0].weight, reference[0].weight)
 
 
-def test_out_of_range_values_error_clamp_ignore(tmp_path):
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_out_of_range_values_error_clamp_ignore(tmp_path, sign):
     big = make_mlp()
     with torch.no_grad():
-        big[0].weight[0, 0] = 1e6  # beyond float16's 65504
+        big[0].weight[0, 0] = sign * 1e6  # beyond float16's 65504
     path = mp.save_checkpoint(tmp_path / "big.safetensors", big)
     target = lambda: mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")  # noqa: E731
     with pytest.raises(mp.CheckpointError, match=r"tensor '0.weight' has max \|value\| 1e\+06"):
@@ -83,10 +84,10 @@ def test_out_of_range_values_error_clamp_ignore(tmp_path):
     clamped = target()
     report = mp.load_checkpoint(path, clamped, on_range="clamp")
     assert report.out_of_range == [("0.weight", 1e6, "float16", "clamp")]
-    assert clamped[0].weight[0, 0].item() == 65504.0
+    assert clamped[0].weight[0, 0].item() == sign * 65504.0
     ignored = target()
     mp.load_checkpoint(path, ignored, on_range="ignore")
-    assert ignored[0].weight[0, 0].item() == float("inf")
+    assert ignored[0].weight[0, 0].item() == sign * float("inf")
     with pytest.raises(ValueError, match="on_range='wrap' is invalid"):
         mp.load_checkpoint(path, target(), on_range="wrap")  # type: ignore[arg-type]
 

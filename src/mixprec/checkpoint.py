@@ -860,14 +860,17 @@ def _refusal(saved: torch.dtype, target: torch.dtype) -> str | None:
     return "the values would be reinterpreted"
 
 
-def _count_non_finite(name: str, value: torch.Tensor, report: LoadReport) -> None:
+def _count_non_finite(name: str, value: torch.Tensor, report: LoadReport) -> bool:
+    """Whether every value is finite; if not, the counts go into ``report.non_finite``."""
     if not (value.is_floating_point() or value.is_complex()) or not value.numel():
-        return
+        return True
     wide = value.float() if value.dtype in _FLOAT8 else value  # no isfinite for float8
     finite = torch.isfinite(wide)
-    if not bool(finite.all()):
-        bad, nan = int((~finite).sum()), int(torch.isnan(wide).sum())
-        report.non_finite.append((name, nan, bad - nan))
+    if bool(finite.all()):
+        return True
+    bad, nan = int((~finite).sum()), int(torch.isnan(wide).sum())
+    report.non_finite.append((name, nan, bad - nan))
+    return False
 
 
 def _raise_non_finite(report: LoadReport, on_range: OnRange) -> None:
@@ -902,8 +905,7 @@ def _convert(
             f"{report.path}: tensor {name!r} is {dtype_name(value.dtype)} in the checkpoint; it "
             f"does not convert to {dtype_name(target)} ({reason})"
         )
-    if check_finite:
-        _count_non_finite(name, value, report)
+    finite = _count_non_finite(name, value, report) if check_finite else None
     if value.dtype == target:
         return value
     report.converted.append((name, dtype_name(value.dtype), dtype_name(target)))
@@ -916,8 +918,12 @@ def _convert(
             )
     if target in HALF_DTYPES and value.numel():
         limit = float(torch.finfo(target).max)
-        finite = value[torch.isfinite(value)]
-        peak = float(finite.abs().max()) if finite.numel() else 0.0
+        if finite:  # known finite: one read, no copy of the finite values
+            least, most = torch.aminmax(value)
+            peak = max(-float(least), float(most))
+        else:
+            kept = value[torch.isfinite(value)]
+            peak = float(kept.abs().max()) if kept.numel() else 0.0
         if peak > limit:
             report.out_of_range.append((name, peak, dtype_name(target), on_range))
             if on_range == "error":
