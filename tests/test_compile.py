@@ -326,7 +326,7 @@ def test_compiled_optimizer_step_does_not_recompile_per_loss_scale():
     bad = x.clone()
     bad[0, 0] = float("inf")
     model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
-    scaler = mp.DynamicLossScaler(init_scale=2.0**10, growth_interval=2)
+    scaler = mp.DynamicLossScaler(init_scale=4.0, growth_interval=2)
     lso = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler)
     step = torch.compile(lso.step)
 
@@ -340,8 +340,48 @@ def test_compiled_optimizer_step_does_not_recompile_per_loss_scale():
     with torch._dynamo.config.patch(error_on_recompile=True):
         results = [train(b) for b in (bad, x, x, x, bad, x)]
     assert [r.applied for r in results] == [False, True, True, True, False, True]
-    # 512 backs off to 256; two clean steps grow it to 512; an overflow, 256 again.
-    assert [r.scale for r in results] == [512.0, 256.0, 256.0, 512.0, 512.0, 256.0]
+    # 2 backs off to the floor, 1; two clean steps grow it to 2; an overflow, 1 again.
+    assert [r.scale for r in results] == [2.0, 1.0, 1.0, 2.0, 2.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("level", "accumulation"), [("O1", 1), ("O2", 1), ("O3", 1), ("O1", 2), ("O2", 2)]
+)
+def test_compiled_optimizer_step_keeps_its_bookkeeping(level, accumulation):
+    """What a step leaves for the next (a backward seen, micro-steps, the found_inf flag)
+    survives ``torch.compile(opt.step)``. Dynamo dropped some attribute writes on the
+    optimizer itself: without accumulation, the O1 and O3 steps read a found_inf they had
+    just set as None and raised, and at every level a second step without a backward ran
+    (unscaling the same gradients twice) instead of being refused."""
+    x, y = classification_data(n=32)
+    bad = x.clone()
+    bad[0, 0] = float("inf")
+    batches = {1: (x, bad, x, x), 2: (x, x, bad, x, x, x)}[accumulation]
+
+    def run(compiled: bool) -> tuple[list[tuple[bool, bool, float]], list[torch.Tensor]]:
+        torch._dynamo.reset()
+        model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", level)
+        lso = mp.LossScaleOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=accumulation
+        )
+        step = torch.compile(lso.step, backend="eager") if compiled else lso.step
+        seen = []
+        for batch in batches:
+            lso.backward(nn.functional.cross_entropy(model(batch), y))
+            result = step()
+            seen.append((result.accumulating, result.applied, result.scale))
+            if not result.accumulating:
+                lso.zero_grad()
+        with pytest.raises(mp.MisuseError, match="without a new backward"):
+            step()
+        return seen, [p.detach().clone() for p in model.parameters()]
+
+    eager, eager_weights = run(False)
+    compiled, compiled_weights = run(True)
+    assert compiled == eager
+    applied = {1: [True, False, True, True], 2: [False, True, False, False, False, True]}
+    assert [a for _, a, _ in eager] == applied[accumulation]
+    assert all(torch.equal(a, b) for a, b in zip(eager_weights, compiled_weights, strict=True))
 
 
 class _Chatty(nn.Module):

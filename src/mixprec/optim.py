@@ -13,7 +13,7 @@ import copy
 import logging
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -113,6 +113,20 @@ def _check_param(p: Any, where: str) -> None:
         )
 
 
+@dataclass
+class _Bookkeeping:
+    """What one step leaves for the next. On an object of its own: inside
+    ``torch.compile(opt.step)`` dynamo drops attribute writes on the ``Optimizer`` itself
+    (torch 2.13; a write before the first graph break is lost), not on other objects."""
+
+    versions: list[int]  # the 16-bit weights' version counters; see _follow_external_writes
+    micro: int = 0  # backward passes since the last update
+    fresh: bool = False  # a backward happened since the last step()
+    found_inf: torch.Tensor | None = None  # set by unscale_()
+    # Whether the float16 weights were finite after the last applied update; see _finish.
+    weights_finite: torch.Tensor = field(default_factory=lambda: torch.ones((), dtype=torch.bool))
+
+
 class LossScaleOptimizer(torch.optim.Optimizer):
     """Wrap ``optimizer`` for mixed precision training.
 
@@ -207,12 +221,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         self._loss_scaler = loss_scaler or (
             DynamicLossScaler() if _needs_scaling(model_params) else NoOpLossScaler()
         )
-        self._versions = self._half_versions()  # see _follow_external_writes
+        self._book = _Bookkeeping(self._half_versions())
         self._tracer = self._make_tracer(trace_overflow, model_params)
-        self._micro = 0  # backward passes since the last update
-        self._fresh = False  # a backward happened since the last step()
-        self._found_inf: torch.Tensor | None = None  # set by unscale_()
-        self._weights_finite: torch.Tensor | None = None  # see _finish
 
     @staticmethod
     def _make_tracer(
@@ -273,7 +283,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         group["params"] = self._adopt(self.optimizer, params, "param_group")
-        self._versions = self._half_versions()  # new 16-bit parameters have versions too
+        self._book.versions = self._half_versions()  # new 16-bit parameters have versions too
         self.optimizer.add_param_group(group)
         _fuse(self.optimizer, self.optimizer.param_groups[-1])
 
@@ -317,7 +327,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 dist.broadcast(master, src)
             if self._half:
                 torch._foreach_copy_(self._half, self._masters)
-        self._versions = self._half_versions()
+        self._book.versions = self._half_versions()
 
     def master_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(16-bit model parameter, its float32 master)`` pairs."""
@@ -339,8 +349,8 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         """``loss * scale / accumulation_steps`` (Keras ``get_scaled_loss``; the division
         only matters with accumulation, where it makes the summed gradients a mean, as
         ``backward`` does)."""
-        self._micro += 1
-        self._fresh = True
+        self._book.micro += 1
+        self._book.fresh = True
         factor = self._loss_scaler.get_scale() / self.accumulation_steps
         return loss * factor if factor != 1.0 else loss
 
@@ -366,7 +376,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients, except between the micro-batches of an accumulation."""
-        if 0 < self._micro < self.accumulation_steps:
+        if 0 < self._book.micro < self.accumulation_steps:
             return
         params = self._half + self._plain
         if set_to_none:
@@ -411,17 +421,17 @@ class LossScaleOptimizer(torch.optim.Optimizer):
     def unscale_(self) -> None:
         """Unscale now (to inspect or clip ``master_params()`` grads yourself); ``step``
         then does not unscale again."""
-        if self._found_inf is not None:
+        if self._book.found_inf is not None:
             raise MisuseError(
                 "LossScaleOptimizer.unscale_() has already been called since the last step()"
             )
-        if not self._fresh:
+        if not self._book.fresh:
             raise MisuseError(
                 "LossScaleOptimizer.unscale_() called without a backward() since the last step()"
             )
-        if self._micro < self.accumulation_steps:
+        if self._book.micro < self.accumulation_steps:
             raise MisuseError(
-                f"LossScaleOptimizer.unscale_() called after {self._micro} of "
+                f"LossScaleOptimizer.unscale_() called after {self._book.micro} of "
                 f"{self.accumulation_steps} accumulation micro-batches; call it after the last"
             )
         self._unscale()
@@ -433,19 +443,19 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         """A 16-bit weight written outside this optimizer (``model.load_state_dict``)
         replaces its master; otherwise the next copy-back would undo the write."""
         versions = self._half_versions()
-        if versions != self._versions:
+        if versions != self._book.versions:
             with torch.no_grad():
                 for p, m, now, then in zip(
-                    self._half, self._masters, versions, self._versions, strict=True
+                    self._half, self._masters, versions, self._book.versions, strict=True
                 ):
                     if now != then:
                         m.copy_(p)
-            self._versions = versions
+            self._book.versions = versions
 
     def _unscale(self) -> None:
         self._follow_external_writes()
         self._load_master_grads()
-        self._found_inf = self._loss_scaler.unscale_(self._step_grads(), self._device)
+        self._book.found_inf = self._loss_scaler.unscale_(self._step_grads(), self._device)
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -453,15 +463,15 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         """Unscale once, check, clip, apply or skip, update the scale; see ``StepResult``."""
         if closure is not None:
             raise MisuseError("LossScaleOptimizer.step() does not take a closure")
-        if not self._fresh:
+        if not self._book.fresh:
             raise MisuseError(
                 "LossScaleOptimizer.step() called without a new backward since the last step(): "
                 "call opt.backward(loss) (or backward on opt.get_scaled_loss(loss)) first"
             )
-        self._fresh = False
-        if self._micro < self.accumulation_steps:
+        self._book.fresh = False
+        if self._book.micro < self.accumulation_steps:
             return StepResult(False, False, self._loss_scaler.get_scale(), accumulating=True)
-        if self._found_inf is None:
+        if self._book.found_inf is None:
             result = self._host_step()
             if result is not None:
                 return result
@@ -496,7 +506,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
                 _unfuse_sparse(inner)
                 inner.step()
         self._loss_scaler.update(overflow)
-        self._micro = 0
+        self._book.micro = 0
         return StepResult(applied=not overflow, found_inf=overflow, scale=1.0)
 
     def apply_gradients(
@@ -527,19 +537,19 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             has_master, pos = slot
             target = self._masters[pos] if has_master else var
             target.grad = grad.detach().to(target.dtype)
-        self._micro = self.accumulation_steps
-        self._fresh = False
-        self._found_inf = unscale_grads_(self._step_grads(), 1.0, self._device)
+        self._book.micro = self.accumulation_steps
+        self._book.fresh = False
+        self._book.found_inf = unscale_grads_(self._step_grads(), 1.0, self._device)
         return self._finish()
 
     def _finish(self) -> StepResult:
         # Flags agreed across ranks in one collective: this step's found_inf, and whether the
-        # last applied update made a 16-bit weight inf/NaN (checked then, read now: no extra
-        # host synchronisation).
-        flags = [self._found_inf.reshape(1).float()]  # type: ignore[union-attr]
-        if self._weights_finite is not None:
-            flags.append((~self._weights_finite).reshape(1).to(flags[0]))
-            self._weights_finite = None
+        # last applied update made a float16 weight inf/NaN (checked then, read now: no extra
+        # host synchronisation). A skipped step changed no weight and sends the same answer
+        # again, so a compiled step has one shape whichever steps were skipped.
+        flags = [self._book.found_inf.reshape(1).float()]  # type: ignore[union-attr]
+        if self._checked:
+            flags.append((~self._book.weights_finite).reshape(1).to(flags[0]))
         agreed = agree_found_inf(flags[0] if len(flags) == 1 else torch.cat(flags))
         scale = self._loss_scaler.get_scale()
         norm = None
@@ -554,6 +564,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
         else:
             found_flags, norm_value = agreed.tolist(), None
         if len(found_flags) > 1 and found_flags[1]:
+            self._book.weights_finite = torch.ones((), dtype=torch.bool)  # said once
             self._raise_nonfinite_weights()
         overflow = bool(found_flags[0])
         origin = None
@@ -569,12 +580,12 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             if self._half:
                 with torch.no_grad():
                     torch._foreach_copy_(self._half, self._masters)
-                self._versions = self._half_versions()
+                self._book.versions = self._half_versions()
             if self._checked:
-                self._weights_finite = all_finite(self._checked)
+                self._book.weights_finite = all_finite(self._checked)
         self._loss_scaler.update(overflow)
-        self._micro = 0
-        self._found_inf = None
+        self._book.micro = 0
+        self._book.found_inf = None
         return StepResult(
             applied=not overflow,
             found_inf=overflow,
@@ -617,7 +628,7 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             "optimizers": [inner.state_dict() for inner in self.optimizers],
             "master_weights": [m.detach() for m in self._masters],
             "loss_scaler": self._loss_scaler.state_dict(),
-            "micro_steps": self._micro,
+            "micro_steps": self._book.micro,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -666,10 +677,10 @@ class LossScaleOptimizer(torch.optim.Optimizer):
             if masters:
                 torch._foreach_copy_(self._masters, list(masters))
                 torch._foreach_copy_(self._half, self._masters)
-        self._versions = self._half_versions()
-        self._micro = int(state_dict.get("micro_steps", 0))
-        self._fresh = False
-        self._found_inf = None
+        self._book.versions = self._half_versions()
+        self._book.micro = int(state_dict.get("micro_steps", 0))
+        self._book.fresh = False
+        self._book.found_inf = None
 
     def register_step_pre_hook(self, hook: Any) -> Any:
         """Runs before the (first) inner optimizer's step, that is, only on applied steps."""

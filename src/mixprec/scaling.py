@@ -171,7 +171,8 @@ def unscale_grads_(
             values = values.to_local()  # type: ignore[attr-defined]
         groups.setdefault((values.device, values.dtype), []).append(values)
     tensors = [t for group in groups.values() for t in group]
-    if inv_scale == 1.0 and tensors and checks_on_host(tensors):
+    # The scale last: under torch.compile it is a graph input, and comparing it is a guard.
+    if tensors and checks_on_host(tensors) and inv_scale == 1.0:
         # Scale 1 (float32, bfloat16) on CPU: a read-only check, as the multiply by 1 is
         # not needed. On CPU reading the answer costs no device synchronisation.
         return torch.tensor(0.0 if finite_on_cpu(tensors) else 1.0, dtype=torch.float32)
