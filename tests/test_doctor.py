@@ -245,10 +245,17 @@ def test_every_pass_draws_the_same_dropout_masks_and_the_rng_is_left_as_it_was(p
     change the random numbers the training after it draws."""
     x, y = batch()
     model = dropped(healthy() if policy == "mixed_bfloat16" else overflowing())
+    # The generator's state as each pass's dropout draws its mask (the hook is copied with
+    # the model into every pass).
+    seen: list[torch.Tensor] = []
+    model[0].register_forward_pre_hook(lambda module, args: seen.append(torch.get_rng_state()))
     torch.manual_seed(7)
     before = torch.get_rng_state()
     report = mp.diagnose(model, x, y, CE, policy=policy)
     assert torch.equal(torch.get_rng_state(), before)
+    # float32 and 16-bit; float16 also backs off (at least one more pass).
+    assert len(seen) >= (2 if policy == "mixed_bfloat16" else 3)
+    assert all(torch.equal(state, before) for state in seen)
     if policy == "mixed_bfloat16":
         assert report.healthy, str(report)
         # bfloat16 rounding (8 bits of mantissa) bounds every error well below 5%.

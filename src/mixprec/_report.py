@@ -26,8 +26,10 @@ def call(model: nn.Module, inputs: Any) -> torch.Tensor:
 def same_draws() -> Iterator[Callable[[], None]]:
     """Yields ``rewind``: a doctor calls it before each pass over the batch, so that every
     pass draws the same random numbers (dropout masks) and the runs compare like for like.
-    On exit the CPU and CUDA generators are as the caller left them: a diagnosis does not
-    change the training run that follows it."""
+    On exit the generators are as the caller left them: a diagnosis does not change the
+    training run that follows it. CUDA's are saved where CUDA is initialised already (a
+    model or batch on a GPU has done it); initialising it only to save them would cost a
+    CPU-only run a CUDA context."""
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 

@@ -672,6 +672,7 @@ def diagnose_float8(
     recorder = _Recorder(layers)
     with same_draws() as rewind:
         try:
+            rewind()
             loss8 = loss_fn(call(mixed, inputs), targets)
             if loss8.requires_grad:
                 loss8.backward()
