@@ -92,6 +92,21 @@ def test_out_of_range_values_error_clamp_ignore(tmp_path, sign):
         mp.load_checkpoint(path, target(), on_range="wrap")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_bfloat16_values_past_float16_clamp_to_its_max_not_to_inf(tmp_path, sign):
+    """float16's max, 65504, is no bfloat16 value: clamped in bfloat16 it rounded to 65536,
+    which is inf in float16."""
+    source = make_mlp().to(torch.bfloat16)
+    with torch.no_grad():
+        source[0].weight[0, 0] = sign * 1e6
+    path = mp.save_checkpoint(tmp_path / "bf16.safetensors", source)
+    target = make_mlp().to(torch.float16)
+    report = mp.load_checkpoint(path, target, on_range="clamp")
+    assert [(name, how) for name, _, _, how in report.out_of_range] == [("0.weight", "clamp")]
+    assert target[0].weight[0, 0].item() == sign * 65504.0
+    assert torch.isfinite(target[0].weight).all()
+
+
 def test_plain_torch_state_dict_and_safetensors_files(tmp_path):
     reference = make_transformer()
     torch.save(reference.state_dict(), tmp_path / "plain.pt")

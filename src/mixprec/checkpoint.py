@@ -933,7 +933,10 @@ def _convert(
                     "saturate or 'ignore' to cast as is (values become inf)"
                 )
             if on_range == "clamp":
-                value = value.clamp(-limit, limit)
+                # In float32 for a bfloat16 source: 65504 is no bfloat16 value (it rounds to
+                # 65536, float16's inf).
+                wide = value.float() if value.dtype == torch.bfloat16 else value
+                value = wide.clamp(-limit, limit)
     return value.to(target)
 
 
