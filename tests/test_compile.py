@@ -384,6 +384,36 @@ def test_compiled_optimizer_step_keeps_its_bookkeeping(level, accumulation):
     assert all(torch.equal(a, b) for a, b in zip(eager_weights, compiled_weights, strict=True))
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_compiled_grad_scaler_step_matches_eager(fused):
+    """``mp.GradScaler.step`` inside compiled code, as ``torch.amp.GradScaler``'s: with a
+    fused optimizer (unscale and skip in its kernel) it raised AttributeError, as dynamo
+    dropped the grad_scale attribute set on the optimizer; now that part runs eagerly."""
+    x = torch.randn(16, 8)
+
+    def run(compiled: bool) -> tuple[list[float], list[torch.Tensor]]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Linear(8, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
+        scaler = mp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+        step = torch.compile(scaler.step, backend="eager") if compiled else scaler.step
+        scales = []
+        for bad in (False, True, False, False):
+            opt.zero_grad()
+            loss = model(x).square().mean() * (float("inf") if bad else 1.0)
+            scaler.scale(loss).backward()
+            step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        return scales, [p.detach().clone() for p in model.parameters()]
+
+    eager, eager_weights = run(False)
+    compiled, compiled_weights = run(True)
+    assert compiled == eager == [2048.0, 1024.0, 2048.0, 4096.0]
+    assert all(torch.equal(a, b) for a, b in zip(eager_weights, compiled_weights, strict=True))
+
+
 class _Chatty(nn.Module):
     """A model with a graph break of its own: it logs in its forward (as transformers does
     for an unset ``loss_type``)."""

@@ -196,6 +196,10 @@ class GradScaler:
         state.stage = _Stage.STEPPED
         return result
 
+    # Eager under torch.compile, as torch.amp.GradScaler.step is (dynamo skips torch's own
+    # code): traced, dynamo dropped the grad_scale/found_inf attributes set on the optimizer
+    # (torch 2.13) and the step failed.
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
     def _fused_step(
         self,
         optimizer: torch.optim.Optimizer,
