@@ -101,6 +101,18 @@ def test_console_script_and_module_entry_point():
     assert bad.returncode == 2 and "unknown model 'nope'" in bad.stderr
 
 
+def test_importing_mixprec_leaves_dynamo_unloaded():
+    # torch._dynamo takes ~2 s to import: every command, and every process that train and
+    # bench start, would pay it. It loads when something is compiled.
+    code = (
+        "import sys, mixprec, mixprec.cli, mixprec.bench; "
+        "print([m for m in sys.modules if m.startswith('torch._dynamo')][:3])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def test_convert_and_inspect(tmp_path, capsys):
     import torch
 

@@ -198,8 +198,9 @@ class GradScaler:
 
     # Eager under torch.compile, as torch.amp.GradScaler.step is (dynamo skips torch's own
     # code): traced, dynamo dropped the grad_scale/found_inf attributes set on the optimizer
-    # (torch 2.13) and the step failed.
-    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    # (torch 2.13) and the step failed. torch.compiler.disable would import dynamo here, ~2 s
+    # of every `import mixprec`; torch's lazy form imports it at the first call.
+    @torch._disable_dynamo  # type: ignore[attr-defined]
     def _fused_step(
         self,
         optimizer: torch.optim.Optimizer,

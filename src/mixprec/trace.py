@@ -108,11 +108,16 @@ class OverflowTracer:
         self._handles.clear()
 
 
-@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
 def _off_under_compile() -> bool:
     # Called while dynamo traces, not from the graph: the notice costs the steps nothing.
     _warn_off_under_compile()
     return True
+
+
+# All that torch.compiler.assume_constant_result does (torch 2.4 to 2.13), set by hand: that
+# function imports dynamo, ~2 s of every `import mixprec`. test_compile's fullgraph test of
+# the notice fails if dynamo stops reading it.
+_off_under_compile._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 @functools.cache
