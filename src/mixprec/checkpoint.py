@@ -519,13 +519,14 @@ def _safetensors_header(
     # Each entry is one JSON object, and so are the header and its __metadata__: the parse
     # stops as soon as the entries outnumber what the data's bytes allow.
     limit = _FREE_ENTRIES + data
+    too_many = CheckpointError(
+        f"{file}: more than {limit} tensor entries for {data} bytes of tensor data; "
+        f"refused before reading them (at most {_FREE_ENTRIES} plus one per byte)"
+    )
     try:
         parsed = _json(handle.read(length), file, "safetensors header", objects=limit + 2)
     except _TooManyError:
-        raise CheckpointError(
-            f"{file}: more than {limit} tensor entries for {data} bytes of tensor data; "
-            f"refused before reading them (at most {_FREE_ENTRIES} plus one per byte)"
-        ) from None
+        raise too_many from None
     if not isinstance(parsed, dict):
         raise CheckpointError(f"{file}: corrupt safetensors header (not a JSON object)")
     meta = parsed.pop("__metadata__", None)
@@ -536,10 +537,7 @@ def _safetensors_header(
             "object of strings"
         )
     if len(parsed) > limit:
-        raise CheckpointError(
-            f"{file}: more than {limit} tensor entries for {data} bytes of tensor data; "
-            f"refused before reading them (at most {_FREE_ENTRIES} plus one per byte)"
-        )
+        raise too_many
     entries = {name: _entry(file, name, value) for name, value in parsed.items()}
     # The data must be the tensors' bytes, back to back, and nothing else: a header whose
     # offsets run past the end, leave holes or end early (a sparse 64 GiB tail) is refused
