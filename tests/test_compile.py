@@ -178,6 +178,40 @@ def test_compile_option_is_checked():
     assert applied(model) is None  # a bad option fails before the model is changed
 
 
+@pytest.mark.parametrize(
+    ("options", "graphs"),
+    [
+        ({}, False),
+        ({"mode": "default"}, False),
+        ({"mode": "reduce-overhead"}, True),
+        ({"mode": "max-autotune"}, True),
+        ({"mode": "max-autotune-no-cudagraphs"}, False),
+        ({"options": {"triton.cudagraphs": True}}, True),
+        ({"options": {"max_autotune": True}}, False),
+    ],
+)
+def test_train_step_copies_its_loss_out_of_cuda_graph_memory(options, graphs):
+    # A CUDA graph's next replay overwrites the loss it returned; torch then refuses to read
+    # a kept one. On CPU there is no graph: the compiled forward is replaced by one whose
+    # loss is known, and the step must return a copy of it exactly where graphs are on.
+    x, y = classification_data(n=8)
+    model = make_mlp()
+    step = mp.build_train_step(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), "cross_entropy", compile=options or True
+    )
+    produced = []
+
+    def forward_loss(xb, yb):
+        output = model(xb)
+        produced.append(nn.functional.cross_entropy(output, yb))
+        return produced[-1], output
+
+    step._forward_loss = forward_loss
+    loss, _ = step(x, y)
+    assert torch.equal(loss, produced[0].detach())
+    assert (loss.data_ptr() != produced[0].data_ptr()) is graphs
+
+
 def _train(compile, policy: str, level: str, steps: int = 5) -> list[float]:
     torch.manual_seed(0)
     x, y = classification_data(n=64)
