@@ -102,8 +102,8 @@ def test_console_script_and_module_entry_point():
 
 
 def test_importing_mixprec_leaves_dynamo_unloaded():
-    # torch._dynamo takes ~2 s to import: every command, and every process that train and
-    # bench start, would pay it. It loads when something is compiled.
+    # torch._dynamo takes ~2 s to import: info, inspect and convert would pay it. (It loads
+    # when something compiles, and at torch's first optimizer, whose __init__ loads it.)
     code = (
         "import sys, mixprec, mixprec.cli, mixprec.bench; "
         "print([m for m in sys.modules if m.startswith('torch._dynamo')][:3])"

@@ -241,8 +241,9 @@ def test_an_optimizer_taking_grad_scaler_gets_it_as_from_torch():
     for loss_scale in (1.0, float("inf"), 1.0, 1.0):
         opt.zero_grad()
         scaler.scale((param * loss_scale).sum()).backward()
-        with pytest.warns(FutureWarning, match="stop passing itself"):
+        with pytest.warns(FutureWarning, match="stop passing itself") as said:
             scaler.step(opt)
+        assert said[0].filename == __file__  # the caller's line, not mixprec's or torch's
         scaler.update()
     assert opt.seen == [(4.0, True), (4.0, False), (2.0, True), (2.0, True)]
     assert param.detach().tolist() == [-0.5, 0.5]  # three applied steps of lr 0.5

@@ -17,7 +17,7 @@ from torch import nn
 
 from mixprec._errors import ArgumentError
 
-__all__ = ["CompileOption", "compile_options", "compile_step", "uses_cuda_graphs"]
+__all__ = ["CompileOption", "compile_options", "compile_step"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -60,14 +60,3 @@ def compile_step(fn: F, options: Mapping[str, Any], model: nn.Module) -> F:
             return compiled(*args, **kwargs)
 
     return with_rnns  # type: ignore[return-value]
-
-
-def uses_cuda_graphs(options: Mapping[str, Any]) -> bool:
-    """Whether ``torch.compile(**options)`` records CUDA graphs (``mode="reduce-overhead"``
-    or ``"max-autotune"``, or inductor's ``triton.cudagraphs`` option). Their replays reuse
-    the graph's output memory: an output kept past the next step must be copied out."""
-    from torch._inductor import list_mode_options  # imported by torch.compile anyway
-
-    mode = options.get("mode")
-    chosen = {**(list_mode_options(mode) if mode else {}), **(options.get("options") or {})}
-    return bool(chosen.get("triton.cudagraphs", False))

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec._compile import compile_step, uses_cuda_graphs
+from mixprec._compile import compile_step
 from mixprec._dtypes import cpuinfo_field, dtype_name, probe_hardware
 from mixprec.float8 import Float8Options, layer_counts, torchao_float8
 from mixprec.levels import applied, auto_mixed_precision
@@ -385,15 +385,15 @@ def build_step(
         options = {} if compile_mode is None else {"mode": compile_mode}
         forward_loss = compile_step(forward_loss, options, model)
 
-    # CUDA graphs reuse a graph's output memory at its next replay, so a loss kept past that
-    # (the last one is read after the other modes ran) is copied out.
-    cudagraphs = mode.endswith(COMPILED) and uses_cuda_graphs({"mode": compile_mode})
+    # CUDA graphs reuse a graph's output memory at its next replay, so a compiled mode's loss
+    # kept past that (the last one is read after the other modes ran) is copied out.
+    copy_loss = mode.endswith(COMPILED)
 
     def step() -> torch.Tensor:
         zero_grad()
         loss = forward_loss()
         backward_step(loss)
-        return loss.detach().clone() if cudagraphs else loss.detach()
+        return loss.detach().clone() if copy_loss else loss.detach()
 
     step.level = level  # type: ignore[attr-defined]
     step.float8 = float8_layers  # type: ignore[attr-defined]

@@ -184,6 +184,17 @@ class GradScaler:
             raise RuntimeError("step() has already been called since the last update().")
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
+            if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+                # torch's older contract, which torch still honours with a FutureWarning: the
+                # optimizer gets the scaler itself and unscales and skips on its own. Warned
+                # here, so that it points at the caller's line, not at the eager wrapper.
+                warnings.warn(
+                    "GradScaler is going to stop passing itself as a keyword argument to the "
+                    "passed optimizer (as torch.amp.GradScaler): read optimizer.grad_scale and "
+                    "optimizer.found_inf instead",
+                    FutureWarning,
+                    stacklevel=2,
+                )
             return self._fused_step(optimizer, state, device, *args, **kwargs)
 
         if state.stage is _Stage.READY:
@@ -215,15 +226,6 @@ class GradScaler:
             # Checked here in both contracts, so that update() has this step's flag.
             state.found_inf = unscale_grads_(self._grads(optimizer, allow_fp16=True), 1.0)
         if "grad_scaler" in inspect.signature(optimizer.step).parameters:
-            # torch's older contract, which torch still honours with a FutureWarning: the
-            # optimizer gets the scaler itself and unscales and skips on its own.
-            warnings.warn(
-                "GradScaler is going to stop passing itself as a keyword argument to the "
-                "passed optimizer (as torch.amp.GradScaler): read optimizer.grad_scale and "
-                "optimizer.found_inf instead",
-                FutureWarning,
-                stacklevel=3,
-            )
             try:
                 return optimizer.step(*args, **{**kwargs, "grad_scaler": self})
             finally:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from mixprec import distributed
-from mixprec._compile import CompileOption, compile_options, compile_step, uses_cuda_graphs
+from mixprec._compile import CompileOption, compile_options, compile_step
 from mixprec._report import call
 from mixprec.checkpoint import load_checkpoint
 from mixprec.data import validate_classification
@@ -70,9 +70,11 @@ class TrainStep:
             if options is None
             else compile_step(self._forward_and_loss, options, model)
         )
-        # Under CUDA graphs the next step's replay overwrites this step's loss in place, and
-        # torch raises where a caller kept it (a list of losses): it is copied out (one value).
-        self._copy_loss = options is not None and uses_cuda_graphs(options)
+        # Under CUDA graphs (reduce-overhead, max-autotune, the cudagraphs backend, inductor's
+        # global or environment setting) the next replay overwrites this step's loss, and
+        # torch raises where a caller kept it (a list of losses). Which options record graphs
+        # is not all in `compile`: every compiled step copies its loss out (one value).
+        self._copy_loss = options is not None
 
     def _forward_and_loss(self, x: Any, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         output = call(self.model, x)
