@@ -684,8 +684,8 @@ def diagnose_float8(
             loss16 = loss_fn(call(reference, inputs), targets)
 
     reports = [
-        _layer_report(name, layers[name], call)
-        for name, call in recorder.calls.items()  # forward order
+        _layer_report(name, layers[name], seen)
+        for name, seen in recorder.calls.items()  # forward order
     ]
     report = Float8Report(
         policy=resolved.name,

@@ -184,7 +184,8 @@ class GradScaler:
             raise RuntimeError("step() has already been called since the last update().")
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            passes_itself = "grad_scaler" in inspect.signature(optimizer.step).parameters
+            if passes_itself:
                 # torch's older contract, which torch still honours with a FutureWarning: the
                 # optimizer gets the scaler itself and unscales and skips on its own. Warned
                 # here, so that it points at the caller's line, not at the eager wrapper.
@@ -195,7 +196,7 @@ class GradScaler:
                     FutureWarning,
                     stacklevel=2,
                 )
-            return self._fused_step(optimizer, state, device, *args, **kwargs)
+            return self._fused_step(optimizer, state, device, passes_itself, *args, **kwargs)
 
         if state.stage is _Stage.READY:
             self.unscale_(optimizer)
@@ -217,15 +218,17 @@ class GradScaler:
         optimizer: torch.optim.Optimizer,
         state: _PerOptimizer,
         device: torch.device,
+        passes_itself: bool,
         *args: Any,
         **kwargs: Any,
     ) -> Any:
         """Optimizers with ``_step_supports_amp_scaling`` (fused Adam/SGD) unscale and skip
-        inside their kernel: hand them the scale and found_inf, as torch does."""
+        inside their kernel: hand them the scale and found_inf, as torch does (or, with
+        ``passes_itself``, the scaler, in torch's older contract)."""
         if state.stage is _Stage.READY:
             # Checked here in both contracts, so that update() has this step's flag.
             state.found_inf = unscale_grads_(self._grads(optimizer, allow_fp16=True), 1.0)
-        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+        if passes_itself:
             try:
                 return optimizer.step(*args, **{**kwargs, "grad_scaler": self})
             finally:
