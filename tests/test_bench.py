@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import mixprec as mp
 from mixprec import bench, cli
-from mixprec._dtypes import Hardware
+from mixprec._hardware import Hardware
 
 
 def tiny_workload() -> bench.Workload:

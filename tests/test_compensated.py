@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import mixprec as mp
-from mixprec.compensated import CompensatedAdamW, stochastic_round
 from mixprec.models import CausalLM, lm_loss
+from mixprec.optim.compensated import CompensatedAdamW, stochastic_round
 
 
 def digits_run(policy: str, level: str, make_opt) -> tuple[float, float]:

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import mixprec as mp
-from mixprec.doctor import ScalerHealth, scale_floor
 from mixprec.scaling import ScalerState
+from mixprec.scaling.health import ScalerHealth, scale_floor
 from mixprec.trace import Overflow
 
 CE = nn.functional.cross_entropy

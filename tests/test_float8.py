@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import mixprec as mp
-from mixprec._dtypes import Hardware
+from mixprec._hardware import Hardware
 from mixprec.data import synthetic_tokens
 from mixprec.float8 import Float8Options, _pays_off, float8_choice, is_float8
 from mixprec.levels import applied

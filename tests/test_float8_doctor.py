@@ -1,4 +1,4 @@
-"""The float8 doctor (``mixprec.float8_doctor``): the cast arithmetic on hand-made tensors,
+"""The float8 doctor (``mixprec.doctor.float8``): the cast arithmetic on hand-made tensors,
 the casts of each torchao recipe, a layer whose input has outliers named (and keeping it in
 bfloat16 closing the loss gap to bfloat16), the report's forms, and bad arguments.
 
@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec as mp
-from mixprec.float8 import Float8Options
-from mixprec.float8_doctor import (
+from mixprec.doctor.float8 import (
     FLOAT8_GRAD_ERROR_LIMIT,
     FLOAT8_OUTPUT_ERROR_LIMIT,
     FLOAT8_UNDERFLOW_LIMIT,
@@ -30,6 +29,7 @@ from mixprec.float8_doctor import (
     diagnose_float8,
     recipe_casts,
 )
+from mixprec.float8 import Float8Options
 
 SMALL = Float8Options(min_features=16)
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

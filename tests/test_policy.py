@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mixprec as mp
-from mixprec import _dtypes
+from mixprec import _dtypes, _hardware
 from mixprec.policy import PRESETS
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -105,10 +105,10 @@ def test_global_policy_and_scope():
 @pytest.mark.parametrize(
     ("hw", "expected"),
     [
-        (_dtypes.Hardware("cuda", True, True, "CUDA H200 (sm_90)"), "mixed_bfloat16"),
-        (_dtypes.Hardware("cuda", False, True, "CUDA T4 (sm_75)"), "mixed_float16"),
-        (_dtypes.Hardware("cpu", True, False, "CPU with amx_bf16"), "mixed_bfloat16"),
-        (_dtypes.Hardware("cpu", False, False, "CPU without AVX512-BF16 or AMX"), "float32"),
+        (_hardware.Hardware("cuda", True, True, "CUDA H200 (sm_90)"), "mixed_bfloat16"),
+        (_hardware.Hardware("cuda", False, True, "CUDA T4 (sm_75)"), "mixed_float16"),
+        (_hardware.Hardware("cpu", True, False, "CPU with amx_bf16"), "mixed_bfloat16"),
+        (_hardware.Hardware("cpu", False, False, "CPU without AVX512-BF16 or AMX"), "float32"),
     ],
 )
 def test_auto_follows_hardware_and_records_reason(monkeypatch, hw, expected):
@@ -120,10 +120,10 @@ def test_auto_follows_hardware_and_records_reason(monkeypatch, hw, expected):
 
 
 def test_auto_on_this_machine_matches_cpu_flags():
-    hw = _dtypes.probe_hardware()
+    hw = _hardware.probe_hardware()
     p = mp.Policy("auto")
     if hw.device == "cpu":
-        flags = _dtypes._cpu_flags()
+        flags = _hardware._cpu_flags()
         has_bf16 = bool(flags & {"avx512_bf16", "amx_bf16", "amx_tile"})
         if flags:
             assert (p.name == "mixed_bfloat16") == has_bf16

@@ -5,6 +5,7 @@ Policies, O0-O3 levels, loss scaling and master weights in one library.
 
 from mixprec import data, distributed, losses, models
 from mixprec._errors import ArgumentError, MisuseError
+from mixprec._version import __version__
 from mixprec.casting import cast_floating, to_float
 from mixprec.checkpoint import (
     CheckpointError,
@@ -15,14 +16,14 @@ from mixprec.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
-from mixprec.compensated import CompensatedAdamW, stochastic_round
-from mixprec.doctor import ModuleReport, Report, ScalerHealth, diagnose
+from mixprec.doctor import ModuleReport, Report, diagnose
+from mixprec.doctor.float8 import Float8LayerReport, Float8Report, diagnose_float8
 from mixprec.float8 import Float8Options
-from mixprec.float8_doctor import Float8LayerReport, Float8Report, diagnose_float8
 from mixprec.grad_scaler import GradScaler
 from mixprec.levels import LEVELS, auto_mixed_precision, describe, module_dtypes
 from mixprec.losses import cross_entropy
 from mixprec.optim import LossScaleOptimizer, StepResult, split_embedding_parameters
+from mixprec.optim.compensated import CompensatedAdamW, stochastic_round
 from mixprec.policy import Policy, get_policy, global_policy, policy_scope, set_global_policy
 from mixprec.scaling import (
     DynamicLossScaleManager,
@@ -34,6 +35,7 @@ from mixprec.scaling import (
     StaticLossScaler,
     all_finite,
 )
+from mixprec.scaling.health import ScalerHealth
 from mixprec.trace import Overflow
 from mixprec.train import (
     EMA,
@@ -50,8 +52,6 @@ from mixprec.train import (
     TrainStep,
     build_train_step,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "EMA",

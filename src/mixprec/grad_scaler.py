@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
+from mixprec._dist import agree_found_inf
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec.scaling import (
     SMALLEST_NORMAL_F32,
     DynamicLossScaler,
     ScalerState,
-    agree_found_inf,
     to_float32,
     unscale_grads_,
 )

@@ -20,7 +20,8 @@ from typing import Literal
 
 import torch
 
-from mixprec._dtypes import CANONICAL, closest, dtype_name, parse_dtype, probe_hardware
+from mixprec._dtypes import CANONICAL, closest, dtype_name, parse_dtype
+from mixprec._hardware import probe_hardware
 
 LossScaling = Literal["none", "dynamic"]
 

@@ -20,15 +20,15 @@ import torch
 from torch import nn
 
 from mixprec import distributed
+from mixprec._calling import call
 from mixprec._compile import CompileOption, compile_options, compile_step
-from mixprec._report import call
 from mixprec.checkpoint import load_checkpoint
 from mixprec.data import validate_classification
-from mixprec.doctor import ScalerHealth, scale_floor
 from mixprec.levels import applied, auto_mixed_precision, resolve_level
 from mixprec.optim import LossScaleOptimizer, StepResult
 from mixprec.policy import PolicyLike, get_policy
 from mixprec.scaling import LossScaler
+from mixprec.scaling.health import ScalerHealth, scale_floor
 from mixprec.trace import Overflow, OverflowTracer
 from mixprec.train.callbacks import Callback, CallbackList, History, Logs, ProgressBar
 from mixprec.train.metrics import LossFn, Metric, get_loss, get_metric

@@ -41,6 +41,7 @@ from torch import nn
 
 from mixprec._dtypes import HALF_DTYPES, dtype_name, parse_dtype
 from mixprec._errors import shown
+from mixprec._version import __version__
 from mixprec.casting import remember_float32
 from mixprec.float8 import summary as float8_summary
 from mixprec.levels import applied
@@ -354,8 +355,6 @@ def save_checkpoint(
 
 
 def _version() -> str:
-    from mixprec import __version__
-
     return __version__
 
 

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec._compile import compile_step
-from mixprec._dtypes import cpuinfo_field, dtype_name, probe_hardware
+from mixprec._dtypes import dtype_name
+from mixprec._hardware import cpuinfo_field, probe_hardware
 from mixprec.float8 import Float8Options, layer_counts, torchao_float8
 from mixprec.levels import applied, auto_mixed_precision
 from mixprec.models import CausalLM, cnn, lm_loss, mlp

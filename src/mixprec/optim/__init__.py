@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec._dist import agree_found_inf, is_distributed, is_dtensor
 from mixprec._dtypes import HALF_DTYPES, dtype_name
 from mixprec._errors import ArgumentError, MisuseError, shown
 from mixprec.casting import (
@@ -34,12 +35,9 @@ from mixprec.scaling import (
     LossScaler,
     NoOpLossScaler,
     StaticLossScaler,
-    agree_found_inf,
     all_finite,
     checks_on_host,
     finite_on_cpu,
-    is_distributed,
-    is_dtensor,
     unscale_grads_,
 )
 from mixprec.trace import Overflow, OverflowTracer, model_of

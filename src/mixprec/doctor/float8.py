@@ -44,9 +44,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixprec._calling import call
 from mixprec._dtypes import dtype_name
-from mixprec._report import call, float32_model, same_draws, to_json
+from mixprec._rng import same_draws
 from mixprec.casting import first_floating, get_region
+from mixprec.doctor._common import float32_model, to_json
 from mixprec.float8 import Float8Options, float8_choice, is_float8, torchao_float8
 from mixprec.levels import KeepEntry, auto_mixed_precision, keep_list, resolve_level
 from mixprec.policy import FLOAT8_PRESETS, PolicyLike, get_policy, parse_float8_recipe

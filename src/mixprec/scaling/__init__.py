@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, TypeVar
 
 import torch
-import torch.distributed as dist
 
+from mixprec._dist import is_dtensor
 from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import ArgumentError, shown
 
@@ -196,26 +196,6 @@ def unscale_grads_(
     for other in flags[1:]:
         total = total + other.to(total.device, non_blocking=True)
     return total
-
-
-def is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
-
-
-def agree_found_inf(found_inf: torch.Tensor) -> torch.Tensor:
-    """When ``torch.distributed`` is initialised, make every rank see the max ``found_inf``.
-
-    Without this, a rank whose gradients overflowed would skip while the others stepped, and
-    the replicas would drift apart.
-    """
-    if is_distributed():
-        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
-    return found_inf
-
-
-def is_distributed() -> bool:
-    """Whether ``torch.distributed`` runs more than one process."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def checks_on_host(tensors: Sequence[torch.Tensor]) -> bool:

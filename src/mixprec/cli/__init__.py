@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 import mixprec
-from mixprec._dtypes import closest, probe_hardware
+from mixprec._dtypes import closest
+from mixprec._hardware import probe_hardware
 from mixprec.levels import LEVELS, resolve_level
 from mixprec.policy import NAMES, Policy
 

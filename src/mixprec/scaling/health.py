@@ -1,0 +1,143 @@
+"""Watching a loss scaler during training: ``ScalerHealth`` says, once, what a collapsing
+scale, a run stuck at the scaler's floor or a run of skipped steps means. The Trainer uses it
+each step; it reads only the scaler's state, so it sits beside the scalers, not in the
+doctor."""
+
+from __future__ import annotations
+
+from mixprec.scaling import DynamicLossScaler, LossScaler, ScalerState
+from mixprec.trace import Overflow
+
+__all__ = ["ScalerHealth", "scale_floor"]
+
+
+def scale_floor(scaler: LossScaler) -> float | None:
+    """The lowest scale ``scaler`` backs off to: a ``DynamicLossScaler``'s ``min_scale``
+    (float32's smallest normal number without one); ``None`` for scalers that never move."""
+    return scaler.config.floor if isinstance(scaler, DynamicLossScaler) else None
+
+
+class ScalerHealth:
+    """Watches ``ScalerState`` after each step and returns a diagnosis, once per kind.
+
+    ``floor_skips``: this many skipped steps in a row with the scale at the scaler's floor
+    (``observe(..., floor=scale_floor(scaler))``) mean the run is stuck: it overflows at
+    every scale it can reach, and no update will ever be applied. That is said once, with
+    the module where the inf/NaN starts when known. When it is not known, the first
+    ``observe`` that finds the run stuck returns nothing and sets ``needs_trace``: the caller
+    may trace the next step (``mixprec.trace.OverflowTracer``) and pass its culprit; the
+    warning comes then, with the module or without it."""
+
+    def __init__(
+        self,
+        max_consecutive_skips: int = 10,
+        window: int = 100,
+        max_skip_rate: float = 0.2,
+        floor_skips: int = 3,
+    ) -> None:
+        for name, value in (("max_consecutive_skips", max_consecutive_skips),
+                            ("window", window), ("floor_skips", floor_skips)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ScalerHealth({name}={value!r}) is invalid; use an int >= 1")
+        if not 0.0 <= max_skip_rate <= 1.0:
+            raise ValueError(
+                f"ScalerHealth(max_skip_rate={max_skip_rate!r}) is invalid; use a fraction "
+                "in [0, 1]"
+            )
+        self.max_consecutive_skips = max_consecutive_skips
+        self.window = window
+        self.max_skip_rate = max_skip_rate
+        self.floor_skips = floor_skips
+        self._recent: list[bool] = []
+        self._at_floor = 0  # skipped steps in a row with the scale at its floor
+        self._asked = False  # needs_trace was set once: the next stuck step warns regardless
+        self.needs_trace = False
+        self._first_loss: float | None = None
+        self.warned: set[str] = set()
+
+    def observe(
+        self,
+        state: ScalerState,
+        skipped: bool,
+        culprit: str | Overflow | None = None,
+        floor: float | None = None,
+        loss: float | None = None,
+    ) -> str | None:
+        """``floor``: the scaler's lowest scale (``scale_floor``); ``loss``: this step's
+        loss, for the stuck warning to show how it moved since the first step observed."""
+        self._recent = [*self._recent[-(self.window - 1) :], skipped]
+        if self._first_loss is None and loss is not None:
+            self._first_loss = loss
+        self.needs_trace = False
+        stuck = skipped and floor is not None and state.scale <= floor
+        self._at_floor = self._at_floor + 1 if stuck else 0
+        where = f" The first non-finite values came from {culprit}." if culprit else ""
+        if self._at_floor >= self.floor_skips and "floor" not in self.warned:
+            if culprit is None and not self._asked:
+                self._asked = self.needs_trace = True
+                return None
+            # Said once: the streak and skip-rate warnings would repeat it less precisely.
+            self.warned |= {"floor", "streak", "rate"}
+            losses = None if loss is None else (self._first_loss or loss, loss)
+            return _stuck_message(state, self._at_floor, culprit, losses)
+        if state.scale < 1.0 and "scale" not in self.warned:
+            self.warned.add("scale")
+            return (
+                f"loss scale fell to {state.scale:g} < 1: values overflow float16 even "
+                f"without scaling (typical of models pretrained in bfloat16).{where} Use "
+                "policy='mixed_bfloat16', or keep the layers named by mp.diagnose(...) in "
+                "float32 (keep_float32=report.recommended_keep_float32)."
+            )
+        if state.consecutive_skips >= self.max_consecutive_skips and "streak" not in self.warned:
+            self.warned.add("streak")
+            return (
+                f"{state.consecutive_skips} steps in a row were skipped for inf/NaN "
+                f"gradients (scale now {state.scale:g}).{where} If the scale is already low, "
+                "values overflow even unscaled (in the forward pass, or in a backward through "
+                "a large gain): run mp.diagnose(model, x, y, loss_fn) to find the layers, "
+                "then keep them in float32 or use bfloat16."
+            )
+        if (
+            len(self._recent) == self.window
+            and sum(self._recent) / self.window > self.max_skip_rate
+            and "rate" not in self.warned
+        ):
+            self.warned.add("rate")
+            return (
+                f"{sum(self._recent)} of the last {self.window} steps were skipped.{where} "
+                "Occasional skips are how dynamic loss scaling probes the range; this many "
+                "waste training: lower growth_factor or raise growth_interval, or find the "
+                "layer with mp.diagnose."
+            )
+        return None
+
+
+def _stuck_message(
+    state: ScalerState,
+    steps: int,
+    culprit: str | Overflow | None,
+    losses: tuple[float, float] | None,
+) -> str:
+    if isinstance(culprit, Overflow):
+        named = f" The first non-finite values came from {culprit}."
+        keep = f"keep {culprit.module!r} in float32 with the modules mp.diagnose names"
+    elif culprit:
+        named = f" The first non-finite values came from {culprit}."
+        keep = "keep that module in float32 with the modules mp.diagnose names"
+    else:
+        named = (
+            " The module was not found (run with trace_overflow=True to name it, or "
+            "mp.diagnose(model, x, y, loss_fn) on the float32 model)."
+        )
+        keep = "keep the modules mp.diagnose names in float32"
+    return (
+        f"training is stuck: the loss scale is at its floor ({state.scale:g}) and the last "
+        f"{steps} steps there were all skipped for inf/NaN gradients, so no update is being "
+        f"applied.{named} Values overflow float16 at every scale the scaler can reach; in "
+        "the backward too, where a float32 block's gain multiplies the gradient sent to the "
+        "16-bit layers before it. Fix: policy='mixed_bfloat16' (float32's range), or "
+        f"{keep} (keep_float32=report.recommended_keep_float32). If the loss was growing "
+        "before the skips began, the run diverges in any precision: lower the learning rate"
+        + ("." if losses is None else f" (loss {losses[0]:.4g} at the first step, now "
+           f"{losses[1]:.4g}).")
+    )  # fmt: skip
