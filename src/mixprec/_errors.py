@@ -1,7 +1,7 @@
 """Exception types shared by the numerics modules.
 
 ``torch.amp.GradScaler`` reports some misuse with ``AssertionError``; mixprec reports it with
-``RuntimeError`` (misuse) or ``ValueError`` (bad argument) as the rest of the library does.
+``RuntimeError`` (misuse) or ``ArgumentError`` (bad argument) as the rest of the library does.
 These classes derive from both, so code written against either convention keeps working when
 ``torch.amp.GradScaler`` is swapped for ``mixprec.GradScaler``.
 """
@@ -15,8 +15,11 @@ class MisuseError(RuntimeError, AssertionError):
     """A method was called in the wrong order or state (``RuntimeError``)."""
 
 
-class ArgumentError(ValueError, AssertionError):
-    """An argument has a value outside its valid range (``ValueError``)."""
+class ArgumentError(ValueError, TypeError, AssertionError):
+    """An argument has a value or a type that is not valid. One class for every bad argument,
+    so that a caller catches them all alike; it is a ``ValueError`` and a ``TypeError`` both,
+    so code that catches either built-in (the usual ``ValueError`` for a bad value,
+    ``TypeError`` for a wrong type) keeps working."""
 
 
 _SHORT = reprlib.Repr()

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("sklearn")
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "quickstart.py"
 
 
 def load_example() -> ModuleType:

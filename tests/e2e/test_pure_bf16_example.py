@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pure_bf16.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pure_bf16.py"
 
 
 def test_pure_bf16_example(capsys):

@@ -19,7 +19,7 @@ import mixprec as mp
 
 pytest.importorskip("sklearn")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 

@@ -17,7 +17,7 @@ import torch
 import mixprec as mp
 
 WORKER = Path(__file__).with_name("_resume_worker.py")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def worker(*args: str) -> None:
