@@ -48,7 +48,46 @@ class _PerOptimizer:
     host_found_inf: bool | None = None
 
 
-class GradScaler:
+class _Accessors:
+    """``torch.amp.GradScaler``'s getters and setters, read from and written to the
+    ``DynamicLossScaler`` behind a ``GradScaler``, so that code tuning torch's scaler works
+    unchanged."""
+
+    _scaler: DynamicLossScaler
+    _enabled: bool
+
+    def get_scale(self) -> float:
+        return self._scaler.get_scale() if self._enabled else 1.0
+
+    def get_growth_factor(self) -> float:
+        return self._scaler.config.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._reconfigure(growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        return self._scaler.config.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._reconfigure(backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        return self._scaler.config.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._reconfigure(growth_interval=new_interval)
+
+    def _reconfigure(self, **changes: Any) -> None:
+        self._scaler.load_state_dict({**self._scaler.state_dict(), **changes})
+
+    def _get_growth_tracker(self) -> int:
+        return self._scaler.state.growth_tracker if self._enabled else 0
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+
+class GradScaler(_Accessors):
     """Loss scaling for ``torch.autocast`` loops: ``scaler.scale(loss).backward()``,
     ``scaler.step(optimizer)``, ``scaler.update()``.
 
@@ -279,38 +318,6 @@ class GradScaler:
             new_scale = float(new_scale.item())
         # torch fills a float32 tensor: round the same way.
         self._scaler.set_scale(to_float32(float(new_scale)))
-
-    # -- torch's accessors ------------------------------------------------------------------
-
-    def get_scale(self) -> float:
-        return self._scaler.get_scale() if self._enabled else 1.0
-
-    def get_growth_factor(self) -> float:
-        return self._scaler.config.growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        self._reconfigure(growth_factor=new_factor)
-
-    def get_backoff_factor(self) -> float:
-        return self._scaler.config.backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        self._reconfigure(backoff_factor=new_factor)
-
-    def get_growth_interval(self) -> int:
-        return self._scaler.config.growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        self._reconfigure(growth_interval=new_interval)
-
-    def _reconfigure(self, **changes: Any) -> None:
-        self._scaler.load_state_dict({**self._scaler.state_dict(), **changes})
-
-    def _get_growth_tracker(self) -> int:
-        return self._scaler.state.growth_tracker if self._enabled else 0
-
-    def is_enabled(self) -> bool:
-        return self._enabled
 
     def state_dict(self) -> dict[str, Any]:
         """torch's five keys, plus mixprec's schedule bounds and counters."""

@@ -5,7 +5,9 @@ doctor."""
 
 from __future__ import annotations
 
-from mixprec.scaling import DynamicLossScaler, LossScaler, ScalerState
+from mixprec._errors import ArgumentError
+from mixprec.scaling.scalers import DynamicLossScaler, LossScaler
+from mixprec.scaling.schedule import ScalerState
 from mixprec.trace import Overflow
 
 __all__ = ["ScalerHealth", "scale_floor"]
@@ -38,9 +40,9 @@ class ScalerHealth:
         for name, value in (("max_consecutive_skips", max_consecutive_skips),
                             ("window", window), ("floor_skips", floor_skips)):  # fmt: skip
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ScalerHealth({name}={value!r}) is invalid; use an int >= 1")
+                raise ArgumentError(f"ScalerHealth({name}={value!r}) is invalid; use an int >= 1")
         if not 0.0 <= max_skip_rate <= 1.0:
-            raise ValueError(
+            raise ArgumentError(
                 f"ScalerHealth(max_skip_rate={max_skip_rate!r}) is invalid; use a fraction "
                 "in [0, 1]"
             )

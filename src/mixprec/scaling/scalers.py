@@ -1,0 +1,376 @@
+"""The stateful loss scalers: one protocol (``scale``, ``unscale_``, ``update``,
+``state_dict``) around the pure schedule of ``schedule.py``, and the checks of their
+arguments and of the state they load.
+
+Float16 has a 5-bit exponent: gradients below 2**-24 flush to zero. Multiplying the loss by
+a scale S before backward lifts them into range; dividing the gradients by S afterwards
+restores them. A step whose gradients overflowed is skipped and, for the dynamic scaler,
+the scale backs off. The scale is kept on the host, so that deciding to skip costs the one
+device-to-host transfer of ``found_inf`` per step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, replace
+from typing import Any, TypeVar
+
+import torch
+
+from mixprec._dtypes import HALF_DTYPES
+from mixprec._errors import ArgumentError, shown
+from mixprec.scaling.finite import unscale_grads_
+from mixprec.scaling.schedule import (
+    SMALLEST_NORMAL_F32,
+    Arithmetic,
+    DynamicConfig,
+    ScalerState,
+    count_step,
+    next_state,
+    to_float32,
+)
+
+__all__ = ["DynamicLossScaler", "LossScaler", "NoOpLossScaler", "StaticLossScaler"]
+
+T = TypeVar("T")
+
+
+class LossScaler:
+    """The protocol every scaler follows: ``scale``, ``unscale_``, ``update``, ``get_scale``,
+    ``state_dict``/``load_state_dict``. The state (scale and counters) is in ``state``."""
+
+    def __init__(self, scale: float) -> None:
+        self._state = ScalerState(scale=scale)
+
+    @property
+    def state(self) -> ScalerState:
+        return self._state
+
+    @property
+    def needs_scaling(self) -> bool:
+        """False when the scale is fixed at 1 (multiplying by it would be wasted work)."""
+        return True
+
+    def get_scale(self) -> float:
+        return self._state.scale
+
+    def set_scale(self, scale: float) -> None:
+        """Set the scale by hand; the counters are unchanged."""
+        self._state = replace(self._state, scale=_scale_value("scale", scale))
+
+    def scale(self, loss: T) -> T:
+        """``loss * scale`` for a tensor, or for each tensor of a list or tuple."""
+        if isinstance(loss, torch.Tensor):
+            return loss * self._state.scale if self.needs_scaling else loss  # type: ignore[return-value]
+        if isinstance(loss, (list, tuple)):
+            return type(loss)(self.scale(v) for v in loss)  # type: ignore[return-value]
+        raise ArgumentError(
+            f"scale(loss) needs a tensor or a list of tensors, got {type(loss).__name__}"
+        )
+
+    def unscale(self, value: T) -> T:
+        """``value / scale`` out of place, for a tensor or a list/tuple of them (MindSpore's
+        ``unscale``, used on the loss and on gradients). 16-bit tensors come back in
+        float32: divided in float16, the small values scaling protected would flush to 0."""
+        if isinstance(value, torch.Tensor):
+            if not self.needs_scaling:
+                return value  # type: ignore[return-value]
+            wide = value.float() if value.dtype in HALF_DTYPES else value
+            return wide * (1.0 / self._state.scale)  # type: ignore[return-value]
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.unscale(v) for v in value)  # type: ignore[return-value]
+        raise ArgumentError(
+            f"unscale(value) needs a tensor or a list of tensors, got {type(value).__name__}"
+        )
+
+    #: What ``adjust`` returns: MindSpore's dynamic scaler says True, its static one False.
+    _ADJUSTS = False
+
+    def adjust(self, grads_finite: bool | torch.Tensor) -> bool:
+        """MindSpore's ``adjust``: ``update`` with the flag inverted (True = all finite);
+        returns True for a dynamic scaler and False otherwise, as MindSpore's do."""
+        if isinstance(grads_finite, torch.Tensor):
+            grads_finite = bool(grads_finite.item())
+        self.update(not grads_finite)
+        return self._ADJUSTS
+
+    def unscale_(
+        self, grads: Sequence[torch.Tensor | None], device: torch.device | str | None = None
+    ) -> torch.Tensor:
+        """Divide ``grads`` by the scale in place; return the 0-dim ``found_inf`` tensor
+        (on ``device`` when ``grads`` is empty)."""
+        return unscale_grads_(grads, 1.0 / self._state.scale, device)
+
+    def update(self, found_inf: bool | torch.Tensor) -> None:
+        """Advance the state after a step whose gradients were (not) finite."""
+        if isinstance(found_inf, torch.Tensor):
+            found_inf = bool(found_inf.item())
+        self._state = self._next(self._state, bool(found_inf))
+
+    def _next(self, state: ScalerState, found_inf: bool) -> ScalerState:
+        return count_step(state, found_inf)
+
+    def _config(self) -> dict[str, Any]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"type": type(self).__name__, **self._config(), **asdict(self._state)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        kind = state_dict.get("type")
+        if kind != type(self).__name__:
+            raise ArgumentError(
+                f"load_state_dict: state of a {kind!r} cannot load into {type(self).__name__}"
+            )
+        fields = ScalerState.__dataclass_fields__
+        missing = [k for k in fields if k not in state_dict]
+        if missing:
+            raise ArgumentError(f"load_state_dict: scaler state lacks {', '.join(missing)}")
+        state = _checked_state(state_dict)  # every value checked before anything changes
+        self._load_config(state_dict, state.scale)
+        self._state = state
+
+    def _load_config(self, state_dict: dict[str, Any], scale: float) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        config = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
+        return f"{type(self).__name__}(scale={self.get_scale()!r}{', ' if config else ''}{config})"
+
+
+class NoOpLossScaler(LossScaler):
+    """Scale 1, for bfloat16 and float32. Non-finite gradients are still found and skipped."""
+
+    def __init__(self) -> None:
+        super().__init__(1.0)
+
+    @property
+    def needs_scaling(self) -> bool:
+        return False
+
+
+def _positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentError(f"{name} must be a number, got {type(value).__name__}: {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float's range (10**400)
+        raise ArgumentError(
+            f"{name}={shown(value)} is invalid; it is beyond float's range"
+        ) from None
+    if not (math.isfinite(number) and number > 0):
+        raise ArgumentError(f"{name}={value!r} is invalid; it must be a finite number > 0")
+    return number
+
+
+def _scale_value(name: str, value: float) -> float:
+    """A positive scale, rounded to float32 as a float32 tensor holding it would be."""
+    rounded = to_float32(_positive(name, value))
+    if math.isinf(rounded):
+        raise ArgumentError(f"{name}={value!r} is beyond float32's range (max ~3.4e38)")
+    return rounded
+
+
+def _count(name: str, value: int, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ArgumentError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
+    if value < minimum:
+        raise ArgumentError(f"{name}={value!r} is invalid; it must be an int >= {minimum}")
+    return value
+
+
+def _checked_state(state_dict: dict[str, Any]) -> ScalerState:
+    """The ``ScalerState`` in ``state_dict``, every value checked: a scale of NaN, inf, 0, a
+    negative number, a string or one float32 cannot hold would make every later step skip,
+    divide by zero or apply with a wrong sign."""
+    where = "load_state_dict: scaler state"
+    scale = state_dict["scale"]
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ArgumentError(
+            f"{where} 'scale' must be a number, got {type(scale).__name__}: {scale!r}"
+        )
+    try:
+        value = float(scale)
+    except OverflowError:
+        value = math.inf
+    if not (math.isfinite(value) and value > 0):
+        raise ArgumentError(f"{where} 'scale'={shown(scale)} is invalid; it must be finite and > 0")
+    if not SMALLEST_NORMAL_F32 <= to_float32(value) < math.inf:
+        raise ArgumentError(
+            f"{where} 'scale'={shown(scale)} is invalid; float32 holds scales in "
+            f"[2**-126, ~3.4e38] (normal numbers)"
+        )
+    counts = {}
+    for key, minimum in (
+        ("growth_tracker", 0), ("hysteresis_left", 1), ("steps", 0), ("skipped_steps", 0),
+        ("consecutive_skips", 0),
+    ):  # fmt: skip
+        counts[key] = _count(f"{where} {key!r}", state_dict[key], minimum)
+    last = state_dict["last_overflow_step"]
+    if last is not None:
+        last = _count(f"{where} 'last_overflow_step'", last, 0)
+    return ScalerState(scale=to_float32(value), last_overflow_step=last, **counts)
+
+
+class StaticLossScaler(LossScaler):
+    """A fixed scale (MindSpore ``StaticLossScaler(scale_value)``); overflowing steps skip."""
+
+    def __init__(self, scale: float | None = None, *, scale_value: float | None = None) -> None:
+        if (scale is None) == (scale_value is None):
+            raise ArgumentError("StaticLossScaler needs exactly one of scale= or scale_value=")
+        name, given = ("scale", scale) if scale is not None else ("scale_value", scale_value)
+        super().__init__(_scale_value(name, given))  # type: ignore[arg-type]
+
+
+# MindSpore's constructors take scale_factor=1, a scale that never moves; mixprec says so.
+_FACTOR_ONE = (
+    "scale_factor={!r} is invalid; it must be > 1 (a factor of 1 never changes the scale: "
+    "use StaticLossScaler(scale_value=...) for a fixed one)"
+)
+
+
+class _DefaultMax(float):
+    """Marks the default ``max_scale`` so MindSpore-named construction can drop the bound."""
+
+
+_DEFAULT_MAX = _DefaultMax(2.0**24)
+
+
+class DynamicLossScaler(LossScaler):
+    """A scale that backs off on overflow and grows after ``growth_interval`` clean steps.
+
+    MindSpore users may write ``DynamicLossScaler(scale_value=2**10, scale_factor=2,
+    scale_window=50)``: growth by ``scale_factor``, backoff by ``1/scale_factor``, growth
+    after ``scale_window`` clean steps, a floor of 1 and no upper bound other than float32's
+    range, with MindSpore's float32 arithmetic. Scales are rounded to float32.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_scale: float | None = 1.0,
+        max_scale: float | None = _DEFAULT_MAX,
+        *,
+        scale_value: float | None = None,
+        scale_factor: float | None = None,
+        scale_window: int | None = None,
+        arithmetic: Arithmetic = "torch",
+        max_consecutive_skips: int | None = None,
+    ) -> None:
+        if scale_value is not None or scale_factor is not None or scale_window is not None:
+            if None in (scale_value, scale_factor, scale_window):
+                raise ArgumentError(
+                    "DynamicLossScaler with MindSpore names needs all of scale_value, "
+                    f"scale_factor and scale_window; got scale_value={scale_value!r}, "
+                    f"scale_factor={scale_factor!r}, scale_window={scale_window!r}"
+                )
+            init_scale = scale_value  # type: ignore[assignment]
+            growth_factor = _positive("scale_factor", scale_factor)  # type: ignore[arg-type]
+            if growth_factor <= 1.0:
+                raise ArgumentError(_FACTOR_ONE.format(scale_factor))
+            backoff_factor = 1.0 / growth_factor
+            growth_interval = scale_window  # type: ignore[assignment]
+            arithmetic = "mindspore"
+            if isinstance(max_scale, _DefaultMax):
+                max_scale = None
+        config = _check_config(
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            hysteresis,
+            min_scale,
+            max_scale,
+            arithmetic,
+            max_consecutive_skips,
+        )
+        init = _scale_value("init_scale", init_scale)
+        low = config.floor
+        high = config.max_scale if config.max_scale is not None else float(torch.finfo().max)
+        if not low <= init <= high:
+            raise ArgumentError(
+                f"init_scale={init!r} is outside [min_scale, max_scale] = [{low!r}, {high!r}]"
+            )
+        super().__init__(init)
+        self.config = config
+        self._state = replace(self._state, hysteresis_left=config.hysteresis)
+
+    _ADJUSTS = True
+
+    def _next(self, state: ScalerState, found_inf: bool) -> ScalerState:
+        new = next_state(state, found_inf, self.config)
+        limit = self.config.max_consecutive_skips
+        if limit is not None and new.consecutive_skips > limit:
+            self._state = new  # counted, as MindSpore's manager counts it before raising
+            raise RuntimeError(
+                f"{new.consecutive_skips} overflowing steps in a row (more than "
+                f"max_consecutive_skips={limit}) at loss scale {new.scale:g}: the model "
+                "overflows at every scale. Train it in bfloat16 (policy='mixed_bfloat16'), "
+                "or keep the overflowing modules in float32 (keep_float32=...; "
+                "mixprec.diagnose names them)"
+            )
+        return new
+
+    def _config(self) -> dict[str, Any]:
+        return asdict(self.config)
+
+    def _load_config(self, state_dict: dict[str, Any], scale: float) -> None:
+        # Keys added after a checkpoint was written take their defaults.
+        defaults = asdict(DynamicConfig())
+        config = _check_config(
+            *(state_dict.get(k, defaults[k]) for k in DynamicConfig.__dataclass_fields__)
+        )
+        low, high = config.min_scale, config.max_scale
+        if (low is not None and scale < low) or (high is not None and scale > high):
+            raise ArgumentError(
+                f"load_state_dict: scaler state 'scale'={scale!r} is outside [min_scale, "
+                f"max_scale] = [{low!r}, {high!r}]"
+            )
+        self.config = config
+
+
+def _check_config(
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+    min_scale: float | None,
+    max_scale: float | None,
+    arithmetic: Arithmetic = "torch",
+    max_consecutive_skips: int | None = None,
+) -> DynamicConfig:
+    growth = _positive("growth_factor", growth_factor)
+    if growth <= 1.0:
+        raise ArgumentError(f"growth_factor={growth_factor!r} is invalid; it must be > 1.0")
+    backoff = _positive("backoff_factor", backoff_factor)
+    if not backoff < 1.0:
+        raise ArgumentError(
+            f"backoff_factor={backoff_factor!r} is invalid; it must be in the open interval (0, 1)"
+        )
+    low = None if min_scale is None else _positive("min_scale", min_scale)
+    high = None if max_scale is None else _positive("max_scale", float(max_scale))
+    if low is not None and high is not None and low > high:
+        raise ArgumentError(f"min_scale={min_scale!r} is larger than max_scale={max_scale!r}")
+    if arithmetic not in ("torch", "tf1", "mindspore", "mindspore_manager"):
+        raise ArgumentError(
+            f"arithmetic={arithmetic!r} is invalid; valid: 'torch', 'tf1', 'mindspore', "
+            "'mindspore_manager'"
+        )
+    return DynamicConfig(
+        growth_factor=growth,
+        backoff_factor=backoff,
+        growth_interval=_count("growth_interval", growth_interval),
+        hysteresis=_count("hysteresis", hysteresis),
+        min_scale=low,
+        max_scale=high,
+        arithmetic=arithmetic,
+        max_consecutive_skips=(
+            None
+            if max_consecutive_skips is None
+            else _count("max_consecutive_skips", max_consecutive_skips)
+        ),
+    )

@@ -1,0 +1,80 @@
+"""Finiteness checks and unscaling: dense, sparse and mixed-dtype gradients, the read-only
+check at scale 1 on CPU against the kernel path, and the dtype of the flag."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mixprec as mp
+from mixprec.scaling import finite as finite_module
+from mixprec.scaling.finite import unscale_grads_
+
+
+def test_unscale_grads_dense_sparse_and_mixed_dtypes():
+    dense32 = torch.tensor([4.0, -8.0])
+    dense_bf16 = torch.tensor([2.0, 6.0], dtype=torch.bfloat16)
+    sparse = torch.sparse_coo_tensor([[0, 2]], torch.tensor([8.0, 16.0]), (4,)).coalesce()
+    found = unscale_grads_([dense32, None, dense_bf16, sparse], 0.5)
+    assert found.item() == 0.0 and found.dim() == 0
+    assert dense32.tolist() == [2.0, -4.0]
+    assert dense_bf16.tolist() == [1.0, 3.0]
+    assert sparse.to_dense().tolist() == [4.0, 0.0, 8.0, 0.0]
+    bad = torch.sparse_coo_tensor([[1]], torch.tensor([float("nan")]), (4,)).coalesce()
+    assert unscale_grads_([dense32, bad], 1.0).item() == 1.0
+    assert unscale_grads_([], 1.0).item() == 0.0
+
+
+def test_all_finite():
+    good = [torch.ones(3), torch.ones(2, dtype=torch.float16), None, torch.zeros(0)]
+    assert bool(mp.all_finite(good))
+    assert not bool(mp.all_finite([*good, torch.tensor([1.0, float("inf")])]))
+    assert not bool(mp.all_finite([torch.tensor([float("nan")], dtype=torch.bfloat16)]))
+    sparse = torch.sparse_coo_tensor([[0]], torch.tensor([float("inf")]), (3,))
+    assert not bool(mp.all_finite([sparse]))
+    assert mp.all_finite([torch.tensor([1, 2])]).dtype == torch.bool  # integers are finite
+
+
+BIG = torch.finfo(torch.float32).max
+
+
+@pytest.mark.parametrize("on_host", [True, False], ids=["cpu-read", "kernel"])
+@pytest.mark.parametrize(
+    ("values", "finite"),
+    [
+        ([[1.0, -2.0], [3.0]], True),
+        ([[1.0, float("nan")], [3.0]], False),
+        ([[1.0], [float("-inf"), 2.0]], False),
+        ([[float("inf"), float("-inf")]], False),  # sums to NaN: still non-finite
+        ([[BIG, BIG], [BIG]], True),  # finite values whose sum overflows float32
+        ([[-BIG, -BIG]], True),
+        ([[], [5.0]], True),
+    ],
+)
+def test_scale_one_checks_read_only_and_exact(monkeypatch, values, finite, on_host):
+    # At scale 1 on CPU the check reads per-tensor sums (no multiply-by-1 write); a sum
+    # that overflows is confirmed value by value, so finite values are never a false alarm.
+    if not on_host:
+        monkeypatch.setattr(finite_module, "checks_on_host", lambda tensors: False)
+    grads = [torch.tensor(v, dtype=torch.float32) for v in values]
+    before = [g.clone() for g in grads]
+    found = unscale_grads_(grads, 1.0)
+    assert found.dtype == torch.float32 and found.dim() == 0
+    assert found.item() == (0.0 if finite else 1.0)
+    assert bool(mp.all_finite(grads)) is finite
+    halves = [g.to(torch.float16) for g in grads]  # BIG becomes inf here
+    assert bool(mp.all_finite(halves)) is all(bool(h.isfinite().all()) for h in halves)
+    for g, b in zip(grads, before, strict=True):
+        assert torch.equal(g.nan_to_num(), b.nan_to_num())  # not written
+
+
+def test_the_cpu_check_flag_is_float32_whatever_the_default_dtype():
+    # GradScaler's fused optimizer step takes a float32 flag only: the flag stays float32
+    # under torch.set_default_dtype(float64).
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        found = unscale_grads_([torch.ones(3, dtype=torch.float32)], 1.0)
+        assert found.dtype == torch.float32 and found.item() == 0.0
+    finally:
+        torch.set_default_dtype(before)

@@ -1,0 +1,207 @@
+"""The stateful scalers: defaults, static and no-op scalers, scale and unscale, state_dict
+round trips, and the checks of constructor arguments and of loaded state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec as mp
+from mixprec.scaling.schedule import to_float32
+from tests.scaling._helpers import run
+
+
+def test_dynamic_defaults():
+    s = mp.DynamicLossScaler()
+    c = s.config
+    assert s.get_scale() == 2.0**16
+    assert (c.growth_factor, c.backoff_factor, c.growth_interval) == (2.0, 0.5, 2000)
+    assert (c.hysteresis, c.min_scale, c.max_scale) == (1, 1.0, 2.0**24)
+
+
+def test_static_and_noop():
+    s = mp.StaticLossScaler(128.0)
+    assert run(s, [True, False, True]) == [128.0] * 3
+    assert s.state.skipped_steps == 2
+    assert mp.StaticLossScaler(scale_value=2.0**10).get_scale() == 1024.0
+    n = mp.NoOpLossScaler()
+    loss = torch.tensor(3.0)
+    assert n.scale(loss) is loss and n.get_scale() == 1.0
+    n.update(torch.tensor(1.0))
+    assert n.state.skipped_steps == 1
+
+
+def test_scale_unscale_out_of_place():
+    s = mp.StaticLossScaler(1024.0)
+    loss = torch.tensor(0.5)
+    assert s.scale(loss).item() == 512.0
+    assert s.unscale(s.scale(loss)).item() == 0.5
+    grads = [torch.tensor([2048.0]), torch.tensor([1024.0])]
+    assert [g.item() for g in s.unscale(grads)] == [2.0, 1.0]
+    assert grads[0].item() == 2048.0  # unscale is out of place
+    with pytest.raises(TypeError, match="needs a tensor or a list of tensors, got str"):
+        s.scale("loss")
+
+
+def test_state_dict_round_trip_and_type_check():
+    s = mp.DynamicLossScaler(init_scale=2.0**8, growth_interval=2, hysteresis=2)
+    run(s, [True, False, True, True])
+    t = mp.DynamicLossScaler()
+    t.load_state_dict(s.state_dict())
+    assert t.state == s.state and t.config == s.config
+    with pytest.raises(ValueError, match="state of a 'DynamicLossScaler' cannot load into"):
+        mp.StaticLossScaler(2.0).load_state_dict(s.state_dict())
+    bad = s.state_dict()
+    del bad["steps"]
+    with pytest.raises(ValueError, match="scaler state lacks steps"):
+        t.load_state_dict(bad)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"growth_factor": 1.0}, r"growth_factor=1.0 is invalid; it must be > 1.0"),
+        ({"growth_factor": 0.5}, r"growth_factor=0.5 is invalid"),
+        ({"backoff_factor": 1.0}, r"backoff_factor=1.0 is invalid; .*\(0, 1\)"),
+        ({"backoff_factor": 0.0}, r"backoff_factor=0.0 is invalid"),
+        ({"backoff_factor": -0.5}, r"backoff_factor=-0.5 is invalid"),
+        ({"growth_interval": -1}, r"growth_interval=-1 is invalid; it must be an int >= 1"),
+        ({"growth_interval": 0}, r"growth_interval=0 is invalid"),
+        ({"hysteresis": 0}, r"hysteresis=0 is invalid"),
+        ({"init_scale": float("inf")}, r"init_scale=inf is invalid"),
+        ({"init_scale": 0.0}, r"init_scale=0.0 is invalid"),
+        ({"init_scale": 2.0**30}, r"init_scale=1073741824.0 is outside \[min_scale, max_scale\]"),
+        ({"init_scale": 1e39, "max_scale": None}, r"init_scale=1e\+39 is beyond float32's range"),
+        ({"arithmetic": "numpy"}, r"arithmetic='numpy' is invalid; valid: 'torch', 'tf1'"),
+        ({"min_scale": 8.0, "max_scale": 4.0, "init_scale": 4.0}, r"min_scale=8.0 is larger"),
+    ],
+)
+def test_bad_dynamic_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        mp.DynamicLossScaler(**kwargs)
+
+
+def test_bad_argument_types():
+    with pytest.raises(TypeError, match="growth_interval must be an int, got float: 2.5"):
+        mp.DynamicLossScaler(growth_interval=2.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="needs all of scale_value, scale_factor and scale_window"):
+        mp.DynamicLossScaler(scale_value=8.0)
+    with pytest.raises(ValueError, match="scale_factor=1 is invalid"):
+        mp.DynamicLossScaler(scale_value=8.0, scale_factor=1, scale_window=5)
+    with pytest.raises(TypeError, match="exactly one of scale= or scale_value="):
+        mp.StaticLossScaler()
+    with pytest.raises(ValueError, match="scale=-1.0 is invalid"):
+        mp.StaticLossScaler(-1.0)
+    with pytest.raises(ValueError, match="scale=0 is invalid"):
+        mp.StaticLossScaler(0)
+
+
+def test_scales_are_rounded_to_float32_like_a_float32_tensor():
+    assert mp.DynamicLossScaler(init_scale=0.1, min_scale=None).get_scale() == to_float32(0.1)
+    assert mp.StaticLossScaler(1000.3).get_scale() == torch.tensor(1000.3).item()
+
+
+def test_unscale_widens_16_bit_values():
+    s = mp.DynamicLossScaler()  # 2**16
+    grad = torch.tensor([2.0**-10], dtype=torch.float16)
+    (out,) = s.unscale([grad])
+    assert out.dtype == torch.float32 and out.item() == 2.0**-26  # would be 0 in float16
+
+
+def test_adjust_returns_what_mindspore_returns():
+    assert mp.DynamicLossScaler(scale_value=8, scale_factor=2, scale_window=5).adjust(True)
+    assert mp.StaticLossScaler(scale_value=8).adjust(True) is False
+
+
+def test_state_dict_from_before_max_consecutive_skips_loads():
+    saved = mp.DynamicLossScaler().state_dict()
+    del saved["max_consecutive_skips"]
+    scaler = mp.DynamicLossScaler()
+    scaler.load_state_dict(saved)
+    assert scaler.config.max_consecutive_skips is None
+
+
+BAD_SCALES = [
+    (float("nan"), ValueError, "'scale'=nan is invalid; it must be finite and > 0"),
+    (float("inf"), ValueError, "'scale'=inf is invalid"),
+    (0.0, ValueError, "'scale'=0.0 is invalid"),
+    (-1024.0, ValueError, "'scale'=-1024.0 is invalid"),
+    ("abc", TypeError, "'scale' must be a number, got str: 'abc'"),
+    (1e300, ValueError, r"'scale'=1e\+300 is invalid; float32 holds scales in"),
+    (1e-45, ValueError, r"'scale'=1e-45 is invalid; float32 holds"),
+    (10**400, ValueError, "'scale'=an int of 401 digits is invalid"),
+]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [mp.DynamicLossScaler, lambda: mp.StaticLossScaler(8.0), mp.NoOpLossScaler,
+     mp.DynamicLossScaleManager],
+)  # fmt: skip
+@pytest.mark.parametrize(("scale", "error", "match"), BAD_SCALES)
+def test_every_scaler_refuses_a_bad_scale_on_load(make, scale, error, match):
+    """Such a scale, loaded, would make every step skip, divide by zero or apply with a
+    negative scale. Nothing changes when the load is refused."""
+    scaler = make()
+    before = scaler.state_dict()
+    bad = {**before, "scale": scale}
+    with pytest.raises(error, match=match):
+        scaler.load_state_dict(bad)
+    assert scaler.state_dict() == before
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "error", "match"),
+    [
+        ("growth_tracker", -1, ValueError, "'growth_tracker'=-1 is invalid"),
+        ("steps", "7", TypeError, "'steps' must be an int, got str"),
+        ("hysteresis_left", 0, ValueError, "'hysteresis_left'=0 is invalid"),
+        ("last_overflow_step", 1.5, TypeError, "'last_overflow_step' must be an int"),
+        ("growth_factor", "x", TypeError, "growth_factor must be a number, got str"),
+        ("scale", 2.0**30, ValueError, r"'scale'=1073741824.0 is outside \[min_scale"),
+    ],
+)
+def test_dynamic_scaler_state_values_are_checked_by_name(key, value, error, match):
+    scaler = mp.DynamicLossScaler()
+    with pytest.raises(error, match=match):
+        scaler.load_state_dict({**scaler.state_dict(), key: value})
+
+
+@pytest.mark.parametrize(("scale", "error", "match"), BAD_SCALES)
+def test_grad_scaler_and_loss_scale_optimizer_refuse_a_bad_scale(scale, error, match):
+    gs = mp.GradScaler("cpu")
+    with pytest.raises(error, match=match):
+        gs.load_state_dict({**gs.state_dict(), "scale": scale})
+    assert gs.get_scale() == 65536.0
+    with pytest.raises(ValueError, match="GradScaler state lacks _growth_tracker"):
+        gs.load_state_dict({"scale": 2.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                            "growth_interval": 10})  # fmt: skip
+    param = nn.Parameter(torch.ones(2))
+    opt = mp.LossScaleOptimizer(torch.optim.Adam([param], lr=0.1),
+                                loss_scaler=mp.DynamicLossScaler())  # fmt: skip
+    opt.backward(param.sum())
+    opt.step()
+    saved = opt.state_dict()
+    fresh = mp.LossScaleOptimizer(torch.optim.Adam([nn.Parameter(torch.ones(2))], lr=0.1),
+                                  loss_scaler=mp.DynamicLossScaler())  # fmt: skip
+    bad = {**saved, "loss_scaler": {**saved["loss_scaler"], "scale": scale}}
+    with pytest.raises(error, match=match):
+        fresh.load_state_dict(bad)
+    assert fresh.state_dict()["optimizers"][0]["state"] == {}  # all or nothing
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: mp.DynamicLossScaler(init_scale=10**400), lambda: mp.StaticLossScaler(10**400),
+     lambda: mp.GradScaler("cpu", 10**400),
+     lambda: mp.LossScaleOptimizer(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0),
+                                   max_grad_norm=10**400)],
+)  # fmt: skip
+def test_numbers_beyond_float_are_refused_by_name(make):
+    """An int beyond float's range is refused with the argument's name, not with
+    OverflowError."""
+    with pytest.raises(
+        ValueError, match=r"(init_scale|scale|max_grad_norm)=an int of 401 digits is invalid"
+    ):
+        make()

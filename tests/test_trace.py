@@ -1,0 +1,254 @@
+"""Overflow provenance: ``OverflowTracer`` names the first module whose output (forward) or
+output gradient (backward) held inf/NaN, in execution order, with the count of non-finite
+values and the range of the finite ones; a finite step, an evaluation pass and a removed
+tracer report nothing. ``remember_model``/``model_of`` let parameters find their model."""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec import trace
+from mixprec.trace import Overflow, OverflowTracer, model_of, remember_model
+
+# float16's largest finite value is 65504: 60000 * 0.5 fits, 60000 * 2 does not.
+GAIN = 60000.0
+
+
+class HalfGain(nn.Module):
+    """Multiplies its input by ``GAIN`` in float16: values above ~1.09 overflow to inf."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.half() * GAIN).float()
+
+
+class _InfGrad(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by inf."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad * math.inf
+
+
+class InfGrad(nn.Module):
+    """Finite forward; sends an infinite gradient to the module before it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _InfGrad.apply(x)
+
+
+def identity_linear(d: int) -> nn.Linear:
+    layer = nn.Linear(d, d)
+    with torch.no_grad():
+        layer.weight.copy_(torch.eye(d))
+        layer.bias.zero_()
+    return layer
+
+
+def test_forward_overflow_names_the_first_module_and_counts_its_values():
+    model = nn.Sequential(identity_linear(4), HalfGain(), identity_linear(4))
+    tracer = OverflowTracer(model)
+    x = torch.tensor([[0.5, 2.0, -0.25, -3.0]], requires_grad=True)
+    model(x).sum()
+    found = tracer.first_overflow()
+    # Module "2" and the model's own output are inf too; "1" came first.
+    assert found == Overflow(
+        module="1",
+        kind="HalfGain",
+        phase="forward",
+        dtype="float32",
+        nonfinite=2,
+        finite_min=-15000.0,  # -0.25 * 60000
+        finite_max=30000.0,  # 0.5 * 60000
+    )
+    assert str(found) == (
+        "1 (HalfGain) forward: 2 non-finite values in float32; finite values in [-1.5e+04, 3e+04]"
+    )
+
+
+def test_the_dtype_reported_is_the_outputs():
+    class HalfOut(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.half() * GAIN
+
+    model = nn.Sequential(identity_linear(2), HalfOut())
+    tracer = OverflowTracer(model)
+    model(torch.tensor([[2.0, 0.5]]))
+    found = tracer.first_overflow()
+    assert found is not None
+    assert (found.module, found.dtype, found.nonfinite) == ("1", "float16", 1)
+    assert found.finite_min == found.finite_max == 30000.0
+
+
+def test_nan_counts_as_non_finite():
+    class NaNs(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * torch.tensor([1.0, math.nan, 1.0])
+
+    model = nn.Sequential(identity_linear(3), NaNs())
+    tracer = OverflowTracer(model)
+    model(torch.ones(2, 3))
+    found = tracer.first_overflow()
+    assert found is not None
+    assert (found.module, found.kind, found.phase, found.nonfinite) == ("1", "NaNs", "forward", 2)
+    assert (found.finite_min, found.finite_max) == (1.0, 1.0)
+
+
+def test_backward_overflow_names_the_module_whose_output_gradient_first_went_bad():
+    # Gradients arrive from the output backwards: "4", "3" and "2" (InfGrad's output) get
+    # finite gradients; InfGrad's backward makes the gradient of "1"'s output inf, then
+    # "0"'s. The first in arrival order is "1", the module next to where it started.
+    model = nn.Sequential(
+        identity_linear(3), identity_linear(3), InfGrad(), identity_linear(3), identity_linear(3)
+    )
+    tracer = OverflowTracer(model)
+    loss = model(torch.ones(2, 3, requires_grad=True)).sum()
+    assert tracer.first_overflow() is None  # the forward was finite
+    loss.backward()
+    found = tracer.first_overflow()
+    assert found is not None
+    assert (found.module, found.kind, found.phase) == ("1", "Linear", "backward")
+    assert (found.dtype, found.nonfinite) == ("float32", 6)
+
+
+def test_a_forward_overflow_comes_before_the_backward_records():
+    model = nn.Sequential(identity_linear(2), HalfGain(), InfGrad(), identity_linear(2))
+    tracer = OverflowTracer(model)
+    model(torch.tensor([[2.0, 0.5]])).sum().backward()
+    found = tracer.first_overflow()
+    assert found is not None
+    assert (found.module, found.phase) == ("1", "forward")
+
+
+def test_the_model_itself_is_named_when_it_has_no_children():
+    class Blow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x * self.weight).half() * GAIN
+
+    model = Blow()
+    tracer = OverflowTracer(model)
+    model(torch.tensor([4.0, 0.25]))
+    found = tracer.first_overflow()
+    assert found is not None
+    assert (found.module, found.kind, found.phase) == ("(model)", "Blow", "forward")
+
+
+def test_a_finite_step_reports_nothing():
+    model = nn.Sequential(identity_linear(4), HalfGain(), identity_linear(4))
+    tracer = OverflowTracer(model)
+    assert tracer.first_overflow() is None  # nothing recorded yet
+    x = torch.full((3, 4), 0.5, requires_grad=True)
+    model(x).sum().backward()
+    assert tracer.first_overflow() is None
+    assert x.grad is not None and bool(x.grad.isfinite().all())
+
+
+def test_clear_forgets_the_last_step():
+    model = nn.Sequential(identity_linear(2), HalfGain())
+    tracer = OverflowTracer(model)
+    model(torch.tensor([[2.0, 0.5]]))
+    assert tracer.first_overflow() is not None
+    tracer.clear()
+    assert tracer.first_overflow() is None
+    model(torch.tensor([[0.5, 0.5]]))
+    assert tracer.first_overflow() is None
+
+
+def test_evaluation_under_no_grad_records_nothing():
+    # No step follows an evaluation pass: its overflows are not a step's.
+    model = nn.Sequential(identity_linear(2), HalfGain())
+    tracer = OverflowTracer(model)
+    with torch.no_grad():
+        model(torch.tensor([[2.0, 0.5]]))
+    assert tracer.first_overflow() is None
+
+
+def test_remove_takes_the_hooks_off():
+    model = nn.Sequential(identity_linear(2), HalfGain())
+    tracer = OverflowTracer(model)
+    tracer.remove()
+    model(torch.tensor([[2.0, 0.5]]))
+    assert tracer.first_overflow() is None
+    tracer.remove()  # twice is harmless
+
+
+def test_outputs_without_a_floating_tensor_are_skipped_and_containers_are_searched():
+    class Pair(nn.Module):
+        """Returns (indices, values): the first floating tensor is the one checked."""
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x.argmax(dim=-1), x.half() * GAIN
+
+    class Indices(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x.half() * GAIN).isinf().long()  # integers: nothing to check
+
+    class Named(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pair = Pair()
+            self.indices = Indices()
+
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            count = self.indices(x)
+            _, values = self.pair(x)
+            return {"count": count, "values": values}
+
+    model = Named()
+    tracer = OverflowTracer(model)
+    model(torch.tensor([[2.0, 0.5]]))
+    found = tracer.first_overflow()
+    assert found is not None
+    assert (found.module, found.kind) == ("pair", "Pair")
+    assert (found.dtype, found.nonfinite) == ("float16", 1)
+
+
+def test_empty_outputs_are_recorded_as_finite():
+    class Empty(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x[:0]
+
+    model = nn.Sequential(identity_linear(2), Empty())
+    tracer = OverflowTracer(model)
+    model(torch.ones(1, 2))
+    assert tracer.first_overflow() is None
+
+
+def test_hooks_are_off_under_compile_and_say_so_once(monkeypatch):
+    # Dynamo cannot trace the hooks' side effects; under compile they record nothing and
+    # warn once per process (the notice is cached: cleared here to see it).
+    model = nn.Sequential(identity_linear(2), HalfGain())
+    tracer = OverflowTracer(model)
+    trace._warn_off_under_compile.cache_clear()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    try:
+        with pytest.warns(UserWarning, match=r"trace_overflow: .*torch.compile.*hooks are off"):
+            model(torch.tensor([[2.0, 0.5]]))
+    finally:
+        trace._warn_off_under_compile.cache_clear()
+    assert tracer.first_overflow() is None
+
+
+def test_parameters_find_their_model_while_it_lives():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    remember_model(model)
+    params = list(model.parameters())
+    assert model_of(params) is model
+    assert model_of([torch.ones(1), params[-1]]) is model  # the first that knows it
+    assert model_of([torch.ones(1)]) is None
+    assert model_of([]) is None
+    del model
+    gc.collect()
+    assert model_of(params) is None  # a weak reference: the model was freed
