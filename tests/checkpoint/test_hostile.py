@@ -1,6 +1,6 @@
-"""Hostile checkpoint files (issue 15 item 5), written by hand in the safetensors framing: an
-8-byte little-endian header length, the JSON header, the tensor data. Each must be refused
-with a ``CheckpointError`` before a tensor is read or hashed."""
+"""Hostile checkpoint files, written by hand in the safetensors framing: an 8-byte
+little-endian header length, the JSON header, the tensor data. Each must be refused with a
+``CheckpointError`` before a tensor is read or hashed."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import struct
 import pytest
 
 import mixprec as mp
-from mixprec import checkpoint
+from mixprec.checkpoint import _files, _safetensors, read
 from tests.conftest import make_mlp
 
 GiB = 2**30
@@ -37,13 +37,15 @@ def no_reading(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a tensor was read or hashed")
 
-    monkeypatch.setattr(checkpoint, "safe_open", forbidden)
-    monkeypatch.setattr(checkpoint, "_checksum", forbidden)
+    # Patched where they are looked up when called: safetensors is opened in _safetensors,
+    # the checksum taken in read.
+    monkeypatch.setattr(_safetensors, "safe_open", forbidden)
+    monkeypatch.setattr(read, "_checksum", forbidden)
 
 
 def test_many_empty_entries_are_refused_before_any_hashing(tmp_path, no_reading):
-    # 200k here (1.2 M in the report): each was read and hashed before any check, before.
-    # Now the header's parse stops at the 1025th entry.
+    # 200k here (1.2 M exhausted memory): the header's parse stops at the 1025th entry,
+    # before any is read or hashed.
     count = 200_000
     empty = '{"dtype":"F32","shape":[0],"data_offsets":[0,0]}'
     text = ("{" + ",".join(f'"t{i}":{empty}' for i in range(count)) + "}").encode()
@@ -59,7 +61,7 @@ def test_many_empty_entries_are_refused_before_any_hashing(tmp_path, no_reading)
 def test_huge_dimensions_are_refused(tmp_path):
     path = _write(tmp_path / "huge.safetensors", {"w": {
         "dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]}})  # fmt: skip
-    # Before: torch's TypeError from reshape().
+    # A CheckpointError, not torch's TypeError from reshape().
     with pytest.raises(
         mp.CheckpointError,
         match=r"tensor 'w' has shape \[0, 9223372036854775808\]; valid: a list of ints >= 0 "
@@ -75,7 +77,7 @@ def test_huge_dimensions_are_refused(tmp_path):
 def test_only_regular_files_with_contents_are_opened(tmp_path):
     mem = tmp_path / "mem.safetensors"
     mem.symlink_to("/proc/self/mem")
-    # Before: OSError [Errno 5] from reading it.
+    # A CheckpointError, not an OSError [Errno 5] from reading it.
     with pytest.raises(mp.CheckpointError, match=r"mem.safetensors: empty \(0 bytes\)"):
         mp.load_checkpoint(mem, make_mlp())
     zero = tmp_path / "zero.safetensors"
@@ -92,7 +94,7 @@ def test_sparse_huge_files_are_refused_before_reading(tmp_path, no_reading, monk
     # Four bytes of tensor, then a 64 GiB hole (sparse: no disk is used).
     tail = _write(tmp_path / "tail.safetensors", {"w": _f32(1)}, b"\0" * 4)
     os.truncate(tail, 64 * GiB)
-    # Before: safetensors mapped the 64 GiB (a MemoryError under an address-space limit).
+    # Refused before safetensors maps the 64 GiB (a MemoryError under an address-space limit).
     with pytest.raises(
         mp.CheckpointError, match=r"truncated or corrupt: the tensors end at byte 4 of the data"
     ):
@@ -102,8 +104,8 @@ def test_sparse_huge_files_are_refused_before_reading(tmp_path, no_reading, monk
         "dtype": "U8", "shape": [64 * GiB], "data_offsets": [0, 64 * GiB]}})  # fmt: skip
     os.truncate(whole, whole.stat().st_size + 64 * GiB)
     if os.path.exists("/proc/meminfo"):
-        assert checkpoint._available_memory() > 0
-    monkeypatch.setattr(checkpoint, "_available_memory", lambda: 16 * GiB)
+        assert _files._available_memory() > 0
+    monkeypatch.setattr(_safetensors, "_available_memory", lambda: 16 * GiB)
     with pytest.raises(
         mp.CheckpointError,
         match=r"its tensors hold 64.0 GiB, more than the 16.0 GiB of memory available; refused",
@@ -134,7 +136,7 @@ def test_deeply_nested_json_is_a_checkpoint_error(tmp_path):
     deep = "[" * 100_000 + "]" * 100_000
     mixprec = f'{{"format": "mixprec-checkpoint", "format_version": 2, "rng": {deep}}}'
     path = _write(tmp_path / "deep.safetensors", {"w": _f32(1)}, b"\0" * 4, {"mixprec": mixprec})
-    # Before: RecursionError.
+    # A CheckpointError, not a RecursionError.
     with pytest.raises(mp.CheckpointError, match=r"corrupt mixprec header \(JSON nested too"):
         mp.load_checkpoint(path, make_mlp())
     text = ('{"w": ' + deep + "}").encode()
@@ -145,7 +147,7 @@ def test_deeply_nested_json_is_a_checkpoint_error(tmp_path):
 
 def test_plain_safetensors_aliases_are_checked(tmp_path):
     path = _write(tmp_path / "a.safetensors", {"w": _f32(1)}, b"\0" * 4, {"aliases": "{not"})
-    # Before: json's JSONDecodeError, and a KeyError for an alias to nothing.
+    # A CheckpointError, not json's JSONDecodeError nor a KeyError for an alias to nothing.
     with pytest.raises(mp.CheckpointError, match="a.safetensors: corrupt aliases metadata"):
         mp.read_checkpoint(path)
     _write(path, {"w": _f32(1)}, b"\0" * 4, {"aliases": '{"v": "nope"}'})

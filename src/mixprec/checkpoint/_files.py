@@ -1,0 +1,97 @@
+"""Files on disk: atomic writes (temporary file, fsync, rename), the temporary files a killed
+writer leaves, opening only a regular file for reading, and the memory a read may fill."""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+from safetensors.torch import save_file
+
+from mixprec.checkpoint.format import CheckpointError
+
+
+def _atomic_write(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> None:
+    """Temporary file in the same folder, fsync, rename, fsync the folder: a crash at any
+    point leaves the previous file (or none), never a torn one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        # mkstemp makes the file 0600; a checkpoint gets the mode any new file would.
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if hasattr(os, "O_DIRECTORY"):
+        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # the only way to read it; set back at once
+    os.umask(mask)
+    return mask
+
+
+def temporary_files(folder: Path) -> list[Path]:
+    """Temporary files ``_atomic_write`` leaves behind when its process is killed."""
+    return sorted(folder.glob(".*.safetensors.*.tmp"))
+
+
+def _open_regular(file: Path) -> tuple[BinaryIO, int]:
+    """``file`` opened for reading, and its size. Only a regular file is opened: a device,
+    pipe or socket could block, never end or have effects on open; a file that reads as
+    empty (procfs's ``/proc/self/mem``) is refused before it is read."""
+    try:
+        before = os.stat(file)
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: no such checkpoint file") from None
+    except OSError as err:
+        raise CheckpointError(f"{file}: cannot be read ({err.strerror})") from None
+    if not stat.S_ISREG(before.st_mode):
+        raise CheckpointError(f"{file}: not a regular file (a device, pipe or socket); refused")
+    try:
+        # O_NONBLOCK: should it have become a pipe since the stat, the open returns at once.
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except OSError as err:
+        raise CheckpointError(f"{file}: cannot be read ({err.strerror})") from None
+    handle = os.fdopen(fd, "rb")
+    now = os.fstat(handle.fileno())
+    if (now.st_dev, now.st_ino) != (before.st_dev, before.st_ino) or not stat.S_ISREG(now.st_mode):
+        handle.close()
+        raise CheckpointError(f"{file}: replaced while being opened; refused")
+    if now.st_size == 0:
+        handle.close()
+        raise CheckpointError(f"{file}: empty (0 bytes): not a checkpoint")
+    return handle, now.st_size
+
+
+def _available_memory() -> int | None:
+    """Bytes this process could still fill: the kernel's MemAvailable plus free swap; None
+    where unknown. A container's limit can be lower, but its page cache makes any estimate
+    of it too low, and a too-low estimate would refuse a checkpoint that fits."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return None
+    kib = {}
+    for line in lines:
+        key, _, rest = line.partition(":")
+        value = rest.split()
+        if value and value[0].isdigit():
+            kib[key] = int(value[0])
+    if "MemAvailable" not in kib:
+        return None
+    return (kib["MemAvailable"] + kib.get("SwapFree", 0)) * 1024

@@ -1,0 +1,61 @@
+"""A model's tensors as a checkpoint stores them: float32 masters in place of 16-bit weights,
+tied tensors once, and which state-dict keys are parameters and which are buffers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from mixprec.optim import LossScaleOptimizer
+
+
+def _model_tensors(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
+    """State-dict tensors with masters in place of 16-bit weights; tied tensors stored once."""
+    names = _parameter_names(model)
+    masters: dict[str, torch.Tensor] = {}
+    if isinstance(optimizer, LossScaleOptimizer):
+        for param, master in optimizer.master_weights():
+            for name in names.get(id(param), []):  # a tied weight has several names
+                masters[name] = master
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[int, int, tuple[int, ...], torch.dtype], str] = {}
+    for key, value in model.state_dict().items():
+        value = _unwrapped(masters.get(key, value))
+        storage = value.untyped_storage().data_ptr()
+        ident = (storage, int(value.storage_offset()), tuple(value.shape), value.dtype)
+        if value.numel() and ident in seen:
+            aliases[key] = seen[ident]
+            continue
+        seen[ident] = key
+        tensors[f"model/{key}"] = value.detach().cpu().contiguous()
+    return tensors, aliases, sorted(masters)
+
+
+def _unwrapped(value: torch.Tensor) -> torch.Tensor:
+    """The plain tensor inside a wrapper subclass that holds one as ``_tensor`` (torchao's
+    float8 all-gather weights): the wrapper has no storage of its own."""
+    while type(value) is not torch.Tensor and isinstance(
+        getattr(value, "_tensor", None), torch.Tensor
+    ):
+        value = value._tensor  # type: ignore[attr-defined]
+    return value
+
+
+def _parameter_names(model: nn.Module) -> dict[int, list[str]]:
+    """Every name of each parameter, by ``id``: a tied weight has several."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return names
+
+
+def _buffer_names(model: nn.Module, keys: Iterable[str]) -> set[str]:
+    """Which state-dict ``keys`` are buffers (not parameters): their values are not weights,
+    and non-finite ones are normal (attention masks of -inf)."""
+    params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    return {k for k in keys if k not in params}

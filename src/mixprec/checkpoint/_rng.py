@@ -1,0 +1,53 @@
+"""The random number generators' states in a checkpoint: captured at save, tried on fresh
+generators before a load changes anything, and set once the load commits."""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import torch
+
+from mixprec.checkpoint.format import CheckpointError
+
+
+def _rng_state() -> dict[str, Any]:
+    """The torch, Python and (where CUDA is available) CUDA generators' states."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _cuda_states(state: dict[str, Any]) -> list[torch.Tensor]:
+    """The saved CUDA generator states for the devices present: a run resumed on fewer
+    GPUs restores the first ones; devices beyond those saved keep their state."""
+    if "cuda" not in state or not torch.cuda.is_available():
+        return []
+    return list(state["cuda"])[: torch.cuda.device_count()]
+
+
+def _check_rng_state(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
+    """Set ``state`` on fresh generators: what ``_set_rng_state`` would refuse is refused
+    here, before the model changes, and no generator of the process is touched."""
+    try:
+        torch.Generator().set_state(state["torch"])
+        version, internal, gauss = state["python"]
+        random.Random().setstate((version, tuple(internal), gauss))
+        for i, saved in enumerate(_cuda_states(state)):
+            if saved.numel() != torch.cuda.get_rng_state(i).numel():
+                raise ValueError(f"CUDA state {i} has {saved.numel()} bytes")
+    except (RuntimeError, ValueError, TypeError, OverflowError) as err:
+        raise CheckpointError(
+            f"{path}: its RNG state cannot be restored ({err}); restore_rng=False loads the rest"
+        ) from None
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    """Set the process's generators to ``state`` (checked by ``_check_rng_state``)."""
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    for i, saved in enumerate(_cuda_states(state)):
+        torch.cuda.set_rng_state(saved, i)

@@ -1,0 +1,222 @@
+"""``load_checkpoint``: a checkpoint into a model (and optimizer, and RNGs), each tensor cast
+to its destination's dtype, all or nothing.
+
+Everything the load will change is checked first (dtypes, non-finite values, ranges, the
+optimizer state tried on stand-ins, the loss scaler's on a copy, the RNG states on fresh
+generators); only then do the model, the optimizer and the RNGs change.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec._dtypes import HALF_DTYPES
+from mixprec._errors import shown
+from mixprec.casting import remember_float32
+from mixprec.checkpoint._conversion import (
+    _check_on_range,
+    _convert,
+    _count_non_finite,
+    _raise_non_finite,
+)
+from mixprec.checkpoint._model import _buffer_names, _parameter_names
+from mixprec.checkpoint._rng import _check_rng_state, _set_rng_state
+from mixprec.checkpoint._tree import _tensor_names, _unflatten
+from mixprec.checkpoint.format import CheckpointError, LoadReport, OnRange, _cut, _is_count
+from mixprec.checkpoint.read import read_checkpoint
+from mixprec.optim import LossScaleOptimizer
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    strict: bool = True,
+    on_range: OnRange = "error",
+    restore_rng: bool = False,
+) -> LoadReport:
+    """Load ``path`` into ``model`` (and ``optimizer``), casting each tensor to the dtype of
+    its destination. Returns a ``LoadReport``; with ``strict=True`` missing, unexpected and
+    mismatched keys raise one ``CheckpointError`` listing them all.
+
+    All or nothing: everything is checked before the model, the optimizer or the RNGs
+    change, and any problem raises ``CheckpointError`` with all three as they were. Refused:
+    a tensor whose dtype does not convert meaningfully to its destination's (complex, bool,
+    integer or float8 values into a floating-point parameter; float8 values need their
+    scales); NaN or inf in a parameter or the optimizer state (buffers are exempt: a mask
+    of -inf is normal) (under
+    ``on_range="error"`` and ``"clamp"``: no finite value stands in for a NaN; ``"ignore"``
+    loads them and lists them in ``LoadReport.non_finite``); a value beyond a 16-bit
+    destination's range (``"error"``; ``"clamp"`` saturates it, ``"ignore"`` casts it to
+    inf); an optimizer, loss-scaler or (with ``restore_rng``) RNG state that does not load.
+    ``trainer_state`` counters (``global_step``, ``epoch``, ``step_in_epoch``) are ints >= 0.
+    """
+    _check_on_range(on_range)
+    tensors, header = read_checkpoint(path)
+    described = ("policy", "level", "float8", "mixprec_version", "torch_version", "format_version")
+    report = LoadReport(
+        path=str(path), metadata={k: v for k, v in header.items() if k in described}
+    )
+    saved = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
+    for key, canonical in header.get("aliases", {}).items():
+        saved[key] = saved[canonical]
+    current = model.state_dict()
+    report.missing = [k for k in current if k not in saved]
+    report.unexpected = [k for k in saved if k not in current]
+    report.mismatched = [
+        (k, tuple(saved[k].shape), tuple(current[k].shape))
+        for k in current
+        if k in saved and saved[k].shape != current[k].shape
+    ]
+    if strict and (report.missing or report.unexpected or report.mismatched):
+        details = "\n".join(report.mismatch_lines())
+        raise CheckpointError(
+            f"{path}: does not match the model (strict=False loads what matches)\n{details}"
+        )
+
+    # Check and prepare everything; nothing changes before the commit below.
+    skip = {k for k, _, _ in report.mismatched}
+    buffers = _buffer_names(model, current)
+    loaded = {
+        k: _convert(k, saved[k], current[k].dtype, on_range, report, k not in buffers)
+        for k in current
+        if k in saved and k not in skip
+    }
+    optim_state: Any = None
+    if optimizer is not None:
+        if header.get("optimizer") is None:
+            raise CheckpointError(f"{path}: holds no optimizer state")
+        for name in _tensor_names(header["optimizer"]):
+            _count_non_finite(name, tensors[name], report)
+    _raise_non_finite(report, on_range)
+    if optimizer is not None:
+        optim_state = _optimizer_state(path, optimizer, model, saved, tensors, header)
+    rng_state = None
+    if restore_rng and header.get("rng") is not None:
+        rng_state = _unflatten(header["rng"], tensors)
+        _check_rng_state(path, rng_state)
+    trainer_state = _unflatten(header.get("trainer_state", {"__dict__": []}), tensors)
+
+    # Commit: every value was checked above to fit its destination.
+    model.load_state_dict(loaded, strict=False)
+    _keep_float32_values(model, saved)
+    if optimizer is not None:
+        try:
+            optimizer.load_state_dict(optim_state)
+        except (ValueError, TypeError, KeyError, RuntimeError) as err:
+            # Only an optimizer with a load_state_dict of its own gets here (torch's is
+            # tried on a stand-in first): its checks cannot run before the model loads.
+            raise CheckpointError(
+                f"{path}: optimizer state does not fit this optimizer: {err}"
+            ) from err
+    if rng_state is not None:
+        _set_rng_state(rng_state)
+    report.trainer_state = trainer_state
+    return report
+
+
+def _keep_float32_values(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """16-bit parameters remember the float32 values they were loaded from, so a
+    ``LossScaleOptimizer`` built afterwards starts its masters from those, not rounded ones."""
+    for name, param in model.named_parameters():
+        value = saved.get(name)
+        if value is not None and param.dtype in HALF_DTYPES and value.dtype == torch.float32:
+            remember_float32(param, value)
+
+
+def _optimizer_state(
+    path: str | os.PathLike[str],
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    saved: dict[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor],
+    header: dict[str, Any],
+) -> Any:
+    """The state to give ``optimizer.load_state_dict``, tried on stand-ins first: whatever
+    the optimizer, its inner optimizers or its loss scaler would refuse is refused here."""
+    state = _unflatten(header["optimizer"], tensors)
+    if not isinstance(optimizer, LossScaleOptimizer):
+        _try_load(path, optimizer, state)
+        return state
+    if not isinstance(state, dict) or "optimizers" not in state:
+        kind = header.get("optimizer_kind")
+        raise CheckpointError(
+            f"{path}: the optimizer state of a LossScaleOptimizer has no 'optimizers' "
+            "entry (a damaged or hand-edited header)"
+            if kind == "LossScaleOptimizer"
+            else f"{path}: optimizer state is from a {kind}, not a LossScaleOptimizer"
+        )
+    inner = state["optimizers"]
+    if not isinstance(inner, list) or len(inner) != len(optimizer.optimizers):
+        raise CheckpointError(
+            f"{path}: optimizer state: 'optimizers' is {shown(inner)}; valid: a list of "
+            f"{len(optimizer.optimizers)} optimizer state(s)"
+        )
+    if not _is_count(state.get("micro_steps", 0)):
+        raise CheckpointError(
+            f"{path}: optimizer state: 'micro_steps' is {shown(state['micro_steps'])}; "
+            "valid: an int >= 0"
+        )
+    if not isinstance(state.get("loss_scaler"), dict):
+        raise CheckpointError(
+            f"{path}: optimizer state: 'loss_scaler' is {shown(state.get('loss_scaler'))}; "
+            "valid: a loss scaler's state_dict()"
+        )
+    try:  # the scaler's load checks each value by name; a copy keeps the real one as it is
+        copy.deepcopy(optimizer.loss_scaler).load_state_dict(state["loss_scaler"])
+    except Exception as err:  # whatever a bad state makes it raise
+        raise CheckpointError(f"{path}: loss scaler state does not load: {err}") from None
+    for each, each_state in zip(optimizer.optimizers, inner, strict=True):
+        _try_load(path, each, each_state)
+    names = _parameter_names(model)
+    masters = []
+    for param, master in optimizer.master_weights():
+        found = [n for n in names.get(id(param), []) if n in saved]
+        if not found:
+            wanted = ", ".join(names.get(id(param), [])) or f"a {tuple(param.shape)} weight"
+            raise CheckpointError(f"{path}: no saved weight for the master of {wanted}")
+        value = saved[found[0]]
+        if value.shape != master.shape:  # possible with strict=False
+            raise CheckpointError(
+                f"{path}: the saved {found[0]!r} has shape {tuple(value.shape)}, its float32 "
+                f"master {tuple(master.shape)}"
+            )
+        masters.append(value.float())
+    state["master_weights"] = masters
+    return state
+
+
+def _try_load(path: str | os.PathLike[str], optimizer: torch.optim.Optimizer, state: Any) -> None:
+    """Load ``state`` into a stand-in for a torch optimizer: same class, groups and
+    defaults, meta tensors for parameters (no memory), no state and no hooks. What torch's
+    ``load_state_dict`` and the class's ``__setstate__`` (Adam's, say, reading ``step``)
+    refuse is refused here, and ``optimizer`` is not touched."""
+    if type(optimizer).load_state_dict is not torch.optim.Optimizer.load_state_dict:
+        return  # a load_state_dict of its own: only the real load can tell
+    stand_in = type(optimizer).__new__(type(optimizer))
+    groups = [
+        {**g, "params": [torch.empty_like(p, device="meta") for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
+    try:
+        stand_in.__setstate__(
+            {
+                "defaults": dict(optimizer.defaults),
+                "state": defaultdict(dict),
+                "param_groups": groups,
+            }
+        )
+        stand_in.load_state_dict(state)
+    except NotImplementedError:
+        return  # an operation with no meta kernel: the real load decides
+    except Exception as err:  # a hostile state can make torch raise anything
+        raise CheckpointError(
+            f"{path}: optimizer state does not fit this optimizer: {type(err).__name__}: "
+            f"{_cut(str(err), 200)}"
+        ) from None

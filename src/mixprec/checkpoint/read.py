@@ -1,0 +1,85 @@
+"""``read_checkpoint``: the tensors and header of a mixprec checkpoint, a plain safetensors
+file or a ``torch.save`` state dict, with the file treated as hostile until checked.
+
+Only a regular file is opened; the safetensors framing and the mixprec header are checked
+before a tensor is read or hashed; then the checksum. A ``torch.save`` file is read with
+``weights_only=True``: nothing in it is unpickled but tensors and plain containers.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mixprec.checkpoint._files import _open_regular
+from mixprec.checkpoint._safetensors import _json, _read_tensors, _safetensors_header
+from mixprec.checkpoint._schema import _check_aliases, _mixprec_header
+from mixprec.checkpoint.format import CheckpointError, _BadValueError, _checksum
+
+
+def _read_torch_file(path: Path) -> dict[str, torch.Tensor]:
+    """A ``torch.save`` file, read with ``weights_only=True``: tensors and plain containers
+    only; anything else is refused before it can run."""
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # UnpicklingError, RuntimeError, EOFError...
+        raise CheckpointError(
+            f"{path}: refused: not a plain tensor state dict ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}); mixprec never unpickles objects"
+        ) from None
+    for key in ("state_dict", "model", "model_state_dict"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+            break
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise CheckpointError(f"{path}: holds no state dict of tensors")
+    return {f"model/{k}": v for k, v in obj.items()}
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``(tensors, header)`` of a mixprec checkpoint, a plain ``.safetensors`` file or a
+    ``torch.save`` state dict (model tensors are named ``model/<key>``).
+
+    Before a tensor is read: the file must be a regular file; the safetensors framing
+    (dtypes, shapes, offsets, the entry count against the data's bytes, the data against
+    free memory) and the mixprec header (its schema, its format version) are checked. Then
+    the checksum (header and tensors; tensors only for format 1). Any problem is a
+    ``CheckpointError``."""
+    file = Path(path)
+    if file.is_dir():
+        found = sorted(p.name for p in file.glob("*.safetensors"))
+        hint = f" (it holds {', '.join(found[:4])})" if found else ""
+        raise CheckpointError(f"{str(file)!r} is a directory, not a checkpoint file{hint}")
+    handle, size = _open_regular(file)
+    with handle:
+        try:
+            head = handle.read(9)
+            # safetensors: an 8-byte little-endian header length, then the JSON header. Test
+            # for it first: its length's first byte can be 0x80, a pickle's first byte.
+            header_end = 8 + int.from_bytes(head[:8], "little") if len(head) == 9 else -1
+            if not (head[8:9] == b"{" and header_end <= size):
+                if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
+                    return _read_torch_file(file), {}
+                raise CheckpointError(f"{file}: truncated, corrupt, or not a checkpoint")
+            handle.seek(0)
+            entries, meta = _safetensors_header(handle, file, size)
+        except OSError as err:
+            raise CheckpointError(f"{file}: cannot be read ({err.strerror})") from None
+    if "mixprec" not in meta:  # plain weights, e.g. from export_weights or another library
+        aliases = _json(meta["aliases"], file, "aliases metadata") if "aliases" in meta else {}
+        try:
+            _check_aliases(aliases, "aliases", {f"model/{k}" for k in entries})
+        except _BadValueError as bad:
+            raise CheckpointError(f"{file}: metadata {bad}") from None
+        tensors = _read_tensors(file, entries)
+        return {f"model/{k}": v for k, v in tensors.items()}, {"aliases": aliases}
+    header = _mixprec_header(file, meta["mixprec"], entries)
+    tensors = _read_tensors(file, entries)
+    covered = header if header["format_version"] >= 2 else None
+    if _checksum(tensors, covered) != header["checksum"]:
+        what = "header or tensors" if covered is not None else "tensors"
+        raise CheckpointError(f"{file}: checksum mismatch: the {what} were modified or damaged")
+    return tensors, header

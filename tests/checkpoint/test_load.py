@@ -1,0 +1,160 @@
+"""load_checkpoint: a float32 checkpoint into a 16-bit model and back, key mismatches, the
+optimizer state's messages, and all or nothing: a failed load changes nothing."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec as mp
+from tests.checkpoint._helpers import node_at, rewrite_header, set_node, trained
+from tests.conftest import make_mlp
+
+
+def test_float32_checkpoint_into_16_bit_model_and_back(tmp_path):
+    reference = make_mlp()
+    path = mp.save_checkpoint(tmp_path / "f32.safetensors", reference)
+    half = mp.auto_mixed_precision(make_mlp(seed=5), "mixed_float16", "O2")
+    report = mp.load_checkpoint(path, half)
+    assert ("0.weight", "float32", "float16") in report.converted
+    assert ("3.weight", "float32", "float16") not in report.converted  # LayerNorm: float32
+    assert half[0].weight.dtype == torch.float16
+    assert torch.equal(half[0].weight, reference[0].weight.half())
+    # A LossScaleOptimizer built afterwards starts from the exact float32 values.
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(half.parameters(), lr=0.1))
+    masters = dict(opt.master_weights())
+    assert torch.equal(masters[half[0].weight], reference[0].weight)
+    # and back: the 16-bit model's checkpoint (masters, float32) into a float32 model
+    back = make_mlp(seed=7)
+    path2 = mp.save_checkpoint(tmp_path / "half.safetensors", half, opt)
+    report2 = mp.load_checkpoint(path2, back)
+    assert report2.converted == []  # masters were stored: float32 already
+    assert torch.equal(back[0].weight, reference[0].weight)
+
+
+def test_key_mismatches_listed_in_one_error(tmp_path):
+    path = mp.save_checkpoint(tmp_path / "mlp.safetensors", make_mlp())
+    wider = make_mlp(hidden=80)
+    with pytest.raises(mp.CheckpointError, match="does not match the model") as err:
+        mp.load_checkpoint(path, wider)
+    text = str(err.value)
+    assert "shape mismatch 0.weight: saved (64, 32), model (80, 32)" in text
+    other = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 10))
+    with pytest.raises(mp.CheckpointError) as err:
+        mp.load_checkpoint(path, other)
+    assert "missing: 1.weight, 1.bias" in str(err.value)
+    assert "unexpected: 2.bias, 2.weight, 3.bias, 3.weight, 5.bias, 5.weight" in str(err.value)
+    report = mp.load_checkpoint(path, other, strict=False)
+    assert report.missing == ["1.weight", "1.bias"] and torch.equal(
+        other[0].weight, make_mlp()[0].weight
+    )
+
+
+def test_damaged_optimizer_state_message_does_not_contradict_itself(tmp_path):
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    path = mp.save_checkpoint(tmp_path / "c.safetensors", model, opt)
+
+    def drop(meta):
+        del meta["optimizer"]["__dict__"][0]  # the first saved key: 'optimizers'
+
+    rewrite_header(path, drop)
+    fresh = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    fresh_opt = mp.LossScaleOptimizer(torch.optim.SGD(fresh.parameters(), lr=0.1))
+    # Not "optimizer state is from a LossScaleOptimizer, not a LossScaleOptimizer".
+    with pytest.raises(mp.CheckpointError, match="has no 'optimizers' entry"):
+        mp.load_checkpoint(path, fresh, fresh_opt)
+
+
+def _state(model, opt):
+    """Everything a load may change, copied."""
+    return copy.deepcopy(
+        {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scaler": opt.loss_scaler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+        }
+    )
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+_PARAM_0 = ("optimizers", 0, "state", 0)  # the inner Adam's state of the first parameter
+
+
+def _python_rng_too_short(meta):
+    set_node(meta["rng"], {"__tuple__": [3, {"__tuple__": [1, 2]}, None]}, "python")
+
+
+def _torch_rng_too_short(meta):
+    set_node(meta["rng"], {"__tensor__": "trainer/blob"}, "torch")
+
+
+def _step_not_a_number(meta):
+    set_node(meta["optimizer"], "abc", *_PARAM_0, "step")
+
+
+def _step_missing(meta):
+    exp_avg = node_at(meta["optimizer"], *_PARAM_0, "exp_avg")
+    set_node(meta["optimizer"], {"__dict__": [["exp_avg", exp_avg]]}, *_PARAM_0)
+
+
+def _extra_param_group(meta):
+    groups = node_at(meta["optimizer"], "optimizers", 0, "param_groups")
+    groups.append(groups[0])
+
+
+def _negative_scale(meta):
+    set_node(meta["optimizer"], -1.0, "loss_scaler", "scale")
+
+
+def _micro_steps_not_an_int(meta):
+    set_node(meta["optimizer"], "abc", "micro_steps")
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (_python_rng_too_short, r"RNG state cannot be restored \(state vector is the wrong size"),
+        (_torch_rng_too_short, r"RNG state cannot be restored \(Expected a CPUGeneratorImpl"),
+        (_step_not_a_number, "optimizer state does not fit this optimizer: ValueError"),
+        (_step_missing, "optimizer state does not fit this optimizer: KeyError: 'step'"),
+        (_extra_param_group, "ValueError: loaded state dict has a different number of param"),
+        (_negative_scale, "loss scaler state does not load"),
+        (_micro_steps_not_an_int, "optimizer state: 'micro_steps' is 'abc'; valid: an int >= 0"),
+    ],
+)
+def test_a_failed_load_changes_nothing(tmp_path, edit, match):
+    model, opt = trained("mixed_float16", "O2", steps=1)
+    intact = mp.save_checkpoint(tmp_path / "intact.safetensors", model, opt)
+    path = mp.save_checkpoint(
+        tmp_path / "c.safetensors", model, opt, {"blob": torch.zeros(3, dtype=torch.uint8)}
+    )
+    rewrite_header(path, edit)
+    target, target_opt = trained("mixed_float16", "O2", steps=1, model=make_mlp(seed=4))
+    torch.manual_seed(123)
+    random.seed(123)
+    before = _state(target, target_opt)
+    # The weights, the first inner optimizer, the scaler and the torch RNG are as they were
+    # when the optimizer or RNG state fails.
+    with pytest.raises(mp.CheckpointError, match=match):
+        mp.load_checkpoint(path, target, target_opt, restore_rng=True)
+    assert _same(before, _state(target, target_opt))
+    # The same load with the file intact does change all of it: the comparison can fail.
+    mp.load_checkpoint(intact, target, target_opt, restore_rng=True)
+    after = _state(target, target_opt)
+    assert not any(_same(before[k], after[k]) for k in ("model", "optimizer", "torch_rng"))

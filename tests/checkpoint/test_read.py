@@ -1,0 +1,105 @@
+"""read_checkpoint: plain state dicts and safetensors files, truncation and tampering, unsafe
+pickles, a header length that looks like a pickle, a directory."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+
+import pytest
+import torch
+
+import mixprec as mp
+from tests.checkpoint._helpers import LEVELS
+from tests.conftest import make_mlp, make_transformer
+
+
+def test_plain_torch_state_dict_and_safetensors_files(tmp_path):
+    reference = make_transformer()
+    torch.save(reference.state_dict(), tmp_path / "plain.pt")
+    torch.save({"state_dict": reference.state_dict(), "epoch": 3}, tmp_path / "nested.pt")
+    from safetensors.torch import save_file
+
+    save_file(reference.state_dict(), tmp_path / "plain.safetensors")
+    for name in ("plain.pt", "nested.pt", "plain.safetensors"):
+        for level in LEVELS:
+            model = mp.auto_mixed_precision(make_transformer(seed=3), "mixed_bfloat16", level)
+            mp.load_checkpoint(tmp_path / name, model)
+            for (key, a), b in zip(reference.state_dict().items(), model.state_dict().values(),
+                                   strict=True):  # fmt: skip
+                assert torch.equal(a.to(b.dtype), b), (name, level, key)
+
+
+def test_tampered_and_truncated_files(tmp_path):
+    path = mp.save_checkpoint(tmp_path / "c.safetensors", make_mlp())
+    data = bytearray(path.read_bytes())
+    tampered = tmp_path / "tampered.safetensors"
+    data[-5] ^= 0xFF  # flip bits in the last tensor's bytes
+    tampered.write_bytes(bytes(data))
+    with pytest.raises(mp.CheckpointError, match="tampered.safetensors: checksum mismatch"):
+        mp.load_checkpoint(tampered, make_mlp())
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(mp.CheckpointError, match="truncated.safetensors: truncated or corrupt"):
+        mp.load_checkpoint(truncated, make_mlp())
+    header_len = struct.unpack("<Q", path.read_bytes()[:8])[0]
+    header = json.loads(path.read_bytes()[8 : 8 + header_len])
+    meta = json.loads(header["__metadata__"]["mixprec"])
+    assert meta["format"] == "mixprec-checkpoint" and meta["format_version"] == 2
+    with pytest.raises(mp.CheckpointError, match="no such checkpoint file"):
+        mp.load_checkpoint(tmp_path / "absent.safetensors", make_mlp())
+    with pytest.raises(mp.CheckpointError, match="holds no optimizer state"):
+        mp.load_checkpoint(path, make_mlp(), torch.optim.SGD(make_mlp().parameters(), lr=0.1))
+
+
+class _Boom:
+    """Unpickling this would create the marker file."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_malicious_pickle_is_refused_without_running(tmp_path):
+    marker = tmp_path / "pwned"
+    for name, dump in (
+        ("evil.pt", lambda f: torch.save({"w": torch.ones(2), "x": _Boom(str(marker))}, f)),
+        ("evil.pkl", lambda f: pickle.dump({"w": _Boom(str(marker))}, f)),
+    ):
+        path = tmp_path / name
+        with path.open("wb") as f:
+            dump(f)
+        assert not marker.exists()
+        with pytest.raises(mp.CheckpointError, match=rf"{name}: refused"):
+            mp.load_checkpoint(path, make_mlp())
+        assert not marker.exists()
+
+
+def test_header_length_that_looks_like_a_pickle(tmp_path):
+    """A safetensors header length whose first byte is 0x80 (a pickle's first byte) must
+    still be read as a mixprec checkpoint, with its header."""
+    model = make_mlp()
+    for pad in range(300):
+        path = mp.save_checkpoint(tmp_path / "c.safetensors", model, trainer_state={"p": "x" * pad})
+        if path.read_bytes()[0] == 0x80:
+            break
+    else:
+        raise AssertionError("no padding gave a 0x80 first byte")
+    _, header = mp.read_checkpoint(path)
+    assert header["format"] == "mixprec-checkpoint"
+    assert mp.load_checkpoint(path, make_mlp(seed=3)).trainer_state["p"] == "x" * pad
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"hello world, not a checkpoint")
+    with pytest.raises(mp.CheckpointError, match="junk.bin: truncated, corrupt, or not a"):
+        mp.read_checkpoint(junk)
+
+
+def test_reading_a_directory_says_it_is_one(tmp_path):
+    mp.save_checkpoint(tmp_path / "c.safetensors", make_mlp())
+    with pytest.raises(
+        mp.CheckpointError, match=r"is a directory, not a checkpoint file \(it holds c"
+    ):
+        mp.read_checkpoint(tmp_path)

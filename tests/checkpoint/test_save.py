@@ -1,0 +1,71 @@
+"""save_checkpoint: round trips at every level and policy, tied weights stored once, and
+the trainer states a load would refuse refused when saving."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec as mp
+from tests.checkpoint._helpers import LEVELS, POLICIES, trained
+from tests.conftest import make_mlp
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_round_trip_every_level_and_policy(tmp_path, policy, level):
+    model, opt = trained(policy, level)
+    path = mp.save_checkpoint(tmp_path / "c.safetensors", model, opt, {"step": 3, "epoch": 1})
+    model2 = mp.auto_mixed_precision(make_mlp(seed=9), policy, level)
+    opt2 = mp.LossScaleOptimizer(torch.optim.Adam(model2.parameters(), lr=1e-2, eps=1e-4))
+    report = mp.load_checkpoint(path, model2, opt2)
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for (_, m1), (_, m2) in zip(opt.master_weights(), opt2.master_weights(), strict=True):
+        assert torch.equal(m1, m2) and m2.dtype == torch.float32
+    assert opt2.loss_scaler.state == opt.loss_scaler.state
+    assert report.trainer_state == {"step": 3, "epoch": 1}
+    assert report.metadata["level"] == level
+    assert report.metadata["policy"] == str(mp.Policy(policy))
+
+
+def test_tied_weights_are_stored_once(tmp_path):
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, ids):
+            return self.head(self.embed(ids))
+
+    torch.manual_seed(0)
+    model = mp.auto_mixed_precision(Tied(), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    path = mp.save_checkpoint(tmp_path / "t.safetensors", model, opt)
+    tensors, header = mp.read_checkpoint(path)
+    assert header["aliases"] == {"head.weight": "embed.weight"}
+    assert tensors["model/embed.weight"].dtype == torch.float32  # the master
+    torch.manual_seed(1)
+    other = mp.auto_mixed_precision(Tied(), "mixed_bfloat16", "O2")
+    mp.load_checkpoint(path, other)
+    assert torch.equal(other.head.weight, model.head.weight)
+
+
+@pytest.mark.parametrize(
+    ("state", "match"),
+    [
+        ({"global_step": torch.tensor(5)}, "'trainer_state/global_step' is"),
+        ({"epoch": None}, "'trainer_state/epoch' is None; valid: an int from 0 to 2"),
+        ({"step_in_epoch": -5}, "'trainer_state/step_in_epoch' is -5"),
+        ({"epoch_rng": torch.zeros(3)}, "'trainer_state/epoch_rng' is .*null or a uint8"),
+    ],
+)
+def test_save_refuses_a_trainer_state_load_would_refuse(tmp_path, state, match):
+    # What load_checkpoint (and inspect, convert) would refuse is refused when saving.
+    target = tmp_path / "t.safetensors"
+    with pytest.raises(ValueError, match=f"save_checkpoint: {match}"):
+        mp.save_checkpoint(target, make_mlp(), trainer_state=state)
+    assert not target.exists()
