@@ -1,4 +1,6 @@
-"""The high-level training workflow: ``Trainer``, ``build_train_step`` and callbacks."""
+"""The high-level training workflow: ``Trainer`` (``trainer``), one training step
+(``step``), the data's batches (``batches``), callbacks (``callbacks``) and metrics and
+losses by name (``metrics``)."""
 
 from mixprec.train.callbacks import (
     EMA,
@@ -12,7 +14,8 @@ from mixprec.train.callbacks import (
     ProgressBar,
     TensorBoard,
 )
-from mixprec.train.trainer import Trainer, TrainStep, build_train_step
+from mixprec.train.step import TrainStep, build_train_step
+from mixprec.train.trainer import Trainer
 
 __all__ = [
     "EMA",

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import numpy
 import torch
 
+from mixprec._errors import ArgumentError
 from mixprec.checkpoint import save_checkpoint, temporary_files
 
 if TYPE_CHECKING:
@@ -59,7 +60,7 @@ class CallbackList(Callback):
         self.callbacks = list(callbacks)
         for cb in self.callbacks:
             if not isinstance(cb, Callback):
-                raise TypeError(
+                raise ArgumentError(
                     f"callbacks must be mixprec Callback instances, got {type(cb).__name__}"
                 )
 
@@ -162,9 +163,9 @@ class LossMonitor(Callback):
 
     def __init__(self, per_print_times: int = 1, stream: TextIO | None = None) -> None:
         if isinstance(per_print_times, bool) or not isinstance(per_print_times, int):
-            raise TypeError(f"per_print_times must be an int, got {per_print_times!r}")
+            raise ArgumentError(f"per_print_times must be an int, got {per_print_times!r}")
         if per_print_times < 1:
-            raise ValueError(f"per_print_times={per_print_times} is invalid; it must be >= 1")
+            raise ArgumentError(f"per_print_times={per_print_times} is invalid; it must be >= 1")
         self.per_print_times = per_print_times
         self.stream = stream
 
@@ -254,7 +255,7 @@ def _better(mode: str, current: float, best: float, min_delta: float = 0.0) -> b
 
 def _mode_for(monitor: str, mode: str) -> str:
     if mode not in ("auto", "min", "max"):
-        raise ValueError(f"mode={mode!r} is invalid; valid: 'auto', 'min', 'max'")
+        raise ArgumentError(f"mode={mode!r} is invalid; valid: 'auto', 'min', 'max'")
     if mode != "auto":
         return mode
     return "max" if "acc" in monitor else "min"
@@ -322,7 +323,7 @@ class ModelCheckpoint(Callback):
         mode: str = "auto",
     ) -> None:
         if keep_last < 1:
-            raise ValueError(f"keep_last={keep_last} is invalid; it must be >= 1")
+            raise ArgumentError(f"keep_last={keep_last} is invalid; it must be >= 1")
         self.dirpath = Path(dirpath)
         self.every_n_epochs = every_n_epochs
         self.every_n_steps = every_n_steps
@@ -378,7 +379,7 @@ class LearningRateScheduler(Callback):
 
     def __init__(self, scheduler: Any, interval: str = "step") -> None:
         if interval not in ("step", "epoch"):
-            raise ValueError(f"interval={interval!r} is invalid; valid: 'step', 'epoch'")
+            raise ArgumentError(f"interval={interval!r} is invalid; valid: 'step', 'epoch'")
         self.scheduler = scheduler
         self.interval = interval
 
@@ -397,7 +398,7 @@ class EMA(Callback):
 
     def __init__(self, decay: float = 0.999) -> None:
         if not 0.0 < decay < 1.0:
-            raise ValueError(f"decay={decay!r} is invalid; it must be in (0, 1)")
+            raise ArgumentError(f"decay={decay!r} is invalid; it must be in (0, 1)")
         self.decay = decay
         self.shadow: list[torch.Tensor] = []
         self.updates = 0

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from mixprec._dtypes import closest
+from mixprec._errors import ArgumentError
 
 Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -54,7 +55,7 @@ def get_metric(metric: str | Metric) -> tuple[str, Metric]:
     if isinstance(metric, str) and metric in METRICS:
         return ("accuracy" if metric == "acc" else metric), METRICS[metric]
     hint = closest(str(metric), list(METRICS))
-    raise ValueError(
+    raise ArgumentError(
         f"metrics entry {metric!r} is not a known metric; valid: {', '.join(METRICS)} or a "
         "callable (output, target) -> scalar" + (f" (closest: {hint!r})" if hint else "")
     )
@@ -67,7 +68,7 @@ def get_loss(loss: str | LossFn) -> LossFn:
     if isinstance(loss, str) and loss in LOSSES:
         return LOSSES[loss]
     hint = closest(str(loss), list(LOSSES))
-    raise ValueError(
+    raise ArgumentError(
         f"loss={loss!r} is not a known loss; valid: {', '.join(LOSSES)} or a callable "
         "(output, target) -> scalar" + (f" (closest: {hint!r})" if hint else "")
     )

@@ -160,7 +160,7 @@ def test_model_checkpoint_across_a_restart(tmp_path):
         x, y, epochs=5, callbacks=[mp.ModelCheckpoint(tmp_path, keep_last=2)], verbose=0,
         resume_from=tmp_path / "epoch-0003.safetensors",
     )  # fmt: skip
-    # Before: epoch-0002 and epoch-0003 of the first run stayed, beside 4 and 5 (and the .tmp).
+    # keep_last=2 over both runs: the first run's epoch-0002 and epoch-0003 go, and the .tmp.
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "epoch-0004.safetensors",
         "epoch-0005.safetensors",
@@ -175,4 +175,4 @@ def test_checkpoint_mode_follows_the_umask(tmp_path):
         path = mp.save_checkpoint(tmp_path / "c.safetensors", make_mlp())
     finally:
         os.umask(previous)
-    assert path.stat().st_mode & 0o777 == 0o644  # before: 0o600 whatever the umask
+    assert path.stat().st_mode & 0o777 == 0o644  # the umask's, not a fixed 0o600

@@ -1,0 +1,157 @@
+"""The data a ``Trainer`` takes, and how it becomes batches.
+
+Tensors or arrays ``(x, y)`` are checked up front and dealt into batches (under torchrun,
+each rank its share of rank 0's order); an iterable of ``(inputs, targets)`` batches, such as
+a ``DataLoader``, is used as it comes. Nothing here runs the model: where a check needs the
+number of classes, the caller supplies it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from mixprec import distributed
+from mixprec._errors import ArgumentError
+from mixprec.data import validate_classification
+from mixprec.train.metrics import LossFn, get_loss
+
+Batch = tuple[Any, torch.Tensor]
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` on ``device``: a tensor, or the tensors of a tuple or list of inputs."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_device(v, device) for v in value)
+    return value
+
+
+def length(data: Any) -> int:
+    """``len(data)``: a tensor's or array's samples, a loader's batches; -1 where there is
+    none (an iterable dataset's loader has ``__len__`` but raises ``TypeError``)."""
+    try:
+        return len(data)
+    except TypeError:
+        return -1
+
+
+def as_tensor(value: Any, name: str) -> torch.Tensor:
+    """``value`` as a tensor (a numpy array or nested lists are converted)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ArgumentError(
+            f"{name} must be a tensor or an array, got {type(value).__name__}"
+        ) from err
+
+
+def is_empty(targets: Any) -> bool:
+    """Whether a batch's targets hold no sample (its mean loss would be NaN)."""
+    return isinstance(targets, torch.Tensor) and targets.dim() > 0 and targets.shape[0] == 0
+
+
+def epoch_batches(
+    x: Any, y: Any, batch_size: int, shuffle: bool, split: bool = True
+) -> tuple[Callable[[], Iterable[Batch]], int, int]:
+    """A function giving one epoch of batches, the number of batches and of samples.
+
+    With ``split`` (training) under torchrun, ``batch_size`` is the global batch and
+    each rank gets its share of rank 0's order."""
+    if y is None:  # an iterable of (inputs, targets) batches, e.g. a DataLoader
+        if isinstance(x, torch.Tensor):
+            raise ArgumentError("fit(x, y): y is missing; pass targets or a loader of batches")
+        steps = max(length(x), 0)
+        # iter() now: a shuffling DataLoader draws its order from the RNG at this point.
+        return (lambda: iter(x)), steps, 0
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ArgumentError(f"batch_size={batch_size!r} is invalid; it must be an int >= 1")
+    xt, yt = as_tensor(x, "x"), as_tensor(y, "y")
+    n = len(xt)
+    split = split and distributed.world_size() > 1
+    local = distributed.check_batch(batch_size) if split else batch_size
+
+    def epoch() -> Iterable[Batch]:
+        # The order is drawn now, not when iteration starts, so that resuming can
+        # replay it from the RNG state saved at the start of the epoch.
+        order = torch.randperm(n) if shuffle else torch.arange(n)
+        # Every rank uses rank 0's order and takes its share, as DistributedSampler.
+        if split:
+            # Without shuffling the order is arange on every rank: nothing to broadcast.
+            order = distributed.broadcast_(order) if shuffle else order
+            order = distributed.shard(order, pad=shuffle)
+        return ((xt[idx], yt[idx]) for idx in order.split(local))
+
+    per_rank = -(-n // distributed.world_size()) if split else n
+    return epoch, -(-per_rank // local), n
+
+
+def split_validation(
+    x: Any, y: Any, validation_split: float
+) -> tuple[Any, Any, tuple[Any, Any] | None]:
+    """``(x, y, validation_data)``: the last ``validation_split`` of the samples held out,
+    before any shuffling (as Keras does); ``None`` for no split."""
+    if not 0.0 <= validation_split < 1.0:
+        raise ArgumentError(f"validation_split={validation_split!r} is invalid; use [0, 1)")
+    if validation_split and y is None:
+        raise ArgumentError("validation_split needs tensors or arrays (x, y), not a loader")
+    if not validation_split:
+        return x, y, None
+    xt, yt = as_tensor(x, "x"), as_tensor(y, "y")
+    cut = len(xt) - int(len(xt) * validation_split)
+    return xt[:cut], yt[:cut], (xt[cut:], yt[cut:])
+
+
+def rank_share(x: Any, y: Any) -> tuple[Any, Any]:
+    """Under torchrun, this rank's share of tensors or arrays ``(x, y)`` (for evaluation);
+    a loader, or a single process's data, as it is."""
+    if y is None or distributed.world_size() == 1:
+        return x, y
+    xt, yt = as_tensor(x, "x"), as_tensor(y, "y")
+    mine = distributed.shard(torch.arange(len(xt)), pad=False)
+    return xt[mine], yt[mine]
+
+
+def check_ranks_agree(x: Any, y: Any, batch_size: int, epochs: int, validation_data: Any) -> None:
+    """Under torchrun every rank must pass the same data sizes: ranks with different
+    numbers of steps would run different collectives and die in the backend's raw
+    "collective mismatch" abort, on one rank and after a timeout."""
+    if distributed.world_size() == 1:
+        return
+    # Samples (tensors and arrays, checked by validate) or a loader's batches.
+    sizes = {
+        "samples_or_batches": length(x),
+        "batch_size": -1 if y is None else batch_size,
+        "epochs": epochs,
+        "validation_samples": -1 if validation_data is None else length(validation_data[0]),
+    }
+    distributed.check_same_on_every_rank(
+        "fit()'s data sizes",
+        sizes,
+        "every rank must pass the same global data, batch_size and epochs (the Trainer "
+        "deals each rank its share), or loaders of the same length",
+    )
+
+
+def validate(x: Any, y: Any, loss_fn: LossFn, count_classes: Callable[[torch.Tensor], int]) -> None:
+    """Check tensors or arrays ``(x, y)`` before any step: equal lengths, finite inputs,
+    class labels in range; a loader (``y=None``) is checked batch by batch as it trains.
+
+    ``count_classes(inputs)``: the number of classes the model predicts for a few samples,
+    asked only for a cross-entropy loss."""
+    if y is None:
+        return
+    xt, yt = as_tensor(x, "x"), as_tensor(y, "y")
+    classes = None
+    cross_entropy = loss_fn is get_loss("cross_entropy")
+    if cross_entropy and len(xt) > 0:
+        classes = count_classes(xt[:2])
+    if cross_entropy or not yt.is_floating_point():
+        validate_classification(xt, yt, classes)
+    elif len(xt) == 0:
+        raise ValueError("data is empty: 0 samples")

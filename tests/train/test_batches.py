@@ -1,0 +1,90 @@
+"""The Trainer's data: tensors checked before any step, a loader's batches checked as they
+come (empty batches, labels out of range), and the data sizes every rank must agree on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import mixprec as mp
+from tests.conftest import classification_data, make_mlp
+
+
+def trainer(policy="mixed_bfloat16", lr=3e-3, **kwargs):
+    model = make_mlp()
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    return mp.Trainer(model, "cross_entropy", opt, policy=policy, device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("x", "y", "match"),
+    [
+        (torch.randn(0, 32), torch.zeros(0, dtype=torch.long), "data is empty"),
+        (torch.randn(8, 32), torch.full((8,), 12), r"label.*12.*\[0, 10\)|12"),
+        (torch.full((8, 32), float("nan")), torch.zeros(8, dtype=torch.long), "NaN"),
+        (torch.randn(8, 32), torch.zeros(7, dtype=torch.long), "8.*7|7.*8"),
+    ],
+)
+def test_bad_data_fails_before_training(x, y, match):
+    t = trainer()
+    before = [p.detach().clone() for p in t.model.parameters()]
+    with pytest.raises(ValueError, match=match):
+        t.fit(x, y, epochs=1, verbose=0)
+    assert all(torch.equal(a, b) for a, b in zip(before, t.model.parameters(), strict=True))
+
+
+# -- batches a loader gets wrong ----------------------------------------------------------
+
+
+def _small_trainer() -> mp.Trainer:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    return mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 0.1))
+
+
+def test_an_empty_batch_is_skipped_with_a_warning_not_a_step() -> None:
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    batches = [(x[:8], y[:8]), (x[:0], y[:0]), (x[8:], y[8:])]
+    trainer = _small_trainer()
+    with pytest.warns(UserWarning, match=r"epoch 1, batch 2 is empty: skipped \(not a step\)"):
+        history = trainer.fit(batches, epochs=1, verbose=0)
+    assert trainer.global_step == 2
+    loss = history.history["loss"][0]
+    assert loss == loss and history.history["accuracy"][0] == history.history["accuracy"][0]
+    # Same as training on the two non-empty batches alone.
+    plain = _small_trainer()
+    expected = plain.fit([batches[0], batches[2]], epochs=1, verbose=0).history["loss"][0]
+    assert loss == pytest.approx(expected, rel=1e-6)
+
+
+def test_out_of_range_labels_from_a_loader_are_a_value_error() -> None:
+    x, y = torch.randn(40, 8), torch.randint(0, 3, (40,))
+    y[25] = 7
+    trainer = _small_trainer()
+    loader = DataLoader(TensorDataset(x, y), batch_size=8)
+    with pytest.raises(ValueError, match=r"epoch 1, batch 4: Target 7 is out of bounds"):
+        trainer.fit(loader, epochs=1, verbose=0)
+
+
+def test_rank_agreement_reads_loaders_without_a_length(monkeypatch):
+    # A loader over an IterableDataset has __len__ but raises TypeError from it; the rank
+    # check reads -1 for it, and accepts a validation loader as fit() does.
+    from mixprec import distributed
+    from mixprec.train import batches
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            x, y = classification_data(n=32)
+            return iter(zip(x.split(8), y.split(8), strict=True))
+
+    seen = []
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(distributed, "check_same_on_every_rank",
+                        lambda what, values, remedy: seen.append(values))  # fmt: skip
+    loader = torch.utils.data.DataLoader(Stream(), batch_size=None)
+    listed = [(x, y) for x, y in loader]
+    batches.check_ranks_agree(loader, None, 32, 2, (listed, None))
+    assert seen == [{"samples_or_batches": -1, "batch_size": -1, "epochs": 2,
+                     "validation_samples": 4}]  # fmt: skip

@@ -1,0 +1,196 @@
+"""Metrics and losses by name: what each name gives, the error for a name that is none, and
+each value against a computation by hand on small tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec as mp
+from mixprec.train import metrics
+from mixprec.train.metrics import get_loss, get_metric
+
+LOSS_NAMES = (
+    "cross_entropy, sparse_categorical_crossentropy, mse, mean_squared_error, mae, "
+    "binary_crossentropy"
+)
+
+
+# -- names ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "reported", "function"),
+    [
+        ("accuracy", "accuracy", metrics.accuracy),
+        ("acc", "accuracy", metrics.accuracy),  # the Keras short name, logged as "accuracy"
+        ("mae", "mae", metrics.mae),
+        ("mse", "mse", metrics.mse),
+    ],
+)
+def test_get_metric_by_name(name, reported, function):
+    assert get_metric(name) == (reported, function)
+
+
+def test_get_metric_takes_a_callable_under_its_name():
+    def f1(output, target):
+        return output.sum()
+
+    class TopTwo:
+        def __call__(self, output, target):
+            return output.sum()
+
+    assert get_metric(f1) == ("f1", f1)
+    top = TopTwo()
+    assert get_metric(top) == ("TopTwo", top)  # no __name__: the type's
+
+
+@pytest.mark.parametrize(
+    ("name", "function"),
+    [
+        ("cross_entropy", F.cross_entropy),
+        ("sparse_categorical_crossentropy", F.cross_entropy),  # the Keras name
+        ("mse", F.mse_loss),
+        ("mean_squared_error", F.mse_loss),
+        ("mae", F.l1_loss),
+    ],
+)
+def test_get_loss_by_name(name, function):
+    assert get_loss(name) is function
+
+
+def test_get_loss_returns_a_callable_as_it_is():
+    module = nn.CrossEntropyLoss(label_smoothing=0.1)
+    assert get_loss(module) is module
+
+    def custom(output, target):
+        return output.mean()
+
+    assert get_loss(custom) is custom
+
+
+@pytest.mark.parametrize(
+    ("metric", "message"),
+    [
+        (
+            "acuracy",
+            "metrics entry 'acuracy' is not a known metric; valid: accuracy, acc, mae, mse or "
+            "a callable (output, target) -> scalar (closest: 'accuracy')",
+        ),
+        (
+            "f1",
+            "metrics entry 'f1' is not a known metric; valid: accuracy, acc, mae, mse or a "
+            "callable (output, target) -> scalar",
+        ),
+        (
+            3,
+            "metrics entry 3 is not a known metric; valid: accuracy, acc, mae, mse or a "
+            "callable (output, target) -> scalar",
+        ),
+    ],
+)
+def test_a_bad_metric_names_the_entry_and_the_valid_ones(metric, message):
+    with pytest.raises(mp.ArgumentError) as caught:
+        get_metric(metric)
+    assert str(caught.value) == message
+    # One class for every bad argument: caught as ValueError or as TypeError alike.
+    assert isinstance(caught.value, ValueError) and isinstance(caught.value, TypeError)
+
+
+@pytest.mark.parametrize(
+    ("loss", "message"),
+    [
+        (
+            "crossentropy",
+            f"loss='crossentropy' is not a known loss; valid: {LOSS_NAMES} or a callable "
+            "(output, target) -> scalar (closest: 'cross_entropy')",
+        ),
+        (
+            "hinge",
+            f"loss='hinge' is not a known loss; valid: {LOSS_NAMES} or a callable "
+            "(output, target) -> scalar",
+        ),
+        (
+            None,
+            f"loss=None is not a known loss; valid: {LOSS_NAMES} or a callable "
+            "(output, target) -> scalar",
+        ),
+    ],
+)
+def test_a_bad_loss_names_the_argument_and_the_valid_ones(loss, message):
+    with pytest.raises(mp.ArgumentError) as caught:
+        get_loss(loss)
+    assert str(caught.value) == message
+    assert isinstance(caught.value, ValueError) and isinstance(caught.value, TypeError)
+
+
+def test_a_bad_name_fails_when_the_trainer_is_built():
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), 0.1)
+    with pytest.raises(mp.ArgumentError, match=r"^loss='hinge' is not a known loss"):
+        mp.Trainer(model, "hinge", optimizer, device="cpu")
+    with pytest.raises(mp.ArgumentError, match=r"^metrics entry 'f1' is not a known metric"):
+        mp.Trainer(model, "cross_entropy", optimizer, metrics=["f1"], device="cpu")
+
+
+# -- values, against a hand computation -------------------------------------------------------
+
+
+def test_accuracy_of_class_scores_is_the_share_of_argmax_hits():
+    output = torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0], [1.0, 0.0, 5.0], [4.0, 0.0, 1.0]])
+    target = torch.tensor([0, 1, 1, 2])  # argmax: 0, 1, 2, 0 -> two hits in four
+    value = get_metric("accuracy")[1](output, target)
+    assert value.dtype == torch.float32
+    assert value.item() == 0.5
+
+
+def test_accuracy_of_one_logit_counts_logit_above_zero_as_class_one():
+    output = torch.tensor([2.5, -1.0, 0.0, 0.3, -0.2])  # predicted: 1, 0, 0, 1, 0
+    assert get_metric("acc")[1](output, torch.tensor([1, 0, 1, 1, 1])).item() == pytest.approx(0.6)
+    floats = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0])  # float targets: the 1st, 2nd, 5th hit
+    assert get_metric("accuracy")[1](output, floats).item() == pytest.approx(0.6)
+
+
+def test_mae_and_mse_by_hand():
+    output = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    target = torch.tensor([0, 0, 1, 1])  # integer targets are compared as float
+    # |1| + |-2| + |-0.5| + |2| = 5.5 over 4; 1 + 4 + 0.25 + 4 = 9.25 over 4
+    assert get_metric("mae")[1](output, target).item() == 5.5 / 4
+    assert get_metric("mse")[1](output, target).item() == 9.25 / 4
+    # A 16-bit output is measured in float32.
+    half = get_metric("mse")[1](output.to(torch.bfloat16), target)
+    assert half.dtype == torch.float32 and half.item() == 9.25 / 4
+
+
+def test_losses_by_hand():
+    logits = torch.tensor([[1.0, 2.0, 0.0], [0.5, 0.5, 3.0]])
+    labels = torch.tensor([1, 0])
+
+    def nll(row: list[float], label: int) -> float:
+        return -(row[label] - math.log(sum(math.exp(v) for v in row)))
+
+    expected = (nll([1.0, 2.0, 0.0], 1) + nll([0.5, 0.5, 3.0], 0)) / 2
+    for name in ("cross_entropy", "sparse_categorical_crossentropy"):
+        assert get_loss(name)(logits, labels).item() == pytest.approx(expected, rel=1e-6)
+
+    output, target = torch.tensor([1.0, -2.0, 0.5]), torch.tensor([0.0, 0.0, 1.0])
+    assert get_loss("mse")(output, target).item() == pytest.approx((1 + 4 + 0.25) / 3)
+    assert get_loss("mean_squared_error")(output, target).item() == pytest.approx(5.25 / 3)
+    assert get_loss("mae")(output, target).item() == pytest.approx((1 + 2 + 0.5) / 3)
+
+
+def test_binary_crossentropy_takes_logits_and_integer_targets():
+    logits = torch.tensor([2.0, -1.0, 0.0])
+    targets = torch.tensor([1, 0, 1])  # cast to the logits' dtype
+
+    def sigmoid(z: float) -> float:
+        return 1 / (1 + math.exp(-z))
+
+    expected = -(math.log(sigmoid(2.0)) + math.log(1 - sigmoid(-1.0)) + math.log(sigmoid(0.0))) / 3
+    loss = get_loss("binary_crossentropy")(logits, targets)
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
