@@ -1,23 +1,31 @@
-"""What the two doctors (the 16-bit and the float8 one) share: taking the float32 model
-they diagnose, and writing reports as JSON."""
+"""What the two doctors (the 16-bit and the float8 one) share: taking the float32 model they
+diagnose, recording what its modules see in one forward and backward, the relative error
+they compare runs by, and writing reports as JSON."""
 
 from __future__ import annotations
 
 import json
 import math
 import warnings
+from collections.abc import Callable, Mapping
+from types import TracebackType
 from typing import Any
 
+import torch
 from torch import nn
 
+from mixprec._errors import ArgumentError
+from mixprec.casting import first_floating
 from mixprec.levels import applied
+
+__all__ = ["Recorder", "float32_model", "relative_error", "to_json"]
 
 
 def float32_model(model: Any, who: str) -> nn.Module:
     """The float32 model behind ``model``: the module inside a ``torch.compile`` wrapper
     (the doctors' hooks run eagerly, with a warning); refused if already prepared."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"{who}(model=...) needs an nn.Module, got {type(model).__name__}")
+        raise ArgumentError(f"{who}(model=...) needs an nn.Module, got {type(model).__name__}")
     module: nn.Module = model
     original = getattr(module, "_orig_mod", None)  # torch.compile's OptimizedModule
     if isinstance(original, nn.Module):
@@ -29,8 +37,93 @@ def float32_model(model: Any, who: str) -> nn.Module:
         )
         module = original
     if applied(module) is not None:
-        raise ValueError(f"{who} needs the float32 model, before auto_mixed_precision")
+        raise ArgumentError(f"{who} needs the float32 model, before auto_mixed_precision")
     return module
+
+
+class Recorder:
+    """Forward hooks on ``modules`` (name -> module): what each module's first call with a
+    floating-point output sees, as a dict in ``calls`` (first-call order) with
+
+    ``kind`` (the module's class name), ``order`` (its place in forward execution order),
+    ``module``, ``input`` (its first floating-point argument, detached, or ``None``),
+    ``input_needs_grad``, ``output`` (detached), and once the backward has run ``grad`` (the
+    gradient of its output) and ``input_grad`` (of its input): ``None`` until then, and for
+    tensors no gradient reaches.
+
+    Only the first call is recorded: a module called twice (a shared block, a loop) is
+    compared call for call between runs that way. Use as a context manager; the hooks are
+    removed on exit, and the tensor hooks already registered fire in the backward after it.
+    """
+
+    def __init__(self, modules: Mapping[str, nn.Module]) -> None:
+        self.calls: dict[str, dict[str, Any]] = {}
+        self._handles = [m.register_forward_hook(self._hook(n)) for n, m in modules.items()]
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            out = first_floating(output)
+            if out is None or name in self.calls:  # first call of each module only
+                return
+            inp = first_floating(args)
+            entry: dict[str, Any] = {
+                "kind": type(module).__name__,
+                "order": len(self.calls),
+                "module": module,
+                "input": None if inp is None else inp.detach(),
+                "input_needs_grad": inp is not None and inp.requires_grad,
+                "output": out.detach(),
+                "grad": None,
+                "input_grad": None,
+            }
+            self.calls[name] = entry
+            if out.requires_grad:
+                out.register_hook(lambda g: entry.__setitem__("grad", g.detach()))
+            if inp is not None and inp.requires_grad:
+                inp.register_hook(lambda g: entry.__setitem__("input_grad", g.detach()))
+
+        return hook
+
+    def remove(self) -> None:
+        """Remove the forward hooks (what was recorded stays in ``calls``)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+
+def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """``||value - reference|| / ||reference||``: how far ``value`` (a 16-bit or float8 run's
+    tensor) is from ``reference`` (the float32 or bfloat16 run's), relative to the reference.
+
+    Computed in float64: the difference of two float32, 16-bit or float8 values is exact
+    there, and the sums of squares neither underflow (``1e-30`` squared is 0 in float32, which
+    would make a tiny tensor's norm 0) nor overflow (values near float32's max).
+
+    ``inf`` when the difference has an inf or NaN: a run that overflowed is not close to the
+    other by any measure. When the reference is exactly zero the ratio has no finite value:
+    a value that is zero too gives 0 (the runs agree exactly); a non-zero value gives
+    ``inf``, the limit of the ratio as the reference shrinks. A layer whose output or
+    gradient is all zero in the reference run and not in the compared one did not reproduce
+    it at all; 0 would hide that, and a finite stand-in (1, say) would rank it below layers
+    whose reference is merely small and whose error is larger."""
+    diff = value.detach().double() - reference.detach().double()
+    if not torch.isfinite(diff).all():
+        return math.inf
+    norm, off = float(reference.detach().double().norm()), float(diff.norm())
+    if norm > 0:
+        return off / norm
+    return 0.0 if off == 0 else math.inf
 
 
 def _json_safe(value: Any) -> Any:
@@ -45,4 +138,5 @@ def _json_safe(value: Any) -> Any:
 
 
 def to_json(data: dict[str, Any], **kwargs: Any) -> str:
+    """``data`` as JSON, with inf and NaN written as the strings ``"inf"`` and ``"nan"``."""
     return json.dumps(_json_safe(data), **kwargs)

@@ -34,10 +34,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib
-import math
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -45,13 +42,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec._calling import call
-from mixprec._dtypes import dtype_name
+from mixprec._errors import ArgumentError
 from mixprec._rng import same_draws
-from mixprec.casting import first_floating, get_region
-from mixprec.doctor._common import float32_model, to_json
+from mixprec.casting import get_region
+from mixprec.doctor._common import Recorder, float32_model, relative_error
+from mixprec.doctor.float8_casts import (
+    OPERANDS,
+    CastStats,
+    Float8Cast,
+    cast_stats,
+    layer_casts,
+    recipe_casts,
+)
+from mixprec.doctor.float8_report import Float8LayerReport, Float8Report
 from mixprec.float8 import Float8Options, float8_choice, is_float8, torchao_float8
 from mixprec.levels import KeepEntry, auto_mixed_precision, keep_list, resolve_level
-from mixprec.policy import FLOAT8_PRESETS, PolicyLike, get_policy, parse_float8_recipe
+from mixprec.policy import FLOAT8_PRESETS, PolicyLike, get_policy
 
 __all__ = [
     "FLOAT8_GRAD_ERROR_LIMIT",
@@ -92,343 +98,6 @@ FLOAT8_UNDERFLOW_LIMIT = 0.05
 # Any clipped value is damage (see the module docstring: dynamic scaling never clips).
 FLOAT8_SATURATION_LIMIT = 0.0
 
-#: The casts a float8 Linear makes: (operand, gemm, ``Float8LinearConfig`` attribute, torchao's
-#: ``axiswise_dim`` for that cast). Operands are 2-D as torchao casts them: the input and the
-#: output gradient flattened to (rows, features), the weight transposed to (in, out).
-_CASTS: tuple[tuple[str, str, str, int], ...] = (
-    ("input", "output", "cast_config_input", -1),
-    ("weight", "output", "cast_config_weight", 0),
-    ("grad_output", "grad_input", "cast_config_grad_output", -1),
-    ("weight", "grad_input", "cast_config_weight_for_grad_input", -1),
-    ("input", "grad_weight", "cast_config_input_for_grad_weight", 0),
-    ("grad_output", "grad_weight", "cast_config_grad_output_for_grad_weight", 0),
-)
-#: What one scale covers under axiswise ("rowwise") scaling, by (operand, axiswise_dim).
-_AXIS_NAMES = {
-    ("input", -1): "per row",
-    ("input", 0): "per in-feature",
-    ("weight", 0): "per out-feature",
-    ("weight", -1): "per in-feature",
-    ("grad_output", -1): "per row",
-    ("grad_output", 0): "per out-feature",
-}
-OPERANDS = ("input", "weight", "grad_output")
-
-
-# -- one cast ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class CastStats:
-    """What one float8 cast does to a tensor.
-
-    ``amax``: max |value| over the whole tensor (inf/NaN included, as torchao computes it).
-    ``scale``: the smallest scale, which belongs to the row (or column) holding ``amax``;
-    ``scale_max`` the largest; equal under tensorwise scaling. ``saturated``: fraction of the
-    finite values the cast clips at the format's max. ``flushed``: fraction of the finite
-    non-zero values that become 0; ``subnormal``: ... that become subnormal (fewer significant
-    bits than normal values). ``nonfinite``: count of inf/NaN values.
-    """
-
-    amax: float
-    scale: float
-    scale_max: float
-    saturated: float
-    flushed: float
-    subnormal: float
-    nonfinite: int
-
-    @property
-    def underflow(self) -> float:
-        """Fraction of the non-zero values that flush to 0 or land on a subnormal."""
-        return self.flushed + self.subnormal
-
-
-def _torchao_module(name: str) -> Any:
-    torchao_float8()  # the ImportError that says how to install torchao
-    return importlib.import_module(name)
-
-
-def cast_stats(
-    tensor: torch.Tensor,
-    float8_dtype: torch.dtype,
-    *,
-    axis: int | None = None,
-    round_scales_to_power_of_2: bool = False,
-    scale: float | torch.Tensor | None = None,
-) -> CastStats:
-    """Cast ``tensor`` to ``float8_dtype`` as torchao does and measure the damage.
-
-    ``axis``: ``None`` for one scale over the tensor (tensorwise); else the dim torchao
-    reduces the amax over (``axiswise_dim``: -1 gives one scale per row of a 2-D tensor).
-    ``scale``: use this scale instead of torchao's dynamic ``max_of_format / amax``.
-    """
-    utils = _torchao_module("torchao.float8.float8_utils")
-    granularity = _torchao_module("torchao.float8.config").ScalingGranularity
-    if float8_dtype not in utils.FP8_TYPES:
-        raise ValueError(
-            f"float8_dtype={float8_dtype!r} is not a float8 dtype; valid: "
-            + ", ".join(sorted(dtype_name(d) for d in utils.FP8_TYPES))
-        )
-    x = tensor.detach()
-    if scale is None:
-        scale_t = utils.tensor_to_scale(
-            x,
-            float8_dtype,
-            scaling_granularity=granularity.TENSORWISE if axis is None else granularity.AXISWISE,
-            axiswise_dim=axis,
-            round_scales_to_power_of_2=round_scales_to_power_of_2,
-        )
-    else:
-        scale_t = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    # Exactly torchao's cast (_ToFloat8ConstrFunc): scale in float32, then a saturating cast.
-    scaled = x.to(torch.float32) * scale_t
-    cast = utils.to_fp8_saturated(scaled, float8_dtype).to(torch.float32)
-    info = torch.finfo(float8_dtype)
-    # Clipped, not rounded: beyond max plus half a unit in the last place at max (E4M3: 464,
-    # E5M2: 61440). Values up to there round to max anyway; and the float32 rounding of a
-    # dynamic scale can put the amax itself a hair above max, which is not a clip.
-    clip = info.max + info.eps * 2.0 ** math.floor(math.log2(info.max)) / 2
-    finite = torch.isfinite(x)
-    nonzero = finite & (x != 0)
-    n_finite, n_nonzero = int(finite.sum()), int(nonzero.sum())
-    saturated = int(((scaled.abs() > clip) & finite).sum())
-    flushed = int(((cast == 0) & nonzero).sum())
-    subnormal = int(((cast != 0) & (cast.abs() < info.tiny) & nonzero).sum())
-    amax = float(x.abs().max()) if x.numel() else 0.0
-    return CastStats(
-        amax=amax,
-        scale=float(scale_t.min()),
-        scale_max=float(scale_t.max()),
-        saturated=saturated / n_finite if n_finite else 0.0,
-        flushed=flushed / n_nonzero if n_nonzero else 0.0,
-        subnormal=subnormal / n_nonzero if n_nonzero else 0.0,
-        nonfinite=x.numel() - n_finite,
-    )
-
-
-@dataclass(frozen=True)
-class Float8Cast:
-    """One cast a float8 Linear makes: which operand, for which of its three matmuls
-    (``output``, ``grad_input``, ``grad_weight``), to which dtype, at which granularity
-    (``tensorwise``, or what one rowwise scale covers), and its ``CastStats``."""
-
-    operand: str
-    gemm: str
-    dtype: str
-    granularity: str
-    stats: CastStats
-
-
-def recipe_casts(recipe: str) -> list[tuple[str, str, torch.dtype, int | None, bool]]:
-    """The float8 casts of torchao's ``recipe``, read from its ``Float8LinearConfig``:
-    ``(operand, gemm, dtype, axis or None, round_scales_to_power_of_2)``; operands a gemm
-    takes in high precision (``rowwise_with_gw_hp``'s weight gradient) are left out."""
-    recipe = parse_float8_recipe(recipe, argument="recipe")
-    return _config_casts(torchao_float8().Float8LinearConfig.from_recipe_name(recipe))
-
-
-def _config_casts(config: Any) -> list[tuple[str, str, torch.dtype, int | None, bool]]:
-    kinds = _torchao_module("torchao.float8.config")
-    casts = []
-    for operand, gemm, attribute, axiswise_dim in _CASTS:
-        cast = getattr(config, attribute)
-        if cast.scaling_type is kinds.ScalingType.DISABLED:
-            continue
-        axiswise = cast.scaling_granularity is kinds.ScalingGranularity.AXISWISE
-        axis = axiswise_dim if axiswise else None
-        power_of_2 = bool(config.round_scales_to_power_of_2)
-        casts.append((operand, gemm, cast.target_dtype, axis, power_of_2))
-    return casts
-
-
-def _operand_2d(operand: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    t = tensors[operand]
-    return t.t() if operand == "weight" else t.reshape(-1, t.shape[-1])
-
-
-def _layer_casts(config: Any, tensors: dict[str, torch.Tensor]) -> list[Float8Cast]:
-    """Every float8 cast of torchao's ``config`` on the layer's recorded operands. A
-    tensorwise cast that two gemms share (same operand, same dtype) is measured once, under
-    the first."""
-    out: list[Float8Cast] = []
-    seen: set[tuple[str, torch.dtype, int | None]] = set()
-    for operand, gemm, dtype, axis, power_of_2 in _config_casts(config):
-        if operand not in tensors or (operand, dtype, axis) in seen:
-            continue
-        seen.add((operand, dtype, axis))
-        stats = cast_stats(
-            _operand_2d(operand, tensors), dtype, axis=axis, round_scales_to_power_of_2=power_of_2
-        )
-        granularity = "tensorwise" if axis is None else _AXIS_NAMES[(operand, axis)]
-        out.append(Float8Cast(operand, gemm, dtype_name(dtype), granularity, stats))
-    return out
-
-
-# -- the report ----------------------------------------------------------------------------------
-
-
-@dataclass
-class Float8LayerReport:
-    """One converted Linear layer. ``shape``: its weight's (out_features, in_features).
-
-    ``amax_*``, ``scale_*``: of the cast each operand gets in the forward matmul (the output
-    gradient: in the input-gradient matmul); under rowwise recipes ``scale_*`` is the smallest
-    row scale. ``saturated_*``, ``flushed_*``, ``subnormal_*``: the worst over the operand's
-    casts (see ``CastStats``). ``*_error``: ``||float8 - bfloat16|| / ||bfloat16||`` of the
-    layer replayed on the same tensors; ``None`` where not computed (no gradient reached the
-    layer, its input needs none, or its weight is frozen). ``casts``: every cast in detail.
-    ``reasons``: why float8 hurts it (empty: it does not).
-    """
-
-    name: str
-    shape: tuple[int, int]
-    amax_input: float
-    amax_weight: float
-    amax_grad_output: float | None
-    scale_input: float
-    scale_weight: float
-    scale_grad_output: float | None
-    saturated_input: float
-    saturated_weight: float
-    saturated_grad_output: float | None
-    flushed_input: float
-    flushed_weight: float
-    flushed_grad_output: float | None
-    subnormal_input: float
-    subnormal_weight: float
-    subnormal_grad_output: float | None
-    output_error: float
-    grad_input_error: float | None
-    grad_weight_error: float | None
-    casts: list[Float8Cast] = field(default_factory=list)
-    reasons: list[str] = field(default_factory=list)
-
-    @property
-    def hurts(self) -> bool:
-        """Whether float8 damages this layer beyond its usual rounding (see ``reasons``)."""
-        return bool(self.reasons)
-
-
-@dataclass
-class Float8Report:
-    """What ``diagnose_float8`` found: per converted layer (forward order), its casts and its
-    error against bfloat16; ``recommended_keep_bfloat16`` names the layers float8 hurts, for
-    ``auto_mixed_precision(..., keep_bfloat16=...)``. ``to_dict()``, ``to_json()``."""
-
-    policy: str
-    recipe: str
-    level: str
-    loss_float8: float
-    loss_bfloat16: float
-    layers: list[Float8LayerReport]
-    recommended_keep_bfloat16: list[str]
-    not_run: list[str]  # converted layers the batch never called
-    advice: list[str]
-
-    @property
-    def loss_gap(self) -> float:
-        """``loss_float8 - loss_bfloat16`` on the diagnosed batch."""
-        return self.loss_float8 - self.loss_bfloat16
-
-    @property
-    def healthy(self) -> bool:
-        return not self.recommended_keep_bfloat16
-
-    def __str__(self) -> str:
-        lines = [
-            f"float8 doctor: policy {self.policy} ({self.recipe}), level {self.level}: loss "
-            f"{self.loss_float8:.6g} (bfloat16 {self.loss_bfloat16:.6g}, gap {self.loss_gap:+.3g})",
-        ]
-        header = (
-            f"{'layer':<20} {'shape':>8}  {'amax in/w/go':<22} {'scale in/w/go':<23} "
-            f"{'flush% in/w/go':<14} {'subn% in/w/go':<14} {'sat%':>4}  "
-            f"{'error out/gin/gw':<17} flags"
-        )
-        lines += [header, "-" * len(header)]
-
-        def num(value: float | None) -> str:
-            return "-" if value is None else f"{value:.2g}"
-
-        def pct(value: float | None) -> str:
-            return "-" if value is None else f"{100 * value:.2g}"
-
-        for r in self.layers:
-            saturated = max(
-                v
-                for v in (r.saturated_input, r.saturated_weight, r.saturated_grad_output, 0.0)
-                if v is not None
-            )
-            amax = "/".join(map(num, (r.amax_input, r.amax_weight, r.amax_grad_output)))
-            scale = "/".join(map(num, (r.scale_input, r.scale_weight, r.scale_grad_output)))
-            flush = "/".join(map(pct, (r.flushed_input, r.flushed_weight, r.flushed_grad_output)))
-            subn = "/".join(
-                map(pct, (r.subnormal_input, r.subnormal_weight, r.subnormal_grad_output))
-            )
-            error = "/".join(map(num, (r.output_error, r.grad_input_error, r.grad_weight_error)))
-            shape = f"{r.shape[0]}x{r.shape[1]}"
-            lines.append(
-                f"{r.name[:20]:<20} {shape:>8}  {amax:<22} {scale:<23} {flush:<14} {subn:<14} "
-                f"{pct(saturated):>4}  {error:<17} {'; '.join(r.reasons)}".rstrip()
-            )
-        lines.append("")
-        lines += [f"- {a}" for a in self.advice]
-        return "\n".join(lines)
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["loss_gap"] = self.loss_gap
-        return data
-
-    def to_json(self, **kwargs: Any) -> str:
-        return to_json(self.to_dict(), **kwargs)
-
-
-# -- running the model -------------------------------------------------------------------------
-
-
-class _Recorder:
-    """Forward hooks on the converted layers: the first call's input (as the layer's bfloat16
-    region hands it to torchao), and the gradient of its output."""
-
-    def __init__(self, modules: Mapping[str, nn.Module]) -> None:
-        self.calls: dict[str, dict[str, Any]] = {}
-        self.handles = [m.register_forward_hook(self._hook(n)) for n, m in modules.items()]
-
-    def _hook(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            inp, out = first_floating(args), first_floating(output)
-            if inp is None or out is None or name in self.calls:  # first call only
-                return
-            region = get_region(module)
-            seen = inp.detach()
-            if region is not None and region.cast_inputs:
-                seen = seen.to(region.compute_dtype)
-            entry: dict[str, Any] = {
-                "input": seen,
-                "input_needs_grad": inp.requires_grad,
-                "grad_output": None,
-            }
-            self.calls[name] = entry
-            if out.requires_grad:
-                out.register_hook(lambda g: entry.__setitem__("grad_output", g.detach()))
-
-        return hook
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
-def _rel_error(mixed: torch.Tensor, ref: torch.Tensor) -> float:
-    diff = mixed.detach().float() - ref.detach().float()
-    if not torch.isfinite(diff).all():
-        return math.inf
-    norm, off = float(ref.detach().float().norm()), float(diff.norm())
-    if norm > 0:
-        return off / norm
-    return 0.0 if off == 0 else math.inf
-
 
 def _replay(
     module: nn.Linear, x: torch.Tensor, grad_output: torch.Tensor | None, input_grad: bool
@@ -446,15 +115,15 @@ def _replay(
         w16 = weight.detach().to(torch.bfloat16).requires_grad_(weight_grad)
         b16 = None if bias is None else bias.detach().to(torch.bfloat16)
         out16 = F.linear(x16, w16, b16)
-        output_error = _rel_error(out8, out16)
+        output_error = relative_error(out8, out16)
         if grad_output is None or not (input_grad or weight_grad):
             return output_error, None, None
         wanted8 = [t for t, on in ((x8, input_grad), (weight, weight_grad)) if on]
         wanted16 = [t for t, on in ((x16, input_grad), (w16, weight_grad)) if on]
         grads8 = list(torch.autograd.grad(out8, wanted8, grad_output.to(out8.dtype)))
         grads16 = list(torch.autograd.grad(out16, wanted16, grad_output.to(torch.bfloat16)))
-    gin = _rel_error(grads8.pop(0), grads16.pop(0)) if input_grad else None
-    gw = _rel_error(grads8.pop(0), grads16.pop(0)) if weight_grad else None
+    gin = relative_error(grads8.pop(0), grads16.pop(0)) if input_grad else None
+    gw = relative_error(grads8.pop(0), grads16.pop(0)) if weight_grad else None
     return output_error, gin, gw
 
 
@@ -467,18 +136,29 @@ def _first(casts: list[Float8Cast], operand: str) -> CastStats | None:
     return next((c.stats for c in casts if c.operand == operand), None)
 
 
-def _operands(module: nn.Linear, call: dict[str, Any]) -> dict[str, torch.Tensor]:
-    tensors = {"input": call["input"], "weight": module.weight.detach()}
-    if call["grad_output"] is not None:
-        tensors["grad_output"] = call["grad_output"]
+def _as_seen(module: nn.Linear, entry: dict[str, Any]) -> dict[str, Any]:
+    """A recorded call (``Recorder``) as the float8 layer meets it: ``input`` as its bfloat16
+    region hands it to torchao, whether that input needs a gradient, and ``grad_output``
+    (``None`` when no gradient reached the layer)."""
+    region = get_region(module)
+    x = entry["input"]
+    if region is not None and region.cast_inputs:
+        x = x.to(region.compute_dtype)
+    return {"input": x, "input_needs_grad": entry["input_needs_grad"], "grad_output": entry["grad"]}
+
+
+def _operands(module: nn.Linear, seen: dict[str, Any]) -> dict[str, torch.Tensor]:
+    tensors = {"input": seen["input"], "weight": module.weight.detach()}
+    if seen["grad_output"] is not None:
+        tensors["grad_output"] = seen["grad_output"]
     return tensors
 
 
-def _layer_report(name: str, module: nn.Linear, call: dict[str, Any]) -> Float8LayerReport:
-    x, grad_output = call["input"], call["grad_output"]
+def _layer_report(name: str, module: nn.Linear, seen: dict[str, Any]) -> Float8LayerReport:
+    x, grad_output = seen["input"], seen["grad_output"]
     # The config torchao's Float8Linear holds: the recipe's, with any change mixprec made.
-    casts = _layer_casts(module.config, _operands(module, call))
-    out_err, gin_err, gw_err = _replay(module, x, grad_output, call["input_needs_grad"])
+    casts = layer_casts(module.config, _operands(module, seen))
+    out_err, gin_err, gw_err = _replay(module, x, grad_output, seen["input_needs_grad"])
     first = {op: _first(casts, op) for op in OPERANDS}
 
     def flat(operand: str, what: str) -> Any:
@@ -544,7 +224,7 @@ def _reasons(r: Float8LayerReport) -> list[str]:
 
 
 def _rowwise_would_do(
-    report: Float8LayerReport, module: nn.Linear, call: dict[str, Any]
+    report: Float8LayerReport, module: nn.Linear, seen: dict[str, Any]
 ) -> float | None:
     """For a tensorwise layer flagged for underflow only: the worst underflow fraction under
     the rowwise recipe's casts (one scale per row or column), or ``None``. Outliers confined
@@ -562,7 +242,7 @@ def _rowwise_would_do(
     ):
         return None
     rowwise = torchao_float8().Float8LinearConfig.from_recipe_name("rowwise")
-    casts = _layer_casts(rowwise, _operands(module, call))
+    casts = layer_casts(rowwise, _operands(module, seen))
     return max(c.stats.underflow for c in casts)
 
 
@@ -636,13 +316,13 @@ def diagnose_float8(
     resolved = get_policy(policy)
     recipe = resolved.float8_recipe
     if recipe is None:
-        raise ValueError(
+        raise ArgumentError(
             f"diagnose_float8(policy={resolved.name!r}) needs a float8 policy; valid: "
             f"{', '.join(FLOAT8_PRESETS)} (for other policies use mixprec.diagnose)"
         )
     lvl = resolve_level(level, resolved)
     if lvl == "O0":
-        raise ValueError(
+        raise ArgumentError(
             f"diagnose_float8(level={level!r}): O0 runs everything in float32 and converts no "
             "layer to float8; valid: O1, O2, O3, auto (O2)"
         )
@@ -666,29 +346,25 @@ def diagnose_float8(
             if float8 is None or float8.min_features is None
             else ""
         )
-        raise ValueError(
+        raise ArgumentError(
             f"diagnose_float8: policy {resolved.name!r} at level {lvl} converts no Linear "
             "layer of this model to float8 "
             f"({len(considered)} considered{': ' + why + more if considered else ''}).{hint}"
         )
-    recorder = _Recorder(layers)
     with same_draws() as rewind:
-        try:
+        with Recorder(layers) as recorder:
             rewind()
             loss8 = loss_fn(call(mixed, inputs), targets)
             if loss8.requires_grad:
                 loss8.backward()
-        finally:
-            recorder.remove()
         reference = auto_mixed_precision(copy.deepcopy(model), "mixed_bfloat16", lvl, keep_float32)
         rewind()
         with torch.no_grad():
             loss16 = loss_fn(call(reference, inputs), targets)
 
-    reports = [
-        _layer_report(name, layers[name], seen)
-        for name, seen in recorder.calls.items()  # forward order
-    ]
+    # Forward order; a Linear's first floating-point argument is its input.
+    seen = {n: _as_seen(layers[n], entry) for n, entry in recorder.calls.items()}
+    reports = [_layer_report(name, layers[name], seen[name]) for name in seen]
     report = Float8Report(
         policy=resolved.name,
         recipe=recipe,
@@ -697,14 +373,14 @@ def diagnose_float8(
         loss_bfloat16=float(loss16.float()),
         layers=reports,
         recommended_keep_bfloat16=[r.name for r in reports if r.hurts],
-        not_run=[n for n in layers if n not in recorder.calls],
+        not_run=[n for n in layers if n not in seen],
         advice=[],
     )
     rowwise: dict[str, float] = {}
     # FSDP's float8 all-gather needs one scale per tensor: no rowwise hint then.
     if recipe == "tensorwise" and not getattr(float8, "fsdp_float8_all_gather", False):
         for r in reports:
-            underflow = _rowwise_would_do(r, layers[r.name], recorder.calls[r.name])
+            underflow = _rowwise_would_do(r, layers[r.name], seen[r.name])
             if underflow is not None:
                 rowwise[r.name] = underflow
     report.advice = _advice(report, float8, rowwise)

@@ -1,6 +1,7 @@
-"""The float8 doctor (``mixprec.doctor.float8``): the cast arithmetic on hand-made tensors,
-the casts of each torchao recipe, a layer whose input has outliers named (and keeping it in
-bfloat16 closing the loss gap to bfloat16), the report's forms, and bad arguments.
+"""The float8 doctor (``mixprec.doctor.float8``): a layer whose input has outliers named (and
+keeping it in bfloat16 closing the loss gap to bfloat16), the rowwise recipes, a healthy
+model, the random numbers, bad arguments, and ``mp.diagnose`` and the CLI passing float8
+policies to it.
 
 CPU float8 matmuls are emulated, so the models are small, with dims that are multiples of 16
 and ``min_features=16`` (torchao's size thresholds would convert none of these layers).
@@ -25,19 +26,10 @@ from mixprec.doctor.float8 import (
     FLOAT8_OUTPUT_ERROR_LIMIT,
     FLOAT8_UNDERFLOW_LIMIT,
     Float8Report,
-    cast_stats,
     diagnose_float8,
-    recipe_casts,
 )
-from mixprec.float8 import Float8Options
-
-SMALL = Float8Options(min_features=16)
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-RECIPES = {
-    "mixed_float8": "tensorwise",
-    "mixed_float8_rowwise": "rowwise",
-    "mixed_float8_rowwise_with_gw_hp": "rowwise_with_gw_hp",
-}
+from tests.doctor.cases import single_thread
+from tests.doctor.float8_cases import BATCH, MISSING, RECIPES, SMALL, readings, sensors
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -45,147 +37,8 @@ def _one_thread():
     """These matmuls are tiny: a second thread only adds thread-pool synchronisation, which
     on a shared 2-core machine made the training test 25x slower (CPU time 5.1 s against
     0.19 s for 40 bfloat16 steps, identical results)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-# -- one cast, by hand -------------------------------------------------------------------------
-
-
-def test_tensorwise_scale_flush_and_subnormals_by_hand():
-    x = torch.tensor([2.0, -1.0, 1.03, -1.04, 0.5, 0.0, 1e-6, 3e-6, 5e-6])
-    s = cast_stats(x, E4M3)
-    # amax 2: scale = 448 / 2, exact in float32.
-    assert (s.amax, s.scale, s.scale_max) == (2.0, 224.0, 224.0)
-    # E4M3's smallest subnormal is 2**-9 and its smallest normal 2**-6; below 2**-10 rounds
-    # to 0. Scaled: 1e-6 -> 2.2e-4 and 3e-6 -> 6.7e-4 flush; 5e-6 -> 1.1e-3 is subnormal.
-    # Of the 8 non-zero values (the 0 does not count):
-    assert (s.flushed, s.subnormal, s.underflow) == (2 / 8, 1 / 8, 3 / 8)
-    # The dynamic scale maps amax onto max: nothing clips.
-    assert s.saturated == 0.0 and s.nonfinite == 0
-
-    # E5M2: scale 57344 / 2; its smallest normal is 2**-14, so 1e-6 * 28672 = 0.029 is normal.
-    s = cast_stats(x, E5M2)
-    assert (s.scale, s.flushed, s.subnormal) == (28672.0, 0.0, 0.0)
-
-
-def test_a_given_scale_saturates_past_max_plus_half_an_ulp():
-    x = torch.tensor([2.0, -1.0, 1.03, -1.04, 0.5, 0.0, 1e-6, 3e-6, 5e-6])
-    s = cast_stats(x, E4M3, scale=448.0)
-    # E4M3's max is 448 and the next step would be 480: up to 464 rounds to max, beyond it is
-    # clipped. Scaled: 2 -> 896 and -1.04 -> -465.9 clip; 1.03 -> 461.4 and -1 -> -448 do not.
-    assert s.saturated == 2 / 9  # of the 9 finite values
-    # 1e-6 -> 4.5e-4 flushes; 3e-6 -> 1.3e-3 and 5e-6 -> 2.2e-3 are subnormal.
-    assert (s.flushed, s.subnormal) == (1 / 8, 2 / 8)
-    assert (s.scale, s.scale_max) == (448.0, 448.0)
-
-
-def test_rowwise_scales_are_per_row_and_rounded_down_to_powers_of_two():
-    t = torch.tensor([[4.0, 2e-6], [0.5, 2e-6]])
-    s = cast_stats(t, E4M3, axis=-1, round_scales_to_power_of_2=True)
-    # Row scales 448 / 4 = 112 -> 64 and 448 / 0.5 = 896 -> 512 (rounded down).
-    assert (s.amax, s.scale, s.scale_max) == (4.0, 64.0, 512.0)
-    # Row 0: 2e-6 * 64 = 1.3e-4 flushes; row 1: 2e-6 * 512 = 1.02e-3 rounds up to 2**-9.
-    assert (s.flushed, s.subnormal) == (1 / 4, 1 / 4)
-    # One scale (112) for both rows: the row with the small amax loses its small value too.
-    assert cast_stats(t, E4M3).flushed == 2 / 4
-
-
-def test_a_nonfinite_value_zeroes_the_scale():
-    s = cast_stats(torch.tensor([1.0, 0.5, math.inf]), E4M3)
-    # torchao: scale = 448 / inf = 0, so every finite value flushes.
-    assert (s.amax, s.scale, s.nonfinite, s.flushed) == (math.inf, 0.0, 1, 1.0)
-
-
-def test_cast_stats_wants_a_float8_dtype():
-    with pytest.raises(ValueError, match=r"float8_dtype=torch.bfloat16 is not a float8 dtype; "):
-        cast_stats(torch.ones(4), torch.bfloat16)
-
-
-@pytest.mark.parametrize(
-    ("recipe", "expected"),
-    [
-        ("tensorwise", [("input", "output", E4M3, None), ("weight", "output", E4M3, None),
-                        ("grad_output", "grad_input", E5M2, None),
-                        ("weight", "grad_input", E4M3, None),
-                        ("input", "grad_weight", E4M3, None),
-                        ("grad_output", "grad_weight", E5M2, None)]),
-        ("rowwise", [("input", "output", E4M3, -1), ("weight", "output", E4M3, 0),
-                     ("grad_output", "grad_input", E4M3, -1),
-                     ("weight", "grad_input", E4M3, -1),
-                     ("input", "grad_weight", E4M3, 0),
-                     ("grad_output", "grad_weight", E4M3, 0)]),
-        # The weight gradient's matmul takes input and output gradient in high precision.
-        ("rowwise_with_gw_hp", [("input", "output", E4M3, -1), ("weight", "output", E4M3, 0),
-                                ("grad_output", "grad_input", E4M3, -1),
-                                ("weight", "grad_input", E4M3, None)]),
-    ],
-)  # fmt: skip
-def test_recipe_casts_follow_torchaos_configs(recipe, expected):
-    casts = recipe_casts(recipe)
-    assert [c[:4] for c in casts] == expected
-    # The rowwise recipes round scales down to powers of two; tensorwise does not.
-    assert {c[4] for c in casts} == {recipe != "tensorwise"}
-
-
-def test_recipe_casts_names_the_valid_recipes():
-    with pytest.raises(ValueError, match=r"recipe='blockwise' is not a float8 recipe; valid: "
-                       r"tensorwise, rowwise, rowwise_with_gw_hp"):  # fmt: skip
-        recipe_casts("blockwise")
-
-
-# -- a layer float8 hurts -------------------------------------------------------------------------
-
-
-class Sensors(nn.Module):
-    """Tabular regression: 32 features in, LayerNorm after the first layer."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(32, 64)
-        self.norm = nn.LayerNorm(64)
-        self.fc1 = nn.Linear(64, 64)
-        self.fc2 = nn.Linear(64, 64)
-        self.head = nn.Linear(64, 16)  # the output head: kept bfloat16
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.gelu(self.norm(self.embed(x)))
-        h = F.gelu(self.fc2(F.gelu(self.fc1(h))))
-        return self.head(h)
-
-
-BATCH, MISSING = 64, 99999.0
-
-
-def sensors(seed: int = 0) -> Sensors:
-    torch.manual_seed(seed)
-    return Sensors()
-
-
-def readings(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Standardised features, targets from a fixed random teacher, and in column 0 of two
-    rows per batch of 64 a missing reading coded 99999 (a sentinel, the classic outlier of
-    tabular data). One scale for the whole input (tensorwise) is set by the sentinel:
-    448 / 99999 puts every ordinary value below E4M3's smallest normal, most below its
-    smallest subnormal. bfloat16 keeps its 8 exponent bits per value and does not care; nor,
-    after the LayerNorm, do the layers downstream."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 32, generator=g)
-    teacher = torch.Generator().manual_seed(1234)
-    w1 = torch.randn(32, 64, generator=teacher) / 32**0.5
-    w2 = torch.randn(64, 16, generator=teacher) / 8
-    y = torch.tanh(x @ w1) @ w2
-    for start in range(0, n, BATCH):
-        x[start : start + 2, 0] = MISSING
-    return x, y
-
-
-@pytest.fixture(scope="module")
-def tensorwise() -> Float8Report:
-    x, y = readings(BATCH, seed=0)
-    return diagnose_float8(sensors(), x, y, F.mse_loss, "mixed_float8", float8=SMALL)
+    with single_thread():
+        yield
 
 
 def test_tensorwise_names_the_layer_behind_the_outliers(tensorwise):
@@ -285,43 +138,6 @@ def test_keeping_the_recommended_layers_closes_the_loss_gap(tensorwise):
     gap, fixed_gap = f8 - bf16, fixed - bf16
     assert gap > 0.002, (bf16, f8, fixed)
     assert abs(fixed_gap) < gap / 3, (bf16, f8, fixed)
-
-
-# -- the report ---------------------------------------------------------------------------------
-
-
-def test_report_text_and_json(tensorwise):
-    text = str(tensorwise)
-    lines = text.splitlines()
-    assert (
-        lines[0].startswith("float8 doctor: policy mixed_float8 (tensorwise), level O2: loss ")
-        and "(bfloat16 " in lines[0]
-    )
-    assert lines[1].split()[:4] == ["layer", "shape", "amax", "in/w/go"]
-    embed_line = next(line for line in lines if line.startswith("embed"))
-    assert "64x32" in embed_line and "1e+05/" in embed_line and "input: 1" in embed_line
-    assert (
-        "- float8 hurts 1 of 3 float8 layers; keep them in bfloat16: auto_mixed_precision("
-        "model, 'mixed_float8', float8=Float8Options(min_features=16), keep_bfloat16=['embed'])"
-    ) in lines
-    data = json.loads(tensorwise.to_json())
-    assert data["recommended_keep_bfloat16"] == ["embed"]
-    assert data["loss_gap"] == pytest.approx(tensorwise.loss_float8 - tensorwise.loss_bfloat16)
-    embed = data["layers"][0]
-    assert embed["name"] == "embed" and embed["shape"] == [64, 32]
-    assert embed["grad_input_error"] is None
-    first = embed["casts"][0]
-    assert {k: first[k] for k in ("operand", "gemm", "dtype", "granularity")} == {
-        "operand": "input",
-        "gemm": "output",
-        "dtype": "float8_e4m3fn",
-        "granularity": "tensorwise",
-    }
-    stats = tensorwise.layers[0].casts[0].stats
-    assert first["stats"]["amax"] == stats.amax and first["stats"]["flushed"] == stats.flushed
-    assert set(first["stats"]) == {
-        "amax", "scale", "scale_max", "saturated", "flushed", "subnormal", "nonfinite"
-    }  # fmt: skip
 
 
 class TwoWays(nn.Module):

@@ -1,0 +1,66 @@
+"""The 16-bit doctor's advice: the sentences ``Report.advice`` holds, each a remedy with the
+call that applies it (a keep list, bfloat16, a loss scaler's starting scale or range)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mixprec.doctor.report import Report
+from mixprec.doctor.risk import UNDERFLOW_LIMIT
+
+__all__ = ["advice"]
+
+
+def advice(report: Report, compute: torch.dtype, left: set[str]) -> list[str]:
+    """What to do about what ``report`` found. ``compute``: the policy's compute dtype;
+    ``left``: the leaves still computing in 16 bits with the recommendation applied."""
+    said: list[str] = []
+    if report.recommended_keep_float32:
+        said.append(
+            "keep in float32: auto_mixed_precision(..., keep_float32="
+            f"{report.recommended_keep_float32!r})"
+        )
+        if not left:
+            said.append(
+                "that keeps every module in float32: no float16 keep list fixes this model "
+                "(the gradients before the overflowing layers are as large as their gain)"
+                + ("" if report.bfloat16_would_help else "; train it in float32")
+            )
+    if report.bfloat16_would_help:
+        said.append(
+            "every value fits bfloat16's range: policy 'mixed_bfloat16' avoids the overflow "
+            "without keeping layers in float32"
+        )
+    reached = report.loss_scale_reached
+    if report.backoff_steps and reached is not None and left:
+        top = max((m for m in report.modules if m.name in left), key=lambda m: m.max_backward)
+        said.append(
+            f"{'with that, ' if report.recommended_keep_float32 else ''}the float16 backward "
+            f"holds gradients up to {top.max_backward:.3g} (in {top.name!r}): a "
+            f"DynamicLossScaler starting at {report.loss_scale:g} skips the first "
+            f"{report.backoff_steps} steps backing off to {reached:g}; start it there: "
+            f"LossScaleOptimizer(..., loss_scaler=DynamicLossScaler(init_scale={reached:g}))"
+        )
+    if compute == torch.float16 and report.loss_scale_range is not None:
+        low, high = report.loss_scale_range
+        scale = report.suggested_loss_scale or 1.0
+        # DynamicLossScaler's default max_scale is 2**24: raise it when more is needed.
+        ceiling = ""
+        if scale > 2.0**24:
+            ceiling = f", max_scale={2.0 ** math.floor(math.log2(max(high, scale))):g}"
+        if any(m.grad_underflow > UNDERFLOW_LIMIT for m in report.modules):
+            said.append(
+                f"gradients underflow float16 at loss scale {report.loss_scale:g}: use a "
+                f"loss scale in [{low:.3g}, "
+                f"{high:.3g}], e.g. StaticLossScaler({scale:g}) or "
+                f"DynamicLossScaler(init_scale={scale:g}{ceiling})"
+            )
+        if low > high:
+            said.append(
+                "no single float16 loss scale fits both the smallest and the largest "
+                "gradients: use bfloat16, or keep the layers with the largest gradients in "
+                "float32"
+            )
+    return said

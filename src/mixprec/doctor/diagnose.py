@@ -1,0 +1,222 @@
+"""The 16-bit doctor: which layer overflows or underflows in 16 bits, and what to do.
+
+``diagnose`` runs one batch twice, in float32 and under the policy, with hooks on every
+module (``passes.run``), and compares them module by module (``risk``); for float16 it then
+checks its own recommendation by doing on that batch what the dynamic loss scaler would
+(``passes.back_off``). A float8 policy goes to the float8 doctor (``doctor.float8``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from mixprec._dtypes import dtype_name
+from mixprec._errors import ArgumentError
+from mixprec._rng import same_draws
+from mixprec.doctor._common import float32_model
+from mixprec.doctor.advice import advice
+from mixprec.doctor.passes import (
+    back_off,
+    error,
+    finite_run,
+    lost,
+    max_abs,
+    min_nonzero,
+    nonfinite,
+    run,
+)
+from mixprec.doctor.report import ModuleReport, Report
+from mixprec.doctor.risk import SCALE_FLOOR, loss_scale_range, nonfinite_origin, score
+from mixprec.float8 import Float8Options
+from mixprec.levels import KeepEntry, applied, auto_mixed_precision, module_dtypes
+from mixprec.policy import PolicyLike, get_policy
+
+if TYPE_CHECKING:
+    from mixprec.doctor.float8 import Float8Report
+
+__all__ = ["diagnose"]
+
+
+def diagnose(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any,
+    loss_fn: Callable[..., torch.Tensor],
+    policy: PolicyLike = "mixed_float16",
+    level: str = "auto",
+    loss_scale: float | None = None,
+    *,
+    float8: Float8Options | None = None,
+    keep_bfloat16: Iterable[KeepEntry] = (),
+    keep_float32: Iterable[KeepEntry] = (),
+) -> Report | Float8Report:
+    """Run one batch in float32 and under ``policy``/``level`` and report, per module, the
+    value ranges against the 16-bit dtype, underflow, non-finite values and the error
+    against float32. ``model`` is a float32 model; it is copied, never modified.
+
+    ``loss_scale``: the scale the mixed run's backward uses, as training would; by default
+    what the policy implies (2**16, ``DynamicLossScaler``'s start, for float16; 1 otherwise).
+    Underflow fractions are measured at that scale; pass 1 to see the unscaled gradients.
+
+    ``recommended_keep_float32`` accounts for the backward as well as the forward: for
+    float16 it also lists the leaves whose gradients overflow even at the scaler's floor
+    (loss scale 1), then applies the list to a copy and backs the scale off from
+    ``loss_scale`` as ``DynamicLossScaler`` would on this batch (``loss_scale_reached``,
+    ``backoff_steps``), keeping any further leaf that still overflows at the floor.
+
+    A float8 policy (``mixed_float8``...) gives ``diagnose_float8``'s ``Float8Report``: per
+    float8 layer, its casts' amax, scales, saturation and flush, and its error against
+    bfloat16; ``float8``, ``keep_bfloat16`` and ``keep_float32`` are passed to it (and are
+    float8-only: other policies diagnose the model without keeps, to find them)."""
+    if get_policy(policy).float8_recipe is not None:
+        if loss_scale is not None:
+            raise ArgumentError(
+                f"loss_scale={loss_scale!r} does not apply to float8 policies: each float8 "
+                "cast has its own scale; leave it None"
+            )
+        from mixprec.doctor.float8 import diagnose_float8
+
+        return diagnose_float8(
+            model, inputs, targets, loss_fn, policy, level,
+            float8=float8, keep_bfloat16=keep_bfloat16, keep_float32=keep_float32,
+        )  # fmt: skip
+    given = [n for n, v in (("float8", float8), ("keep_bfloat16", keep_bfloat16),
+                            ("keep_float32", keep_float32)) if v]  # fmt: skip
+    if given:
+        raise ArgumentError(
+            f"diagnose: {', '.join(given)} apply to float8 policies only; policy "
+            f"{get_policy(policy).name!r} is diagnosed without keeps, to find them"
+        )
+    model = float32_model(model, "diagnose")
+    resolved = get_policy(policy)
+    if loss_scale is None:
+        loss_scale = 2.0**16 if resolved.loss_scaling == "dynamic" else 1.0
+    if not (isinstance(loss_scale, (int, float)) and 0 < loss_scale < math.inf):
+        raise ArgumentError(f"loss_scale={loss_scale!r} is invalid; it must be finite and > 0")
+    reference = copy.deepcopy(model).float()
+    mixed = auto_mixed_precision(copy.deepcopy(model), resolved, level)
+    # Each `same_draws` block starts from the caller's RNG state and restores it.
+    with same_draws() as rewind:
+        ref_calls, ref_loss = run(reference, inputs, targets, loss_fn, 1.0, rewind)
+        mixed_calls, mixed_loss = run(mixed, inputs, targets, loss_fn, float(loss_scale), rewind)
+    compute = resolved.compute_dtype
+    limit = float(torch.finfo(compute).max)
+    # Modules that compute in float32 under the policy (islands, kept modules, inside them).
+    islands = {row.name for row in module_dtypes(mixed) if row.compute == "float32"}
+    leaves = {n or "(model)" for n, m in model.named_modules() if not list(m.children())}
+
+    reports = []
+    for name, ref in ref_calls.items():
+        mix = mixed_calls.get(name, {})
+        out_zero, out_sub = lost(ref["output"], compute)
+        scaled_ref = None if ref["grad"] is None else ref["grad"] * loss_scale
+        grad_zero, grad_sub = lost(scaled_ref, compute)
+        rep = ModuleReport(
+            name=name,
+            kind=ref["kind"],
+            order=ref["order"],
+            dtype=dtype_name(mix["output"].dtype) if mix else "?",
+            max_input=max_abs(ref["input"]),
+            max_output=max_abs(ref["output"]),
+            max_grad=max_abs(ref["grad"]),
+            max_output_mixed=max_abs(mix.get("output")),
+            max_grad_mixed=max_abs(mix.get("grad")),
+            nonfinite_output=nonfinite(mix.get("output")),
+            nonfinite_grad=nonfinite(mix.get("scaled_grad", mix.get("grad"))),
+            nonfinite_input=nonfinite(mix.get("input")),
+            output_underflow=out_zero,
+            output_subnormal=out_sub,
+            grad_underflow=grad_zero,
+            grad_subnormal=grad_sub,
+            output_rel_error=error(mix.get("output"), ref["output"]),
+            grad_rel_error=error(mix.get("grad"), ref["grad"]),
+            float32=name in islands or compute == torch.float32,
+            min_grad=min_nonzero(ref["grad"]),
+            max_input_grad=max_abs(ref["input_grad"]),
+            max_param_grad=ref["param_grad_max"],
+        )
+        reports.append(rep)
+    origin = nonfinite_origin(reports, leaves)
+    for rep in reports:
+        score(rep, compute, limit, origin)
+
+    # Forward: leaves whose values leave the 16-bit range (the overflowing layer and its
+    # consumer), and those whose output turns inf/NaN from finite inputs.
+    recommended = [
+        r.name
+        for r in sorted(reports, key=lambda r: r.order)
+        if r.name in leaves
+        and not r.float32
+        and (
+            r.max_input > limit
+            or r.max_output > limit
+            or (r.nonfinite_output > 0 and r.nonfinite_input == 0)
+        )
+    ]
+    # Backward: the gradient a float32 block sends back to the 16-bit layers before it is
+    # as large as the block's forward gain. A dynamic scaler backs off until the 16-bit
+    # backward fits, but not below its floor: a leaf whose gradients exceed the range even
+    # there overflows at every step, so it is kept too (float32 figures; power-of-two
+    # scaling is exact, so floor * gradient is what the 16-bit backward would hold).
+    dynamic = resolved.loss_scaling == "dynamic"
+    floor = min(SCALE_FLOOR, float(loss_scale)) if dynamic else float(loss_scale)
+    for r in reports:
+        if r.name in leaves and not r.float32 and floor * r.max_backward > limit:
+            r.risk += 100 + floor * r.max_backward / limit
+            r.reasons.append(
+                f"gradients up to {r.max_backward:.3g} exceed {dtype_name(compute)} max "
+                f"{limit:.4g} even at loss scale {floor:g}"
+            )
+            if r.name not in recommended:
+                recommended.append(r.name)
+    reached, backoff, half = None, 0, {r.name for r in reports if not r.float32}
+    # The mixed run at this scale with nothing kept had nothing non-finite: nothing to back off.
+    healthy = finite_run(mixed_calls, mixed_loss)
+    if compute == torch.float16 and healthy and not recommended:
+        reached = float(loss_scale)  # the mixed run at this scale had nothing non-finite
+    elif compute == torch.float16:
+        with same_draws() as rewind:
+            recommended, reached, backoff, half = back_off(
+                model, inputs, targets, loss_fn, resolved, level, recommended,
+                reports, float(loss_scale), floor, limit, leaves, rewind,
+            )  # fmt: skip
+    order = {r.name: r.order for r in reports}
+    recommended.sort(key=lambda n: order.get(n, len(order)))
+    # The loss scale range for what stays in 16 bits once the recommendation is applied.
+    scale, scale_range = loss_scale_range([r for r in reports if r.name in half & leaves], compute)
+    bf16_max = float(torch.finfo(torch.bfloat16).max)
+    overflow = any(
+        r.max_input > limit or r.max_output > limit or floor * r.max_backward > limit
+        for r in reports
+    )
+    bf16_helps = (
+        compute == torch.float16
+        and overflow
+        and all(max(r.max_output, r.max_backward) < bf16_max for r in reports)
+    )
+    done = applied(mixed)
+    report = Report(
+        policy=resolved.name,
+        level=done.level if done else level,
+        compute_dtype=dtype_name(compute),
+        loss_float32=ref_loss,
+        loss_mixed=mixed_loss,
+        loss_scale=float(loss_scale),
+        modules=reports,
+        recommended_keep_float32=recommended,
+        suggested_loss_scale=scale,
+        loss_scale_range=scale_range,
+        bfloat16_would_help=bf16_helps,
+        advice=[],
+        loss_scale_reached=reached,
+        backoff_steps=backoff,
+        model=type(model).__name__,
+    )
+    report.advice = advice(report, compute, half & leaves)
+    return report

@@ -1,0 +1,139 @@
+"""What the 16-bit doctor reports: ``ModuleReport`` (one module's figures) and ``Report``
+(all of them, the recommendation and the advice), as text, a dict, JSON or a plot."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from mixprec.doctor._common import to_json
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["ModuleReport", "Report"]
+
+
+@dataclass
+class ModuleReport:
+    """One module's numbers; ``max_*`` are maxima of |value| over the finite values."""
+
+    name: str
+    kind: str
+    order: int  # forward execution order
+    dtype: str  # the dtype its output has under the policy
+    max_input: float
+    max_output: float
+    max_grad: float
+    max_output_mixed: float
+    max_grad_mixed: float
+    nonfinite_output: int
+    nonfinite_grad: int
+    nonfinite_input: int
+    output_underflow: float  # fraction of non-zero float32 outputs that are 0 in 16 bits
+    output_subnormal: float  # ... that are subnormal in 16 bits
+    grad_underflow: float
+    grad_subnormal: float
+    # ||mixed - float32|| / ||float32|| (``relative_error``): inf where the mixed run has
+    # inf/NaN, or where the float32 run's tensor is all zero and the mixed run's is not.
+    output_rel_error: float
+    grad_rel_error: float
+    float32: bool  # computes in float32 under the policy (an island)
+    min_grad: float = 0.0  # smallest non-zero |gradient| in float32
+    max_input_grad: float = 0.0  # max |gradient of its input| (float32 run)
+    max_param_grad: float = 0.0  # max |gradient of its own parameters| (float32 run)
+    risk: float = 0.0
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def max_backward(self) -> float:
+        """The largest |gradient| its backward receives or produces (float32 run, unscaled):
+        of its output, of its input, of its parameters. Times the loss scale, this is what
+        the 16-bit backward must hold."""
+        return max(self.max_grad, self.max_input_grad, self.max_param_grad)
+
+
+@dataclass
+class Report:
+    """What ``diagnose`` found. ``culprits()``, ``recommended_keep_float32``,
+    ``suggested_loss_scale``, ``bfloat16_would_help``, ``to_json()``, ``plot(path)``.
+
+    ``loss_scale_reached``: float16 only: the scale a ``DynamicLossScaler`` starting at
+    ``loss_scale`` backs off to on this batch with the recommendation applied, after
+    ``backoff_steps`` skipped steps (checked by running the 16-bit backward there)."""
+
+    policy: str
+    level: str
+    compute_dtype: str
+    loss_float32: float
+    loss_mixed: float
+    loss_scale: float  # the scale the mixed run's backward used
+    modules: list[ModuleReport]
+    recommended_keep_float32: list[str]
+    suggested_loss_scale: float | None
+    loss_scale_range: tuple[float, float] | None
+    bfloat16_would_help: bool
+    advice: list[str]
+    loss_scale_reached: float | None = None
+    backoff_steps: int = 0
+    model: str = ""  # the model's class name
+
+    def culprits(self) -> list[ModuleReport]:
+        """Flagged modules, most dangerous first (ties: execution order)."""
+        flagged = [m for m in self.modules if m.risk > 0]
+        return sorted(flagged, key=lambda m: (-m.risk, m.order))
+
+    @property
+    def healthy(self) -> bool:
+        """No module is at risk in the compute dtype."""
+        return not self.culprits()
+
+    def __str__(self) -> str:
+        lines = [
+            f"policy {self.policy}, level {self.level}, loss scale {self.loss_scale:g}: "
+            f"loss {self.loss_mixed:.6g} (float32 {self.loss_float32:.6g})",
+        ]
+        header = (
+            f"{'module':<28} {'type':<14} {'dtype':<9} {'max |out|':>10} {'max |grad|':>10} "
+            f"{'grad 0%':>7} {'out err':>8} {'grad err':>8}  flags"
+        )
+        lines += [header, "-" * len(header)]
+        for m in sorted(self.modules, key=lambda m: m.order):
+            lines.append(
+                f"{m.name[:28]:<28} {m.kind[:14]:<14} {m.dtype:<9} {m.max_output:>10.3g} "
+                f"{m.max_grad:>10.3g} {100 * m.grad_underflow:>6.1f}% "
+                f"{m.output_rel_error:>8.2g} {m.grad_rel_error:>8.2g}  {'; '.join(m.reasons)}"
+            )
+        culprits = self.culprits()
+        lines.append("")
+        if not culprits:
+            lines.append(f"healthy: no module at risk in {self.compute_dtype}")
+        else:
+            names = ", ".join(m.name for m in culprits)
+            lines.append(f"culprits, most dangerous first: {names}")
+        lines += [f"- {a}" for a in self.advice]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, modules as dicts, and the culprits' names (most dangerous first)."""
+        data = asdict(self)
+        data["culprits"] = [m.name for m in self.culprits()]
+        return data
+
+    def to_json(self, **kwargs: Any) -> str:
+        """``to_dict()`` as JSON (inf and NaN as strings); ``kwargs`` go to ``json.dumps``."""
+        return to_json(self.to_dict(), **kwargs)
+
+    def plot(self, path: str) -> Figure:
+        """Per-module max |output|, max |gradient| (of its output, input or weights) and
+        small |gradient| (of its output) in the float32 run, on a log scale, against the
+        16-bit dtype's largest and smallest normal values: as they are for outputs, divided
+        by the loss scale for gradients (the backward holds the gradient times the scale).
+        Modules recommended for float32 are shaded. A zero (an all-zero output; an all-zero
+        or absent gradient) has no place on a log axis: it is a gap in its line and a mark
+        in a grey lane below the axis. Saves a PNG to ``path`` and returns the figure (a
+        ``matplotlib.figure.Figure`` of its own: the matplotlib backend and pyplot's figures
+        are left as they are)."""
+        from mixprec.doctor.plot import plot_report
+
+        return plot_report(self, path)

@@ -1,0 +1,122 @@
+"""``diagnose``, the 16-bit doctor end to end: the overflowing layer is named (report and
+provenance) and keeping it in float32 fixes training, leaves whose backward overflows even
+at the scale floor are kept too, healthy models get a clean report, every pass draws the
+same random numbers, and bad input is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec as mp
+from tests.doctor.cases import CE, batch, gained, healthy, overflowing, train_applied, wide_batch
+
+
+def test_overflowing_layer_is_named_first_and_keeping_it_float32_fixes_training():
+    x, y = batch()
+    report = mp.diagnose(overflowing(), x, y, CE, policy="mixed_float16")
+    culprits = report.culprits()
+    assert culprits[0].name == "2" and culprits[0].kind == "Scale"
+    assert "becomes inf/NaN here first" in culprits[0].reasons[0]
+    # The scale and its consumer, then the LayerNorm that receives values beyond float16.
+    assert report.recommended_keep_float32 == ["2", "3", "4"]
+    assert report.bfloat16_would_help
+    assert "keep_float32=['2', '3', '4']" in str(report)
+
+    # Provenance during training names the same module.
+    model = mp.auto_mixed_precision(overflowing(), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                trace_overflow=True)  # fmt: skip
+    opt.backward(CE(model(x), y))
+    result = opt.step()
+    assert not result.applied
+    assert result.overflow is not None and result.overflow.module == "2"
+    assert result.overflow.phase == "forward" and result.overflow.dtype == "float16"
+    assert result.overflow.nonfinite > 0
+
+    # With the recommendation applied, no step is skipped.
+    fixed = mp.auto_mixed_precision(overflowing(), "mixed_float16", "O2",
+                                    keep_float32=report.recommended_keep_float32)  # fmt: skip
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(fixed.parameters(), lr=0.05))
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        loss = CE(fixed(x), y)
+        opt.backward(loss)
+        assert opt.step().applied
+        losses.append(loss.item())
+    assert opt.loss_scaler.state.skipped_steps == 0 and losses[-1] < losses[0]
+
+
+def test_backward_overflowing_at_the_scale_floor_is_kept_and_bfloat16_advised(one_thread):
+    # Gain 1e8: the gradients before the block reach ~1e8 x 3e-3 even at loss scale 1, the
+    # dynamic scaler's floor. With only the forward's keep list ('2.0', '2.1', '3', '4'),
+    # training is stuck there and applies 0 of 30 steps (the tracer names '1 (ReLU)
+    # backward'). Those leaves must be kept too, which leaves nothing in float16.
+    x, y = wide_batch()
+    report = mp.diagnose(gained(1e8), x, y, CE, policy="mixed_float16")
+    assert report.recommended_keep_float32 == ["0", "1", "2.0", "2.1", "3", "4"]
+    upstream = {m.name: m for m in report.culprits()}
+    for name in ("0", "1"):
+        assert any("even at loss scale 1" in r for r in upstream[name].reasons)
+    assert report.bfloat16_would_help
+    assert any("no float16 keep list fixes this model" in a for a in report.advice)
+    model = mp.auto_mixed_precision(gained(1e8), "mixed_float16", "O2",
+                                    keep_float32=report.recommended_keep_float32)  # fmt: skip
+    flags, losses = train_applied(model, x, y)
+    assert sum(flags) >= 29 and losses[-1] < 0.01  # measured: 30 of 30
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_healthy_model_gets_a_clean_report(policy, seed):
+    x, y = batch(seed)
+    report = mp.diagnose(healthy(seed), x, y, CE, policy=policy)
+    assert report.healthy, str(report)
+    assert report.recommended_keep_float32 == [] and report.advice == []
+    assert abs(report.loss_mixed - report.loss_float32) < 0.02
+
+
+def dropped(model: nn.Module) -> nn.Module:
+    """``model`` behind a Dropout(0.5): every pass over the batch draws a mask."""
+    return nn.Sequential(nn.Dropout(0.5), *model)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_every_pass_draws_the_same_dropout_masks_and_the_rng_is_left_as_it_was(policy):
+    """The float32, 16-bit and back-off passes compare like for like (with masks of their
+    own, every module after the dropout differed by ~100%), and the diagnosis does not
+    change the random numbers the training after it draws."""
+    x, y = batch()
+    model = dropped(healthy() if policy == "mixed_bfloat16" else overflowing())
+    # The generator's state as each pass's dropout draws its mask (the hook is copied with
+    # the model into every pass).
+    seen: list[torch.Tensor] = []
+    model[0].register_forward_pre_hook(lambda module, args: seen.append(torch.get_rng_state()))
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    report = mp.diagnose(model, x, y, CE, policy=policy)
+    assert torch.equal(torch.get_rng_state(), before)
+    # float32 and 16-bit; float16 also backs off (at least one more pass).
+    assert len(seen) >= (2 if policy == "mixed_bfloat16" else 3)
+    assert all(torch.equal(state, before) for state in seen)
+    if policy == "mixed_bfloat16":
+        assert report.healthy, str(report)
+        # bfloat16 rounding (8 bits of mantissa) bounds every error well below 5%.
+        assert max(r.output_rel_error for r in report.modules) < 0.05
+        assert abs(report.loss_mixed - report.loss_float32) < 0.02
+    else:  # the back-off passes ran too; the overflow found is the one without dropout
+        assert report.recommended_keep_float32 == ["3", "4", "5"]
+        assert report.loss_scale_reached == 65536.0
+
+
+def test_diagnose_bad_input():
+    x, y = batch()
+    with pytest.raises(TypeError, match="needs an nn.Module, got str"):
+        mp.diagnose("mlp", x, y, CE)  # type: ignore[arg-type]
+    prepared = mp.auto_mixed_precision(healthy(), "mixed_float16")
+    with pytest.raises(ValueError, match="needs the float32 model"):
+        mp.diagnose(prepared, x, y, CE)
+    with pytest.raises(ValueError, match="loss_scale=0 is invalid"):
+        mp.diagnose(healthy(), x, y, CE, loss_scale=0)
