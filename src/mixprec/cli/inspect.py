@@ -1,0 +1,40 @@
+"""``mixprec inspect``: list a checkpoint's tensors and metadata, without a model."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from mixprec import checkpoint
+from mixprec.checkpoint import read_checkpoint
+
+HELP = "list a checkpoint's tensors and metadata"
+
+
+def add_arguments(sub: argparse.ArgumentParser) -> None:
+    """The options of ``mixprec inspect``."""
+    sub.add_argument("checkpoint")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the header's versions, policy and trainer state, then one line per tensor."""
+    tensors, header = read_checkpoint(args.checkpoint)
+    print(f"{args.checkpoint}: {len(tensors)} tensors")
+    for key in ("format_version", "mixprec_version", "torch_version", "policy", "level"):
+        if header.get(key) is not None:
+            print(f"  {key}: {header[key]}")
+    if header.get("masters"):
+        print(f"  float32 masters stored for: {', '.join(header['masters'])}")
+    trainer = checkpoint._unflatten(header.get("trainer_state", {"__dict__": []}), tensors)
+    scalars = {k: v for k, v in trainer.items() if not isinstance(v, torch.Tensor)}
+    if scalars:
+        print(f"  trainer state: {scalars}")
+    width = max((len(n) for n in tensors), default=0)
+    total = 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        total += t.numel() * t.element_size()
+        print(f"  {name:<{width}}  {str(t.dtype).removeprefix('torch.'):<9} {tuple(t.shape)}")
+    print(f"  {total / 2**20:.2f} MiB of tensor data")
+    return 0

@@ -1,0 +1,60 @@
+"""The ``mixprec`` command line: its argparse parser and ``main``.
+
+Each subcommand lives in its own module with ``HELP``, ``add_arguments(sub)`` and
+``run(args) -> int``; this module lists them, in the order ``mixprec --help`` shows, and
+turns their errors into one line on stderr and an exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from mixprec import distributed
+from mixprec._version import __version__
+from mixprec.cli import bench, convert, doctor, info, inspect, train
+from mixprec.cli._common import UsageError
+
+COMMANDS = {
+    "train": train,
+    "convert": convert,
+    "inspect": inspect,
+    "doctor": doctor,
+    "bench": bench,
+    "info": info,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every subcommand; each sets ``run`` to its module's ``run``, looked up
+    when the parser is built."""
+    # The package's docstring is the description; read here, as the package imports no CLI.
+    description = importlib.import_module("mixprec").__doc__
+    parser = argparse.ArgumentParser(prog="mixprec", description=description)
+    parser.add_argument("--version", action="version", version=__version__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, module in COMMANDS.items():
+        sub = commands.add_parser(name, help=module.HELP)
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (``sys.argv[1:]`` by default); return the exit status:
+    0, 2 for a bad value or path (one line on stderr), 130 when interrupted."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except (UsageError, OSError, ValueError) as err:  # OSError: a path that went bad mid-run
+        print(f"mixprec {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"mixprec {args.command}: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        # Under torchrun: leave the process group cleanly (gloo aborts the process otherwise);
+        # no barrier, as another rank may have failed.
+        distributed.shutdown(wait=False)

@@ -1,0 +1,258 @@
+"""``mixprec train``: train a model in mixed precision and in a baseline policy, and compare
+their accuracy, speed and memory.
+
+Each run trains in a fresh process by default, so that its peak memory is its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import multiprocessing
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mixprec import distributed
+from mixprec.checkpoint import save_checkpoint
+from mixprec.cli._common import (
+    TRAIN_FLOAT8_MIN_FEATURES,
+    UsageError,
+    float8_rule,
+    float8_sizes,
+    output_dir,
+    output_file,
+    policy_option,
+    train_float8,
+)
+from mixprec.cli._model_options import (
+    add_model_options,
+    build_model,
+    check_model_options,
+    load_data,
+)
+from mixprec.float8 import layer_counts
+from mixprec.levels import applied, auto_mixed_precision
+from mixprec.policy import Policy
+from mixprec.train import Trainer
+
+HELP = "train a model in mixed precision and compare it with float32"
+
+
+def add_arguments(sub: argparse.ArgumentParser) -> None:
+    """The options of ``mixprec train``."""
+    add_model_options(sub, policy="auto", batch_size=64)
+    sub.add_argument("--epochs", type=int, default=20)
+    sub.add_argument("--lr", type=float, default=1e-3)
+    sub.add_argument(
+        "--compare", default="float32", help="baseline policy to compare with, or 'none'"
+    )
+    sub.add_argument("--plot", metavar="FILE.png", help="write the loss curves of both runs")
+    sub.add_argument("--save", metavar="DIR", help="save each run's final trainer state")
+    sub.add_argument("--quiet", action="store_true", help="no progress output")
+    sub.add_argument(
+        "--compile", action="store_true", help="torch.compile each run's forward and loss"
+    )
+    sub.add_argument(
+        "--in-process", action="store_true", help="no subprocess per run (peak memory is shared)"
+    )
+    sub.add_argument(
+        "--float8-min-features", metavar="N|torchao",
+        help="float8 policies convert Linear layers with both dims >= N (default "
+        f"{TRAIN_FLOAT8_MIN_FEATURES}: the small models' layers), or by torchao's H100 size "
+        "thresholds",
+    )  # fmt: skip
+
+
+def run_training(config: dict[str, Any]) -> dict[str, Any]:
+    """One training run; executed in a fresh process so that its peak memory is its own."""
+    torch.manual_seed(config["seed"])
+    (x_train, y_train), (x_test, y_test) = load_data(config["data"], config["seed"])
+    classes = int(max(y_train.max(), y_test.max())) + 1
+    model = build_model(config["model"], x_train, classes)
+    policy: str | None = config["policy"]
+    float8_layers = None
+    if Policy(config["policy"]).float8_recipe is not None:
+        # float8 options are per model: prepare here, then hand the model over prepared.
+        options = train_float8(config.get("float8_min_features"))
+        auto_mixed_precision(model, config["policy"], config["level"], float8=options)
+        converted, considered = layer_counts(model)
+        float8_layers = f"{converted} of {considered}"
+        policy = None
+    optimizer = torch.optim.Adam(model.parameters(), lr=config["lr"])
+    trainer = Trainer(
+        model, "cross_entropy", optimizer, policy=policy, level=config["level"],
+        compile=config.get("compile", False),
+    )  # fmt: skip
+    from mixprec.bench import PeakMemory
+
+    memory = PeakMemory(trainer.device)  # the run's own peak: this process trains once
+    start = time.perf_counter()
+    history = trainer.fit(
+        x_train, y_train, batch_size=config["batch_size"], epochs=config["epochs"],
+        validation_data=(x_test, y_test), verbose=config["verbose"],
+    )  # fmt: skip
+    seconds = time.perf_counter() - start
+    test = trainer.evaluate(x_test, y_test, batch_size=256)
+    if config.get("save") and distributed.is_main_process():
+        path = Path(config["save"]) / f"{config['label']}.safetensors"
+        save_checkpoint(path, model, trainer.optimizer, trainer.resume_state())
+    done = applied(model)
+    return {
+        "label": config["label"],
+        "policy": done.policy.name if done else config["policy"],
+        "level": done.level if done else config["level"],
+        "test_accuracy": test["accuracy"],
+        "final_loss": history.history["loss"][-1],
+        "loss_curve": history.history["loss"],
+        "val_loss_curve": history.history["val_loss"],
+        "ms_per_step": sorted(history.history["ms_per_step"])[len(history.epoch) // 2],
+        "seconds": seconds,
+        "skipped_steps": sum(history.history["skipped_steps"]),
+        "peak_mb": memory.mb(),
+        "memory_kind": memory.kind,
+        "float8_layers": float8_layers,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train the baseline (unless ``--compare none``) and the mixed run; print the table."""
+    check_model_options(args)
+    if args.compare != "none":
+        policy_option("compare", args.compare, extra=["none"])
+    if args.epochs < 1:
+        raise UsageError(f"--epochs must be >= 1, got {args.epochs}")
+    # Output paths are checked before training, not found unusable after it.
+    if args.save:
+        output_dir("--save", args.save)
+    plot = output_file("--plot", args.plot, ".png") if args.plot else None
+
+    common = {
+        "model": args.model, "data": args.data, "epochs": args.epochs, "seed": args.seed,
+        "batch_size": args.batch_size, "lr": args.lr, "save": args.save,
+        "verbose": 0 if args.quiet else 1, "compile": args.compile,
+        "float8_min_features": args.float8_min_features,
+    }  # fmt: skip
+    float8_sizes(args.float8_min_features)  # a bad value fails before training
+    configs = []
+    if args.compare != "none":
+        configs.append({**common, "label": "baseline", "policy": args.compare, "level": "auto"})
+    mixed_policy, note = _mixed_run_policy(args.policy)
+    configs.append({**common, "label": "mixed", "policy": mixed_policy, "level": args.level})
+
+    runs = []
+    spawn = multiprocessing.get_context("spawn")
+    # Under torchrun every process is one rank: train here, print on rank 0 only.
+    under_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    say = print if not under_torchrun or os.environ.get("RANK", "0") == "0" else _silent
+    if note:
+        say(note, flush=True)
+    for config in configs:
+        say(f"training {config['policy']} (level {config['level']}) ...", flush=True)
+        if args.in_process or under_torchrun:
+            if under_torchrun and config["verbose"] and os.environ.get("RANK", "0") != "0":
+                config = {**config, "verbose": 0}
+            runs.append(run_training(config))
+            continue
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+            runs.append(pool.submit(run_training, config).result())
+    say()
+    say(_table(runs))
+    for result in runs:
+        if result.get("float8_layers"):
+            rule = float8_rule(train_float8(args.float8_min_features))
+            say(f"{result['label']} run: float8 in {result['float8_layers']} Linear layers "
+                f"({rule}; the output head stays bfloat16)")  # fmt: skip
+    say(f"(peak MB: {runs[0]['memory_kind']}; speedup: ms/step of the first row / this row)")
+    if len(runs) == 2:
+        diff = runs[1]["test_accuracy"] - runs[0]["test_accuracy"]
+        same = (runs[0]["policy"], runs[0]["level"]) == (runs[1]["policy"], runs[1]["level"])
+        speed = (
+            "the same configuration twice: the speed column is run-to-run noise"
+            if same
+            else f"{runs[0]['ms_per_step'] / runs[1]['ms_per_step']:.2f}x the speed"
+            + (" (16-bit math emulated on this CPU)" if note else "")
+            + (" (float8 matmuls emulated on CPU)" if runs[1].get("float8_layers") else "")
+        )
+        say(
+            f"\n{runs[1]['policy']}: test accuracy {runs[1]['test_accuracy']:.3f} vs "
+            f"{runs[0]['policy']} {runs[0]['test_accuracy']:.3f} ({diff:+.3f}), {speed}"
+        )
+    if plot and say is print:
+        _plot(runs, plot)
+        say(f"loss curves written to {plot}")
+    return 0
+
+
+def _mixed_run_policy(policy: str) -> tuple[str, str | None]:
+    """The policy of the main job's mixed run, and a line to print about it.
+
+    ``auto`` where it picks float32 (a CPU without fast 16-bit math) would train float32
+    twice; the main job exists to show mixed precision, so it trains bfloat16 instead and
+    says why ``auto`` would not, and what the speed column then measures."""
+    if policy.strip().lower() != "auto":
+        return policy, None
+    chosen = Policy("auto")
+    if chosen.is_mixed:
+        return policy, None
+    return "mixed_bfloat16", (
+        f"auto picks float32 here ({chosen.reason}); the mixed run trains mixed_bfloat16 "
+        "anyway, to show mixed precision. Its accuracy is what bfloat16 gives on any "
+        "hardware; its speed is this CPU's emulated 16-bit math, not a fast 16-bit unit's."
+    )
+
+
+def _silent(*args: Any, **kwargs: Any) -> None:
+    """print() on the ranks that stay quiet."""
+
+
+def _table(runs: list[dict[str, Any]]) -> str:
+    base = runs[0]["ms_per_step"]
+    header = (
+        f"{'run':<24} {'test acc':>8} {'loss':>8} {'ms/step':>8} {'speedup':>8} "
+        f"{'peak MB':>8} {'skipped':>7}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in runs:
+        lines.append(
+            f"{r['policy'] + ' (' + r['level'] + ')':<24} {r['test_accuracy']:>8.3f} "
+            f"{r['final_loss']:>8.4f} {r['ms_per_step']:>8.2f} {base / r['ms_per_step']:>7.2f}x "
+            f"{_mb(r['peak_mb']):>8} {r['skipped_steps']:>7d}"
+        )
+    return "\n".join(lines)
+
+
+def _mb(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _plot(runs: list[dict[str, Any]], path: str) -> None:
+    """The runs' train and test loss per epoch, written to ``path`` as a PNG."""
+    from matplotlib.figure import Figure  # no pyplot: the user's backend stays as it is
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    # The runs often overlap closely: the first is drawn wide and pale beneath, the second
+    # narrow with markers on top, so that both stay visible where they coincide.
+    styles = [
+        {"color": "tab:blue", "linewidth": 4.0, "alpha": 0.45},
+        {"color": "tab:orange", "linewidth": 1.5, "marker": "o", "markersize": 3},
+    ]
+    for r, style in zip(runs, styles[-len(runs) :], strict=True):
+        epochs = range(1, len(r["loss_curve"]) + 1)
+        name = f"{r['policy']} ({r['level']})"
+        ax.plot(epochs, r["loss_curve"], label=f"{name} train", **style)  # type: ignore[arg-type]
+        ax.plot(epochs, r["val_loss_curve"], "--", label=f"{name} test", **style)  # type: ignore[arg-type]
+    ax.set_title("mixprec train: loss per epoch, " + " vs ".join(r["policy"] for r in runs))
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("loss (log scale)")
+    ax.set_yscale("log")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
