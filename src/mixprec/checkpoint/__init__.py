@@ -7,12 +7,10 @@ safetensors framing (``_safetensors``), the header's schema (``_schema``), dtype
 (``_conversion``), nested state (``_tree``), RNG states (``_rng``) and the model's stored
 tensors (``_model``).
 
-Two private names are re-exported for other modules: ``_unflatten`` (the CLI's inspect
-rebuilds the trainer state with it) and ``_checksum`` (tests rewrite headers with it).
+One private name is re-exported: ``_checksum``, with which tests rewrite headers.
 """
 
 from mixprec.checkpoint._files import temporary_files
-from mixprec.checkpoint._tree import _unflatten as _unflatten
 from mixprec.checkpoint.export import convert_checkpoint, export_weights
 from mixprec.checkpoint.format import (
     FORMAT,
@@ -23,7 +21,7 @@ from mixprec.checkpoint.format import (
 )
 from mixprec.checkpoint.format import _checksum as _checksum
 from mixprec.checkpoint.load import load_checkpoint
-from mixprec.checkpoint.read import read_checkpoint
+from mixprec.checkpoint.read import read_checkpoint, trainer_state
 from mixprec.checkpoint.save import save_checkpoint
 
 __all__ = [
@@ -38,4 +36,5 @@ __all__ = [
     "read_checkpoint",
     "save_checkpoint",
     "temporary_files",
+    "trainer_state",
 ]

@@ -17,6 +17,7 @@ import torch
 from mixprec.checkpoint._files import _open_regular
 from mixprec.checkpoint._safetensors import _json, _read_tensors, _safetensors_header
 from mixprec.checkpoint._schema import _check_aliases, _mixprec_header
+from mixprec.checkpoint._tree import _unflatten
 from mixprec.checkpoint.format import CheckpointError, _BadValueError, _checksum
 
 
@@ -83,3 +84,10 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tenso
         what = "header or tensors" if covered is not None else "tensors"
         raise CheckpointError(f"{file}: checksum mismatch: the {what} were modified or damaged")
     return tensors, header
+
+
+def trainer_state(header: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The Trainer's state a checkpoint stores (counters, history, callbacks), rebuilt from
+    ``read_checkpoint``'s header and tensors; empty when the checkpoint has none."""
+    state = _unflatten(header.get("trainer_state", {"__dict__": []}), tensors)
+    return state if isinstance(state, dict) else {}

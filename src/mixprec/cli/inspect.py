@@ -6,8 +6,7 @@ import argparse
 
 import torch
 
-from mixprec import checkpoint
-from mixprec.checkpoint import read_checkpoint
+from mixprec.checkpoint import read_checkpoint, trainer_state
 
 HELP = "list a checkpoint's tensors and metadata"
 
@@ -26,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {key}: {header[key]}")
     if header.get("masters"):
         print(f"  float32 masters stored for: {', '.join(header['masters'])}")
-    trainer = checkpoint._unflatten(header.get("trainer_state", {"__dict__": []}), tensors)
+    trainer = trainer_state(header, tensors)
     scalars = {k: v for k, v in trainer.items() if not isinstance(v, torch.Tensor)}
     if scalars:
         print(f"  trainer state: {scalars}")
