@@ -322,7 +322,7 @@ def test_diagnose_runs_a_compiled_model_eagerly():
 @needs_inductor
 def test_compiled_optimizer_step_matches_eager_bit_for_bit():
     """``torch.compile(opt.step)``, as with PyTorch's compiled optimizers: the same skips,
-    scales and weights as the eager step (it compiles in three pieces; see the README)."""
+    scales and weights as the eager step (it compiles in three pieces; see docs/compile.md)."""
     x, y = classification_data(n=16)
 
     def run(compile: bool) -> tuple[list[tuple[bool, float]], list[torch.Tensor]]:

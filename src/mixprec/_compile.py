@@ -2,7 +2,7 @@
 
 One place that checks the option and applies ``torch.compile`` to a training step's forward
 and loss. The optimizer step stays outside the graph: its skip-on-overflow decision reads one
-flag back to the host, which a graph cannot branch on without breaking (see the README).
+flag back to the host, which a graph cannot branch on without breaking (see docs/compile.md).
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ transformer, step by step on the same batches.
 Tolerances are on the per-step loss, |loss_mixed - loss_float32|, and on the mean of the last
 8 losses. They follow the unit roundoff of the compute dtype (bfloat16 2**-8, float16 2**-11)
 accumulated through a few layers and ~100 optimizer steps, with a 3x margin over what was
-measured on CPU (see the README). O3 has no float32 master weights: updates smaller than
-half a unit in the last place of a 16-bit weight are lost, so its loss lags float32 and gets
-a looser bound.
+measured on CPU (see docs/policies-and-levels.md). O3 has no float32 master weights: updates
+smaller than half a unit in the last place of a 16-bit weight are lost, so its loss lags
+float32 and gets a looser bound.
 """
 
 from __future__ import annotations
