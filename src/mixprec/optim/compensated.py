@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 import torch
 
+from mixprec._errors import ArgumentError
+
 __all__ = ["CompensatedAdamW", "stochastic_round"]
 
 Compensation = Literal["kahan", "stochastic", "none"]
@@ -60,13 +62,13 @@ class CompensatedAdamW(torch.optim.Optimizer):
         generator: torch.Generator | None = None,
     ) -> None:
         if not lr > 0:
-            raise ValueError(f"lr={lr!r} is invalid; it must be > 0")
+            raise ArgumentError(f"lr={lr!r} is invalid; it must be > 0")
         if not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"betas={betas!r} are invalid; each must be in [0, 1)")
+            raise ArgumentError(f"betas={betas!r} are invalid; each must be in [0, 1)")
         if not eps > 0:
-            raise ValueError(f"eps={eps!r} is invalid; it must be > 0")
+            raise ArgumentError(f"eps={eps!r} is invalid; it must be > 0")
         if compensation not in ("kahan", "stochastic", "none"):
-            raise ValueError(
+            raise ArgumentError(
                 f"compensation={compensation!r} is invalid; valid: 'kahan', 'stochastic', 'none'"
             )
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
@@ -76,7 +78,7 @@ class CompensatedAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if compensation == "stochastic" and p.dtype == torch.float16:
-                    raise ValueError(
+                    raise ArgumentError(
                         "compensation='stochastic' rounds to bfloat16; a float16 parameter "
                         "needs compensation='kahan'"
                     )

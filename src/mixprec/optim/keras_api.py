@@ -1,0 +1,127 @@
+"""Keras' custom-training-loop methods of ``LossScaleOptimizer``: ``get_scaled_loss``,
+``get_unscaled_gradients``, ``apply_gradients`` (and Keras 3's ``scale_loss``), and Keras 3's
+constructor keywords ``initial_scale=`` and ``dynamic_growth_steps=``.
+
+The Keras loop computes the gradients itself (``torch.autograd.grad`` on the scaled loss),
+unscales them, and hands them back with their variables::
+
+    scaled = opt.get_scaled_loss(loss)
+    grads = opt.get_unscaled_gradients(torch.autograd.grad(scaled, params))
+    opt.apply_gradients(zip(grads, params))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from mixprec._dtypes import HALF_DTYPES
+from mixprec._errors import ArgumentError
+from mixprec.optim.masters import MasterWeights
+from mixprec.optim.step_result import StepResult
+from mixprec.scaling import DynamicLossScaler, LossScaler, unscale_grads_
+
+if TYPE_CHECKING:
+    from mixprec.optim.loss_scale_optimizer import _Bookkeeping
+
+__all__ = ["KerasMethods"]
+
+
+class KerasMethods:
+    """The Keras methods, on the state ``LossScaleOptimizer`` sets up."""
+
+    accumulation_steps: int
+    _book: _Bookkeeping
+    _loss_scaler: LossScaler
+    _weights: MasterWeights
+    _device: torch.device | None
+
+    if TYPE_CHECKING:
+
+        def _finish(self) -> StepResult: ...
+
+    def get_scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * scale / accumulation_steps`` (Keras ``get_scaled_loss``; the division
+        only matters with accumulation, where it makes the summed gradients a mean, as
+        ``backward`` does)."""
+        self._book.micro += 1
+        self._book.fresh = True
+        factor = self._loss_scaler.get_scale() / self.accumulation_steps
+        return loss * factor if factor != 1.0 else loss
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * scale`` (Keras 3's ``scale_loss``): a pure read that starts no
+        micro-batch, for logging or for ``torch.autograd.grad`` followed by
+        ``apply_gradients(zip(get_unscaled_gradients(grads), params))``. To train,
+        use ``backward(loss)``, which also counts the micro-batch."""
+        scale = self._loss_scaler.get_scale()
+        return loss * scale if scale != 1.0 else loss
+
+    def get_unscaled_gradients(
+        self, grads: Iterable[torch.Tensor | None]
+    ) -> list[torch.Tensor | None]:
+        """New gradients divided by the scale; ``None`` stays ``None`` (Keras semantics).
+
+        16-bit gradients come back in float32 (the dtype of their masters): unscaled in
+        float16, small values would flush to zero."""
+        inv = 1.0 / self._loss_scaler.get_scale()
+        return [
+            None if g is None else (g.float() if g.dtype in HALF_DTYPES else g) * inv for g in grads
+        ]
+
+    def apply_gradients(
+        self, grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]]
+    ) -> StepResult:
+        """Apply already unscaled gradients (Keras ``apply_gradients``): check them, clip,
+        apply or skip, update the scale."""
+        pairs = list(grads_and_vars)
+        weights = self._weights
+        weights.follow_external_writes()
+        for p in weights.half + weights.plain:
+            p.grad = None
+        for m in weights.masters:
+            m.grad = None
+        for k, (grad, var) in enumerate(pairs):
+            slot = weights.index.get(id(var))
+            if slot is None:
+                raise ArgumentError(
+                    f"apply_gradients: variable {k} (shape {tuple(var.shape)}, {var.dtype}) is "
+                    "not a parameter of this optimizer"
+                )
+            if grad is None:
+                continue
+            if grad.shape != var.shape:
+                raise ArgumentError(
+                    f"apply_gradients: gradient {k} has shape {tuple(grad.shape)}, its variable "
+                    f"{tuple(var.shape)}"
+                )
+            has_master, pos = slot
+            target = weights.masters[pos] if has_master else var
+            target.grad = grad.detach().to(target.dtype)
+        self._book.micro = self.accumulation_steps
+        self._book.fresh = False
+        self._book.found_inf = unscale_grads_(weights.step_grads(), 1.0, self._device)
+        return self._finish()
+
+
+def keras_scaler(
+    loss_scaler: LossScaler | None, initial_scale: float | None, growth_steps: int | None
+) -> DynamicLossScaler:
+    """Keras 3's dynamic schedule, reached through its keyword names."""
+    if loss_scaler is not None:
+        raise ArgumentError(
+            "LossScaleOptimizer takes loss_scaler= or Keras' initial_scale=/"
+            "dynamic_growth_steps=, not both"
+        )
+    try:
+        return DynamicLossScaler(
+            init_scale=2.0**15 if initial_scale is None else initial_scale,
+            growth_interval=2000 if growth_steps is None else growth_steps,
+            min_scale=None,  # Keras 3 has no floor; float32's smallest normal is ours
+            max_scale=None,
+        )
+    except (ArgumentError, TypeError) as err:  # name the arguments the user wrote
+        text = str(err).replace("init_scale", "initial_scale")
+        raise type(err)(text.replace("growth_interval", "dynamic_growth_steps")) from None

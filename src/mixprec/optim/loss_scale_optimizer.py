@@ -1,0 +1,413 @@
+"""``LossScaleOptimizer``: master weights, loss scaling, skip on overflow, clipping,
+gradient accumulation, around any ``torch.optim`` optimizer.
+
+One step: copy the 16-bit gradients into the float32 master gradients, unscale them with one
+multi-tensor kernel that also finds inf/NaN, clip, make the one host synchronisation of the
+step, then either apply the inner optimizer and copy the masters back into the 16-bit weights
+(one multi-tensor copy), or skip, leaving weights and optimizer state untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec._dist import agree_found_inf, is_distributed, is_dtensor
+from mixprec._errors import ArgumentError, MisuseError, shown
+from mixprec.optim.fused import _fuse, _unfuse_sparse, needs_scaling
+from mixprec.optim.keras_api import KerasMethods, keras_scaler
+from mixprec.optim.masters import MasterWeights, warn_if_eps_vanishes
+from mixprec.optim.state_dict import check_state_dict
+from mixprec.optim.step_result import StepResult
+from mixprec.scaling import (
+    DynamicLossScaler,
+    LossScaler,
+    NoOpLossScaler,
+    StaticLossScaler,
+    all_finite,
+    checks_on_host,
+    finite_on_cpu,
+)
+from mixprec.trace import OverflowTracer, model_of
+
+__all__ = ["LossScaleOptimizer"]
+
+_log = logging.getLogger("mixprec")
+
+# Scalers whose scale-1 unscale is the finiteness check alone (a subclass may do more).
+_HOST_SCALERS = (NoOpLossScaler, StaticLossScaler, DynamicLossScaler)
+
+
+@dataclass
+class _Bookkeeping:
+    """What one step leaves for the next. On an object of its own: inside
+    ``torch.compile(opt.step)`` dynamo drops attribute writes on the ``Optimizer`` itself
+    (torch 2.13; a write before the first graph break is lost), not on other objects."""
+
+    micro: int = 0  # backward passes since the last update
+    fresh: bool = False  # a backward happened since the last step()
+    found_inf: torch.Tensor | None = None  # set by unscale_()
+    # Whether the float16 weights were finite after the last applied update; see _finish.
+    weights_finite: torch.Tensor = field(default_factory=lambda: torch.ones((), dtype=torch.bool))
+
+
+class LossScaleOptimizer(KerasMethods, torch.optim.Optimizer):
+    """Wrap ``optimizer`` for mixed precision training.
+
+    16-bit parameters (made by ``auto_mixed_precision`` at O2, say) get float32 master copies
+    that the inner optimizer updates, so its state stays float32; O3 parameters are updated in
+    place, as O3 asks. ``loss_scaler`` defaults to a ``DynamicLossScaler`` when the
+    parameters' model computes in float16, else a ``NoOpLossScaler`` (non-finite steps are
+    still skipped). ``max_grad_norm`` clips the unscaled gradients (dense ones). With
+    ``accumulation_steps=N``, ``backward`` adds ``loss / N`` and only every N-th ``step``
+    updates; ``zero_grad`` in between keeps the sum.
+
+    ``optimizer`` may be a list, e.g. ``[SparseAdam(embeddings), Adam(dense)]`` from
+    ``split_embedding_parameters``: one loss scale, one backward, one finiteness check, and
+    all of them step or all skip.
+
+    It is a ``torch.optim.Optimizer``, so learning-rate schedulers accept it; their
+    ``param_groups`` are the inner optimizers'.
+
+    Keras 3's keywords ``initial_scale=`` and ``dynamic_growth_steps=`` give Keras 3's
+    schedule (start at ``2**15``, double after ``2000`` clean steps, halve on overflow, no
+    ceiling, no floor above float32's smallest normal) in place of mixprec's default.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        loss_scaler: LossScaler | None = None,
+        max_grad_norm: float | None = None,
+        accumulation_steps: int = 1,
+        trace_overflow: bool | nn.Module = False,
+        *,
+        initial_scale: float | None = None,
+        dynamic_growth_steps: int | None = None,
+    ) -> None:
+        # torch.optim.Optimizer.__init__ is not called: groups and state are the inner ones.
+        if initial_scale is not None or dynamic_growth_steps is not None:
+            loss_scaler = keras_scaler(loss_scaler, initial_scale, dynamic_growth_steps)
+        self.optimizers: list[torch.optim.Optimizer] = _checked_arguments(
+            optimizer, loss_scaler, max_grad_norm, accumulation_steps
+        )
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.accumulation_steps = accumulation_steps
+        self._weights = MasterWeights()
+        for inner in self.optimizers:
+            for i, group in enumerate(inner.param_groups):
+                group["params"] = self._weights.adopt(inner, group["params"], f"param_groups[{i}]")
+                warn_if_eps_vanishes(group, f"{type(inner).__name__} param_groups[{i}]")
+        for inner in self.optimizers:
+            for group in inner.param_groups:
+                _fuse(inner, group)
+        model_params = self._weights.model_params()
+        # Where found_inf lives when no parameter has a gradient (a rank with none).
+        self._device = model_params[0].device if model_params else None
+        self._loss_scaler = loss_scaler or (
+            DynamicLossScaler() if needs_scaling(model_params) else NoOpLossScaler()
+        )
+        self._book = _Bookkeeping()
+        self._tracer = _make_tracer(trace_overflow, model_params)
+
+    # -- parameters -------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        group = dict(param_group)
+        params = group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        group["params"] = self._weights.adopt(self.optimizer, params, "param_group")
+        self.optimizer.add_param_group(group)
+        _fuse(self.optimizer, self.optimizer.param_groups[-1])
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The inner optimizer (the first one, when several were given)."""
+        return self.optimizers[0]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The inner optimizers' groups (the same dicts: changing ``lr`` here changes it)."""
+        if len(self.optimizers) == 1:
+            return self.optimizers[0].param_groups
+        return [g for inner in self.optimizers for g in inner.param_groups]
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        if len(self.optimizers) == 1:
+            return self.optimizers[0].state
+        return {k: v for inner in self.optimizers for k, v in inner.state.items()}
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @property
+    def loss_scaler(self) -> LossScaler:
+        return self._loss_scaler
+
+    def broadcast_masters(self, src: int = 0) -> None:
+        """Make every rank's float32 masters (and so 16-bit weights) those of rank ``src``.
+
+        DDP broadcasts rank 0's 16-bit weights when it wraps a model; this sends the
+        float32 masters behind them too, so no rank starts from rounded values."""
+        self._weights.broadcast(src)
+
+    def master_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(16-bit model parameter, its float32 master)`` pairs."""
+        return list(zip(self._weights.half, self._weights.masters, strict=True))
+
+    def master_params(self) -> Iterator[torch.Tensor]:
+        """The tensors the inner optimizer updates (float32 masters and plain parameters);
+        after ``unscale_()`` their ``.grad`` holds the unscaled gradients."""
+        for group in self.param_groups:
+            yield from group["params"]
+
+    # -- gradients --------------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``(loss * scale / accumulation_steps).backward(**kwargs)``."""
+        self.get_scaled_loss(loss).backward(**kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model's gradients, except between the micro-batches of an accumulation."""
+        if 0 < self._book.micro < self.accumulation_steps:
+            return
+        self._weights.zero_grad(set_to_none)
+
+    def unscale_(self) -> None:
+        """Unscale now (to inspect or clip ``master_params()`` grads yourself); ``step``
+        then does not unscale again."""
+        if self._book.found_inf is not None:
+            raise MisuseError(
+                "LossScaleOptimizer.unscale_() has already been called since the last step()"
+            )
+        if not self._book.fresh:
+            raise MisuseError(
+                "LossScaleOptimizer.unscale_() called without a backward() since the last step()"
+            )
+        if self._book.micro < self.accumulation_steps:
+            raise MisuseError(
+                f"LossScaleOptimizer.unscale_() called after {self._book.micro} of "
+                f"{self.accumulation_steps} accumulation micro-batches; call it after the last"
+            )
+        self._unscale()
+
+    def _unscale(self) -> None:
+        self._weights.follow_external_writes()
+        self._weights.load_master_grads()
+        self._book.found_inf = self._loss_scaler.unscale_(self._weights.step_grads(), self._device)
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self, closure: Callable[[], float] | None = None) -> StepResult:  # type: ignore[override]
+        """Unscale once, check, clip, apply or skip, update the scale; see ``StepResult``."""
+        if closure is not None:
+            raise MisuseError("LossScaleOptimizer.step() does not take a closure")
+        if not self._book.fresh:
+            raise MisuseError(
+                "LossScaleOptimizer.step() called without a new backward since the last step(): "
+                "call opt.backward(loss) (or backward on opt.get_scaled_loss(loss)) first"
+            )
+        self._book.fresh = False
+        if self._book.micro < self.accumulation_steps:
+            return StepResult(False, False, self._loss_scaler.get_scale(), accumulating=True)
+        if self._book.found_inf is None:
+            result = self._host_step()
+            if result is not None:
+                return result
+            self._unscale()
+        return self._finish()
+
+    def _host_step(self) -> StepResult | None:
+        """The whole step with a Python bool for ``found_inf``, or None where the general path
+        is needed: float32 (O0, ``auto`` on a CPU without fast 16-bit math) and bfloat16 O1
+        and O3 on CPU, one process, nothing to unscale, copy back, clip or trace. The check
+        reads its answer at once, and the tensor flags, collective and copies of ``_finish``
+        would be per-step work that float32 training does not do."""
+        if (
+            self._weights.half
+            or self._weights.checked
+            or self.max_grad_norm is not None
+            or self._tracer is not None
+            or type(self._loss_scaler) not in _HOST_SCALERS
+            or self._loss_scaler.get_scale() != 1.0
+            or is_distributed()
+        ):
+            return None
+        grads = [g._values() if g.is_sparse else g for g in self._weights.plain_grads()]
+        if not checks_on_host(grads):
+            return None
+        overflow = bool(grads) and not finite_on_cpu(grads)
+        # The tail of _finish, restated: as a function of its own shared by both, it cost
+        # torch.compile(opt.step) two more graphs, and dynamo then traced the scaler's
+        # float32 rounding into a recursion in its struct polyfill (torch 2.13).
+        if not overflow:
+            for inner in self.optimizers:
+                _unfuse_sparse(inner)
+                inner.step()
+        self._loss_scaler.update(overflow)
+        self._book.micro = 0
+        return StepResult(applied=not overflow, found_inf=overflow, scale=1.0)
+
+    def _finish(self) -> StepResult:
+        # Flags agreed across ranks in one collective: this step's found_inf, and whether the
+        # last applied update made a float16 weight inf/NaN (checked then, read now: no extra
+        # host synchronisation). A skipped step changed no weight and sends the same answer
+        # again, so a compiled step has one shape whichever steps were skipped.
+        flags = [self._book.found_inf.reshape(1).float()]  # type: ignore[union-attr]
+        if self._weights.checked:
+            flags.append((~self._book.weights_finite).reshape(1).to(flags[0]))
+        agreed = agree_found_inf(flags[0] if len(flags) == 1 else torch.cat(flags))
+        scale = self._loss_scaler.get_scale()
+        norm = None
+        if self.max_grad_norm is not None:
+            dense = [p for p in self.master_params() if p.grad is not None and not p.grad.is_sparse]
+            norm = nn.utils.clip_grad_norm_(dense, self.max_grad_norm, foreach=True)
+            if is_dtensor(norm):  # FSDP2: the norm over every shard
+                norm = norm.full_tensor()  # type: ignore[attr-defined]
+        # The one host synchronisation of the step: the flags (and the norm) together.
+        if norm is not None:
+            *found_flags, norm_value = torch.cat([agreed, norm.reshape(1).to(agreed)]).tolist()
+        else:
+            found_flags, norm_value = agreed.tolist(), None
+        if len(found_flags) > 1 and found_flags[1]:
+            self._book.weights_finite = torch.ones((), dtype=torch.bool)  # said once
+            self._weights.raise_nonfinite_weights()
+        overflow = bool(found_flags[0])
+        origin = None
+        if self._tracer is not None:
+            origin = self._tracer.first_overflow() if overflow else None
+            self._tracer.clear()
+            if origin is not None:
+                _log.warning("step skipped: overflow first in %s", origin)
+        if not overflow:
+            for inner in self.optimizers:
+                _unfuse_sparse(inner)
+                inner.step()
+            # Inline: dynamo runs this eagerly after the graph break in the loop above, where
+            # a MasterWeights method would compile as a graph of its own (torch 2.13).
+            if self._weights.half:
+                with torch.no_grad():
+                    torch._foreach_copy_(self._weights.half, self._weights.masters)
+                self._weights.versions = self._weights.half_versions()
+            if self._weights.checked:
+                self._book.weights_finite = all_finite(self._weights.checked)
+        self._loss_scaler.update(overflow)
+        self._book.micro = 0
+        self._book.found_inf = None
+        return StepResult(
+            applied=not overflow,
+            found_inf=overflow,
+            scale=scale,
+            grad_norm=norm_value,
+            overflow=origin,
+        )
+
+    # -- checkpointing ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Inner optimizer state, float32 master weights and the loss scaler's state.
+
+        Take it between steps: gradients accumulated mid-way are not part of it."""
+        return {
+            "optimizers": [inner.state_dict() for inner in self.optimizers],
+            "master_weights": [m.detach() for m in self._weights.masters],
+            "loss_scaler": self._loss_scaler.state_dict(),
+            "micro_steps": self._book.micro,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_state_dict(state_dict, self._weights.masters, self.optimizers)
+        # The scaler's state is checked on a copy first, so that a bad one changes nothing.
+        copy.deepcopy(self._loss_scaler).load_state_dict(state_dict["loss_scaler"])
+        for inner, inner_state in zip(self.optimizers, state_dict["optimizers"], strict=True):
+            inner.load_state_dict(inner_state)
+        self._loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        self._weights.load(state_dict["master_weights"])
+        self._book.micro = int(state_dict.get("micro_steps", 0))
+        self._book.fresh = False
+        self._book.found_inf = None
+
+    def register_step_pre_hook(self, hook: Any) -> Any:
+        """Runs before the (first) inner optimizer's step, that is, only on applied steps."""
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Any) -> Any:
+        """Runs after the (first) inner optimizer's step, that is, only on applied steps."""
+        return self.optimizer.register_step_post_hook(hook)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return (
+            f"LossScaleOptimizer({'+'.join(type(o).__name__ for o in self.optimizers)}, "
+            f"loss_scaler={self._loss_scaler!r}, masters={len(self._weights.masters)}, "
+            f"max_grad_norm={self.max_grad_norm}, accumulation_steps={self.accumulation_steps})"
+        )
+
+
+def _checked_arguments(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+    loss_scaler: LossScaler | None,
+    max_grad_norm: float | None,
+    accumulation_steps: int,
+) -> list[torch.optim.Optimizer]:
+    """The inner optimizers as a list, once every constructor argument is valid."""
+    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+    if not isinstance(optimizers, (list, tuple)) or not optimizers:
+        raise ArgumentError(
+            "optimizer must be a torch.optim.Optimizer or a non-empty list of them, got "
+            f"{type(optimizer).__name__}"
+        )
+    for inner in optimizers:
+        if isinstance(inner, LossScaleOptimizer):
+            raise ArgumentError("optimizer is already a LossScaleOptimizer; wrap the inner one")
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise ArgumentError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(inner).__name__}"
+            )
+    if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
+        raise ArgumentError(
+            "loss_scaler must be a NoOpLossScaler, StaticLossScaler or DynamicLossScaler, "
+            f"got {type(loss_scaler).__name__}"
+        )
+    if max_grad_norm is not None and (
+        isinstance(max_grad_norm, bool)
+        or not isinstance(max_grad_norm, (int, float))
+        or not 0 < max_grad_norm < torch.finfo(torch.float64).max  # 10**400 too
+    ):
+        raise ArgumentError(
+            f"max_grad_norm={shown(max_grad_norm)} is invalid; use a finite number > 0 or None"
+        )
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int):
+        raise ArgumentError(f"accumulation_steps must be an int, got {accumulation_steps!r}")
+    if accumulation_steps < 1:
+        raise ArgumentError(
+            f"accumulation_steps={accumulation_steps!r} is invalid; it must be >= 1"
+        )
+    return list(optimizers)
+
+
+def _make_tracer(
+    trace_overflow: bool | nn.Module, params: list[torch.Tensor]
+) -> OverflowTracer | None:
+    if trace_overflow is False:
+        return None  # no hooks at all: tracing off costs nothing
+    model = trace_overflow if isinstance(trace_overflow, nn.Module) else model_of(params)
+    if model is None or (trace_overflow is not True and not isinstance(trace_overflow, nn.Module)):
+        raise ArgumentError(
+            f"trace_overflow={trace_overflow!r}: pass the model (trace_overflow=model) "
+            "unless it was prepared with auto_mixed_precision"
+        )
+    return OverflowTracer(model)

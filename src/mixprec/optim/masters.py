@@ -1,0 +1,229 @@
+"""``MasterWeights``: the float32 master copies behind a model's 16-bit parameters.
+
+The inner optimizer updates float32 masters, so its state stays float32 and small updates
+are not rounded away; after an applied step the masters are copied back into the 16-bit
+weights with one multi-tensor copy. Parameters without a master (float32 ones, and O3's
+16-bit ones, which O3 updates in place) are "plain": the inner optimizer updates them as
+they are. The weights' version counters show writes made outside the optimizer
+(``model.load_state_dict``), which then replace the masters.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from mixprec._dist import is_dtensor
+from mixprec._dtypes import HALF_DTYPES, dtype_name
+from mixprec._errors import ArgumentError
+from mixprec.casting import LEVEL_ATTR, MASTERS_ATTR, take_float32_copy
+from mixprec.scaling import all_finite
+from mixprec.trace import model_of
+
+__all__ = ["MasterWeights"]
+
+
+class MasterWeights:
+    """The 16-bit parameters with float32 masters, their masters, and the plain parameters.
+
+    ``half`` and ``masters`` are in the same order; ``checked`` holds the float16 weights
+    (local shards under FSDP2), which an update can push past 65504 while their float32
+    masters stay finite. (bfloat16 has float32's range: it overflows only where float32
+    training would, which no one checks either.) ``versions`` are the 16-bit weights'
+    version counters as this object last wrote or read them.
+
+    A plain object, not the ``Optimizer``: inside ``torch.compile(opt.step)`` dynamo drops
+    attribute writes on the ``Optimizer`` itself (torch 2.13), not on other objects.
+    """
+
+    def __init__(self) -> None:
+        self.half: list[torch.Tensor] = []  # 16-bit model parameters with masters
+        self.masters: list[torch.Tensor] = []  # their float32 masters, same order
+        self.plain: list[torch.Tensor] = []  # parameters the inner optimizer updates as is
+        self.index: dict[int, tuple[bool, int]] = {}  # id(param) -> (has master, position)
+        self.checked: list[torch.Tensor] = []  # float16 weights, checked after each update
+        self.versions: list[int] = []
+
+    def adopt(
+        self, inner: torch.optim.Optimizer, params: list[torch.Tensor], where: str
+    ) -> list[torch.Tensor]:
+        """Swap 16-bit parameters for float32 masters in a param group's list, and note
+        every 16-bit weight's version."""
+        adopted = []
+        for j, p in enumerate(params):
+            _check_param(p, f"{where}['params'][{j}]")
+            if p.dtype == torch.float16:
+                self.checked.append(_local(p))
+            if p.dtype in HALF_DTYPES and (
+                getattr(p, LEVEL_ATTR, None) != "O3" or getattr(p, MASTERS_ATTR, False)
+            ):
+                # Start from the float32 values auto_mixed_precision kept, when they are
+                # still current (not after a load_state_dict into the 16-bit model).
+                original = take_float32_copy(p)
+                master = original if original is not None else p.detach().float()
+                master.requires_grad_(True)
+                state = inner.state.pop(p, None)
+                if state:
+                    # Moments become float32 like the master; scalar entries (step) stay as is.
+                    inner.state[master] = {
+                        k: v.float()
+                        if torch.is_tensor(v) and v.is_floating_point() and v.dim()
+                        else v
+                        for k, v in state.items()
+                    }
+                self.index[id(p)] = (True, len(self.half))
+                self.half.append(p)
+                self.masters.append(master)
+                adopted.append(master)
+            else:
+                self.index[id(p)] = (False, len(self.plain))
+                self.plain.append(p)
+                adopted.append(p)
+        self.versions = self.half_versions()  # new 16-bit parameters have versions too
+        return adopted
+
+    def model_params(self) -> list[torch.Tensor]:
+        """The model's parameters: the 16-bit ones with masters, then the plain ones."""
+        return self.half + self.plain
+
+    def half_versions(self) -> list[int]:
+        return [p._version for p in self.half]
+
+    def follow_external_writes(self) -> None:
+        """A 16-bit weight written outside this optimizer (``model.load_state_dict``)
+        replaces its master; otherwise the next copy-back would undo the write."""
+        versions = self.half_versions()
+        if versions != self.versions:
+            with torch.no_grad():
+                for p, m, now, then in zip(
+                    self.half, self.masters, versions, self.versions, strict=True
+                ):
+                    if now != then:
+                        m.copy_(p)
+            self.versions = versions
+
+    def load(self, masters: list[torch.Tensor]) -> None:
+        """Take saved masters (checked against these) and copy them into the weights."""
+        with torch.no_grad():
+            if masters:
+                torch._foreach_copy_(self.masters, list(masters))
+                torch._foreach_copy_(self.half, self.masters)
+        self.versions = self.half_versions()
+
+    def broadcast(self, src: int) -> None:
+        """Make every rank's masters (and so 16-bit weights) those of rank ``src``."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        with torch.no_grad():
+            for master in self.masters:
+                dist.broadcast(master, src)
+            if self.half:
+                torch._foreach_copy_(self.half, self.masters)
+        self.versions = self.half_versions()
+
+    # -- gradients --------------------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        params = self.half + self.plain
+        if set_to_none:
+            # The float32 master gradients go too: kept, they would sit beside the next
+            # forward's activations (4 bytes a parameter at the peak), unlike float32 training.
+            for p in params + self.masters:
+                p.grad = None
+        else:
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads:
+                torch._foreach_zero_(grads)
+
+    def load_master_grads(self) -> None:
+        """The 16-bit gradients into the masters' float32 ones (one multi-tensor copy)."""
+        src, dst = [], []
+        for p, m in zip(self.half, self.masters, strict=True):
+            g = p.grad
+            if g is None:
+                m.grad = None
+            elif g.is_sparse:
+                # Widen before coalescing: summing duplicate indices in 16 bits can overflow.
+                m.grad = g.float().coalesce()
+            else:
+                if m.grad is None or m.grad.is_sparse:
+                    m.grad = torch.empty_like(m)
+                src.append(g)
+                dst.append(m.grad)
+        if src:
+            torch._foreach_copy_(dst, src)
+
+    def plain_grads(self) -> list[torch.Tensor]:
+        grads = []
+        for p in self.plain:
+            if p.grad is not None:
+                if p.grad.is_sparse and p.grad.dtype == torch.float16:
+                    p.grad = p.grad.coalesce()
+                grads.append(p.grad)
+        return grads
+
+    def step_grads(self) -> list[torch.Tensor]:
+        """The gradients the inner optimizers read: the masters', then the plain ones'."""
+        return [m.grad for m in self.masters if m.grad is not None] + self.plain_grads()
+
+    # -- float16 weights past their range ---------------------------------------------------
+
+    def raise_nonfinite_weights(self) -> None:
+        """Raise ``FloatingPointError`` naming the float16 weights that are inf or NaN."""
+        params = self.half + self.plain
+        model = model_of(params)
+        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        lines = []
+        for k, p in enumerate(params):
+            if p.dtype != torch.float16 or bool(all_finite([_local(p)])):
+                continue
+            line = f"{names.get(id(p), f'parameter {k}')} ({dtype_name(p.dtype)}"
+            if k < len(self.half):
+                master = self.masters[k].detach()
+                line += f"; its float32 master's largest |value| is {master.abs().max().item():g}"
+            lines.append(line + ")")
+        more = f"; and {len(lines) - 5} more" if len(lines) > 5 else ""
+        found = "; ".join(lines[:5]) + more if lines else "on another rank"
+        raise FloatingPointError(
+            f"float16 weights became inf or NaN in the last applied update: {found}. Every "
+            "later step would train on them. float16 holds no value past 65504: keep the "
+            "module in float32 (keep_float32=[...]) or train in bfloat16 "
+            "(policy='mixed_bfloat16'); an inf or NaN master needs a smaller learning rate or "
+            "max_grad_norm="
+        )
+
+
+def warn_if_eps_vanishes(group: dict[str, Any], where: str) -> None:
+    """Pure float16 weights (O3) make Adam-style optimizers compute in float16, where the
+    default eps=1e-8 rounds to 0: a zero gradient then gives 0/0 = NaN weights."""
+    eps = group.get("eps")
+    if not isinstance(eps, float) or eps <= 0:
+        return
+    vanishes = torch.tensor(eps, dtype=torch.float16).item() == 0.0
+    if vanishes and any(p.dtype == torch.float16 for p in group["params"]):
+        warnings.warn(
+            f"{where} has eps={eps!r} and float16 parameters without float32 masters "
+            "(level O3): eps rounds to 0 in float16 and a zero gradient will make NaN "
+            "weights. Use eps >= 1e-4, or level O2.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _check_param(p: Any, where: str) -> None:
+    if not isinstance(p, torch.Tensor):
+        raise ArgumentError(f"{where} must be a tensor, got {type(p).__name__}")
+    if not p.is_floating_point():
+        raise ArgumentError(
+            f"{where} has dtype {p.dtype}; only floating-point parameters can be optimized "
+            "(float32, float16, bfloat16)"
+        )
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The local shard of an FSDP2 parameter, else the parameter."""
+    return p.to_local() if is_dtensor(p) else p  # type: ignore[attr-defined,no-any-return]

@@ -1,0 +1,40 @@
+"""What the optimizer tests share: an O2 MLP with its optimizer, a loss, a snapshot."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+import mixprec as mp
+from tests.conftest import classification_data, make_mlp
+
+
+def prepared(policy="mixed_bfloat16", level="O2", **opt_kwargs):
+    model = mp.auto_mixed_precision(make_mlp(), policy, level)
+    opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), **opt_kwargs)
+    return model, opt
+
+
+def loss_of(model, scale=1.0):
+    x, y = classification_data(n=32)
+    return nn.functional.cross_entropy(model(x), y) * scale
+
+
+def snapshot(model, opt):
+    return (
+        copy.deepcopy([p.detach() for p in model.parameters()]),
+        copy.deepcopy(opt.state_dict()),
+    )
+
+
+def trained(opt_factory, steps=15):
+    """An O2 MLP trained ``steps`` AdamW/SGD steps; its weights and the wrapper."""
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(opt_factory(model.parameters()))
+    for _ in range(steps):
+        opt.zero_grad()
+        opt.backward(loss_of(model))
+        opt.step()
+    return [m.detach().clone() for m in opt.master_params()], opt

@@ -1,0 +1,124 @@
+"""The kernel choice (torch's fused kernels where the user left it to torch, the loop for
+sparse gradients and 16-bit weights) and the default scaler's choice of loss scaling."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec as mp
+from tests.conftest import make_mlp
+from tests.optim._helpers import loss_of, prepared, trained
+
+
+def test_default_scaler_follows_the_policy():
+    assert isinstance(prepared("mixed_float16")[1].loss_scaler, mp.DynamicLossScaler)
+    assert isinstance(prepared("mixed_bfloat16")[1].loss_scaler, mp.NoOpLossScaler)
+    assert isinstance(prepared("mixed_float16", "O0")[1].loss_scaler, mp.NoOpLossScaler)
+    plain = mp.LossScaleOptimizer(torch.optim.SGD(make_mlp().parameters(), lr=0.1))
+    assert isinstance(plain.loss_scaler, mp.NoOpLossScaler)
+    with mp.policy_scope("mixed_float16"):
+        scaled = mp.LossScaleOptimizer(torch.optim.SGD(make_mlp().parameters(), lr=0.1))
+    assert isinstance(scaled.loss_scaler, mp.DynamicLossScaler)
+
+
+def test_to_float_float16_alone_gets_loss_scaling():
+    model = make_mlp()
+    mp.to_float(model[5], "float16")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert isinstance(opt.loss_scaler, mp.DynamicLossScaler)
+
+
+@pytest.mark.parametrize(
+    "factory",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+    ],
+    ids=["AdamW", "Adam-amsgrad", "SGD-nesterov"],
+)
+def test_optimizers_left_to_torch_run_fused_and_train_like_the_loop(factory):
+    fused, opt = trained(factory)
+    assert all(g["fused"] is True for g in opt.param_groups)
+
+    def loop(ps):
+        inner = factory(ps)
+        for g in inner.param_groups:
+            g["foreach"] = False  # the per-parameter loop torch picks on CPU
+        return inner
+
+    looped, ref = trained(loop)
+    assert all(not g["fused"] for g in ref.param_groups)
+    # Same arithmetic in another order: float32 rounding over 15 steps.
+    for a, b in zip(fused, looped, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("choice", [{"foreach": False}, {"foreach": True}, {"fused": False}])
+def test_an_explicit_kernel_choice_is_kept(choice):
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, **choice))
+    assert not opt.param_groups[0]["fused"]
+
+
+def test_not_fused_once_the_optimizer_has_state_or_for_other_optimizers():
+    model = make_mlp()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss_of(model).backward()
+    inner.step()  # state in the loop's format
+    assert mp.LossScaleOptimizer(inner).param_groups[0]["fused"] is None
+    # Plain SGD is one add per parameter: torch's loop is as fast as the fused kernel.
+    sgd = mp.LossScaleOptimizer(torch.optim.SGD(make_mlp().parameters(), lr=1e-3))
+    assert sgd.param_groups[0]["fused"] is None
+    rms = torch.optim.RMSprop(make_mlp().parameters(), lr=1e-3)
+    mp.LossScaleOptimizer(rms)
+    assert rms.param_groups[0]["foreach"] is None and "fused" not in rms.param_groups[0]
+
+
+def test_16_bit_parameters_keep_the_loop():
+    # torch 2.13's fused CPU SGD skips most of a 16-bit update (pytorch/pytorch#191763).
+    model = mp.auto_mixed_precision(make_mlp(), "bfloat16", "O3")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    assert opt.param_groups[0]["fused"] is None
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.backward(loss_of(model))
+    opt.step()
+    for p, b in zip(model.parameters(), before, strict=True):
+        if p.dim() == 2:  # weight matrices: most elements move (norm scales at 1.0 need not)
+            assert (p.detach() != b).float().mean() > 0.5
+
+
+def test_a_fused_group_falls_back_for_sparse_gradients():
+    # torch's fused SGD refuses sparse gradients; the wrapper steps that group unfused.
+    torch.manual_seed(0)
+    emb = nn.Embedding(20, 4, sparse=True)
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5, momentum=0.5))
+    assert opt.param_groups[0]["fused"] is True
+    before = emb.weight.detach().clone()
+    opt.backward(emb(torch.tensor([1, 3, 3])).sum())
+    assert opt.step().applied
+    assert opt.param_groups[0]["fused"] is False
+    changed = (emb.weight.detach() != before).any(dim=1)
+    assert changed.tolist() == [i in (1, 3) for i in range(20)]
+
+
+def test_fused_state_round_trips_and_sparse_fallback_survives_loading():
+    _, opt = trained(lambda ps: torch.optim.AdamW(ps, lr=1e-2), steps=2)
+    _, fresh = trained(lambda ps: torch.optim.AdamW(ps, lr=1e-2), steps=0)
+    fresh.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert all(g["fused"] is True for g in fresh.param_groups)
+    # Loading replaces the group dicts: the sparse fallback must follow the new ones.
+    emb = nn.Embedding(20, 4, sparse=True)
+    first = mp.LossScaleOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5, momentum=0.9))
+    first.backward(emb(torch.tensor([2])).sum())
+    first.step()
+    saved = copy.deepcopy(first.state_dict())
+    saved["optimizers"][0]["param_groups"][0]["fused"] = True  # as a dense step left it
+    again = mp.LossScaleOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5, momentum=0.9))
+    again.load_state_dict(saved)
+    again.backward(emb(torch.tensor([2])).sum())
+    assert again.step().applied

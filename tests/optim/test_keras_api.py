@@ -1,0 +1,53 @@
+"""Keras' methods: get_scaled_loss, get_unscaled_gradients, apply_gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mixprec as mp
+from tests.conftest import make_mlp
+from tests.optim._helpers import loss_of, prepared
+
+
+def test_keras_style_methods():
+    model, opt = prepared("mixed_float16")
+    params = list(model.parameters())
+    scaled = opt.get_scaled_loss(loss_of(model))
+    grads = torch.autograd.grad(scaled, params)
+    unscaled = opt.get_unscaled_gradients(grads)
+    scale = opt.loss_scaler.get_scale()
+    assert torch.equal(unscaled[0], grads[0].float() * (1.0 / scale))  # float32: no flush
+    before = [p.detach().clone() for p in params]
+    result = opt.apply_gradients(zip(unscaled, params, strict=True))
+    assert result.applied
+    assert not any(torch.equal(a, b) for a, b in zip(before, params, strict=True))
+    bad = [torch.full_like(g, float("nan")) for g in unscaled]
+    assert not opt.apply_gradients(zip(bad, params, strict=True)).applied
+    with pytest.raises(ValueError, match=r"variable 0 \(shape \(3,\), torch.float32\) is not a"):
+        opt.apply_gradients([(torch.ones(3), torch.zeros(3))])
+    with pytest.raises(ValueError, match=r"gradient 0 has shape \(2,\), its variable \(64, 32\)"):
+        opt.apply_gradients([(torch.ones(2), params[0])])
+
+
+def test_accumulation_misuse_and_keras_path_averages():
+    model, opt = prepared("mixed_float16")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
+    opt.backward(loss_of(model))
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) called after 1 of 2 accumulation"):
+        opt.unscale_()
+    loss = loss_of(model)
+    scaled = opt.get_scaled_loss(loss)
+    assert scaled.item() == pytest.approx(loss.item() * opt.loss_scaler.get_scale() / 2)
+
+
+def test_keras_unscaled_gradients_of_16_bit_weights_are_float32():
+    """Unscaling float16 gradients in float16 would flush small values to zero."""
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    params = list(model.parameters())
+    grads = torch.autograd.grad(opt.get_scaled_loss(loss_of(model) * 1e-6), params)
+    unscaled = opt.get_unscaled_gradients(grads)
+    assert unscaled[0].dtype == torch.float32
+    assert unscaled[0].abs().max() > 0
+    assert opt.apply_gradients(zip(unscaled, params, strict=True)).applied

@@ -1,0 +1,303 @@
+"""LossScaleOptimizer's step: skipping, clipping, accumulation, one host synchronisation,
+the scale-1 host step and the general path, misuse and bad arguments."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+import mixprec as mp
+from mixprec.scaling import finite
+from tests.conftest import classification_data, make_mlp
+from tests.optim._helpers import loss_of, prepared, snapshot
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_skipped_step_leaves_weights_and_state_bit_identical(policy):
+    model, opt = prepared(policy, max_grad_norm=1.0)
+    opt.zero_grad()
+    opt.backward(loss_of(model))
+    opt.step()
+    weights, state = snapshot(model, opt)
+    scale = opt.loss_scaler.get_scale()
+    opt.zero_grad()
+    opt.backward(loss_of(model, scale=float("inf")))
+    result = opt.step()
+    assert not result.applied and result.found_inf and result.skipped
+    for a, b in zip(weights, model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    after = opt.state_dict()
+    for key, entry in state["optimizers"][0]["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(value, after["optimizers"][0]["state"][key][name])
+    for a, b in zip(state["master_weights"], after["master_weights"], strict=True):
+        assert torch.equal(a, b)
+    if policy == "mixed_float16":
+        assert opt.loss_scaler.get_scale() == scale / 2
+    assert opt.loss_scaler.state.skipped_steps == 1
+
+
+def test_clipping_uses_unscaled_gradients():
+    model, opt = prepared("mixed_float16", max_grad_norm=1e-3)
+    reference = copy.deepcopy(make_mlp())
+    ref_loss = loss_of(reference)
+    ref_loss.backward()
+    ref_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]).item()
+    opt.zero_grad()
+    opt.backward(loss_of(model))
+    result = opt.step()
+    # float16 compute: a few parts in a thousand of the float32 norm.
+    assert result.grad_norm == pytest.approx(ref_norm, rel=1e-2)
+    clipped = torch.nn.utils.get_total_norm([m.grad for m in opt.master_params()]).item()
+    assert clipped == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_accumulation_matches_one_big_batch():
+    x, y = classification_data(n=64)
+    big = make_mlp()
+    opt_big = mp.LossScaleOptimizer(torch.optim.SGD(big.parameters(), lr=0.1))
+    opt_big.backward(nn.functional.cross_entropy(big(x), y))
+    opt_big.step()
+
+    small = make_mlp()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(small.parameters(), lr=0.1), accumulation_steps=4)
+    results = []
+    for i in range(4):
+        opt.zero_grad()  # a no-op between micro-batches
+        sl = slice(16 * i, 16 * (i + 1))
+        opt.backward(nn.functional.cross_entropy(small(x[sl]), y[sl]))
+        results.append(opt.step())
+    assert [r.accumulating for r in results] == [True, True, True, False]
+    assert results[-1].applied and opt.loss_scaler.state.steps == 1
+    for a, b in zip(big.parameters(), small.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # float32 summation order
+
+
+def test_several_param_groups_and_schedulers():
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    groups = [
+        {"params": list(model[0].parameters()), "lr": 0.1},
+        {"params": [p for n, p in model.named_parameters() if not n.startswith("0.")]},
+    ]
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(groups, lr=0.01))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    assert isinstance(opt, torch.optim.Optimizer)
+    opt.zero_grad()
+    opt.backward(loss_of(model))
+    if opt.step().applied:
+        sched.step()
+    assert [g["lr"] for g in opt.param_groups] == [0.05, 0.005]
+    extra = nn.Linear(2, 2).to(BF16)
+    opt.add_param_group({"params": extra.parameters()})
+    assert opt.param_groups[-1]["params"][0].dtype == F32
+
+
+@pytest.mark.parametrize("on_host", [False, True], ids=["device-path", "cpu-path"])
+def test_one_host_sync_per_step(monkeypatch, on_host):
+    # SGD: Adam reads its (CPU-resident) step counter with .item(), which would be counted.
+    # The device path (what CUDA runs) reads one tensor per step; on CPU, where a read costs
+    # no synchronisation, the finiteness checks read their per-tensor sums at once.
+    if not on_host:
+        monkeypatch.setattr(finite, "checks_on_host", lambda tensors: False)
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), max_grad_norm=1.0
+    )
+    calls = []
+    for name in ("item", "tolist", "__bool__", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *a, _original=original, _name=name, **k):
+            calls.append(_name)
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    loss = loss_of(model)
+    opt.zero_grad()
+    opt.backward(loss)
+    calls.clear()
+    opt.step()
+    if not on_host:
+        assert calls == ["tolist"]
+    else:  # the float16 weights' check: one .item() per weight, then the flags' tolist
+        weights = [p for p in model.parameters() if p.dtype == torch.float16]
+        assert calls == ["tolist"] + ["item"] * len(weights)
+
+
+def test_misuse():
+    model, opt = prepared("mixed_float16")
+    opt.zero_grad()
+    opt.backward(loss_of(model))
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"step\(\) called without a new backward"):
+        opt.step()
+    opt.backward(loss_of(model))
+    opt.unscale_()
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) has already been called"):
+        opt.unscale_()
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"unscale_\(\) called without a backward"):
+        opt.unscale_()
+    with pytest.raises(RuntimeError, match="does not take a closure"):
+        opt.step(closure=lambda: 0.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"max_grad_norm": 0}, ValueError, r"max_grad_norm=0 is invalid"),
+        ({"max_grad_norm": float("inf")}, ValueError, r"max_grad_norm=inf is invalid"),
+        ({"accumulation_steps": 0}, ValueError, r"accumulation_steps=0 is invalid; .*>= 1"),
+        ({"accumulation_steps": 1.5}, TypeError, r"accumulation_steps must be an int, got 1.5"),
+        ({"loss_scaler": "dynamic"}, TypeError, r"loss_scaler must be .* got str"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        mp.LossScaleOptimizer(torch.optim.SGD(make_mlp().parameters(), lr=0.1), **kwargs)
+
+
+def test_bad_optimizer_and_integer_parameters():
+    with pytest.raises(TypeError, match="a non-empty list of them, got list"):
+        mp.LossScaleOptimizer([])
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer, got str"):
+        mp.LossScaleOptimizer(["sgd"])  # type: ignore[list-item]
+    inner = torch.optim.SGD(make_mlp().parameters(), lr=0.1)
+    wrapped = mp.LossScaleOptimizer(inner)
+    with pytest.raises(TypeError, match="already a LossScaleOptimizer"):
+        mp.LossScaleOptimizer(wrapped)  # type: ignore[arg-type]
+    counts = torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(
+        TypeError, match=r"param_groups\[0\]\['params'\]\[0\] has dtype torch.int64"
+    ):
+        mp.LossScaleOptimizer(torch.optim.SGD([counts], lr=0.1))
+
+
+def _aten_ops(step) -> Counter[str]:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    # Outermost aten ops only: what a kernel calls inside itself is the kernel's business.
+    return Counter(
+        e.name
+        for e in prof.events()
+        if e.name.startswith("aten::")
+        and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    )
+
+
+@pytest.mark.parametrize("level", ["auto", "O0"])
+def test_float32_step_adds_only_the_finiteness_check(level):
+    # Issue 14 item 5: where a model trains in float32 (``auto`` on a CPU without fast
+    # 16-bit math, or O0), the step runs plain SGD's kernels plus one sum and one read per
+    # gradient, and nothing else (no flag tensors, copies or collectives).
+    torch.manual_seed(0)
+    plain = make_mlp()
+    model = mp.auto_mixed_precision(copy.deepcopy(plain), "float32", level)
+    # Both fused: LossScaleOptimizer would pick fused for a float32 SGD left to torch.
+    sgd = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9, fused=True)
+    opt = mp.LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    )
+    for _ in range(2):  # the first steps create the momentum buffers
+        sgd.zero_grad()
+        loss_of(plain).backward()
+        opt.zero_grad()
+        opt.backward(loss_of(model))
+        ours, theirs = _aten_ops(opt.step), _aten_ops(sgd.step)
+    grads = len(list(model.parameters()))
+    extra = ours - theirs
+    assert set(extra) <= {"aten::sum", "aten::item", "aten::_local_scalar_dense"}
+    assert extra["aten::sum"] == grads and extra["aten::item"] == grads
+    assert not theirs - ours
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bad", ["dense-nan", "sparse-inf"])
+def test_scale_one_host_step_skips_non_finite_gradients(bad, monkeypatch):
+    # The scale-1 host path (float32, bfloat16 O1 on CPU): dense and sparse gradients are
+    # checked, a skip leaves weights and state untouched and is counted.
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, sparse=True)
+    lin = nn.Linear(4, 1)
+    opt = mp.LossScaleOptimizer(
+        [torch.optim.SparseAdam(emb.parameters(), lr=0.1), torch.optim.Adam(lin.parameters())]
+    )
+    monkeypatch.setattr(opt, "_finish", _not_called)
+    ids = torch.tensor([[1, 2], [3, 4]])
+
+    def backward() -> None:
+        opt.zero_grad()
+        opt.backward(lin(emb(ids).mean(1)).square().mean())
+
+    backward()
+    assert opt.step().applied
+    before = [p.detach().clone() for p in (*emb.parameters(), *lin.parameters())]
+    state = copy.deepcopy(opt.state_dict())
+    backward()
+    if bad == "dense-nan":
+        lin.weight.grad[0, 0] = float("nan")
+    else:
+        emb.weight.grad._values()[0, 0] = float("inf")
+    result = opt.step()
+    assert (result.applied, result.found_inf, result.scale) == (False, True, 1.0)
+    for a, b in zip(before, (*emb.parameters(), *lin.parameters()), strict=True):
+        assert torch.equal(a, b)
+    assert _same_state(opt.state_dict()["optimizers"], state["optimizers"])
+    assert opt.loss_scaler.state.skipped_steps == 1 and opt.loss_scaler.state.steps == 2
+    backward()
+    assert opt.step().applied and opt.loss_scaler.state.consecutive_skips == 0
+
+
+def _same_state(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b, strict=True))
+    if torch.is_tensor(a):
+        return torch.equal(a, b)
+    return a == b
+
+
+def _not_called() -> None:
+    raise AssertionError("the general step path ran")
+
+
+class _Scaler(mp.NoOpLossScaler):
+    """A subclass may do more in unscale_ than the check: it gets the general path."""
+
+
+def _float16_o3():
+    return mp.auto_mixed_precision(make_mlp(), "float16", "O3")
+
+
+@pytest.mark.parametrize(
+    "case", ["scale-2", "clipping-set-later", "scaler-subclass", "float16-weights", "masters"]
+)
+def test_the_general_step_path_where_the_host_step_does_not_apply(case, monkeypatch):
+    model = _float16_o3() if case == "float16-weights" else make_mlp()
+    if case == "masters":
+        model = mp.auto_mixed_precision(model, "mixed_bfloat16", "O2")
+    scaler = {
+        "scale-2": mp.StaticLossScaler(2.0),
+        "scaler-subclass": _Scaler(),
+        "float16-weights": mp.NoOpLossScaler(),  # scale 1: only the float16 weights decide
+    }.get(case)
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler)
+    if case == "clipping-set-later":
+        opt.max_grad_norm = 1.0
+    finished = []
+    general = opt._finish
+    monkeypatch.setattr(opt, "_finish", lambda: finished.append(1) or general())
+    opt.backward(loss_of(model))
+    result = opt.step()
+    assert finished == [1] and result.applied
+    if case == "clipping-set-later":
+        assert result.grad_norm is not None

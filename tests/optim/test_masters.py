@@ -1,0 +1,170 @@
+"""The float32 master weights: adopted from the unrounded weights, their gradients, writes
+made outside the optimizer, and float16 weights an update pushes past their range."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec as mp
+from tests.conftest import make_mlp
+from tests.optim._helpers import loss_of, prepared
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+
+def test_zero_grad_frees_master_gradients_unless_zeroing():
+    # Kept, float32 master gradients would sit beside the next forward's activations.
+    model, opt = prepared()
+    opt.backward(loss_of(model))
+    opt.step()
+    masters = list(opt.master_params())
+    assert all(m.grad is not None for m in masters)
+    opt.zero_grad()
+    assert all(m.grad is None for m in masters)
+    assert all(p.grad is None for p in model.parameters())
+    opt.backward(loss_of(model))
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    assert all(m.grad is not None for m in masters)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+def test_masters_are_float32_and_seeded_from_unrounded_weights():
+    reference = make_mlp()
+    model, opt = prepared()
+    masters = list(opt.master_params())
+    assert {m.dtype for m in masters} == {F32}
+    for m, p in zip(masters, reference.parameters(), strict=True):
+        assert torch.equal(m, p)  # not the bfloat16-rounded values
+    opt.zero_grad()
+    opt.backward(loss_of(model))
+    assert opt.step().applied
+    for state in opt.state.values():
+        assert state["exp_avg"].dtype == F32
+    # After the step the 16-bit weights are the rounded masters.
+    for m, p in zip(masters, model.parameters(), strict=True):
+        assert torch.equal(p, m.to(p.dtype))
+
+
+def test_o3_has_no_masters():
+    model = mp.auto_mixed_precision(make_mlp(), "bfloat16", "O3")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert all(p.dtype == BF16 for p in opt.master_params())
+    assert all(a is b for a, b in zip(opt.master_params(), model.parameters(), strict=True))
+
+
+def test_warns_when_adam_eps_vanishes_in_pure_float16():
+    model = mp.auto_mixed_precision(make_mlp(), "float16", "O3")
+    with pytest.warns(UserWarning, match=r"eps=1e-08 .* rounds to 0 in float16"):
+        mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters()))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), eps=1e-4))
+        o2 = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
+        mp.LossScaleOptimizer(torch.optim.AdamW(o2.parameters()))  # masters: float32 math
+
+
+@pytest.mark.parametrize("load_after_optimizer", [False, True])
+def test_weights_loaded_into_a_16_bit_model_are_kept(load_after_optimizer):
+    checkpoint = make_mlp(seed=42).state_dict()
+    model = mp.auto_mixed_precision(make_mlp(seed=0), "mixed_bfloat16", "O2")
+    if not load_after_optimizer:
+        model.load_state_dict(checkpoint)
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+    if load_after_optimizer:
+        model.load_state_dict(checkpoint)
+    opt.zero_grad()
+    opt.backward(loss_of(model))
+    assert opt.step().applied
+    # lr=0: the step must leave the loaded weights as they were (bfloat16-rounded).
+    for name, p in model.named_parameters():
+        assert torch.equal(p, checkpoint[name].to(p.dtype)), name
+
+
+def test_o3_keeps_no_hidden_float32_copies():
+    model = mp.auto_mixed_precision(make_mlp(), "bfloat16", "O3")
+    assert not any(hasattr(p, "_mixprec_fp32") for p in model.parameters())
+
+
+def _push_past_float16(scaler: mp.LossScaler | None) -> tuple[mp.LossScaleOptimizer, list[bool]]:
+    lin = nn.Linear(4, 1)
+    lin.bias.data.fill_(65000.0)  # representable; one SGD step of +1000 takes it past 65504
+    model = mp.auto_mixed_precision(nn.Sequential(lin), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), loss_scaler=scaler)
+    applied = []
+    with pytest.raises(FloatingPointError) as err:
+        for _ in range(30):
+            opt.zero_grad()
+            opt.backward(-model(torch.zeros(8, 4)).mean() * 1000)
+            applied.append(opt.step().applied)
+    message = str(err.value)
+    assert (
+        "float16 weights became inf or NaN in the last applied update: 0.bias (float16" in message
+    )
+    assert "float32 master's largest |value| is 66000" in message
+    assert "keep_float32=" in message and "mixed_bfloat16" in message
+    return opt, applied
+
+
+def test_update_past_float16_range_stops_at_the_next_step() -> None:
+    # Not every later step applied with an inf bias: the next step raises.
+    opt, applied = _push_past_float16(mp.StaticLossScaler(1.0))
+    assert applied == [True]  # the overflowing update, then the error before anything else
+    assert opt.loss_scaler.get_scale() == 1.0
+
+
+def test_update_past_float16_range_with_the_default_dynamic_scaler() -> None:
+    _, applied = _push_past_float16(None)
+    # The scale backs off from 2**16 until the scaled loss fits, one update applies, and the
+    # next step names the weight (not skipped or applied with an inf weight for ever).
+    assert applied[-1] is True and applied.count(True) == 1
+
+
+def test_o3_float16_weight_pushed_to_inf_is_named() -> None:
+    lin = nn.Linear(2, 1)
+    lin.bias.data.fill_(65000.0)
+    model = mp.auto_mixed_precision(nn.Sequential(lin), "float16", "O3")
+    opt = mp.LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0), loss_scaler=mp.StaticLossScaler(1.0)
+    )
+    opt.zero_grad()
+    opt.backward(-model(torch.zeros(4, 2)).float().mean() * 1000)
+    assert opt.step().applied
+    opt.zero_grad()
+    opt.backward(model(torch.zeros(4, 2)).float().mean())
+    with pytest.raises(FloatingPointError, match=r"update: 0.bias \(float16\)"):
+        opt.step()
+
+
+def test_finite_weights_train_on_unchanged() -> None:
+    torch.manual_seed(0)
+    model = mp.auto_mixed_precision(nn.Sequential(nn.Linear(4, 4)), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for _ in range(5):
+        opt.zero_grad()
+        opt.backward(model(torch.randn(8, 4)).square().mean())
+        assert opt.step().applied
+
+
+def test_float16_weight_added_later_is_checked_too() -> None:
+    first = nn.Linear(2, 1)
+    later = nn.Linear(4, 1)
+    later.bias.data.fill_(65000.0)
+    model = mp.auto_mixed_precision(nn.ModuleList([first, later]), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(
+        torch.optim.SGD(first.parameters(), lr=1.0), loss_scaler=mp.StaticLossScaler(1.0)
+    )
+    opt.add_param_group({"params": list(later.parameters())})
+    for _ in range(2):
+        opt.zero_grad()
+        x = torch.zeros(8, 4, dtype=torch.float16)  # a ModuleList has no forward: no region
+        opt.backward(-model[1](x).float().mean() * 1000 + model[0].weight.float().sum())
+        if _ == 0:
+            assert opt.step().applied
+    with pytest.raises(FloatingPointError, match=r"1\.bias \(float16"):
+        opt.step()
