@@ -90,14 +90,14 @@ class MixprecTrainer(Trainer):
         self.policy: Policy = get_policy(policy)
         self.level: str = resolve_level(level, self.policy)
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
-            raise TypeError(
+            raise ArgumentError(
                 "loss_scaler must be a mixprec NoOpLossScaler, StaticLossScaler or "
                 f"DynamicLossScaler (or None), got {type(loss_scaler).__name__}: {loss_scaler!r}"
             )
         if not isinstance(trace_overflow, bool):
-            raise TypeError(f"trace_overflow must be True or False, got {trace_overflow!r}")
+            raise ArgumentError(f"trace_overflow must be True or False, got {trace_overflow!r}")
         if args is not None and not isinstance(args, TrainingArguments):
-            raise TypeError(
+            raise ArgumentError(
                 f"args must be a transformers.TrainingArguments, got {type(args).__name__}"
             )
         if model is not None:
@@ -109,7 +109,7 @@ class MixprecTrainer(Trainer):
         self._mixprec_optimizer: LossScaleOptimizer | None = None
         optimizers = trainer_kwargs.get("optimizers")
         if optimizers and isinstance(optimizers[0], LossScaleOptimizer):
-            raise TypeError(
+            raise ArgumentError(
                 "optimizers=(LossScaleOptimizer(...), ...): pass the inner optimizer; "
                 "MixprecTrainer wraps it (configure the scaling with loss_scaler=)"
             )
@@ -298,7 +298,7 @@ def _find_loss_scale_optimizer(optimizer: Any) -> LossScaleOptimizer | None:
 
 def _check_unprepared(model: nn.Module, where: str = "model") -> None:
     if not isinstance(model, nn.Module):
-        raise TypeError(f"{where} must be a torch.nn.Module, got {type(model).__name__}")
+        raise ArgumentError(f"{where} must be a torch.nn.Module, got {type(model).__name__}")
     done = applied(model)
     if done is not None:
         raise ArgumentError(

@@ -1,5 +1,5 @@
-"""The accelerate recipe of the README: ``auto_mixed_precision`` and ``LossScaleOptimizer``
-with ``Accelerator()`` (whose own ``mixed_precision`` stays off).
+"""The accelerate recipe of docs/integrations.md: ``auto_mixed_precision`` and
+``LossScaleOptimizer`` with ``Accelerator()`` (whose own ``mixed_precision`` stays off).
 
 accelerate has no plugin API, so the recipe is the user's loop: prepare the model and the data
 with the Accelerator; the ``LossScaleOptimizer`` scales, unscales, clips, skips and keeps the
@@ -62,7 +62,7 @@ def linear_decay(optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr
 
 
 class Run:
-    """The recipe, as the README writes it, with ``policy``; or, with ``policy=None``,
+    """The recipe, as docs/integrations.md writes it, with ``policy``; or, with ``policy=None``,
     accelerate's own float32 loop (everything prepared, ``accelerator.backward``,
     ``accelerator.clip_grad_norm_``)."""
 

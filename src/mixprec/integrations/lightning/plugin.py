@@ -1,0 +1,156 @@
+"""``MixprecPrecision``: mixprec's mixed precision as a ``lightning.pytorch.Trainer`` plugin.
+
+trainer = L.Trainer(plugins=[MixprecPrecision("mixed_float16", level="O2")])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec._errors import ArgumentError, MisuseError
+from mixprec.integrations.lightning._lightning import GradClipAlgorithmType, Precision, pl
+from mixprec.integrations.lightning.precision import _MixprecPlugin
+from mixprec.integrations.lightning.schedulers import _held_on_skip, _HeldOnSkip
+
+
+# The ignore: the mixin's `precision` and `main_params` are narrower than Lightning's.
+class MixprecPrecision(_MixprecPlugin, Precision):  # type: ignore[misc]
+    """mixprec's mixed precision in ``lightning.pytorch.Trainer``.
+
+    ``L.Trainer(plugins=[MixprecPrecision("mixed_float16", level="O2")])``. ``policy`` and
+    ``level`` as in ``auto_mixed_precision`` (``"auto"``: O2 for mixed policies);
+    ``loss_scaler`` (default: dynamic for float16 compute, none otherwise) is shared by all
+    optimizers; ``keep_float32`` lists module types, name patterns (relative to the
+    LightningModule) or modules kept in float32; ``trace_overflow`` names the first module
+    that overflowed when a step is skipped (a warning on the ``mixprec`` logger).
+
+    Each step logs ``loss_scale`` (the scale after the step) and ``skipped_steps`` (total
+    overflow skips) with ``LightningModule.log``. LR schedulers with ``interval="step"`` do not
+    advance after a skipped step. ``last_step`` holds the latest ``StepResult``.
+    """
+
+    def connect(
+        self, model: nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[torch.optim.Optimizer], list[Any]]:
+        """Wrap each optimizer in a ``LossScaleOptimizer`` and each step-interval scheduler
+        so that it holds after a skipped step. Lightning calls this at every ``setup``, with
+        the optimizers it already has outside ``fit``: those stay as they are."""
+        if any(self._owner_of(opt) is None for opt in optimizers):
+            self._lsos, self._records = [], {}  # a new fit: configure_optimizers ran again
+        wrapped: list[torch.optim.Optimizer] = []
+        for opt in optimizers:
+            wrapped.append(self._owner_of(opt) or self._wrap(opt))
+        for config in lr_schedulers:
+            if getattr(config, "interval", None) != "step" or isinstance(
+                config.scheduler, _HeldOnSkip
+            ):
+                continue
+            lso = self._owner_of(getattr(config.scheduler, "optimizer", None))
+            if lso is None and len(self._lsos) == 1:
+                lso = self._lsos[0]
+            if lso is not None:
+                config.scheduler = _held_on_skip(config.scheduler, self._records[id(lso)])
+        return model, wrapped, lr_schedulers
+
+    def backward(  # type: ignore[override]
+        self,
+        tensor: torch.Tensor,
+        model: pl.LightningModule,
+        optimizer: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        """The scaled loss goes to ``LightningModule.backward`` (a user's override of it still
+        runs). ``manual_backward`` names no optimizer: every wrapped one counts it."""
+        if optimizer is None:
+            lsos = list(self._lsos)
+        else:
+            owner = self._owner_of(optimizer)
+            if owner is None:
+                raise MisuseError(
+                    f"{type(self).__name__}.backward: the optimizer {type(optimizer).__name__} "
+                    "is not one this plugin wrapped in connect()"
+                )
+            lsos = [owner]
+        model.backward(self._scaled_loss(tensor, lsos), *args, **kwargs)
+
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Any,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        """Run the closure (forward, backward), unscale into the float32 masters, then
+        ``on_before_optimizer_step`` and gradient clipping, then apply or skip.
+
+        Returns the ``StepResult`` (manual optimization: ``opt.step()`` returns it), or the
+        closure's ``None`` when ``training_step`` returned ``None`` (no step, as in
+        Lightning's own plugins)."""
+        lso = self._owner_of(optimizer)
+        if lso is None:
+            raise MisuseError(
+                f"{type(self).__name__}.optimizer_step: {type(optimizer).__name__} is not an "
+                "optimizer this plugin wrapped in connect()"
+            )
+        if kwargs:
+            raise ArgumentError(
+                f"{type(self).__name__}: optimizer.step() got {sorted(kwargs)}; a "
+                "LossScaleOptimizer step takes no arguments"
+            )
+        closure_result = closure()
+        skip = closure_result is None and model.automatic_optimization
+        if not skip:
+            self._unscale(lso)
+        # Lightning's own hook (protected, used the same way by its MixedPrecision):
+        # on_before_optimizer_step, then configure_gradient_clipping on the unscaled masters.
+        self._after_closure(model, optimizer)
+        if skip:
+            return closure_result
+        result = self._apply(lso)
+        self._log(model)
+        return result
+
+    def clip_gradients(
+        self,
+        optimizer: torch.optim.Optimizer,
+        clip_val: float = 0.0,
+        gradient_clip_algorithm: Any = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """Clip the unscaled float32 masters. In manual optimization ``self.clip_gradients``
+        comes before ``opt.step()``: the gradients are unscaled here first."""
+        lso = self._owner_of(optimizer)
+        if lso is not None and clip_val > 0:
+            self._unscale(lso)
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+
+    def _log(self, model: pl.LightningModule) -> None:
+        """``loss_scale`` and ``skipped_steps`` through ``LightningModule.log``, as a user's
+        training_step logs: every logger gets them, and so does ``trainer.callback_metrics``.
+
+        Only on the steps Lightning writes to its loggers (``log_every_n_steps``): the two
+        ``log`` calls cost 0.95 ms of Python per step on a 2-core EPYC (a 1.2 ms step of a
+        small MLP), and the values of the other steps would be dropped anyway. The condition
+        is the one Lightning checks later in the same batch, a protected property of its
+        logger connector."""
+        trainer = model.trainer
+        connector = getattr(trainer, "_logger_connector", None)
+        fast_dev_run = getattr(trainer, "fast_dev_run", False)  # set by a connector, untyped
+        if connector is not None and not (connector.should_update_logs or fast_dev_run):
+            return
+        state = self.loss_scaler.state
+        model.log("loss_scale", state.scale, on_step=True, on_epoch=False)
+        model.log("skipped_steps", float(state.skipped_steps), on_step=True, on_epoch=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state (scale, counters) with the policy and level. Masters and the
+        inner optimizer's state are in Lightning's ``optimizer_states`` (the
+        ``LossScaleOptimizer``'s ``state_dict``)."""
+        return self._scaler_state() if self._scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._load_scaler_state(state_dict)
