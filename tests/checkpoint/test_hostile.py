@@ -32,14 +32,14 @@ def _f32(n, begin=0):
 
 @pytest.fixture
 def no_reading(monkeypatch):
-    """Fails the test if a tensor is read (safetensors opened) or hashed."""
+    """Fails the test if a tensor is read or hashed."""
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a tensor was read or hashed")
 
-    # Patched where they are looked up when called: safetensors is opened in _safetensors,
-    # the checksum taken in read.
-    monkeypatch.setattr(_safetensors, "safe_open", forbidden)
+    # Patched where they are looked up when called: tensors are read and the checksum
+    # taken in read.
+    monkeypatch.setattr(read, "_read_tensors", forbidden)
     monkeypatch.setattr(read, "_checksum", forbidden)
 
 

@@ -158,3 +158,49 @@ def test_a_failed_load_changes_nothing(tmp_path, edit, match):
     mp.load_checkpoint(intact, target, target_opt, restore_rng=True)
     after = _state(target, target_opt)
     assert not any(_same(before[k], after[k]) for k in ("model", "optimizer", "torch_rng"))
+
+
+def _stepped(make_optimizer, model=None):
+    """``model`` (an MLP by default) and ``make_optimizer(params)`` after one step."""
+    model = model or make_mlp()
+    opt = make_optimizer(model.parameters())
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_optimizer_state_of_another_class_is_refused_naming_both(tmp_path):
+    _, adamw = _stepped(lambda p: torch.optim.AdamW(p, lr=1e-2))
+    path = mp.save_checkpoint(tmp_path / "c.safetensors", make_mlp(), adamw)
+    # Torch would load AdamW's state into an Adam (which then decouples its weight decay)
+    # and into an SGD (which then fails at its first step with KeyError: 'momentum').
+    for other in (torch.optim.Adam, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)):
+        model, opt = _stepped(other, make_mlp(seed=2))
+        before = copy.deepcopy((model.state_dict(), opt.state_dict()))
+        name = type(opt).__name__
+        with pytest.raises(
+            mp.CheckpointError, match=rf"optimizer state is from AdamW, this optimizer is {name};"
+        ):
+            mp.load_checkpoint(path, model, opt)
+        assert _same(before, (model.state_dict(), opt.state_dict()))
+    mp.load_checkpoint(path, make_mlp(seed=2), torch.optim.AdamW(make_mlp().parameters()))
+
+
+def test_inner_optimizer_of_another_class_is_refused_and_older_files_still_load(tmp_path):
+    model, opt = trained("mixed_float16", "O2", steps=1)  # a LossScaleOptimizer over Adam
+    path = mp.save_checkpoint(tmp_path / "c.safetensors", model, opt)
+    target = mp.auto_mixed_precision(make_mlp(seed=3), "mixed_float16", "O2")
+    sgd = mp.LossScaleOptimizer(torch.optim.SGD(target.parameters(), lr=0.1))
+    with pytest.raises(mp.CheckpointError, match="from Adam, this optimizer is SGD;"):
+        mp.load_checkpoint(path, target, sgd)
+    # A checkpoint written before the classes were recorded loads into the same class ...
+    rewrite_header(path, lambda meta: meta.pop("optimizer_classes"))
+    adam = mp.LossScaleOptimizer(torch.optim.Adam(target.parameters(), lr=1e-2, eps=1e-4))
+    mp.load_checkpoint(path, target, adam)
+    assert opt.loss_scaler.state == adam.loss_scaler.state
+    # ... and a plain optimizer's class is its kind, which such a checkpoint holds.
+    _, plain = _stepped(lambda p: torch.optim.AdamW(p, lr=1e-2))
+    old = mp.save_checkpoint(tmp_path / "plain.safetensors", make_mlp(), plain)
+    rewrite_header(old, lambda meta: meta.pop("optimizer_classes"))
+    with pytest.raises(mp.CheckpointError, match="from AdamW, this optimizer is Adam;"):
+        mp.load_checkpoint(old, make_mlp(), torch.optim.Adam(make_mlp().parameters()))

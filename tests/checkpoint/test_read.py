@@ -6,9 +6,13 @@ from __future__ import annotations
 import json
 import pickle
 import struct
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
+from torch import nn
 
 import mixprec as mp
 from tests.checkpoint._helpers import LEVELS
@@ -103,3 +107,39 @@ def test_reading_a_directory_says_it_is_one(tmp_path):
         mp.CheckpointError, match=r"is a directory, not a checkpoint file \(it holds c"
     ):
         mp.read_checkpoint(tmp_path)
+
+
+_WRITER = """
+import sys, torch, mixprec as mp
+model = torch.nn.Linear(64, 64)
+for i in range(1_000_000):
+    with torch.no_grad():
+        model.weight.fill_(i)
+    mp.save_checkpoint(sys.argv[1], model, trainer_state={"i": i})
+    if i == 0:
+        print("ready", flush=True)
+"""
+
+
+def test_loads_while_another_process_replaces_the_file_see_one_whole_checkpoint(tmp_path):
+    # Each load reads header and tensors through one open file: a replace between two opens
+    # of the path would pair one file's header with another's tensors (a checksum mismatch).
+    path = tmp_path / "c.safetensors"
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert writer.stdout is not None and writer.stdout.readline() == "ready\n"
+        model = nn.Linear(64, 64)
+        seen, loads, deadline = set(), 0, time.monotonic() + 10
+        # At least 40 loads, across several of the writer's files.
+        while loads < 40 or (len(seen) < 3 and time.monotonic() < deadline):
+            report = mp.load_checkpoint(path, model)
+            step = report.trainer_state["i"]
+            assert bool((model.weight == step).all()), step  # weights of that same save
+            seen.add(step)
+            loads += 1
+        assert len(seen) >= 3  # the file was replaced while it was being loaded
+    finally:
+        writer.kill()
+        writer.wait()

@@ -63,3 +63,41 @@ def test_rng_of_the_wrong_type_is_refused_before_the_weights_change(tmp_path):
     with pytest.raises(mp.CheckpointError, match=r"'rng/python' is \{'__tuple__'"):
         mp.load_checkpoint(path, model, restore_rng=True)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("policy", "banana", r"'policy' is 'banana'; valid: null or a policy string such as"),
+        ("policy", "auto", r"'policy' is 'auto'; valid: null or a policy string"),
+        ("level", "O7", r"'level' is 'O7'; valid: null or one of O0, O1, O2, O3"),
+        ("masters", ["0.weight", "nope"],
+         r"'masters/1' is 'nope'; valid: the name of a stored model tensor"),
+        ("masters", ["0.weight", "0.weight"], r"'masters' is .*; valid: a list of distinct"),
+        ("optimizer_kind", "Adam W", r"'optimizer_kind' is 'Adam W'; valid: null or an optim"),
+        ("optimizer_kind", "SGD",
+         r"'optimizer_classes' is \['Adam'\]; valid: \['SGD'\], as 'optimizer_kind' says"),
+        ("optimizer_classes", [], r"'optimizer_classes' is \[\]; valid: null or a non-empty"),
+        ("optimizer_classes", ["Adam", "SGD"],
+         r"'optimizer_classes' is \['Adam', 'SGD'\]; valid: \['Adam'\], as 'optimizer_kind'"),
+        ("optimizer_classes", None, r"'optimizer_classes' is None; valid: null exactly when"),
+    ],
+)  # fmt: skip
+def test_header_values_that_mean_nothing_are_refused_by_key(tmp_path, key, value, match):
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    opt = torch.optim.Adam(model.parameters())
+    path = mp.save_checkpoint(tmp_path / "c.safetensors", model, opt)
+
+    def edit(meta):
+        meta[key] = value
+
+    rewrite_header(path, edit)
+    with pytest.raises(mp.CheckpointError, match=rf"c.safetensors: mixprec header: {match}"):
+        mp.load_checkpoint(path, mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2"))
+
+
+def test_optimizer_kind_without_optimizer_state_is_refused(tmp_path):
+    path = mp.save_checkpoint(tmp_path / "c.safetensors", make_mlp())
+    rewrite_header(path, lambda meta: meta.update(optimizer_kind="banana"))
+    with pytest.raises(mp.CheckpointError, match=r"'optimizer_kind' is 'banana'; valid: null ex"):
+        mp.load_checkpoint(path, make_mlp(seed=1))

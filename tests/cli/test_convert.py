@@ -21,3 +21,41 @@ def test_convert_refuses_nan_by_default_and_lists_it_when_ignored(tmp_path, caps
     argv = ["convert", str(ckpt), str(out), "--dtype", "bfloat16", "--on-range", "ignore"]
     assert cli.main(argv) == 0
     assert "  0.weight: 1 NaN, 1 inf (kept: --on-range ignore)" in capsys.readouterr().out
+
+
+def test_convert_onto_the_input_is_refused_unless_in_place_and_says_what_it_drops(
+    tmp_path, capsys, monkeypatch
+):
+    import torch
+
+    import mixprec as mp
+    from tests.conftest import make_mlp
+
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters()))
+    ckpt = mp.save_checkpoint(tmp_path / "ck.safetensors", model, opt, {"global_step": 7})
+    (tmp_path / "link.safetensors").symlink_to(ckpt)
+    original = ckpt.read_bytes()
+    monkeypatch.chdir(tmp_path)
+    for output in ("ck.safetensors", str(ckpt), "./link.safetensors"):
+        assert cli.main(["convert", "ck.safetensors", output, "--dtype", "bfloat16"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "is the input file" in err and "--in-place" in err
+        assert ckpt.read_bytes() == original
+    argv = ["convert", "ck.safetensors", "link.safetensors", "--dtype", "bfloat16", "--in-place"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "in place: kept the model weights (8 tensors, now bfloat16)" in out
+    for dropped in (
+        "optimizer state (LossScaleOptimizer over AdamW)",
+        "loss scaler state",
+        "RNG states",
+        "trainer state (global_step)",
+        "float32 master weights of 6 parameter(s) (written rounded to bfloat16)",
+    ):
+        assert f"  dropped: {dropped}\n" in out  # fmt: skip
+    _, header = mp.read_checkpoint(ckpt)
+    assert header.keys() == {"aliases"} and (tmp_path / "link.safetensors").is_symlink()
+    # --in-place with another output is a plain conversion.
+    assert cli.main(["convert", "ck.safetensors", "o.safetensors", "--in-place"]) == 0
+    assert "in place" not in capsys.readouterr().out

@@ -1,5 +1,6 @@
 """Files on disk: atomic writes (temporary file, fsync, rename), the temporary files a killed
-writer leaves, opening only a regular file for reading, and the memory a read may fill."""
+writer leaves, whether two paths are one file, opening only a regular file for reading, and
+the memory a read may fill."""
 
 from __future__ import annotations
 
@@ -45,6 +46,14 @@ def _umask() -> int:
     return mask
 
 
+def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Whether ``a`` and ``b`` name one existing file, through links and relative paths."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist: not the same file
+        return False
+
+
 def temporary_files(folder: Path) -> list[Path]:
     """Temporary files ``_atomic_write`` leaves behind when its process is killed."""
     return sorted(folder.glob(".*.safetensors.*.tmp"))
@@ -53,7 +62,8 @@ def temporary_files(folder: Path) -> list[Path]:
 def _open_regular(file: Path) -> tuple[BinaryIO, int]:
     """``file`` opened for reading, and its size. Only a regular file is opened: a device,
     pipe or socket could block, never end or have effects on open; a file that reads as
-    empty (procfs's ``/proc/self/mem``) is refused before it is read."""
+    empty (procfs's ``/proc/self/mem``) is refused before it is read. Everything is then
+    read from this one handle, so that a file replaced meanwhile is never half read."""
     try:
         before = os.stat(file)
     except FileNotFoundError:
@@ -68,8 +78,10 @@ def _open_regular(file: Path) -> tuple[BinaryIO, int]:
     except OSError as err:
         raise CheckpointError(f"{file}: cannot be read ({err.strerror})") from None
     handle = os.fdopen(fd, "rb")
+    # What was opened is what is read: a regular file that replaced the one stat'ed (a
+    # writer's atomic rename) is simply the newer checkpoint; anything else is refused.
     now = os.fstat(handle.fileno())
-    if (now.st_dev, now.st_ino) != (before.st_dev, before.st_ino) or not stat.S_ISREG(now.st_mode):
+    if not stat.S_ISREG(now.st_mode):
         handle.close()
         raise CheckpointError(f"{file}: replaced while being opened; refused")
     if now.st_size == 0:

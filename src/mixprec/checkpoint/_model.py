@@ -1,5 +1,6 @@
 """A model's tensors as a checkpoint stores them: float32 masters in place of 16-bit weights,
-tied tensors once, and which state-dict keys are parameters and which are buffers."""
+tied tensors once, and which state-dict keys are parameters and which are buffers; and the
+classes of the optimizers whose state is stored beside them."""
 
 from __future__ import annotations
 
@@ -59,3 +60,12 @@ def _buffer_names(model: nn.Module, keys: Iterable[str]) -> set[str]:
     and non-finite ones are normal (attention masks of -inf)."""
     params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     return {k for k in keys if k not in params}
+
+
+def optimizer_classes(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The class names of the optimizers whose state ``optimizer.state_dict()`` holds: a
+    ``LossScaleOptimizer``'s inner ones, else its own. Each decides what the state means
+    (AdamW's decoupled weight decay is a flag in its param groups; SGD has no moments)."""
+    if isinstance(optimizer, LossScaleOptimizer):
+        return [type(inner).__name__ for inner in optimizer.optimizers]
+    return [type(optimizer).__name__]

@@ -2,7 +2,8 @@
 header of entries (dtype, shape, data offsets) and ``__metadata__``, then the tensor data.
 
 Every entry and the data's layout are checked against the file before a tensor is read, so
-that the work which follows is bounded by the file's bytes; the tensors are read last.
+that the work which follows is bounded by the file's bytes; the tensors are read last, from
+the same open file as the header.
 """
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from mixprec._dtypes import dtype_name
 from mixprec._errors import shown
@@ -175,15 +176,42 @@ def _safetensors_header(
     return entries, meta
 
 
-def _read_tensors(file: Path, entries: Mapping[str, _Entry]) -> dict[str, torch.Tensor]:
-    """The tensors of ``entries``, read once the framing is checked; a file whose tensors
-    differ from the checked entries has changed since, and is refused."""
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            same = set(f.keys()) == set(entries)
-            tensors = {name: f.get_tensor(name) for name in entries} if same else {}
-    except (SafetensorError, OSError, ValueError, RuntimeError, MemoryError) as err:
-        raise CheckpointError(f"{file}: truncated or corrupt safetensors file ({err})") from None
-    if not same:
-        raise CheckpointError(f"{file}: changed while being read")
+def _read_tensors(
+    handle: BinaryIO, file: Path, entries: Mapping[str, _Entry]
+) -> dict[str, torch.Tensor]:
+    """The tensors of ``entries``, read once the framing is checked, from ``handle`` where
+    ``_safetensors_header`` left it (the start of the data). Header and tensors come from
+    the one open file: a writer that replaces the path meanwhile is not seen. Each tensor's
+    bytes are read straight into its own memory, as the memory check counted them."""
+    start = handle.tell()
+    tensors = {}
+    for name, (dtype, shape, begin, end) in entries.items():
+        try:
+            raw = torch.empty(end - begin, dtype=torch.uint8)
+        except (MemoryError, RuntimeError) as err:  # torch's allocator raises RuntimeError
+            raise CheckpointError(f"{file}: its tensors do not fit in memory ({err})") from None
+        try:
+            handle.seek(start + begin)
+            complete = _read_exactly(handle, raw.numpy().data)
+        except OSError as err:
+            raise CheckpointError(f"{file}: cannot be read ({err.strerror})") from None
+        if not complete:  # shortened in place since its size was checked
+            raise CheckpointError(
+                f"{file}: truncated or corrupt: tensor {shown(name)} ends past the end of the file"
+            )
+        if sys.byteorder == "big" and dtype.itemsize > 1:  # safetensors is little-endian
+            part = dtype.itemsize // 2 if dtype.is_complex else dtype.itemsize
+            raw = raw.view(-1, part).flip(1).reshape(-1)
+        tensors[name] = raw.view(dtype).reshape(shape)
     return tensors
+
+
+def _read_exactly(handle: BinaryIO, into: memoryview) -> bool:
+    """Fill ``into`` from ``handle``; False if the file ends first."""
+    done = 0
+    while done < len(into):
+        count = handle.readinto(into[done:])  # type: ignore[attr-defined]
+        if not count:
+            return False
+        done += count
+    return True

@@ -1,6 +1,8 @@
-"""The mixprec header's schema: every key ``save_checkpoint`` writes, checked for its type and
-range before anything is read from the file, so that a damaged or hand-edited header is a
-``CheckpointError`` naming the key rather than a ``KeyError`` deep inside a load."""
+"""The mixprec header's schema: every key ``save_checkpoint`` writes, checked for its type,
+its value (a policy that parses, a level that exists, masters that are stored) and its
+agreement with the other keys before anything is read from the file, so that a damaged or
+hand-edited header is a ``CheckpointError`` naming the key rather than a ``KeyError`` deep
+inside a load or nonsense that loads."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from mixprec.checkpoint.format import (
     _BadValueError,
     _is_count,
 )
+from mixprec.levels import LEVELS
+from mixprec.policy import Policy
 
 _SKELETON = (
     "null, a bool, number or string, a list, or an object with one key: __tensor__ (a "
@@ -140,6 +144,80 @@ def _check_text(value: Any, key: str, null: bool = True) -> None:
         raise _BadValueError(key, value, "a string or null" if null else "a string")
 
 
+def _check_policy(value: Any, key: str) -> None:
+    """Null, or a policy string that ``Policy`` parses (what ``str(policy)`` writes; a
+    preset name is also read). ``"auto"`` names no dtypes: it depends on the reader's
+    hardware, so it records nothing."""
+    _check_text(value, key)
+    if value is None:
+        return
+    valid = "null or a policy string such as 'params=float32,compute=bfloat16,output=float32'"
+    if value.strip().lower() == "auto":
+        raise _BadValueError(key, value, valid)
+    try:
+        Policy(value)
+    except (ValueError, TypeError):
+        raise _BadValueError(key, value, valid) from None
+
+
+def _check_level(value: Any, key: str) -> None:
+    _check_text(value, key)
+    if value is not None and value not in LEVELS:
+        raise _BadValueError(key, value, f"null or one of {', '.join(LEVELS)}")
+
+
+def _is_class_name(value: Any) -> bool:
+    """A Python class name (``AdamW``)."""
+    return isinstance(value, str) and value.isidentifier()
+
+
+def _check_kind(value: Any, key: str) -> None:
+    _check_text(value, key)
+    if not (value is None or _is_class_name(value)):
+        raise _BadValueError(key, value, "null or an optimizer's class name")
+
+
+def _check_classes(value: Any, key: str) -> None:
+    if not (
+        value is None or (isinstance(value, list) and value and all(map(_is_class_name, value)))
+    ):
+        raise _BadValueError(
+            key, value, "null or a non-empty list of optimizer class names, one per optimizer"
+        )
+
+
+def _check_together(header: dict[str, Any], entries: Mapping[str, _Entry]) -> None:
+    """Values that must agree with one another: the masters name stored model tensors; the
+    optimizer's kind and classes are there exactly when its state is, one class per
+    optimizer whose state it holds."""
+    aliases = header.get("aliases", {})
+    masters = header.get("masters", [])
+    for i, name in enumerate(masters):
+        if f"model/{name}" not in entries and name not in aliases:
+            raise _BadValueError(f"masters/{i}", name, "the name of a stored model tensor")
+    if len(set(masters)) != len(masters):
+        raise _BadValueError("masters", masters, "a list of distinct model tensor names")
+    state, kind = header.get("optimizer"), header.get("optimizer_kind")
+    if "optimizer_kind" in header and (state is None) != (kind is None):
+        raise _BadValueError(
+            "optimizer_kind", kind, "null exactly when 'optimizer' is (no optimizer state)"
+        )
+    classes = header.get("optimizer_classes")
+    if "optimizer_classes" in header and (state is None) != (classes is None):
+        raise _BadValueError(
+            "optimizer_classes", classes, "null exactly when 'optimizer' is (no optimizer state)"
+        )
+    if classes is None or kind is None:
+        return
+    inner = (_pairs(state) or {}).get("optimizers") if kind == "LossScaleOptimizer" else None
+    if kind != "LossScaleOptimizer" and classes != [kind]:
+        raise _BadValueError("optimizer_classes", classes, f"[{kind!r}], as 'optimizer_kind' says")
+    if isinstance(inner, list) and len(inner) != len(classes):
+        raise _BadValueError(
+            "optimizer_classes", classes, f"{len(inner)} class names, one per optimizer state"
+        )
+
+
 def _check_float8(value: Any, key: str) -> None:
     if value is None:
         return
@@ -162,13 +240,14 @@ def _check_header(header: dict[str, Any], entries: Mapping[str, _Entry]) -> None
         "format_version": lambda v, k: None,
         "mixprec_version": lambda v, k: _check_text(v, k, null=False),
         "torch_version": lambda v, k: _check_text(v, k, null=False),
-        "policy": _check_text,
-        "level": _check_text,
+        "policy": _check_policy,
+        "level": _check_level,
         "float8": _check_float8,
         "aliases": lambda v, k: _check_aliases(v, k, entries),
         "masters": _check_names,
         "optimizer": lambda v, k: _check_skeleton(v, k, entries),
-        "optimizer_kind": _check_text,
+        "optimizer_kind": _check_kind,
+        "optimizer_classes": _check_classes,
         "trainer_state": lambda v, k: _check_trainer_state(v, k, entries),
         "rng": lambda v, k: _check_rng(v, k, entries),
         "checksum": _check_checksum,
@@ -179,6 +258,7 @@ def _check_header(header: dict[str, Any], entries: Mapping[str, _Entry]) -> None
         checks[key](value, key)
     if "checksum" not in header:
         raise _BadValueError("checksum", None, "a SHA-256 digest: 64 lowercase hex digits")
+    _check_together(header, entries)
 
 
 def _mixprec_header(file: Path, text: str, entries: Mapping[str, _Entry]) -> dict[str, Any]:

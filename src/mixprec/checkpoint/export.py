@@ -6,14 +6,16 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec._dtypes import dtype_name, parse_dtype
+from mixprec._errors import ArgumentError
 from mixprec._version import __version__
 from mixprec.checkpoint._conversion import _check_on_range, _convert, _raise_non_finite
-from mixprec.checkpoint._files import _atomic_write
+from mixprec.checkpoint._files import _atomic_write, same_file
 from mixprec.checkpoint._model import _buffer_names, _model_tensors
 from mixprec.checkpoint.format import LoadReport, OnRange
 from mixprec.checkpoint.read import read_checkpoint
@@ -67,14 +69,63 @@ def convert_checkpoint(
     destination: str | os.PathLike[str],
     dtype: str | torch.dtype = torch.float32,
     on_range: OnRange = "error",
+    *,
+    in_place: bool = False,
 ) -> LoadReport:
     """Rewrite the model weights of any readable checkpoint (mixprec, safetensors, a
     ``torch.save`` state dict) as a plain safetensors file in ``dtype``. Floating-point
     weights are cast (float8 ones are refused: their scales are not applied); ``on_range``
-    treats out-of-range and non-finite values as ``load_checkpoint`` does."""
+    treats out-of-range and non-finite values as ``load_checkpoint`` does.
+
+    The output holds the weights only: the report's ``dropped`` lists what else the source
+    held (optimizer, masters at full precision, loss scaler, RNG and trainer state). A
+    ``destination`` that is the ``source`` file (through links or relative paths too) would
+    lose all of that: an ``ArgumentError`` unless ``in_place=True``."""
     _check_on_range(on_range)
+    if not isinstance(in_place, bool):
+        raise ArgumentError(f"in_place must be a bool, got {type(in_place).__name__}")
+    if same_file(source, destination):
+        if not in_place:
+            raise ArgumentError(
+                f"convert_checkpoint: destination {str(destination)!r} is the source file; "
+                "writing it would replace the checkpoint with its model weights alone, "
+                "losing any optimizer, master-weight, loss-scaler, RNG and trainer state in "
+                "it. Give another destination, or in_place=True to overwrite it"
+            )
+        # The file itself is replaced: through a symlink, the link stays and points to it.
+        destination = os.path.realpath(destination)
     tensors, header = read_checkpoint(source)
     weights = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
-    return _write_weights(
+    report = _write_weights(
         weights, dtype, on_range, header.get("aliases", {}), str(source), destination
     )
+    report.dropped = _dropped(header, parse_dtype(dtype, argument="dtype"))
+    return report
+
+
+def _dropped(header: dict[str, Any], dtype: torch.dtype) -> list[str]:
+    """What a weights-only file leaves out of a checkpoint with ``header``."""
+    dropped = []
+    kind, classes = header.get("optimizer_kind"), header.get("optimizer_classes")
+    if header.get("optimizer") is not None:
+        inner = f" over {', '.join(classes)}" if kind == "LossScaleOptimizer" and classes else ""
+        dropped.append(f"optimizer state ({kind}{inner})" if kind else "optimizer state")
+        if kind == "LossScaleOptimizer":
+            dropped.append("loss scaler state")
+    masters = header.get("masters") or []
+    if masters and dtype != torch.float32:
+        dropped.append(
+            f"float32 master weights of {len(masters)} parameter(s) (written rounded to "
+            f"{dtype_name(dtype)})"
+        )
+    if header.get("rng") is not None:
+        dropped.append("RNG states")
+    trainer = [str(k) for k, _ in header.get("trainer_state", {}).get("__dict__", [])]
+    if trainer:
+        more = f", +{len(trainer) - 6} more" if len(trainer) > 6 else ""
+        dropped.append(f"trainer state ({', '.join(trainer[:6])}{more})")
+    if header.get("policy") is not None:
+        dropped.append(f"policy and level ({header['policy']}, {header.get('level')})")
+    if header.get("float8") is not None:
+        dropped.append("float8 recipe and converted-layer list")
+    return dropped

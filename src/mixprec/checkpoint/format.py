@@ -4,10 +4,11 @@ and what a load reports or raises.
 One ``.safetensors`` file holds every tensor (model weights, optimizer state, RNG states)
 and, under the metadata key ``"mixprec"``, a JSON document: format version, mixprec and
 torch versions, policy and level (with a float8 policy's recipe and converted layers), the
-non-tensor parts of the optimizer and trainer state, and a SHA-256 checksum of the header's
-other keys and the tensors (format 1 files, whose checksum covers the tensors only, are
-still read). Weights that have float32 masters are stored as the masters: float32 is the
-source of truth, and a 16-bit model gets them rounded on load.
+non-tensor parts of the optimizer and trainer state, the optimizer's classes (a key readers
+do not require), and a SHA-256 checksum of the header's other keys and the tensors (format 1
+files, whose checksum covers the tensors only, are still read). Weights that have float32
+masters are stored as the masters: float32 is the source of truth, and a 16-bit model gets
+them rounded on load.
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ class _BadValueError(Exception):
 
 @dataclass
 class LoadReport:
-    """What ``load_checkpoint`` did: tensors cast to another dtype, values out of a 16-bit
-    range and what ``on_range`` did with them, NaN/inf counts loaded under
-    ``on_range="ignore"``, key mismatches, the header's metadata and the trainer state."""
+    """What ``load_checkpoint`` (or ``convert_checkpoint``) did: tensors cast to another
+    dtype, values out of a 16-bit range and what ``on_range`` did with them, NaN/inf counts
+    loaded under ``on_range="ignore"``, key mismatches, the header's metadata and the
+    trainer state; for a conversion, the state it did not write."""
 
     path: str
     converted: list[tuple[str, str, str]] = field(default_factory=list)  # name, from, to
@@ -70,6 +72,8 @@ class LoadReport:
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
     trainer_state: dict[str, Any] = field(default_factory=dict)
+    #: ``convert_checkpoint``: the state of the source that the weights-only output leaves out.
+    dropped: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"loaded {self.path}: {len(self.converted)} tensors converted"]
@@ -78,6 +82,7 @@ class LoadReport:
             lines.append(f"  {name}: max |value| {peak:.6g} exceeds {dtype} ({action})")
         for name, nan, inf in self.non_finite:
             lines.append(f"  {name}: {nan} NaN, {inf} inf (loaded as they are)")
+        lines += [f"  dropped: {what}" for what in self.dropped]
         return "\n".join(lines + self.mismatch_lines())
 
     def mismatch_lines(self) -> list[str]:

@@ -25,7 +25,7 @@ from mixprec.checkpoint._conversion import (
     _count_non_finite,
     _raise_non_finite,
 )
-from mixprec.checkpoint._model import _buffer_names, _parameter_names
+from mixprec.checkpoint._model import _buffer_names, _parameter_names, optimizer_classes
 from mixprec.checkpoint._rng import _check_rng_state, _set_rng_state
 from mixprec.checkpoint._tree import _tensor_names, _unflatten
 from mixprec.checkpoint.format import CheckpointError, LoadReport, OnRange, _cut, _is_count
@@ -54,7 +54,8 @@ def load_checkpoint(
     ``on_range="error"`` and ``"clamp"``: no finite value stands in for a NaN; ``"ignore"``
     loads them and lists them in ``LoadReport.non_finite``); a value beyond a 16-bit
     destination's range (``"error"``; ``"clamp"`` saturates it, ``"ignore"`` casts it to
-    inf); an optimizer, loss-scaler or (with ``restore_rng``) RNG state that does not load.
+    inf); an optimizer state saved by another optimizer class (both named); an optimizer,
+    loss-scaler or (with ``restore_rng``) RNG state that does not load.
     ``trainer_state`` counters (``global_step``, ``epoch``, ``step_in_epoch``) are ints >= 0.
     """
     _check_on_range(on_range)
@@ -140,6 +141,7 @@ def _optimizer_state(
 ) -> Any:
     """The state to give ``optimizer.load_state_dict``, tried on stand-ins first: whatever
     the optimizer, its inner optimizers or its loss scaler would refuse is refused here."""
+    _check_classes(path, optimizer, header)
     state = _unflatten(header["optimizer"], tensors)
     if not isinstance(optimizer, LossScaleOptimizer):
         _try_load(path, optimizer, state)
@@ -190,6 +192,30 @@ def _optimizer_state(
         masters.append(value.float())
     state["master_weights"] = masters
     return state
+
+
+def _check_classes(
+    path: str | os.PathLike[str], optimizer: torch.optim.Optimizer, header: dict[str, Any]
+) -> None:
+    """Refuse an optimizer state saved by another optimizer class: torch's
+    ``load_state_dict`` takes it, and then the optimizer acts as the other (AdamW's state
+    makes an Adam decouple its weight decay) or fails at its first step (SGD's momentum)."""
+    saved = header.get("optimizer_classes")
+    kind = header.get("optimizer_kind")
+    if saved is None and kind is not None and kind != "LossScaleOptimizer":
+        saved = [kind]  # a checkpoint without the classes: a plain optimizer's kind is its class
+    mine = optimizer_classes(optimizer)
+    if saved is None or len(saved) != len(mine):
+        return  # nothing recorded, or a different structure: the state's own checks tell
+    for i, (theirs, ours) in enumerate(zip(saved, mine, strict=True)):
+        if theirs != ours:
+            where = f" (inner optimizer {i + 1} of {len(mine)})" if len(mine) > 1 else ""
+            raise CheckpointError(
+                f"{path}: optimizer state is from {theirs}, this optimizer is {ours}{where}; "
+                "refused: loaded into another class, a state changes what the optimizer does "
+                f"or fails at its first step. Resume with {theirs}, or load the model alone "
+                "(optimizer=None)"
+            )
 
 
 def _try_load(path: str | os.PathLike[str], optimizer: torch.optim.Optimizer, state: Any) -> None:

@@ -1,8 +1,9 @@
 """``read_checkpoint``: the tensors and header of a mixprec checkpoint, a plain safetensors
 file or a ``torch.save`` state dict, with the file treated as hostile until checked.
 
-Only a regular file is opened; the safetensors framing and the mixprec header are checked
-before a tensor is read or hashed; then the checksum. A ``torch.save`` file is read with
+Only a regular file is opened, once: the framing, the header and the tensors are all read
+from that one handle. The safetensors framing and the mixprec header are checked before a
+tensor is read or hashed; then the checksum. A ``torch.save`` file is read with
 ``weights_only=True``: nothing in it is unpickled but tensors and plain containers.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -21,11 +22,11 @@ from mixprec.checkpoint._tree import _unflatten
 from mixprec.checkpoint.format import CheckpointError, _BadValueError, _checksum
 
 
-def _read_torch_file(path: Path) -> dict[str, torch.Tensor]:
-    """A ``torch.save`` file, read with ``weights_only=True``: tensors and plain containers
-    only; anything else is refused before it can run."""
+def _read_torch_file(path: Path, handle: BinaryIO) -> dict[str, torch.Tensor]:
+    """The ``torch.save`` file open as ``handle``, read with ``weights_only=True``: tensors
+    and plain containers only; anything else is refused before it can run."""
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(handle, map_location="cpu", weights_only=True)
     except Exception as err:  # UnpicklingError, RuntimeError, EOFError...
         raise CheckpointError(
             f"{path}: refused: not a plain tensor state dict ({type(err).__name__}: "
@@ -55,6 +56,8 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tenso
         hint = f" (it holds {', '.join(found[:4])})" if found else ""
         raise CheckpointError(f"{str(file)!r} is a directory, not a checkpoint file{hint}")
     handle, size = _open_regular(file)
+    # Everything is read from this one handle: a writer that replaces the file meanwhile
+    # (an atomic rename) leaves this reader with one whole checkpoint, the one it opened.
     with handle:
         try:
             head = handle.read(9)
@@ -63,22 +66,23 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tenso
             header_end = 8 + int.from_bytes(head[:8], "little") if len(head) == 9 else -1
             if not (head[8:9] == b"{" and header_end <= size):
                 if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
-                    return _read_torch_file(file), {}
+                    handle.seek(0)
+                    return _read_torch_file(file, handle), {}
                 raise CheckpointError(f"{file}: truncated, corrupt, or not a checkpoint")
             handle.seek(0)
             entries, meta = _safetensors_header(handle, file, size)
         except OSError as err:
             raise CheckpointError(f"{file}: cannot be read ({err.strerror})") from None
-    if "mixprec" not in meta:  # plain weights, e.g. from export_weights or another library
-        aliases = _json(meta["aliases"], file, "aliases metadata") if "aliases" in meta else {}
-        try:
-            _check_aliases(aliases, "aliases", {f"model/{k}" for k in entries})
-        except _BadValueError as bad:
-            raise CheckpointError(f"{file}: metadata {bad}") from None
-        tensors = _read_tensors(file, entries)
-        return {f"model/{k}": v for k, v in tensors.items()}, {"aliases": aliases}
-    header = _mixprec_header(file, meta["mixprec"], entries)
-    tensors = _read_tensors(file, entries)
+        if "mixprec" not in meta:  # plain weights, e.g. from export_weights or another library
+            aliases = _json(meta["aliases"], file, "aliases metadata") if "aliases" in meta else {}
+            try:
+                _check_aliases(aliases, "aliases", {f"model/{k}" for k in entries})
+            except _BadValueError as bad:
+                raise CheckpointError(f"{file}: metadata {bad}") from None
+            tensors = _read_tensors(handle, file, entries)
+            return {f"model/{k}": v for k, v in tensors.items()}, {"aliases": aliases}
+        header = _mixprec_header(file, meta["mixprec"], entries)
+        tensors = _read_tensors(handle, file, entries)
     covered = header if header["format_version"] >= 2 else None
     if _checksum(tensors, covered) != header["checksum"]:
         what = "header or tensors" if covered is not None else "tensors"

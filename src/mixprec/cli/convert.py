@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from mixprec.checkpoint import convert_checkpoint
-from mixprec.cli._common import output_file
+from mixprec.checkpoint._files import same_file
+from mixprec.cli._common import UsageError, output_file
 
 HELP = "rewrite a checkpoint's weights as safetensors in one dtype"
 
@@ -20,12 +21,27 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
         help="values beyond the dtype's range: fail (default), saturate, or cast as is; "
         "NaN/inf fail unless 'ignore'",
     )  # fmt: skip
+    sub.add_argument(
+        "--in-place", action="store_true",
+        help="allow OUTPUT to be INPUT: overwrite it with the weights alone (what else it "
+        "held, such as optimizer, RNG and trainer state, is listed as dropped)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
-    """Convert, then say what was written and which values left the dtype's range."""
+    """Convert, then say what was written and which values left the dtype's range; in
+    place, also what the input held that the output does not."""
     output_file("output", args.output)
-    report = convert_checkpoint(args.input, args.output, args.dtype, args.on_range)
+    in_place = same_file(args.input, args.output)
+    if in_place and not args.in_place:
+        raise UsageError(
+            f"output {args.output!r} is the input file: it would be replaced by its model "
+            "weights alone, losing any optimizer, master-weight, loss-scaler, RNG and trainer "
+            "state in it; give another output, or --in-place to overwrite it"
+        )
+    report = convert_checkpoint(
+        args.input, args.output, args.dtype, args.on_range, in_place=in_place
+    )
     from safetensors import safe_open
 
     with safe_open(args.output, "pt") as written:
@@ -38,4 +54,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {name}: max |value| {peak:.6g} exceeds {dtype} ({action})")
     for name, nan, inf in report.non_finite:
         print(f"  {name}: {nan} NaN, {inf} inf (kept: --on-range ignore)")
+    if in_place:
+        print(f"  in place: kept the model weights ({count} tensors, now {args.dtype})")
+        for what in report.dropped or ["nothing (the input held weights only)"]:
+            print(f"  dropped: {what}")
     return 0
