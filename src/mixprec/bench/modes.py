@@ -1,0 +1,240 @@
+"""The benchmark's modes: what each trains with, and the training step of each.
+
+Baselines are what users write by hand (float32, ``torch.autocast`` with or without
+``torch.amp.GradScaler``); the other modes are mixprec's levels and policies. Every mode also
+runs compiled, with the ``+compile`` suffix (``COMPILED``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from mixprec._compile import compile_step
+from mixprec._dtypes import dtype_name
+from mixprec._errors import ArgumentError
+from mixprec.bench.workloads import Workload
+from mixprec.float8 import Float8Options, layer_counts, torchao_float8
+from mixprec.levels import applied, auto_mixed_precision
+from mixprec.optim import LossScaleOptimizer
+from mixprec.policy import Policy
+from mixprec.scaling import all_finite
+
+Step = Callable[[], torch.Tensor]
+
+
+#: Suffix of a mode run under ``torch.compile`` (``"O2-bf16+compile"``): its forward and loss
+#: are one compiled function; backward runs AOTAutograd's compiled graph, the optimizer step
+#: stays eager as in ``TrainStep``.
+COMPILED = "+compile"
+
+#: What ``mixprec bench`` runs when no mode is named.
+MODES: tuple[str, ...] = (
+    "float32",
+    "torch-autocast-bf16",
+    "torch-autocast-scaler-bf16",
+    "torch-autocast-fp16",
+    "O1-bf16",
+    "O2-bf16",
+    "O3-bf16",
+    "auto-bf16",
+    "O1-fp16",
+    "O2-fp16",
+    "auto-fp16",
+    "auto",
+)
+
+#: float8 modes, one per torchao recipe, and their policies: O2 (the rest of the model
+#: stored in bfloat16, float32 masters; converted layers keep float32 weights), as
+#: ``auto-bf16``. Not in ``MODES`` (the default list): they need torchao
+#: (``mixprec[float8]``), and they are emulated, slowly, without float8 matrix units.
+FLOAT8_MODES: dict[str, str] = {
+    "O2-fp8": "mixed_float8",  # torchao's tensorwise recipe
+    "O2-fp8-rowwise": "mixed_float8_rowwise",
+    "O2-fp8-rowwise_with_gw_hp": "mixed_float8_rowwise_with_gw_hp",
+}
+
+#: Opt-in baselines, not in ``MODES``. ``float32-checked``: float32 that skips a step whose
+#: gradients hold inf/NaN, checked by hand with ``all_finite``; what skipping costs in any
+#: loop, and all that ``LossScaleOptimizer`` adds to float32 training.
+BASELINE_MODES: tuple[str, ...] = ("float32-checked",)
+
+#: Every mode ``build_step`` accepts, each also with the ``+compile`` suffix.
+ALL_MODES: tuple[str, ...] = (*MODES, *FLOAT8_MODES, *BASELINE_MODES)
+
+#: The mode that runs each policy at level O2 (``--policy``, and a policy given as a mode).
+POLICY_MODES: dict[str, str] = {
+    "mixed_bfloat16": "O2-bf16",
+    "mixed_float16": "O2-fp16",
+    **{policy: mode for mode, policy in FLOAT8_MODES.items()},
+}
+
+
+def with_compiled(modes: Sequence[str]) -> list[str]:
+    """``modes`` followed by the compiled version of each (``mixprec bench --compile``)."""
+    return [*modes, *(m + COMPILED for m in modes if not m.endswith(COMPILED))]
+
+
+def check_mode(mode: str) -> str:
+    """``mode`` without its ``+compile`` suffix, after checking that it names a mode."""
+    base = mode.removesuffix(COMPILED)
+    if base not in ALL_MODES:
+        raise ArgumentError(
+            f"unknown mode {mode!r}; valid: {', '.join(ALL_MODES)}, each optionally with "
+            f"{COMPILED!r}" + _policy_hint(base)
+        )
+    return base
+
+
+def _policy_hint(name: str) -> str:
+    mode = mode_for_policy(name)
+    return f" (policy {name!r} is mode {mode!r})" if mode else ""
+
+
+def mode_for_policy(name: str) -> str | None:
+    """The mode that runs policy ``name`` at level O2 (``"mixed_float8"``: ``"O2-fp8"``),
+    for a policy name given where a mode is expected; ``None`` for other names."""
+    return POLICY_MODES.get(name)
+
+
+def is_float8_mode(mode: str) -> bool:
+    return mode.removesuffix(COMPILED) in FLOAT8_MODES
+
+
+def require_float8(modes: Sequence[str]) -> None:
+    """``ImportError`` naming ``mixprec[float8]`` when ``modes`` has a float8 mode and
+    torchao is not installed."""
+    if any(is_float8_mode(m) for m in modes):
+        torchao_float8()
+
+
+def _matmul_dtype(mode: str) -> str:
+    """The dtype whose peak a mode's MFU is against. float8 modes: bfloat16's, as their
+    attention, output head and unconverted layers run bfloat16, so that their MFU and a
+    bfloat16 mode's compare as their speeds do (against the float8 peak, twice bfloat16's,
+    a float8 mode would read half as efficient for the same speed)."""
+    base = mode.removesuffix(COMPILED)
+    if base == "auto":
+        return dtype_name(Policy("auto").compute_dtype)
+    if base in FLOAT8_MODES:
+        return "bfloat16"
+    return {"bf16": "bfloat16", "fp16": "float16"}.get(base.rpartition("-")[2], "float32")
+
+
+def _sync(device: torch.device) -> None:
+    """Wait until ``device`` has run the work queued so far (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def build_step(
+    mode: str,
+    work: Workload,
+    device: torch.device,
+    lr: float = 0.01,
+    outputs_16bit: bool = False,
+    compile_mode: str | None = None,
+    float8: Float8Options | None = None,
+) -> Step:
+    """The training step of ``mode``, ready to call; returns the (detached) loss.
+
+    ``outputs_16bit``: the model's output reaches the loss in the compute dtype (a policy
+    with ``output_dtype`` the compute dtype; autocast's output as it comes) instead of
+    float32; the workloads' losses compute in float32 either way. ``compile_mode``: the
+    ``mode`` given to ``torch.compile`` for ``+compile`` modes (default: its default).
+    ``float8``: which Linear layers float8 modes convert, in place of the workload's
+    ``float8`` (whose ``None`` is torchao's size thresholds).
+
+    The step's ``level`` attribute is the level applied (``"-"`` for the hand-written
+    loops); its ``float8`` attribute, for float8 modes, is ``(converted, linear layers)``,
+    else ``None``."""
+    base = check_mode(mode)
+    torch.manual_seed(0)
+    model = work.make_model().to(device)
+    x, y = (t.to(device) for t in work.batch)
+    loss_fn = work.loss_fn
+    forward_loss: Callable[[], torch.Tensor]
+    level = "-"
+    float8_layers: tuple[int, int] | None = None
+    float32 = base.startswith("float32")
+    if float32 or base.startswith("torch-autocast"):
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        params = list(model.parameters())
+        dtype = torch.bfloat16 if base.endswith("bf16") else torch.float16
+        # The loop users write by hand: autocast around the forward, float32 loss,
+        # GradScaler (needed for float16; with bfloat16 users usually drop it, and with it
+        # the skipping of non-finite steps, which "-scaler-bf16" keeps).
+        scaler = torch.amp.GradScaler(
+            device.type, enabled=dtype == torch.float16 or "-scaler-" in base
+        )
+
+        def forward_loss() -> torch.Tensor:
+            if float32:
+                return loss_fn(model(x), y)
+            with torch.autocast(device.type, dtype=dtype):
+                out = model(x)
+            return loss_fn(out if outputs_16bit else out.float(), y)
+
+        def backward_step(loss: torch.Tensor) -> None:
+            if float32:
+                loss.backward()
+                if base == "float32" or bool(all_finite(p.grad for p in params)):
+                    opt.step()
+                return
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+        zero_grad: Callable[[], None] = lambda: opt.zero_grad(set_to_none=True)  # noqa: E731
+    else:
+        prep, _, precision = base.partition("-")
+        half = "bfloat16" if precision == "bf16" else "float16"
+        converts: Float8Options | None = None
+        if base in FLOAT8_MODES:
+            policy = Policy(FLOAT8_MODES[base])
+            if outputs_16bit:
+                policy = Policy(f"params=float32,compute=bfloat16,output=bfloat16,"
+                                f"float8={policy.float8_recipe}")  # fmt: skip
+            converts = float8 if float8 is not None else work.float8 or Float8Options()
+        elif base == "auto":
+            policy = Policy("auto")  # what this machine's hardware picks, as mixprec train
+        elif prep == "O3":
+            policy = Policy(half)  # pure 16-bit: its outputs are 16-bit already
+        elif outputs_16bit:
+            policy = Policy(param_dtype="float32", compute_dtype=half, output_dtype=half)
+        else:
+            policy = Policy(f"mixed_{half}")
+        auto_mixed_precision(
+            model, policy, prep.upper() if prep != "auto" else "auto", float8=converts
+        )
+        level = applied(model).level  # type: ignore[union-attr]
+        if converts is not None:
+            float8_layers = layer_counts(model)
+        lso = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=lr))
+
+        def forward_loss() -> torch.Tensor:
+            return loss_fn(model(x), y)
+
+        def backward_step(loss: torch.Tensor) -> None:
+            lso.backward(loss)
+            lso.step()
+
+        zero_grad = lso.zero_grad
+    if mode.endswith(COMPILED):
+        options = {} if compile_mode is None else {"mode": compile_mode}
+        forward_loss = compile_step(forward_loss, options, model)
+
+    # CUDA graphs reuse a graph's output memory at its next replay, so a compiled mode's loss
+    # kept past that (the last one is read after the other modes ran) is copied out.
+    copy_loss = mode.endswith(COMPILED)
+
+    def step() -> torch.Tensor:
+        zero_grad()
+        loss = forward_loss()
+        backward_step(loss)
+        return loss.detach().clone() if copy_loss else loss.detach()
+
+    step.level = level  # type: ignore[attr-defined]
+    step.float8 = float8_layers  # type: ignore[attr-defined]
+    return step

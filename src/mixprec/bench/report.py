@@ -1,0 +1,124 @@
+"""The benchmark's results as a text table and as JSON, with notes on what the figures of
+this device do not measure."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict
+
+import torch
+
+from mixprec._device import resolve_device
+from mixprec._hardware import cpuinfo_field, probe_hardware
+from mixprec.bench.modes import COMPILED, _matmul_dtype, is_float8_mode
+from mixprec.bench.runner import ModeResult
+
+
+def table(workload: str, results: list[ModeResult]) -> str:
+    """The results as a text table; float8 modes add their converted Linear layers (``fp8``:
+    converted/all) and, below, their speed against ``O2-bf16`` run the same way."""
+    header = f"{'mode':<34} {'level':<5}"
+    float8 = any(r.float8_layers is not None for r in results)
+    if float8:
+        header += f" {'fp8':>5}"
+    header += f" {'ms/step':>9} {'samples/s':>10} {'vs f32':>7} {'peak MB':>8} {'loss':>8}"
+    lm = any(r.tokens_per_s is not None for r in results)
+    if lm:
+        header += f" {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6}"
+    compiled = any(r.compile_s is not None for r in results)
+    if compiled:
+        header += f" {'compile s':>9}"
+    lines = [f"workload {workload}", header, "-" * len(header)]
+    for r in results:
+        line = f"{r.mode:<34} {r.level:<5}"
+        if float8:
+            layers = f"{r.float8_layers}/{r.linear_layers}" if r.float8_layers is not None else "-"
+            line += f" {layers:>5}"
+        line += (
+            f" {r.ms_per_step:>9.2f} {r.samples_per_s:>10.0f} "
+            f"{r.speedup:>6.2f}x {_fmt(r.peak_mb, '8.0f')} {r.final_loss:>8.4f}"
+        )
+        if lm:
+            line += f" {_fmt(r.tokens_per_s, '9.0f')} {_fmt(r.tflops, '8.3f')}"
+            line += f" {100 * r.mfu:5.1f}%" if r.mfu is not None else f" {'-':>6}"
+        if compiled:
+            line += f" {_fmt(r.compile_s, '9.1f')}"
+        lines.append(line)
+    by_mode = {r.mode: r for r in results}
+    unit = "tokens/s" if lm else "samples/s"
+    for r in results:
+        bf16 = by_mode.get("O2-bf16" + (COMPILED if r.mode.endswith(COMPILED) else ""))
+        if r.float8_layers is not None and bf16 is not None:
+            lines.append(
+                f"{r.mode}: {bf16.ms_per_step / r.ms_per_step:.2f}x the {unit} of {bf16.mode}"
+            )
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    width = int(spec.split(".")[0])
+    return format(value, spec) if value is not None else "-".rjust(width)
+
+
+def notes(modes: Sequence[str], device: str = "auto") -> list[str]:
+    """What the figures of ``modes`` on ``device`` do not measure: 16-bit and float8
+    matmuls that this device emulates, and eager float8 on CUDA (fast compiled only)."""
+    dev = resolve_device(device)
+    dtypes = {_matmul_dtype(m) for m in modes if not is_float8_mode(m)}
+    float8 = [m for m in modes if is_float8_mode(m)]
+    found: list[str] = []
+    hw = probe_hardware()
+    if dev.type == "cpu" and hw.device == "cpu":
+        if ("bfloat16" in dtypes or float8) and not hw.bf16_fast:
+            found.append(
+                f"{hw.detail}: bfloat16 matmuls are emulated here, slower than float32; the "
+                "bf16 figures compare the modes at equal, slow matmuls, not bfloat16's speed"
+            )
+        if "float16" in dtypes and not hw.fp16_fast:
+            found.append("CPU without AMX-FP16: float16 matmuls are emulated here, very slowly")
+    if dev.type == "cpu" and float8:
+        found.append(
+            "float8 on CPU is emulated (torch's CPU _scaled_mm; no CPU float8 matrix units): "
+            "the fp8 figures measure the emulation, not float8's speed, which needs CUDA "
+            "sm_89+ (H100/H200, L4) and +compile"
+        )
+    if dev.type == "cuda" and any(not m.endswith(COMPILED) for m in float8):
+        found.append(
+            "float8 is fast under torch.compile only (it fuses torchao's scaling and casts): "
+            "compare the +compile fp8 modes"
+        )
+    return found
+
+
+def device_name(device: str = "auto") -> str:
+    """The GPU's name, or the CPU's model name, of ``device`` as given to ``run``."""
+    dev = resolve_device(device)
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name()
+
+
+def to_json(
+    all_results: dict[str, list[ModeResult]], outputs_16bit: bool = False, device: str = "auto"
+) -> str:
+    """The results as JSON, with the device they ran on (``device`` as given to ``run``)
+    and the ``notes`` on what its figures do not measure."""
+    dev = resolve_device(device)
+    modes = list(dict.fromkeys(r.mode for rs in all_results.values() for r in rs))
+    return json.dumps(
+        {
+            "torch": torch.__version__,
+            "device": dev.type,
+            "device_name": device_name(device),
+            "float32_matmul": "IEEE float32 (TF32 off)",
+            "outputs_16bit": outputs_16bit,
+            "notes": notes(modes, device),
+            "results": {w: [asdict(r) for r in rs] for w, rs in all_results.items()},
+        },
+        indent=2,
+    )
+
+
+def _cpu_name() -> str:
+    import platform
+
+    return cpuinfo_field("model name") or platform.processor() or "cpu"

@@ -1,0 +1,209 @@
+"""Timing the modes: in one process, interleaved, with paired ratios against float32.
+
+Every mode trains the same model (same initial weights, same batch) with SGD. Modes are timed
+in turns (one block of steps each, repeated) so that machine noise hits all of them alike;
+ratios are against float32 in the same run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mixprec._device import resolve_device
+from mixprec.bench.memory import MemoryArgs, _peak_memory
+from mixprec.bench.modes import (
+    COMPILED,
+    MODES,
+    Step,
+    _matmul_dtype,
+    _sync,
+    build_step,
+    check_mode,
+    require_float8,
+)
+from mixprec.bench.workloads import get_workload
+from mixprec.float8 import Float8Options
+
+#: Dense peak TFLOP/s per GPU, by name fragment and matmul dtype, from the vendors' data
+#: sheets (SXM parts; float32 without TF32, as ``run`` measures it). float8 modes are
+#: measured against the bfloat16 peak (see ``_matmul_dtype``).
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bfloat16": 989.4, "float16": 989.4, "float32": 66.9},
+    "H100": {"bfloat16": 989.4, "float16": 989.4, "float32": 66.9},
+    "A100": {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
+    "L4": {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3},
+}
+
+
+def peak_tflops(device: torch.device, kind: str) -> float | None:
+    """The data-sheet peak of ``device`` for ``kind`` (see ``PEAK_TFLOPS``), or None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for fragment, peaks in PEAK_TFLOPS.items():
+        if fragment in name:
+            return peaks.get(kind)
+    return None
+
+
+@contextlib.contextmanager
+def _true_float32(device: torch.device) -> Iterator[None]:
+    """On CUDA, float32 matmuls and convolutions without TF32 (which rounds their inputs
+    to 10 mantissa bits), for a true float32 baseline; the settings are restored after."""
+    if device.type != "cuda":
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@dataclass
+class ModeResult:
+    """One mode's figures from ``run``."""
+
+    mode: str
+    level: str
+    ms_per_step: float
+    samples_per_s: float
+    speedup: float  # median over rounds of float32's ms / this mode's ms in the same round
+    final_loss: float
+    peak_mb: float | None
+    tokens_per_s: float | None = None
+    tflops: float | None = None  # achieved model TFLOP/s (workloads that state their FLOPs)
+    mfu: float | None = None  # model FLOPs utilisation: tflops / the device's peak
+    compile_s: float | None = None  # +compile modes: the first step's time above a steady one
+    float8_layers: int | None = None  # float8 modes: Linear layers converted to float8...
+    linear_layers: int | None = None  # ...of this many
+
+
+def run(
+    workload: str,
+    modes: Sequence[str] = MODES,
+    repeats: int = 5,
+    steps: int = 3,
+    warmup: int = 2,
+    device: str = "auto",
+    memory: bool = True,
+    small: bool = False,
+    min_round_ms: float = 100.0,
+    outputs_16bit: bool = False,
+    compile_mode: str | None = None,
+    float8: Float8Options | None = None,
+) -> list[ModeResult]:
+    """Benchmark ``modes`` on ``workload``; ``repeats`` rounds per mode, interleaved, after
+    ``warmup`` steps each (at least 2). A round is ``steps`` steps, or more where the
+    fastest mode would finish them in under ``min_round_ms`` (a 1 ms step timed 3 at a time
+    measures the timer and the cache left by the previous mode); every mode runs the same
+    number of steps, so their final losses compare. Rounds run the modes forwards and
+    backwards in turn. ms/step is the median of the per-round ms/step; the speedup, the
+    median of the per-round ratios to float32.
+    ``outputs_16bit``, ``compile_mode`` and ``float8`` as in ``build_step``; a ``+compile``
+    mode's compile time is its first step's time above its steady-state ms/step, kept
+    apart. float8 modes need torchao: ``ImportError`` naming ``mixprec[float8]`` first."""
+    for mode in modes:
+        check_mode(mode)
+    require_float8(modes)
+    if "float32" not in modes:
+        modes = ["float32", *modes]
+    dev = resolve_device(device)
+    work = get_workload(workload, small)
+    if any(m.endswith(COMPILED) for m in modes):
+        # Every mode's step shares one code object; dynamo would take this workload's new
+        # shapes for dynamic ones after the previous workload's (automatic dynamic shapes).
+        torch._dynamo.reset()
+    built = {
+        mode: build_step(mode, work, dev, outputs_16bit=outputs_16bit,
+                         compile_mode=compile_mode, float8=float8)
+        for mode in modes
+    }  # fmt: skip
+    with _true_float32(dev):
+        times, last, first = _time_modes(built, repeats, steps, warmup, dev, min_round_ms)
+    peaks: dict[str, float | None] = dict.fromkeys(modes)
+    if memory:
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(1, maxtasksperchild=1) as pool:
+            for mode in modes:
+                args: MemoryArgs = (workload, mode, device, small, 2, None, outputs_16bit,
+                                    compile_mode, float8)  # fmt: skip
+                peaks[mode] = pool.apply(_peak_memory, (args,))
+    results = []
+    for mode in modes:
+        ms = statistics.median(times[mode])
+        # Paired: each round's float32 time over the mode's in the same round, so load that
+        # drifts between rounds (a shared machine) cancels instead of tilting the medians.
+        speedup = statistics.median(
+            b / t for b, t in zip(times["float32"], times[mode], strict=True)
+        )
+        converted, linears = getattr(built[mode], "float8", None) or (None, None)
+        tflops = work.flops / ms / 1e9 if work.flops else None
+        peak = peak_tflops(dev, _matmul_dtype(mode))
+        results.append(
+            ModeResult(
+                mode=mode,
+                level=getattr(built[mode], "level", "-"),
+                ms_per_step=ms,
+                samples_per_s=1000 * work.samples / ms,
+                speedup=speedup,
+                final_loss=float(last[mode]),
+                peak_mb=peaks[mode],
+                tokens_per_s=1000 * work.tokens / ms if work.tokens else None,
+                tflops=tflops,
+                mfu=tflops / peak if tflops is not None and peak else None,
+                compile_s=(first[mode] - ms) / 1000 if mode.endswith(COMPILED) else None,
+                float8_layers=converted,
+                linear_layers=linears,
+            )
+        )
+    return results
+
+
+def _time_modes(
+    built: dict[str, Step],
+    repeats: int,
+    steps: int,
+    warmup: int,
+    dev: torch.device,
+    min_round_ms: float,
+) -> tuple[dict[str, list[float]], dict[str, torch.Tensor], dict[str, float]]:
+    """Per mode: the ms/step of each round, the loss of the last step, and the ms of the
+    first step (which compiles, for compiled modes)."""
+    last: dict[str, torch.Tensor] = {}
+    first: dict[str, float] = {}
+    fastest = float("inf")
+    for mode, step in built.items():
+        for i in range(max(warmup, 2)):  # the first step is cold: calibrate on a later one
+            _sync(dev)
+            start = time.perf_counter()
+            last[mode] = step()
+            _sync(dev)
+            ms = 1000 * (time.perf_counter() - start)
+            if i == 0:
+                first[mode] = ms
+            else:
+                fastest = min(fastest, ms)
+    steps = max(steps, math.ceil(min_round_ms / max(fastest, 1e-3)))
+    times: dict[str, list[float]] = {mode: [] for mode in built}
+    order = list(built.items())
+    for r in range(repeats):
+        # Every other round backwards: no mode always follows the same one (whose cache
+        # and allocator state it would inherit).
+        for mode, step in order if r % 2 == 0 else order[::-1]:
+            _sync(dev)
+            start = time.perf_counter()
+            for _ in range(steps):
+                last[mode] = step()
+            _sync(dev)
+            times[mode].append(1000 * (time.perf_counter() - start) / steps)
+    return times, last, first
