@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from mixprec import cli
@@ -59,3 +62,82 @@ def test_bad_paths_and_values_exit_2_before_any_work(argv, message, checkpoint_a
     assert err.startswith(f"mixprec {argv[0]}: error: ") and message.format(tmp=tmp) in err
     assert len(err.splitlines()) == 1
     assert sorted(p.name for p in tmp.iterdir()) == ["adir", "afile", "c.safetensors"]
+
+
+PLOT_PATHS = [
+    ("{tmp}/adir", "--plot '{tmp}/adir' is a directory; give a .png file path"),
+    ("{tmp}/adir/", "--plot '{tmp}/adir/' is a directory; give a .png file path"),
+    ("{tmp}/new/", "--plot '{tmp}/new/' is a directory; give a .png file path"),
+    ("{tmp}/no/such/p.png", "'{tmp}/no/such' does not exist; give a .png file path in an exi"),
+    ("{tmp}/afile/p.png", "'{tmp}/afile' is not a directory; give a .png file path in an exi"),
+    ("{tmp}/p.txt", "--plot '{tmp}/p.txt': matplotlib cannot write '.txt' files; give a .png"),
+]
+
+
+@pytest.mark.parametrize("command", ["train", "doctor"])
+@pytest.mark.parametrize(
+    ("plot", "message"),
+    PLOT_PATHS,
+    ids=["dir", "dir-slash", "new-dir-slash", "no-parent", "file-parent", "bad-suffix"],
+)
+def test_plot_path_is_checked_before_any_work(command, plot, message, checkpoint_and_file, capsys):
+    """`--plot DIR` is refused as given, not written as `DIR.png` after the work; so is a path
+    that cannot be written or a suffix matplotlib does not write."""
+    tmp, _ = checkpoint_and_file
+    argv = [command, "--plot", plot.format(tmp=tmp)]
+    if command == "train":
+        argv += ["--quiet", "--in-process"]
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # nothing trained or diagnosed
+    assert err.startswith(f"mixprec {command}: error: ") and message.format(tmp=tmp) in err
+    assert len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp.iterdir()) == ["adir", "afile", "c.safetensors"]
+
+
+@pytest.mark.parametrize("command", ["train", "doctor"])
+def test_plot_in_a_read_only_directory_is_refused_before_any_work(
+    command, tmp_path, monkeypatch, capsys
+):
+    from mixprec.cli import _common
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    # As root every directory is writable: the permission check is made to see a read-only one.
+    real_access = os.access
+    monkeypatch.setattr(
+        _common.os, "access", lambda p, mode: Path(p) != locked and real_access(p, mode)
+    )
+    argv = [command, "--plot", str(locked / "p.png")]
+    assert cli.main([*argv, "--quiet", "--in-process"] if command == "train" else argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert f"--plot '{locked}/p.png': cannot write in '{locked}' (permission denied); " in err
+    assert "give a .png file path in a writable directory" in err
+    assert list(locked.iterdir()) == []
+
+
+def test_sigterm_is_one_line_and_exit_143_and_the_handler_is_restored(monkeypatch, capsys):
+    """In the process that calls `cli.main`: SIGTERM unwinds the command to exit 143, and the
+    caller's own SIGTERM handler is back afterwards (and is not called meanwhile)."""
+    import signal
+
+    from mixprec.cli import train
+
+    caught: list[int] = []
+
+    def callers_handler(signum, frame):
+        caught.append(signum)
+
+    def terminated(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return 0  # not reached: the handler raises as os.kill returns
+
+    monkeypatch.setattr(train, "run", terminated)
+    previous = signal.signal(signal.SIGTERM, callers_handler)
+    try:
+        assert cli.main(["train"]) == 143
+        assert signal.getsignal(signal.SIGTERM) is callers_handler and caught == []
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert capsys.readouterr().err.strip() == "mixprec train: interrupted (SIGTERM)"

@@ -126,3 +126,12 @@ def test_plot_without_suffix_says_the_file_it_wrote(tmp_path, capsys):
                      "--quiet", "--in-process", "--plot", str(target)]) == 0  # fmt: skip
     assert f"loss curves written to {target}.png" in capsys.readouterr().out
     assert (tmp_path / "curves.png").stat().st_size > 0 and not target.exists()
+
+
+def test_an_error_in_the_worker_process_is_one_line_exit_2(capsys):
+    """Each run trains in a worker process: its error comes back as the same one line."""
+    assert cli.main(["train", "--quiet", "--model", "cnn", "--data", "synthetic",
+                     "--compare", "none", "--epochs", "1"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mixprec train: error: model 'cnn' needs image data")
+    assert len(err.splitlines()) == 1

@@ -1,5 +1,5 @@
-"""What every subcommand shares: the usage error, choice and output-path checks, and the
-``--float8-min-features`` option.
+"""What every subcommand shares: the usage error, choice and output-path checks, the
+``--float8-min-features`` option, and SIGTERM as an exception.
 
 Every check here runs before any work, so that a bad value costs the user one line and exit
 status 2, not a training run that fails at its end.
@@ -7,9 +7,13 @@ status 2, not a training run that fails at its end.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+import signal
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import FrameType
 
 from mixprec._dtypes import closest
 from mixprec.float8 import Float8Options
@@ -22,6 +26,35 @@ TRAIN_FLOAT8_MIN_FEATURES = 16
 
 class UsageError(Exception):
     """A bad command-line value: reported on one line, exit status 2."""
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived while a command ran. Like ``KeyboardInterrupt`` for SIGINT it unwinds
+    the command, which stops its worker processes on the way, to one line and exit status
+    143 (128 + SIGTERM). A ``BaseException``, so that no ``except Exception`` swallows it."""
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """While the block runs, SIGTERM raises ``Terminated`` in the main thread; the previous
+    handler is back afterwards. A SIGTERM that is ignored, or handled outside Python, stays
+    so; off the main thread, where no handler can be set, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is None or previous == signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    raise Terminated
 
 
 def choice(kind: str, value: str, valid: Sequence[str]) -> str:
@@ -49,14 +82,33 @@ def policy_option(kind: str, value: str, extra: Sequence[str] = ()) -> None:
 
 def output_file(option: str, path: str, suffix: str | None = None) -> str:
     """Check, before any work, that ``path`` can be written; return the path that will be
-    (matplotlib adds ``.png`` to a name without a suffix)."""
+    (matplotlib adds ``.png`` to a name without a suffix). A directory, or a path that ends
+    in a separator, is refused as it is given: ``DIR`` is not taken for ``DIR.png``."""
+    valid = f"a {suffix} file path" if suffix else "a file path"
     target = Path(path)
+    if target.is_dir() or path.endswith(("/", os.sep)):
+        raise UsageError(f"{option} {path!r} is a directory; give {valid}")
     if suffix and not target.suffix:
         target = target.with_name(target.name + suffix)
-    if target.is_dir():
-        raise UsageError(f"{option} {path!r} is a directory; give a file path")
-    _check_parent(option, path, target.parent)
+        if target.is_dir():
+            raise UsageError(f"{option} {path!r}: {str(target)!r} is a directory; give {valid}")
+    _check_parent(option, path, target.parent, valid)
     return str(target)
+
+
+def plot_file(option: str, path: str) -> str:
+    """``output_file`` for a plot: also a suffix that matplotlib writes (``.png`` added to a
+    name without one), checked before the work whose result it plots."""
+    target = output_file(option, path, ".png")
+    from matplotlib.backend_bases import FigureCanvasBase  # only when a plot is asked for
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if Path(target).suffix[1:].lower() not in formats:
+        raise UsageError(
+            f"{option} {path!r}: matplotlib cannot write {Path(target).suffix!r} files; give "
+            f"a .png file path (or {', '.join('.' + f for f in sorted(formats) if f != 'png')})"
+        )
+    return target
 
 
 def output_dir(option: str, path: str) -> str:
@@ -71,12 +123,18 @@ def output_dir(option: str, path: str) -> str:
     return path
 
 
-def _check_parent(option: str, path: str, parent: Path) -> None:
+def _check_parent(option: str, path: str, parent: Path, valid: str | None = None) -> None:
+    """``parent`` is a directory this process can write in; else a usage error that names
+    the option, its value, what is wrong and, where ``valid`` says it, what is valid."""
     if not parent.is_dir():
         what = "is not a directory" if parent.exists() else "does not exist"
-        raise UsageError(f"{option} {path!r}: {str(parent)!r} {what}")
+        hint = f"; give {valid} in an existing directory" if valid else ""
+        raise UsageError(f"{option} {path!r}: {str(parent)!r} {what}{hint}")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"{option} {path!r}: cannot write in {str(parent)!r} (permission denied)")
+        hint = f"; give {valid} in a writable directory" if valid else ""
+        raise UsageError(
+            f"{option} {path!r}: cannot write in {str(parent)!r} (permission denied){hint}"
+        )
 
 
 def float8_sizes(value: str | None) -> Float8Options | None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec.cli._common import UsageError, output_file, train_float8
+from mixprec.cli._common import UsageError, output_file, plot_file, train_float8
 from mixprec.cli._model_options import (
     add_model_options,
     build_model,
@@ -33,16 +33,17 @@ def run(args: argparse.Namespace) -> int:
     check_model_options(args)
     torch.manual_seed(args.seed)
     json_path = output_file("--json", args.json) if args.json else None
-    plot_path = output_file("--plot", args.plot, ".png") if args.plot else None
+    plot_path = plot_file("--plot", args.plot) if args.plot else None
+    is_float8 = Policy(args.policy).float8_recipe is not None
+    if is_float8 and plot_path:
+        raise UsageError("--plot: the float8 doctor's report is a table; use --json")
     (x_train, y_train), (_, y_test) = load_data(args.data, args.seed)
     classes = int(max(y_train.max(), y_test.max())) + 1
     model = build_model(args.model, x_train, classes)
     x, y = x_train[: args.batch_size], y_train[: args.batch_size]
     loss_fn = torch.nn.functional.cross_entropy
     float8 = None
-    if Policy(args.policy).float8_recipe is not None:
-        if plot_path:
-            raise UsageError("--plot: the float8 doctor's report is a table; use --json")
+    if is_float8:
         float8 = train_float8(None)  # as `mixprec train` converts: the head kept
     report = diagnose(model, x, y, loss_fn, args.policy, args.level, float8=float8)
     print(report)

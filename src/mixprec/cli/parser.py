@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from mixprec import distributed
 from mixprec._version import __version__
 from mixprec.cli import bench, convert, doctor, info, inspect, train
-from mixprec.cli._common import UsageError
+from mixprec.cli._common import Terminated, UsageError, sigterm_raises
 
 COMMANDS = {
     "train": train,
@@ -44,16 +44,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (``sys.argv[1:]`` by default); return the exit status:
-    0, 2 for a bad value or path (one line on stderr), 130 when interrupted."""
+    0, 2 for a bad value or path (one line on stderr), 130 when interrupted by SIGINT (Ctrl-C),
+    143 by SIGTERM; a command stops its worker processes before it returns either."""
     args = build_parser().parse_args(argv)
     try:
-        return int(args.run(args))
+        with sigterm_raises():
+            return int(args.run(args))
     except (UsageError, OSError, ValueError) as err:  # OSError: a path that went bad mid-run
         print(f"mixprec {args.command}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"mixprec {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"mixprec {args.command}: interrupted (SIGTERM)", file=sys.stderr)
+        return 143
     finally:
         # Under torchrun: leave the process group cleanly (gloo aborts the process otherwise);
         # no barrier, as another rank may have failed.
