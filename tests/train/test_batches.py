@@ -88,3 +88,58 @@ def test_rank_agreement_reads_loaders_without_a_length(monkeypatch):
     batches.check_ranks_agree(loader, None, 32, 2, (listed, None))
     assert seen == [{"samples_or_batches": -1, "batch_size": -1, "epochs": 2,
                      "validation_samples": 4}]  # fmt: skip
+
+
+# -- float targets are checked as features are ---------------------------------------------
+
+
+def _regressor() -> mp.Trainer:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    return mp.Trainer(model, "mse", torch.optim.SGD(model.parameters(), 0.1), metrics=(),
+                      device="cpu")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("arg", "index", "match"),
+    [
+        ("y", 3, r"data: y has 1 non-finite value\(s\) \(NaN or inf\); the first is in sample 3"),
+        ("x", 5, r"data: x has 1 non-finite value\(s\) \(NaN or inf\); the first is in sample 5"),
+    ],
+)
+def test_non_finite_float_targets_fail_before_training(arg, index, match):
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    (y if arg == "y" else x)[index, 0] = float("inf")
+    t = _regressor()
+    before = [p.detach().clone() for p in t.model.parameters()]
+    with pytest.raises(ValueError, match=match):
+        t.fit(x, y, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match=match):  # validation data too
+        t.fit(torch.randn(8, 4), torch.randn(8, 1), validation_data=(x, y), verbose=0)
+    assert all(torch.equal(a, b) for a, b in zip(before, t.model.parameters(), strict=True))
+    with pytest.raises(ValueError, match=r"data: x has 8 samples but y has 7 targets"):
+        t.fit(torch.randn(8, 4), torch.randn(7, 1), verbose=0)
+
+
+def test_mark_last_reads_one_batch_ahead_and_past_empty_ones():
+    from mixprec.train.batches import mark_last
+
+    full, empty = (torch.ones(2), torch.ones(2)), (torch.ones(0), torch.ones(0))
+    marked = list(mark_last([empty, full, empty, full, empty, empty]))
+    assert [(b[1].numel(), last) for b, last in marked] == [
+        (0, False), (2, False), (0, False), (2, True), (0, False), (0, False)
+    ]  # fmt: skip
+    assert list(mark_last([])) == []
+    assert [last for _, last in mark_last([empty])] == [False]
+
+
+def test_an_empty_last_batch_does_not_keep_the_group_from_being_applied():
+    x, y = torch.randn(24, 8), torch.randint(0, 3, (24,))
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    t = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 0.1),
+                   accumulation_steps=4)  # fmt: skip
+    batches = [(x[:8], y[:8]), (x[8:], y[8:]), (x[:0], y[:0])]
+    with pytest.warns(UserWarning, match=r"batch 3 is empty"):
+        t.fit(batches, epochs=1, verbose=0)
+    assert t.global_step == 1

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+import warnings
+
 import pytest
 import torch
 from torch import nn
 
 import mixprec as mp
+from mixprec.levels import applied
 from tests.conftest import classification_data, make_mlp
 
 
@@ -29,3 +33,124 @@ def test_build_train_step_custom_loop():
                             policy="mixed_bfloat16")  # fmt: skip
     again = mp.build_train_step(model, step.optimizer, "cross_entropy")  # reuse: fine
     assert again.optimizer is step.optimizer
+
+
+# -- a partial accumulation group, applied with flush=True ---------------------------------
+
+
+def sgd_by_hand(model: nn.Module, groups, lr: float) -> nn.Module:
+    """The float32 control: a copy of ``model`` after one SGD step per group of batches,
+    each with the mean of its batches' cross-entropy gradients."""
+    control = copy.deepcopy(model).float()
+    for group in groups:
+        total = [torch.zeros_like(p) for p in control.parameters()]
+        for xb, yb in group:
+            control.zero_grad()
+            nn.functional.cross_entropy(control(xb), yb).backward()
+            for t, p in zip(total, control.parameters(), strict=True):
+                t += p.grad
+        with torch.no_grad():
+            for p, t in zip(control.parameters(), total, strict=True):
+                p -= lr * t / len(group)
+    return control
+
+
+def test_flush_applies_a_partial_group_as_its_mean():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    x, y = torch.randn(24, 8), torch.randint(0, 3, (24,))
+    batches = [(x[i : i + 8], y[i : i + 8]) for i in (0, 8, 16)]
+    control = sgd_by_hand(model, [batches], lr=0.5)
+    step = mp.build_train_step(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                               "cross_entropy", "float32", accumulation_steps=4)  # fmt: skip
+    results = [step(*batches[0])[1], step(*batches[1])[1], step(*batches[2], flush=True)[1]]
+    assert [r.accumulating for r in results] == [True, True, False] and results[-1].applied
+    assert step.optimizer.state_dict()["micro_steps"] == 0  # nothing carries on
+    # float32 rounding only: the 4/3 rescale and another summation order (1e-6 relative).
+    for p, c in zip(model.parameters(), control.parameters(), strict=True):
+        torch.testing.assert_close(p, c, rtol=1e-6, atol=1e-7)
+    # flush=True on a full group, or without accumulation, is the ordinary step.
+    full = mp.build_train_step(nn.Linear(8, 3), "sgd", "cross_entropy", accumulation_steps=2)
+    assert full(*batches[0])[1].accumulating
+    assert full(*batches[1], flush=True)[1].applied
+    single = mp.build_train_step(nn.Linear(8, 3), "sgd", "cross_entropy")
+    assert single(*batches[0], flush=True)[1].applied
+
+
+# -- an optimizer over another model's parameters ------------------------------------------
+
+
+def test_an_optimizer_over_another_model_is_refused_before_the_model_changes():
+    model, other = make_mlp(), make_mlp(seed=1)
+    with pytest.raises(mp.ArgumentError, match=r"optimizer holds none of the model's 8 trainable"):
+        mp.build_train_step(model, torch.optim.SGD(other.parameters(), lr=0.1), "cross_entropy",
+                            policy="mixed_float16")  # fmt: skip
+    assert applied(model) is None
+    with pytest.raises(mp.ArgumentError, match=r"optimizer holds none"):
+        mp.Trainer(model, "cross_entropy", torch.optim.Adam(other.parameters()), device="cpu")
+    prepared = mp.auto_mixed_precision(make_mlp(seed=2), "mixed_float16", "O2")
+    with pytest.raises(mp.ArgumentError, match=r"optimizer holds none"):
+        mp.build_train_step(model, mp.LossScaleOptimizer(torch.optim.SGD(prepared.parameters(),
+                            lr=0.1)), "cross_entropy")  # fmt: skip
+
+
+def test_an_optimizer_over_some_parameters_warns_naming_the_rest():
+    model = make_mlp()
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    with pytest.warns(
+        UserWarning,
+        match=r"holds 2 of the model's 8 trainable parameters; these "
+        r"will not train: 2.weight, 2.bias, 3.weight, 3.bias, 5.weight and 1 more",
+    ):
+        mp.build_train_step(model, opt, "cross_entropy", policy="mixed_float16")
+
+
+@pytest.mark.parametrize(
+    "setup",
+    ["O0", "O2 float32 optimizer", "O2 prepared first", "amp_level O3", "frozen layer"],
+)
+def test_optimizers_built_the_usual_ways_pass(setup):
+    model = make_mlp()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if setup == "O0":
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            step = mp.build_train_step(model, opt, "cross_entropy", "float32")
+        elif setup == "O2 float32 optimizer":  # the 16-bit weights get masters when wrapped
+            opt = torch.optim.Adam(model.parameters())
+            step = mp.build_train_step(model, opt, "cross_entropy", "mixed_float16", "O2")
+        elif setup == "O2 prepared first":  # the optimizer holds float32 masters only
+            mp.auto_mixed_precision(model, "mixed_float16", "O2")
+            lso = mp.LossScaleOptimizer(torch.optim.Adam(model.parameters()))
+            assert not any(p is h for p in lso.master_params() for h, _ in lso.master_weights())
+            step = mp.build_train_step(model, lso, "cross_entropy")
+        elif setup == "amp_level O3":
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            step = mp.build_train_step(model, opt, "cross_entropy", amp_level="O3")
+        else:
+            model[0].requires_grad_(False)
+            opt = torch.optim.SGD(model[2:].parameters(), lr=0.1)
+            step = mp.build_train_step(model, opt, "cross_entropy", "mixed_bfloat16")
+        x, y = classification_data(n=16)
+        assert step(x, y)[1].applied
+
+
+# -- MindSpore's amp_level, and optimizers by name -----------------------------------------
+
+
+def test_amp_level_is_accepted_as_auto_mixed_precision_takes_it():
+    model = make_mlp()
+    mp.build_train_step(model, "sgd", "cross_entropy", amp_level=" o2")
+    done = applied(model)
+    assert done.level == "O2" and done.policy.name == "mixed_float16"  # MindSpore's default
+    mp.build_train_step(model, "sgd", "cross_entropy", amp_level="O2")  # the same: fine
+    with pytest.raises(
+        ValueError,
+        match=r"already prepared with policy mixed_float16, level O2; "
+        r"build_train_step\(policy=None, amp_level='O3'\) cannot change",
+    ):
+        mp.build_train_step(model, "sgd", "cross_entropy", amp_level="O3")
+    with pytest.raises(ValueError, match=r"amp_level='O7' is invalid; valid: O0, O1, O2, O3"):
+        mp.build_train_step(make_mlp(), "sgd", "cross_entropy", amp_level="O7")
+    with pytest.raises(ValueError, match=r"takes level= \(mixprec's\) or amp_level="):
+        mp.build_train_step(make_mlp(), "sgd", "cross_entropy", level="O1", amp_level="O2")

@@ -11,7 +11,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import mixprec as mp
+from mixprec.levels import applied
 from tests.conftest import classification_data, make_mlp
+from tests.train.test_step import sgd_by_hand
 
 
 def trainer(policy="mixed_bfloat16", lr=3e-3, **kwargs):
@@ -147,3 +149,96 @@ def test_evaluate_and_predict_from_a_callback_leave_the_model_training():
     model.eval()
     trainer.evaluate(x, y)
     assert not model.training  # and a model in eval mode stays so
+
+
+# -- accumulation: the epoch's last micro-steps are applied at its end ----------------------
+
+
+@pytest.mark.parametrize(("n", "groups"), [(24, [3]), (40, [4, 1])])
+def test_fit_applies_the_last_partial_accumulation_group_of_each_epoch(n, groups):
+    """Fewer micro-steps than accumulation_steps left at the end of an epoch are applied
+    there, as their mean (Lightning steps there too): the weights match SGD by hand on the
+    same groups, and nothing carries into the next epoch."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    x, y = torch.randn(n, 8), torch.randint(0, 3, (n,))
+    batches = [(x[i : i + 8], y[i : i + 8]) for i in range(0, n, 8)]
+    starts = [sum(groups[:k]) for k in range(len(groups))]
+    control = sgd_by_hand(model, [batches[s : s + g] for s, g in zip(starts, groups, strict=True)],
+                          lr=0.5)  # fmt: skip
+    t = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), lr=0.5),
+                   "float32", accumulation_steps=4, device="cpu")  # fmt: skip
+    t.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert t.global_step == len(groups)
+    # float32 rounding only: a rescale by 4/k and another summation order.
+    for p, c in zip(model.parameters(), control.parameters(), strict=True):
+        torch.testing.assert_close(p, c, rtol=1e-6, atol=1e-7)
+    t.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert t.global_step == 3 * len(groups)  # each epoch's groups, none spanning two
+    assert t.optimizer.state_dict()["micro_steps"] == 0
+
+
+def test_the_flushed_group_is_the_mean_under_float16_masters():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    control = sgd_by_hand(model, [[(x[:8], y[:8]), (x[8:], y[8:])]], lr=0.5)
+    start = model.weight.detach().clone()
+    t = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), lr=0.5),
+                   "mixed_float16", "O2", accumulation_steps=4, device="cpu")  # fmt: skip
+    history = t.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert t.global_step == 1 and history.history["skipped_steps"] == [0]
+    master = t.optimizer.master_weights()[0][1]
+    assert (master - start).abs().max() > 0.01  # the update is far above the tolerance
+    # float16 compute: products and gradients rounded to 11 bits (about 5e-4 relative).
+    torch.testing.assert_close(master, control.weight, rtol=0, atol=2e-3)
+
+
+# -- one API: amp_level, numpy to predict, optimizers by name -------------------------------
+
+
+def test_amp_level_as_auto_mixed_precision_takes_it():
+    model = make_mlp()
+    t = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 0.1),
+                   amp_level="O2", device="cpu")  # fmt: skip
+    assert t.policy.name == "mixed_float16" and applied(model).level == "O2"
+    with pytest.raises(ValueError, match=r"amp_level='O5' is invalid; valid: O0, O1, O2, O3"):
+        mp.Trainer(make_mlp(), "cross_entropy", "sgd", amp_level="O5")
+
+
+def test_predict_takes_numpy_as_fit_and_evaluate_do():
+    x, y = classification_data(n=40)
+    t = trainer()
+    t.fit(x.numpy(), y.numpy(), epochs=1, verbose=0)
+    expected = t.predict(x, batch_size=16)
+    assert torch.equal(t.predict(x.numpy(), batch_size=16), expected)
+    numpy_batches = [(x[:24].numpy(), y[:24].numpy()), (x[24:].numpy(), y[24:].numpy())]
+    assert torch.equal(t.predict(numpy_batches), expected)
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "settings"),
+    [
+        ("adam", torch.optim.Adam, {"lr": 1e-3, "eps": 1e-7}),
+        ("SGD", torch.optim.SGD, {"lr": 0.01, "momentum": 0}),
+        ("adamw", torch.optim.AdamW, {"lr": 1e-3, "eps": 1e-7, "weight_decay": 0.004}),
+        ("rmsprop", torch.optim.RMSprop, {"lr": 1e-3, "alpha": 0.9, "eps": 1e-7}),
+    ],
+)
+def test_optimizer_by_keras_name(name, kind, settings):
+    x, y = classification_data(n=128)
+    model = make_mlp()
+    t = mp.Trainer(model, "cross_entropy", name, "mixed_bfloat16", device="cpu")
+    inner = t.optimizer.optimizer
+    assert type(inner) is kind
+    assert {k: inner.defaults[k] for k in settings} == settings
+    assert len(t.optimizer.master_weights()) == 6  # 3 Linear layers: built in float32, then masters
+    before = [p.detach().clone() for p in model.parameters()]
+    t.fit(x, y, epochs=1, verbose=0)
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    with pytest.raises(
+        mp.ArgumentError,
+        match=r"optimizer='adma' is not a known optimizer; "
+        r"valid: adam, adamw, sgd, rmsprop, adagrad .*\(closest: 'adam'\)",
+    ):
+        mp.Trainer(make_mlp(), "cross_entropy", "adma")

@@ -1,6 +1,7 @@
 """The high-level training workflow: ``Trainer`` (``trainer``), one training step
-(``step``), the data's batches (``batches``), callbacks (``callbacks``) and metrics and
-losses by name (``metrics``)."""
+(``step``), the data's batches (``batches``), callbacks (``callbacks``), metrics and
+losses by name (``metrics``), optimizers by Keras name (``optimizers``) and warnings
+located at the user's line (``warn``)."""
 
 from mixprec.train.callbacks import (
     EMA,

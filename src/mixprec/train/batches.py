@@ -8,7 +8,7 @@ number of classes, the caller supplies it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from mixprec import distributed
 from mixprec._errors import ArgumentError
 from mixprec.data import validate_classification
 from mixprec.train.metrics import LossFn, get_loss
+from mixprec.train.warn import warn
 
 Batch = tuple[Any, torch.Tensor]
 
@@ -49,6 +50,12 @@ def as_tensor(value: Any, name: str) -> torch.Tensor:
         raise ArgumentError(
             f"{name} must be a tensor or an array, got {type(value).__name__}"
         ) from err
+
+
+def is_array(value: Any) -> bool:
+    """Whether ``value`` is an array of samples (numpy's, or anything with ``__array__``)
+    rather than an iterable of batches."""
+    return not isinstance(value, torch.Tensor) and hasattr(value, "__array__")
 
 
 def is_empty(targets: Any) -> bool:
@@ -139,8 +146,9 @@ def check_ranks_agree(x: Any, y: Any, batch_size: int, epochs: int, validation_d
 
 
 def validate(x: Any, y: Any, loss_fn: LossFn, count_classes: Callable[[torch.Tensor], int]) -> None:
-    """Check tensors or arrays ``(x, y)`` before any step: equal lengths, finite inputs,
-    class labels in range; a loader (``y=None``) is checked batch by batch as it trains.
+    """Check tensors or arrays ``(x, y)`` before any step: equal lengths, finite inputs and
+    float targets, class labels in range; a loader (``y=None``) is checked batch by batch as
+    it trains.
 
     ``count_classes(inputs)``: the number of classes the model predicts for a few samples,
     asked only for a cross-entropy loss."""
@@ -153,5 +161,65 @@ def validate(x: Any, y: Any, loss_fn: LossFn, count_classes: Callable[[torch.Ten
         classes = count_classes(xt[:2])
     if cross_entropy or not yt.is_floating_point():
         validate_classification(xt, yt, classes)
-    elif len(xt) == 0:
+        return
+    # Float targets (regression, binary cross-entropy): an inf or NaN target trains the
+    # model to inf as surely as an inf feature does.
+    for arg, t in (("x", xt), ("y", yt)):
+        if t.dim() == 0:
+            raise ValueError(f"data: {arg} is a scalar; it needs a leading sample dimension")
+    if len(xt) != len(yt):
+        raise ValueError(f"data: x has {len(xt)} samples but y has {len(yt)} targets")
+    if len(xt) == 0:
         raise ValueError("data is empty: 0 samples")
+    for arg, t in (("x", xt), ("y", yt)):
+        _check_finite(t, arg)
+
+
+def _check_finite(t: torch.Tensor, arg: str) -> None:
+    """The message ``validate_classification`` gives for non-finite features."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return
+    bad = ~torch.isfinite(t)
+    count = int(bad.sum())
+    if count:
+        first = int(bad.reshape(len(t), -1).any(dim=1).nonzero()[0, 0])
+        raise ValueError(
+            f"data: {arg} has {count} non-finite value(s) (NaN or inf); the first is in "
+            f"sample {first}"
+        )
+
+
+def mark_last(data: Iterable[Batch]) -> Iterator[tuple[Batch, bool]]:
+    """Each batch with whether it is the last non-empty one of ``data`` (read one batch
+    ahead, and past empty ones), so that an accumulation group can be applied there."""
+    held: Batch | None = None  # the latest non-empty batch, given once the next one comes
+    empties: list[Batch] = []  # empty batches after it, given after it
+    for batch in data:
+        if is_empty(batch[1]):
+            if held is None:
+                yield batch, False
+            else:
+                empties.append(batch)
+            continue
+        if held is not None:
+            yield held, False
+            yield from ((e, False) for e in empties)
+        held, empties = batch, []
+    if held is not None:
+        yield held, True
+        yield from ((e, False) for e in empties)
+
+
+def skip_empty(targets: Any, epoch: int, step: int) -> bool:
+    """Whether a loader's batch holds no sample, which is then skipped with a warning: its
+    mean loss is NaN and it would count as a step. Under torchrun, an error: every rank
+    must step together."""
+    if not is_empty(targets):
+        return False
+    if distributed.world_size() > 1:
+        raise ValueError(
+            f"epoch {epoch + 1}, batch {step + 1} is empty on rank {distributed.rank()}; "
+            "every rank must get a non-empty batch at every step"
+        )
+    warn(f"epoch {epoch + 1}, batch {step + 1} is empty: skipped (not a step)")
+    return True

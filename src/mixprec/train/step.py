@@ -19,11 +19,13 @@ from torch import nn
 from mixprec._calling import call
 from mixprec._compile import CompileOption, compile_options, compile_step
 from mixprec._errors import ArgumentError
-from mixprec.levels import applied, auto_mixed_precision, resolve_level
+from mixprec.levels import Applied, applied, auto_mixed_precision, resolve_level
 from mixprec.optim import LossScaleOptimizer, StepResult
 from mixprec.policy import PolicyLike, get_policy
 from mixprec.scaling import LossScaler
 from mixprec.train.metrics import LossFn, get_loss
+from mixprec.train.optimizers import get_optimizer
+from mixprec.train.warn import warn
 
 
 class TrainStep:
@@ -62,18 +64,51 @@ class TrainStep:
         output = call(self.model, x)
         return self.loss_fn(output, y), output
 
-    def __call__(self, x: Any, y: torch.Tensor) -> tuple[torch.Tensor, StepResult]:
+    def __call__(
+        self, x: Any, y: torch.Tensor, *, flush: bool = False
+    ) -> tuple[torch.Tensor, StepResult]:
+        """One micro-step; with ``flush``, an accumulation group that is not full yet is
+        applied now, as the mean over the micro-steps it has (the last batch of an epoch)."""
         self.optimizer.zero_grad()
         loss, output = self._forward_loss(x, y)
         self.optimizer.backward(loss)
-        result = self.optimizer.step()
+        if flush and self.optimizer.accumulation_steps > 1:
+            result = apply_partial_group(self.optimizer)
+        else:
+            result = self.optimizer.step()
         self.last_output = output.detach()
         return (loss.detach().clone() if self._copy_loss else loss.detach()), result
 
 
+def apply_partial_group(optimizer: LossScaleOptimizer) -> StepResult:
+    """``optimizer.step()``, applying the accumulated gradients even when fewer than
+    ``accumulation_steps`` micro-steps were taken, after a ``backward``.
+
+    Each micro-step's backward added ``grad / accumulation_steps``; a group of ``k`` is
+    rescaled by ``accumulation_steps / k`` once unscaled (a 16-bit gradient in its float32
+    master), so the update is the mean over the ``k`` micro-steps, as a full group's is
+    over its own. Clipping, the finiteness check and the loss scale's update then run as on
+    any step."""
+    # The optimizer's own count, this backward included (its state_dict's public view of it).
+    taken = int(optimizer.state_dict().get("micro_steps", 0))
+    group = optimizer.accumulation_steps
+    if not 0 < taken < group:
+        return optimizer.step()
+    optimizer.accumulation_steps = taken  # a group of `taken`, for this step only
+    try:
+        optimizer.unscale_()
+        with torch.no_grad():
+            for p in optimizer.master_params():
+                if p.grad is not None:
+                    p.grad.mul_(group / taken)
+        return optimizer.step()
+    finally:
+        optimizer.accumulation_steps = group
+
+
 def build_train_step(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | str,
     loss_fn: str | LossFn,
     policy: PolicyLike = None,
     level: str = "auto",
@@ -82,22 +117,35 @@ def build_train_step(
     accumulation_steps: int = 1,
     trace_overflow: bool = False,
     compile: CompileOption = False,
+    *,
+    amp_level: str | None = None,
 ) -> TrainStep:
     """Prepare ``model`` (unless ``auto_mixed_precision`` was already applied) and wrap
     ``optimizer`` (unless it is a ``LossScaleOptimizer``); return the step callable.
 
-    ``compile``: ``True`` or a dict of ``torch.compile`` options compiles the forward and
-    the loss together (see ``TrainStep``)."""
+    ``optimizer`` may be a Keras name (``"adam"``, ``"sgd"``...; see
+    ``mixprec.train.optimizers``), built over ``model.parameters()`` with Keras' defaults.
+    ``amp_level``: MindSpore's keyword, in place of ``level``, as ``auto_mixed_precision``
+    takes it. ``compile``: ``True`` or a dict of ``torch.compile`` options compiles the
+    forward and the loss together (see ``TrainStep``)."""
     compile_options(compile)  # a bad value fails before the model is changed
+    if isinstance(model, nn.Module):  # else auto_mixed_precision says what model must be
+        if isinstance(optimizer, str):
+            # Built before the model is prepared, as a user builds one: over float32 weights.
+            optimizer = get_optimizer(optimizer, model.parameters())
+        check_optimizer_covers(model, optimizer)  # before the model changes
     done = applied(model)
     if done is None:
-        auto_mixed_precision(model, policy, level)
-    elif (policy is not None and get_policy(policy) != done.policy) or (
-        level != "auto" and resolve_level(level, done.policy) != done.level
+        auto_mixed_precision(model, policy, level, amp_level=amp_level)
+    elif (
+        (policy is not None and get_policy(policy) != done.policy)
+        or (level != "auto" and resolve_level(level, done.policy) != done.level)
+        or (amp_level is not None and not _same_amp_level(amp_level, done))
     ):
+        asked = f"level={level!r}" if amp_level is None else f"amp_level={amp_level!r}"
         raise ArgumentError(
             f"the model was already prepared with policy {done.policy.name}, level "
-            f"{done.level}; build_train_step(policy={policy!r}, level={level!r}) cannot change "
+            f"{done.level}; build_train_step(policy={policy!r}, {asked}) cannot change "
             "that: build the model again, or leave policy=None and level='auto'"
         )
     if not isinstance(optimizer, LossScaleOptimizer):
@@ -105,3 +153,56 @@ def build_train_step(
             optimizer, loss_scaler, max_grad_norm, accumulation_steps, trace_overflow
         )
     return TrainStep(model, optimizer, get_loss(loss_fn), compile)
+
+
+def _held_parameters(optimizer: Any) -> set[int] | None:
+    """The ids of the model parameters ``optimizer`` updates (a torch optimizer, a list of
+    them, or a ``LossScaleOptimizer``), or None for anything else.
+
+    A ``LossScaleOptimizer`` holds a 16-bit parameter with a float32 master through that
+    master (``master_weights()`` pairs them); every other parameter is in its groups as
+    it is (``master_params()``)."""
+    if isinstance(optimizer, LossScaleOptimizer):
+        held = {id(p) for p in optimizer.master_params()}
+        held.update(id(half) for half, _ in optimizer.master_weights())
+        return held
+    optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+    plain = [
+        isinstance(o, torch.optim.Optimizer) and not isinstance(o, LossScaleOptimizer)
+        for o in optimizers
+    ]
+    if not optimizers or not all(plain):
+        return None
+    return {id(p) for o in optimizers for group in o.param_groups for p in group["params"]}
+
+
+def _same_amp_level(amp_level: str, done: Applied) -> bool:
+    """Whether MindSpore's ``amp_level`` names the level the model was prepared with (its
+    O3 is the one with float32 masters)."""
+    key = amp_level.strip().upper() if isinstance(amp_level, str) else None
+    return key == done.level and (key != "O3" or done.o3_masters)
+
+
+def check_optimizer_covers(model: nn.Module, optimizer: Any) -> None:
+    """Refuse an optimizer that holds none of ``model``'s trainable parameters (built over
+    another model: every step would report applied and change nothing); warn, naming
+    them, when it holds only some. Anything but optimizers is left to
+    ``LossScaleOptimizer``'s own checks."""
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    held = _held_parameters(optimizer)
+    if not trainable or held is None:
+        return
+    missing = [name for name, p in trainable if id(p) not in held]
+    if len(missing) == len(trainable):
+        raise ArgumentError(
+            f"optimizer holds none of the model's {len(trainable)} trainable parameters (was "
+            "it built over another model?): no step would change the model; build it over "
+            "this model's parameters, e.g. torch.optim.Adam(model.parameters())"
+        )
+    if missing:
+        names = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if missing[5:] else "")
+        warn(
+            f"optimizer holds {len(trainable) - len(missing)} of the model's {len(trainable)} "
+            f"trainable parameters; these will not train: {names}. Add them to the "
+            "optimizer, or freeze them with requires_grad_(False) if that is meant"
+        )

@@ -14,7 +14,6 @@ import itertools
 import os
 import statistics
 import time
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -38,6 +37,7 @@ from mixprec.train.batches import Batch, as_tensor, to_device
 from mixprec.train.callbacks import Callback, CallbackList, History, Logs, ProgressBar
 from mixprec.train.metrics import LossFn, Metric, get_loss, get_metric
 from mixprec.train.step import build_train_step
+from mixprec.train.warn import warn
 
 
 @contextlib.contextmanager
@@ -124,8 +124,7 @@ class _HealthWatch:
             scaler.state, result.found_inf, self.culprit(result), scale_floor(scaler), loss
         )
         if warning:
-            # Attributed to the same line as the epoch loop's own warnings (in Trainer.fit).
-            warnings.warn(warning, UserWarning, stacklevel=3)
+            warn(warning)
         if self.health.needs_trace and self.can_trace:
             self._stuck_tracer = OverflowTracer(self.model)  # for the next step only
 
@@ -145,16 +144,19 @@ class Trainer:
     """Train a float32-built model and optimizer in mixed precision.
 
     ``Trainer(model, loss, optimizer, policy="mixed_bfloat16")`` applies the policy and level
-    to ``model`` (in place) and wraps ``optimizer`` in a ``LossScaleOptimizer``. ``compile``
+    to ``model`` (in place) and wraps ``optimizer`` in a ``LossScaleOptimizer``. ``optimizer``
+    may be a Keras name (``"adam"``, ``"sgd"``...) with Keras' defaults; ``amp_level`` is
+    MindSpore's keyword for the level, as ``auto_mixed_precision`` takes it. ``compile``
     (``True`` or a dict of ``torch.compile`` options) compiles each training step's forward
-    and loss; evaluation and prediction run the model as it is.
+    and loss; evaluation and prediction run the model as it is. With ``accumulation_steps``,
+    the last micro-steps of an epoch are applied at its end, as their mean.
     """
 
     def __init__(
         self,
         model: nn.Module,
         loss: str | LossFn,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | str,
         policy: PolicyLike = None,
         level: str = "auto",
         loss_scaler: LossScaler | None = None,
@@ -165,6 +167,8 @@ class Trainer:
         trace_overflow: bool = False,
         fp32_allreduce: bool = False,
         compile: CompileOption = False,
+        *,
+        amp_level: str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ArgumentError(
@@ -185,6 +189,7 @@ class Trainer:
             accumulation_steps,
             trace_overflow,
             compile,
+            amp_level=amp_level,
         )
         self.health = ScalerHealth()
         self._watch = _HealthWatch(self.health, model, compile_options(compile) is None)
@@ -193,6 +198,8 @@ class Trainer:
         # model, every rank starting from rank 0's weights and float32 masters.
         self.distributed = distributed.init_from_env()  # False outside torchrun (WORLD_SIZE 1)
         self.optimizer = self.step.optimizer
+        # The Trainer watches the scale itself (with a traced culprit and the loss): one warning.
+        self.optimizer.health = None
         if self.distributed:
             self.step.model = distributed.distributed_data_parallel(
                 model, self.optimizer, fp32_allreduce=fp32_allreduce
@@ -301,27 +308,21 @@ class Trainer:
         self.model.train()
         self._epoch = epoch
         meter = _EpochMeter(self.metrics)
+        # With accumulation, the epoch's last batch applies the group it ends (read ahead).
+        marked = (
+            batches.mark_last(epoch_data)
+            if self.optimizer.accumulation_steps > 1
+            else ((batch, False) for batch in epoch_data)
+        )
         try:
-            for step, batch in enumerate(epoch_data, start=first_step):
+            for step, (batch, last) in enumerate(marked, start=first_step):
                 self._step_in_epoch = step + 1
                 xb, yb = to_device(batch[0], self.device), to_device(batch[1], self.device)
-                if batches.is_empty(yb):
-                    # Its mean loss is NaN and it would count as a step: not a batch to train on.
-                    if distributed.world_size() > 1:
-                        raise ValueError(
-                            f"epoch {epoch + 1}, batch {step + 1} is empty on rank "
-                            f"{distributed.rank()}; "
-                            "every rank must get a non-empty batch at every step"
-                        )
-                    warnings.warn(
-                        f"epoch {epoch + 1}, batch {step + 1} is empty: skipped (not a step)",
-                        UserWarning,
-                        stacklevel=2,
-                    )
+                if batches.skip_empty(yb, epoch, step):
                     continue
                 start = time.perf_counter()
                 try:
-                    loss, result = self.step(xb, yb)
+                    loss, result = self.step(xb, yb, flush=last)
                 except IndexError as err:
                     # A loader's labels are seen only here; tensors are checked up front
                     # (batches.validate) with a ValueError, so a loader's get one too.
@@ -384,10 +385,11 @@ class Trainer:
     def predict(self, x: Any, batch_size: int = 32) -> torch.Tensor:
         """The model's outputs in float32, on the CPU, for tensors/arrays or batches."""
         outputs = []
-        if isinstance(x, torch.Tensor) or not isinstance(x, Iterable):
+        if isinstance(x, torch.Tensor) or batches.is_array(x) or not isinstance(x, Iterable):
             chunks: Iterable[Any] = as_tensor(x, "x").split(batch_size)
         else:
             chunks = (b[0] if isinstance(b, (tuple, list)) else b for b in x)
+            chunks = (as_tensor(c, "x") if batches.is_array(c) else c for c in chunks)
         with torch.no_grad(), _eval_mode(self.model):
             for chunk in chunks:
                 outputs.append(call(self.model, to_device(chunk, self.device)).float().cpu())
