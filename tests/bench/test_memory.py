@@ -37,3 +37,32 @@ def test_max_batch_finds_a_fitting_batch(capsys):
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "largest batch within 100000 MB" in out and "O2-bf16" in out
+
+
+def test_max_batch_reports_each_probe(monkeypatch):
+    """Issue 33 item 9: the search ran minutes of probes without a word. On a fake
+    fresh-process pool whose step peaks at 1 MB a sample: what each probe found."""
+
+    class Pool:
+        def __init__(self, processes: int) -> None: ...
+
+        def __enter__(self) -> Pool:
+            return self
+
+        def __exit__(self, *exc: object) -> None: ...
+
+        def apply(self, fn, args):
+            return fn(*args)
+
+    class Context:
+        def Pool(self, processes: int) -> Pool:  # noqa: N802 (multiprocessing's name)
+            return Pool(processes)
+
+    monkeypatch.setattr(memory.multiprocessing, "get_context", lambda method: Context())
+    monkeypatch.setattr(memory, "_peak_memory", lambda args: float(args[5]))
+    probes: list[tuple[int, bool]] = []
+    found = bench.max_batch("mlp-b64", "float32", 10, small=True, limit=64,
+                            progress=lambda batch, fits: probes.append((batch, fits)))  # fmt: skip
+    assert found == 10
+    assert probes == [(1, True), (2, True), (4, True), (8, True), (16, False), (12, False),
+                      (10, True), (11, False)]  # fmt: skip

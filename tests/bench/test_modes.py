@@ -150,3 +150,10 @@ def test_float8_modes_without_torchao_name_the_extra(monkeypatch, capsys):
     with pytest.raises(ImportError, match=r"pip install 'mixprec\[float8\]'"):
         bench.run("mlp-b64", ["float32", "O2-fp8+compile"], memory=False, small=True)
     assert built == []  # refused before any work
+
+
+def test_with_compiled_adds_each_compiled_mode_once():
+    """Issue 32 item 10: ``--modes O2-bf16,O2-bf16+compile --compile`` ran the compiled
+    mode twice, in two rows."""
+    assert bench.with_compiled(["O2-bf16", "O2-bf16+compile", "auto"]) == [
+        "O2-bf16", "O2-bf16+compile", "auto", "auto+compile"]  # fmt: skip

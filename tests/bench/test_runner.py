@@ -4,6 +4,7 @@ measured by `mixprec bench`, never asserted here."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -202,3 +203,48 @@ def test_float8_modes_convert_the_lm_blocks_and_report_them(capsys):
     assert " fp8 " in text.splitlines()[1] and " 4/5 " in text
     for mode in bench.FLOAT8_MODES:
         assert f"{mode}: " in text and "x the tokens/s of O2-bf16" in text
+
+
+def test_the_speedup_keeps_the_lowest_and_highest_round_ratio(monkeypatch):
+    """Issue 33 item 12: only the median ratio was kept, so the chart could not show how far
+    the rounds were apart."""
+    times = {"float32": [1.0, 1.0, 1.0, 9.0, 9.0], "O2-bf16": [2.0, 0.8, 10.0, 10.0, 10.0]}
+    last = {m: torch.tensor(1.0) for m in times}
+    monkeypatch.setattr(runner, "build_step", lambda mode, *a, **k: lambda: torch.zeros(()))
+    monkeypatch.setattr(
+        runner, "_time_modes", lambda *a, **k: (times, last, dict.fromkeys(times, 1.0))
+    )
+    base, mixed = bench.run("mlp-b64", ["O2-bf16"], memory=False, small=True)
+    assert (base.speedup_min, base.speedup, base.speedup_max) == (1.0, 1.0, 1.0)
+    assert (mixed.speedup_min, mixed.speedup, mixed.speedup_max) == (0.1, 0.9, 1.25)
+    assert json.loads(bench.to_json({"w": [base, mixed]}))["results"]["w"][1]["speedup_max"] == 1.25
+
+
+def test_a_mode_named_twice_runs_once_and_progress_counts_every_unit(monkeypatch):
+    """Issue 32 item 10: duplicate modes printed duplicate rows. Issue 33 item 9: ``run``
+    reports each unit of its work (warm-up, rounds, memory probe of every mode)."""
+    monkeypatch.setattr(runner, "build_step", lambda mode, *a, **k: lambda: torch.zeros(()))
+    done: list[str] = []
+    results = bench.run("mlp-b64", ["O2-bf16", "O2-bf16", "auto"], repeats=2, steps=1,
+                        warmup=1, memory=False, small=True, min_round_ms=0,
+                        progress=done.append)  # fmt: skip
+    assert [r.mode for r in results] == ["float32", "O2-bf16", "auto"]
+    assert done == [
+        "float32: warm-up", "O2-bf16: warm-up", "auto: warm-up",
+        "float32: round 1/2", "O2-bf16: round 1/2", "auto: round 1/2",
+        "auto: round 2/2", "O2-bf16: round 2/2", "float32: round 2/2",
+    ]  # fmt: skip
+    assert bench.run_units(["O2-bf16", "O2-bf16", "auto"], 2, memory=False) == len(done)
+    assert bench.run_units(["float32", "auto"], 5, memory=True) == 2 * 7
+
+
+def test_an_unknown_compile_mode_is_refused_before_any_work(monkeypatch):
+    """Issue 32 item 13: torch refused it at the first compiled step, deep in dynamo."""
+    monkeypatch.setattr(runner, "build_step", lambda *a, **k: pytest.fail("work started"))
+    with pytest.raises(ValueError, match="unknown compile mode 'bogus'; torch.compile's modes"):
+        bench.run("mlp-b64", ["O2-bf16+compile"], compile_mode="bogus", small=True)
+    valid = bench.compile_modes()
+    assert {"default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"} <= set(
+        valid
+    )
+    assert bench.check_compile_mode("max-autotune") == "max-autotune"

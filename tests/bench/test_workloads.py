@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -65,3 +66,25 @@ def test_lm_d2048_is_a_gpu_workload_not_run_by_default():
         )
         assert work.float8 == mp.Float8Options(min_features=2048)
     assert 22e12 < full.flops < 23e12  # model TFLOPs a step: sized for a GPU
+
+
+def not_a_workload() -> int:
+    """A ``module:function`` spec whose function returns something else than a Workload."""
+    return 42
+
+
+def test_a_spec_that_names_no_workload_factory_is_one_clear_error():
+    """Issue 32 item 13: ``json:loads`` ended in json's raw TypeError."""
+    need = "give a function that takes no arguments and returns a mixprec.bench.Workload"
+    missing = r"without arguments \(missing a required argument: 's'\)"
+    with pytest.raises(
+        ValueError, match="'json:loads': json.loads cannot be called " + missing
+    ) as err:
+        bench.get_workload("json:loads")
+    assert str(err.value).endswith(need)
+    spec = "tests.bench.test_workloads:not_a_workload"
+    with pytest.raises(ValueError, match="not_a_workload\\(\\) returned int, not a Workload; "):
+        bench.get_workload(spec)
+    with pytest.raises(ValueError, match="module 'os' has no function 'nosuch'"):
+        bench.workload_factory("os:nosuch")
+    assert bench.workload_factory("tests.bench.test_workloads:tiny_workload") is tiny_workload

@@ -29,3 +29,190 @@ def test_bench_float8_mode_says_what_it_converted_and_that_cpu_emulates_it(capsy
 def test_bench_cuda_without_cuda_is_one_line(capsys):
     assert cli.main(["bench", "--small", "--device", "cuda"]) == 2
     assert "--device 'cuda': CUDA is not available" in capsys.readouterr().err
+
+
+@pytest.fixture
+def fake_steps(monkeypatch):
+    """Every mode's step is instant and takes 2 ms (float32) or 1 ms on a clock the test
+    controls: a bench run costs nothing and prints the same figures every time."""
+    import types
+
+    import torch
+
+    from mixprec.bench import runner
+
+    now = [0.0]
+
+    def build_step(mode, work, device, **kwargs):
+        def step():
+            now[0] += 0.002 if mode == "float32" else 0.001
+            return torch.tensor(1.0)
+
+        return step
+
+    monkeypatch.setattr(runner, "build_step", build_step)
+    monkeypatch.setattr(runner, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+
+FAST = ["--small", "--no-memory", "--repeats", "2", "--steps", "1", "--warmup", "1",
+        "--min-round-ms", "0"]  # fmt: skip
+
+
+def test_bench_shows_progress_on_stderr_and_keeps_stdout_unchanged(fake_steps, monkeypatch,
+                                                                   capsys):  # fmt: skip
+    """Issue 33 item 9: bench printed nothing for minutes. A tqdm bar on stderr steps once
+    per unit of work (each mode's warm-up and rounds, per workload) to its total; stdout
+    holds the same tables as without the bar."""
+    from tqdm import tqdm
+
+    from mixprec import bench
+    from mixprec.cli import bench as cli_bench
+
+    argv = ["bench", "mlp-b64", "cnn", "--modes", "float32,O2-bf16", *FAST]
+    real = cli_bench._progress_bar
+    monkeypatch.setattr(cli_bench, "_progress_bar",
+                        lambda total, unit: tqdm(total=total, disable=True))  # fmt: skip
+    assert cli.main(argv) == 0
+    quiet = capsys.readouterr()
+    bars: list[tqdm] = []
+    monkeypatch.setattr(cli_bench, "_progress_bar",
+                        lambda total, unit: bars.append(real(total, unit)) or bars[-1])  # fmt: skip
+    assert cli.main(argv) == 0
+    shown = capsys.readouterr()
+    assert shown.out == quiet.out and "workload cnn" in shown.out and "\r" not in shown.out
+    (bar,) = bars
+    total = 2 * bench.run_units(["float32", "O2-bf16"], repeats=2, memory=False)
+    assert bar.total == bar.n == total == 12
+    assert (
+        f"{total}/{total}" in shown.err and "cnn float32: round 2/2]" in shown.err
+    )  # the last unit
+
+
+def test_max_batch_shows_progress_per_mode_and_probe(monkeypatch, capsys):
+    from mixprec import bench
+
+    def max_batch(workload, mode, budget, *args, progress=None):
+        for batch, fits in ((1, True), (2, True), (4, False)):
+            progress(batch, fits)
+        return 2
+
+    monkeypatch.setattr(bench, "max_batch", max_batch)
+    argv = ["bench", "mlp-b64", "cnn", "--small", "--modes", "float32,O2-bf16", "--max-batch", "9"]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [
+        "workload mlp-b64: largest batch within 9 MB",
+        "  float32                      2 (1.00x float32)",
+        "  O2-bf16                      2 (1.00x float32)",
+        "workload cnn: largest batch within 9 MB",
+        "  float32                      2 (1.00x float32)",
+        "  O2-bf16                      2 (1.00x float32)",
+    ]
+    assert "4/4" in err and "cnn O2-bf16: batch 4 too big" in err
+
+
+@pytest.mark.parametrize(
+    ("modes", "message"),
+    [
+        ("", "--modes '' is empty; give comma-separated modes, each optionally '+compile', "
+             "from: float32, torch-autocast-bf16, "),
+        ("float32,,O2-bf16", "--modes 'float32,,O2-bf16' has an empty mode name; give "),
+    ],
+)  # fmt: skip
+def test_bench_empty_modes_are_a_usage_error(modes, message, fake_steps, capsys):
+    """Issue 32 item 10: ``--modes ""`` ran every mode."""
+    from mixprec import bench
+
+    assert cli.main(["bench", "mlp-b64", "--modes", modes, *FAST]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and message in err
+    assert all(m in err for m in bench.ALL_MODES)
+
+
+def test_bench_runs_a_repeated_mode_once_with_a_note(fake_steps, capsys):
+    """Issue 32 item 10: duplicate modes printed duplicate rows. They are de-duplicated,
+    in order, and a note on stderr says so."""
+    argv = ["bench", "mlp-b64", "--modes", "O2-bf16,float32,O2-bf16, float32", *FAST]
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    rows = [line.split()[0] for line in out.splitlines() if line.startswith(("float32", "O2-"))]
+    assert rows == ["O2-bf16", "float32"]  # in the order named
+    assert "note: --modes names O2-bf16, float32 more than once; each mode runs once" in err
+    # --compile adds each compiled mode once, beside one already named.
+    assert cli.main(["bench", "mlp-b64", "--modes", "O2-bf16,O2-bf16+compile", "--compile",
+                     *FAST]) == 0  # fmt: skip
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()
+            if line.startswith(("float32", "O2-"))]  # fmt: skip
+    assert rows == ["float32", "O2-bf16", "O2-bf16+compile"]
+
+
+def not_a_workload() -> list[int]:
+    return [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("json:loads", "workload 'json:loads': json.loads cannot be called without arguments "
+                       "(missing a required argument: 's'); give a function that takes no "
+                       "arguments and returns a mixprec.bench.Workload"),
+        ("tests.cli.test_bench:not_a_workload", "workload 'tests.cli.test_bench:not_a_workload':"
+         " tests.cli.test_bench.not_a_workload() returned list, not a Workload; give a "
+         "function that takes no arguments and returns a mixprec.bench.Workload"),
+    ],
+)  # fmt: skip
+def test_bench_spec_that_is_no_workload_factory_is_one_line(spec, message, fake_steps, capsys):
+    """Issue 32 item 13: ``mixprec bench json:loads`` ended in json's raw TypeError."""
+    assert cli.main(["bench", spec, *FAST]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"mixprec bench: error: {message}\n"
+
+
+def test_bench_unknown_compile_mode_lists_the_valid_ones_before_any_work(fake_steps, capsys):
+    """Issue 32 item 13: ``--compile-mode bogus`` ran the bench, then failed in dynamo."""
+    assert cli.main(["bench", "mlp-b64", "--compile", "--modes", "O2-bf16",
+                     "--compile-mode", "bogus", *FAST]) == 2  # fmt: skip
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1
+    assert "--compile-mode 'bogus' is not a torch.compile mode; valid: " in err
+    for mode in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
+        assert f" {mode}," in err or err.rstrip().endswith(f" {mode}")
+
+
+def test_bench_refuses_a_plot_suffix_matplotlib_cannot_write_before_any_work(
+    fake_steps, tmp_path, capsys
+):
+    assert cli.main(["bench", "mlp-b64", "--plot", str(tmp_path / "b.bogus"), *FAST]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "matplotlib cannot write '.bogus' files; give a .png file path" in err
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_bench_chart_subtitle_says_whether_bf16_is_fast(fast, fake_steps, monkeypatch, tmp_path,
+                                                        capsys):  # fmt: skip
+    """Issue 33 item 12: the subtitle named the CPU, not whether it has fast bf16."""
+    from mixprec import bench
+    from mixprec._hardware import Hardware
+    from mixprec.bench import report
+
+    detail = "CPU with avx512_bf16" if fast else "CPU without AVX512-BF16 or AMX"
+    monkeypatch.setattr(report, "probe_hardware", lambda: Hardware("cpu", fast, False, detail))
+    figures = []
+
+    def plot(results, path, subtitle=None):
+        figures.append(bench.chart(results, subtitle))
+
+    monkeypatch.setattr(bench, "plot", plot)
+    argv = ["bench", "mlp-b64", "--modes", "float32,O2-bf16", "--device", "cpu",
+            "--plot", str(tmp_path / "b.png"), *FAST]  # fmt: skip
+    assert cli.main(argv) == 0
+    (fig,) = figures
+    subtitle = fig.axes[0].get_title().splitlines()[1]
+    expected = ("fast bf16 (AVX512-BF16)" if fast else
+                "no fast bf16 (no AVX512-BF16 or AMX: bfloat16 matmuls are emulated)")  # fmt: skip
+    assert subtitle.startswith(bench.device_name("cpu") + ", " + expected + ", torch ")
+    assert subtitle.endswith(", --small shapes")
+    # The rounds' spread reaches the chart: one whisker a mode beside float32.
+    from matplotlib.container import ErrorbarContainer
+
+    assert sum(isinstance(c, ErrorbarContainer) for c in fig.axes[0].containers) == 1

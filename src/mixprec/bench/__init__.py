@@ -18,20 +18,23 @@ from mixprec.bench.modes import (
     POLICY_MODES,
     Step,
     build_step,
+    check_compile_mode,
     check_mode,
+    compile_modes,
     is_float8_mode,
     mode_for_policy,
     require_float8,
     with_compiled,
 )
-from mixprec.bench.report import device_name, notes, table, to_json
-from mixprec.bench.runner import PEAK_TFLOPS, ModeResult, peak_tflops, run
+from mixprec.bench.report import bf16_support, device_name, notes, table, to_json
+from mixprec.bench.runner import PEAK_TFLOPS, ModeResult, Progress, peak_tflops, run, run_units
 from mixprec.bench.workloads import (
     DEFAULT_WORKLOADS,
     WORKLOADS,
     Workload,
     get_workload,
     lm_flops,
+    workload_factory,
 )
 
 __all__ = [
@@ -47,11 +50,15 @@ __all__ = [
     "MemoryArgs",
     "ModeResult",
     "PeakMemory",
+    "Progress",
     "Step",
     "Workload",
+    "bf16_support",
     "build_step",
     "chart",
+    "check_compile_mode",
     "check_mode",
+    "compile_modes",
     "device_name",
     "get_workload",
     "is_float8_mode",
@@ -64,7 +71,9 @@ __all__ = [
     "plot",
     "require_float8",
     "run",
+    "run_units",
     "table",
     "to_json",
     "with_compiled",
+    "workload_factory",
 ]

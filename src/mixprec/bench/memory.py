@@ -120,9 +120,11 @@ def max_batch(
     limit: int = 1 << 16,
     outputs_16bit: bool = False,
     float8: Float8Options | None = None,
+    progress: Callable[[int, bool], None] | None = None,
 ) -> int:
     """The largest batch of ``workload`` whose training step, in ``mode`` alone in a fresh
-    process, peaks within ``budget_mb``: doubling, then bisection (0 if none fits)."""
+    process, peaks within ``budget_mb``: doubling, then bisection (0 if none fits).
+    ``progress(batch, fits)`` is called after each probe."""
     check_mode(mode)
     require_float8([mode])
     ctx = multiprocessing.get_context("spawn")
@@ -134,6 +136,8 @@ def max_batch(
             peak = pool.apply(_peak_memory, (args,))
         if peak is None:
             raise RuntimeError("peak memory cannot be measured on this platform")
+        if progress is not None:
+            progress(batch, peak <= budget_mb)
         return peak <= budget_mb
 
     low, high = 0, 1

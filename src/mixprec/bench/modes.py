@@ -72,8 +72,28 @@ POLICY_MODES: dict[str, str] = {
 
 
 def with_compiled(modes: Sequence[str]) -> list[str]:
-    """``modes`` followed by the compiled version of each (``mixprec bench --compile``)."""
-    return [*modes, *(m + COMPILED for m in modes if not m.endswith(COMPILED))]
+    """``modes`` followed by the compiled version of each (``mixprec bench --compile``),
+    each mode once: a compiled mode already in ``modes`` is not added again."""
+    return list(dict.fromkeys([*modes, *(m.removesuffix(COMPILED) + COMPILED for m in modes)]))
+
+
+def compile_modes() -> tuple[str, ...]:
+    """The ``mode`` values this torch's ``torch.compile`` takes (``default``,
+    ``reduce-overhead``, ``max-autotune``, ``max-autotune-no-cudagraphs``, ...)."""
+    import torch._inductor  # only when a compile mode is checked: it is slow to import
+
+    return tuple(torch._inductor.list_mode_options())
+
+
+def check_compile_mode(compile_mode: str) -> str:
+    """``compile_mode`` if ``torch.compile`` takes it; else an error that lists those it
+    takes, before any work (torch would refuse it at the first compiled step)."""
+    valid = compile_modes()
+    if compile_mode not in valid:
+        raise ArgumentError(
+            f"unknown compile mode {compile_mode!r}; torch.compile's modes are: " + ", ".join(valid)
+        )
+    return compile_mode
 
 
 def check_mode(mode: str) -> str:

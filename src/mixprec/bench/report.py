@@ -97,6 +97,35 @@ def device_name(device: str = "auto") -> str:
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else _cpu_name()
 
 
+def bf16_support(device: str = "auto") -> str:
+    """Whether ``device`` (as given to ``run``) runs bfloat16 matrix work fast, and by what,
+    from ``probe_hardware``: on a CPU its AVX512-BF16 / AMX units, on a GPU its compute
+    capability. This decides whether the bf16 figures measure bfloat16's speed."""
+    dev = resolve_device(device)
+    hw = probe_hardware()
+    if dev.type == "cuda" and hw.device == "cuda":
+        return f"{'fast' if hw.bf16_fast else 'no fast'} bf16 ({hw.detail.rpartition('(')[2][:-1]})"
+    if dev.type != "cpu":
+        return "bf16 speed unknown"
+    if hw.device == "cpu":
+        fast, detail = hw.bf16_fast, hw.detail
+    else:  # a CUDA machine benched on its CPU: the CPU's flags, as probe_hardware reads them
+        units = sorted(set((cpuinfo_field("flags") or "").split()) & _CPU_BF16_UNITS)
+        fast, detail = bool(units), "CPU with " + ", ".join(units)
+    if not fast:
+        return "no fast bf16 (no AVX512-BF16 or AMX: bfloat16 matmuls are emulated)"
+    if detail.startswith("CPU with "):
+        units = detail.removeprefix("CPU with ").split(", ")
+        return "fast bf16 (" + ", ".join(_UNIT_NAMES.get(u, u) for u in units) + ")"
+    return f"fast bf16 ({detail.removeprefix('CPU ').strip('()')})"
+
+
+#: The CPU flags of fast bfloat16 matrix work (as ``probe_hardware`` reads them), and how
+#: the chart's subtitle names them.
+_CPU_BF16_UNITS = {"avx512_bf16", "amx_bf16", "amx_tile"}
+_UNIT_NAMES = {"avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16", "amx_tile": "AMX tiles"}
+
+
 def to_json(
     all_results: dict[str, list[ModeResult]], outputs_16bit: bool = False, device: str = "auto"
 ) -> str:
@@ -109,6 +138,7 @@ def to_json(
             "torch": torch.__version__,
             "device": dev.type,
             "device_name": device_name(device),
+            "bf16": bf16_support(device),
             "float32_matmul": "IEEE float32 (TF32 off)",
             "outputs_16bit": outputs_16bit,
             "notes": notes(modes, device),

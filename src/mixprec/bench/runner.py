@@ -12,7 +12,7 @@ import math
 import multiprocessing
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +26,7 @@ from mixprec.bench.modes import (
     _matmul_dtype,
     _sync,
     build_step,
+    check_compile_mode,
     check_mode,
     require_float8,
 )
@@ -41,6 +42,28 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "A100": {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
     "L4": {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3},
 }
+
+#: ``run``'s progress callback: called once per unit of work done (``run_units`` counts
+#: them), with what was done, such as ``"O2-bf16: round 2/5"``.
+Progress = Callable[[str], None]
+
+
+def _quiet(done: str) -> None:
+    """The default ``Progress``: says nothing."""
+
+
+def run_units(modes: Sequence[str], repeats: int, memory: bool = True) -> int:
+    """How many times ``run`` calls its ``progress`` with these arguments: for each mode
+    (float32 included, each mode once), after its warm-up, after each of its ``repeats``
+    timed rounds and, with ``memory``, after its memory probe."""
+    count = len(_run_modes(modes))
+    return count * (1 + repeats + int(memory))
+
+
+def _run_modes(modes: Sequence[str]) -> list[str]:
+    """The modes ``run`` times: each once, in order, float32 first where it is missing."""
+    unique = list(dict.fromkeys(modes))
+    return unique if "float32" in unique else ["float32", *unique]
 
 
 def peak_tflops(device: torch.device, kind: str) -> float | None:
@@ -86,6 +109,8 @@ class ModeResult:
     compile_s: float | None = None  # +compile modes: the first step's time above a steady one
     float8_layers: int | None = None  # float8 modes: Linear layers converted to float8...
     linear_layers: int | None = None  # ...of this many
+    speedup_min: float | None = None  # the lowest of the rounds' ratios behind ``speedup``...
+    speedup_max: float | None = None  # ...and the highest: the spread between rounds
 
 
 def run(
@@ -101,6 +126,7 @@ def run(
     outputs_16bit: bool = False,
     compile_mode: str | None = None,
     float8: Float8Options | None = None,
+    progress: Progress = _quiet,
 ) -> list[ModeResult]:
     """Benchmark ``modes`` on ``workload``; ``repeats`` rounds per mode, interleaved, after
     ``warmup`` steps each (at least 2). A round is ``steps`` steps, or more where the
@@ -108,15 +134,18 @@ def run(
     measures the timer and the cache left by the previous mode); every mode runs the same
     number of steps, so their final losses compare. Rounds run the modes forwards and
     backwards in turn. ms/step is the median of the per-round ms/step; the speedup, the
-    median of the per-round ratios to float32.
+    median of the per-round ratios to float32, and their lowest and highest are kept
+    (``speedup_min``, ``speedup_max``). A mode named twice runs once.
     ``outputs_16bit``, ``compile_mode`` and ``float8`` as in ``build_step``; a ``+compile``
     mode's compile time is its first step's time above its steady-state ms/step, kept
-    apart. float8 modes need torchao: ``ImportError`` naming ``mixprec[float8]`` first."""
+    apart. float8 modes need torchao: ``ImportError`` naming ``mixprec[float8]`` first.
+    ``progress`` is called after each unit of work (see ``run_units``)."""
     for mode in modes:
         check_mode(mode)
+    if compile_mode is not None:
+        check_compile_mode(compile_mode)
     require_float8(modes)
-    if "float32" not in modes:
-        modes = ["float32", *modes]
+    modes = _run_modes(modes)
     dev = resolve_device(device)
     work = get_workload(workload, small)
     if any(m.endswith(COMPILED) for m in modes):
@@ -129,7 +158,9 @@ def run(
         for mode in modes
     }  # fmt: skip
     with _true_float32(dev):
-        times, last, first = _time_modes(built, repeats, steps, warmup, dev, min_round_ms)
+        times, last, first = _time_modes(
+            built, repeats, steps, warmup, dev, min_round_ms, progress=progress
+        )
     peaks: dict[str, float | None] = dict.fromkeys(modes)
     if memory:
         ctx = multiprocessing.get_context("spawn")
@@ -138,14 +169,14 @@ def run(
                 args: MemoryArgs = (workload, mode, device, small, 2, None, outputs_16bit,
                                     compile_mode, float8)  # fmt: skip
                 peaks[mode] = pool.apply(_peak_memory, (args,))
+                progress(f"{mode}: peak memory")
     results = []
     for mode in modes:
         ms = statistics.median(times[mode])
         # Paired: each round's float32 time over the mode's in the same round, so load that
         # drifts between rounds (a shared machine) cancels instead of tilting the medians.
-        speedup = statistics.median(
-            b / t for b, t in zip(times["float32"], times[mode], strict=True)
-        )
+        ratios = [b / t for b, t in zip(times["float32"], times[mode], strict=True)]
+        speedup = statistics.median(ratios)
         converted, linears = getattr(built[mode], "float8", None) or (None, None)
         tflops = work.flops / ms / 1e9 if work.flops else None
         peak = peak_tflops(dev, _matmul_dtype(mode))
@@ -164,6 +195,8 @@ def run(
                 compile_s=(first[mode] - ms) / 1000 if mode.endswith(COMPILED) else None,
                 float8_layers=converted,
                 linear_layers=linears,
+                speedup_min=min(ratios),
+                speedup_max=max(ratios),
             )
         )
     return results
@@ -176,9 +209,11 @@ def _time_modes(
     warmup: int,
     dev: torch.device,
     min_round_ms: float,
+    progress: Progress = _quiet,
 ) -> tuple[dict[str, list[float]], dict[str, torch.Tensor], dict[str, float]]:
     """Per mode: the ms/step of each round, the loss of the last step, and the ms of the
-    first step (which compiles, for compiled modes)."""
+    first step (which compiles, for compiled modes). ``progress`` after each mode's warm-up
+    and each mode's round."""
     last: dict[str, torch.Tensor] = {}
     first: dict[str, float] = {}
     fastest = float("inf")
@@ -193,6 +228,7 @@ def _time_modes(
                 first[mode] = ms
             else:
                 fastest = min(fastest, ms)
+        progress(f"{mode}: warm-up")
     steps = max(steps, math.ceil(min_round_ms / max(fastest, 1e-3)))
     times: dict[str, list[float]] = {mode: [] for mode in built}
     order = list(built.items())
@@ -206,4 +242,5 @@ def _time_modes(
                 last[mode] = step()
             _sync(dev)
             times[mode].append(1000 * (time.perf_counter() - start) / steps)
+            progress(f"{mode}: round {r + 1}/{repeats}")
     return times, last, first

@@ -7,6 +7,7 @@ user's ``module:function`` returning a ``Workload``.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -107,12 +108,44 @@ WORKLOADS: dict[str, Callable[[int | None], Workload]] = {
 DEFAULT_WORKLOADS: tuple[str, ...] = ("mlp-b64", "mlp-b8192", "lm-d512", "cnn")
 
 
+def workload_factory(spec: str) -> Callable[[], object]:
+    """The function a ``module:function`` workload spec names, after checking that it can be
+    called with no arguments; else one line that says what the spec must name."""
+    module, _, func = spec.partition(":")
+    try:
+        found = getattr(importlib.import_module(module), func, None)
+    except ImportError as err:
+        raise ArgumentError(f"workload {spec!r}: cannot import module {module!r} ({err})") from None
+    if not callable(found):
+        raise ArgumentError(f"workload {spec!r}: module {module!r} has no function {func!r}")
+    try:
+        inspect.signature(found).bind()
+    except TypeError as err:  # it needs arguments: json:loads, say
+        raise ArgumentError(
+            f"workload {spec!r}: {module}.{func} cannot be called without arguments ({err}); "
+            f"{_FACTORY}"
+        ) from None
+    except ValueError:  # no signature to inspect (some builtins): the call will tell
+        pass
+    return found  # type: ignore[no-any-return]
+
+
+#: What a ``module:function`` workload spec must name.
+_FACTORY = "give a function that takes no arguments and returns a mixprec.bench.Workload"
+
+
 def get_workload(spec: str, small: bool = False, batch: int | None = None) -> Workload:
     """A named workload (at ``batch`` samples if given), or ``module:function`` returning
-    a ``Workload``."""
+    a ``Workload`` (``workload_factory``); anything else it returns is refused."""
     if ":" in spec:
         module, _, func = spec.partition(":")
-        return getattr(importlib.import_module(module), func)()  # type: ignore[no-any-return]
+        work = workload_factory(spec)()
+        if not isinstance(work, Workload):
+            raise ArgumentError(
+                f"workload {spec!r}: {module}.{func}() returned {type(work).__name__}, not a "
+                f"Workload; {_FACTORY}"
+            )
+        return work
     if spec not in WORKLOADS:
         raise ArgumentError(
             f"unknown workload {spec!r}; valid: {', '.join(WORKLOADS)} or module:function"

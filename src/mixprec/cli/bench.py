@@ -2,17 +2,34 @@
 one run, or find each mode's largest batch within a memory budget.
 
 The bench package is imported when the command runs, not when the CLI loads: ``info``,
-``inspect`` and ``convert`` do not pay for it.
+``inspect`` and ``convert`` do not pay for it. While it works, a tqdm bar on stderr shows
+its progress; stdout holds only the results.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
-from mixprec.cli._common import UsageError, choice, float8_rule, float8_sizes, output_file
+from mixprec._errors import ArgumentError
+from mixprec.cli._common import (
+    UsageError,
+    choice,
+    float8_rule,
+    float8_sizes,
+    output_file,
+    plot_file,
+)
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+    from mixprec.float8 import Float8Options
 
 HELP = "time mixprec's modes against float32 and torch.autocast in one run"
 
@@ -26,8 +43,8 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     sub.add_argument(
         "--modes",
-        help="comma-separated, each optionally MODE+compile; default: all but the float8 "
-        "ones. float8 (needs mixprec[float8]): O2-fp8 (policy mixed_float8), O2-fp8-rowwise "
+        help="comma-separated, each optionally MODE+compile, each once; default: all but the "
+        "float8 ones. float8 (needs mixprec[float8]): O2-fp8 (policy mixed_float8), O2-fp8-rowwise "
         "(mixed_float8_rowwise), O2-fp8-rowwise_with_gw_hp (mixed_float8_rowwise_with_gw_hp)",
     )  # fmt: skip
     sub.add_argument(
@@ -63,7 +80,9 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
         help="add each mode under torch.compile (MODE+compile), compile time reported apart",
     )  # fmt: skip
     sub.add_argument(
-        "--compile-mode", help="torch.compile mode for +compile modes, e.g. max-autotune"
+        "--compile-mode",
+        help="torch.compile mode for +compile modes: default, reduce-overhead, max-autotune "
+        "or max-autotune-no-cudagraphs",
     )
     sub.add_argument(
         "--float8-min-features", metavar="N|torchao",
@@ -83,21 +102,21 @@ def run(args: argparse.Namespace) -> int:
         if ":" not in w:
             choice("workload", w, list(bench.WORKLOADS))
         else:
-            _workload_function(w)
+            _user_workload(w, args.small)
     _check_device(args.device)
     json_path = output_file("--json", args.json) if args.json else None
-    plot_path = output_file("--plot", args.plot, ".png") if args.plot else None
+    plot_path = plot_file("--plot", args.plot) if args.plot else None
     if args.max_batch is not None and args.max_batch <= 0:
         raise UsageError(f"--max-batch must be a memory budget in MB > 0, got {args.max_batch:g}")
-    modes = args.modes.split(",") if args.modes else list(bench.MODES)
+    given = _listed_modes(args.modes)
+    modes = given or list(bench.MODES)
     if args.policy is not None:
         # A policy is its O2 mode beside float32 and O2 bfloat16 (or the given --modes).
         policy_mode = bench.mode_for_policy(args.policy)
         if policy_mode is None:
             raise UsageError(f"--policy {args.policy!r} has no bench mode; valid: "
                              f"{', '.join(bench.POLICY_MODES)}")  # fmt: skip
-        base_modes = args.modes.split(",") if args.modes else ["float32", "O2-bf16"]
-        modes = list(dict.fromkeys([*base_modes, policy_mode]))
+        modes = list(dict.fromkeys([*(given or ["float32", "O2-bf16"]), policy_mode]))
     for m in modes:
         base = m.removesuffix(bench.COMPILED)
         if bench.mode_for_policy(base) is not None:
@@ -114,6 +133,9 @@ def run(args: argparse.Namespace) -> int:
     float8 = float8_sizes(args.float8_min_features)
     if args.compile:
         modes = bench.with_compiled(modes)
+    if args.compile_mode is not None and args.compile_mode not in bench.compile_modes():
+        raise UsageError(f"--compile-mode {args.compile_mode!r} is not a torch.compile mode; "
+                         f"valid: {', '.join(bench.compile_modes())}")  # fmt: skip
     for name in ("repeats", "steps"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -122,25 +144,20 @@ def run(args: argparse.Namespace) -> int:
             f"--warmup and --min-round-ms must be >= 0, got {args.warmup} and {args.min_round_ms}"
         )
     if args.max_batch:
-        for w in workloads:
-            found = {m: bench.max_batch(w, m, args.max_batch, args.device, args.small,
-                                        args.batch_limit, args.outputs_16bit, float8)
-                     for m in modes}  # fmt: skip
-            base = found.get("float32") or 0
-            print(f"workload {w}: largest batch within {args.max_batch:g} MB")
-            for m, b in found.items():
-                ratio = f" ({b / base:.2f}x float32)" if base else ""
-                print(f"  {m:<22} {b:>7d}{ratio}")
+        _max_batches(args, workloads, modes, float8)
         return 0
     results = {}
-    for w in workloads:
-        results[w] = bench.run(
-            w, modes, repeats=args.repeats, steps=args.steps, warmup=args.warmup,
-            min_round_ms=args.min_round_ms, outputs_16bit=args.outputs_16bit,
-            device=args.device, memory=not args.no_memory, small=args.small,
-            compile_mode=args.compile_mode, float8=float8,
-        )  # fmt: skip
-        print(bench.table(w, results[w]), end="\n\n", flush=True)
+    units = bench.run_units(modes, args.repeats, not args.no_memory)
+    with _progress_bar(units * len(workloads), "run") as bar:
+        for w in workloads:
+            results[w] = bench.run(
+                w, modes, repeats=args.repeats, steps=args.steps, warmup=args.warmup,
+                min_round_ms=args.min_round_ms, outputs_16bit=args.outputs_16bit,
+                device=args.device, memory=not args.no_memory, small=args.small,
+                compile_mode=args.compile_mode, float8=float8, progress=_advance(bar, w),
+            )  # fmt: skip
+            with bar.external_write_mode(file=sys.stdout):
+                print(bench.table(w, results[w]), end="\n\n", flush=True)
     print("ms/step: median over interleaved rounds; vs f32: median of each round's float32 "
           "ms / mode ms (higher is faster); peak MB: tensor memory of the mode's training "
           "alone in a fresh process (allocator peak); on CUDA float32 runs without TF32; "
@@ -162,24 +179,94 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _max_batches(
+    args: argparse.Namespace,
+    workloads: Sequence[str],
+    modes: Sequence[str],
+    float8: Float8Options | None,
+) -> None:
+    """``--max-batch``: each mode's largest batch within the budget, a table per workload.
+    The progress bar steps once per workload and mode; its postfix names each probe."""
+    from mixprec import bench
+
+    with _progress_bar(len(workloads) * len(modes), "mode") as bar:
+        for w in workloads:
+            found = {}
+            for m in modes:
+
+                def probed(batch: int, fits: bool, where: str = f"{w} {m}") -> None:
+                    bar.set_postfix_str(f"{where}: batch {batch} {'fits' if fits else 'too big'}")
+
+                found[m] = bench.max_batch(w, m, args.max_batch, args.device, args.small,
+                                           args.batch_limit, args.outputs_16bit, float8,
+                                           progress=probed)  # fmt: skip
+                bar.update(1)
+            base = found.get("float32") or 0
+            with bar.external_write_mode(file=sys.stdout):
+                print(f"workload {w}: largest batch within {args.max_batch:g} MB")
+                for m, b in found.items():
+                    ratio = f" ({b / base:.2f}x float32)" if base else ""
+                    print(f"  {m:<22} {b:>7d}{ratio}", flush=True)
+
+
+def _progress_bar(total: int, unit: str) -> tqdm[NoReturn]:
+    """The bar on stderr that ``run`` advances while it works (stdout keeps the results)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="bench", unit=unit, file=sys.stderr, leave=True)
+
+
+def _advance(bar: tqdm[NoReturn], workload: str) -> Callable[[str], None]:
+    """``bench.run``'s progress callback: one step of ``bar``, naming what was done."""
+
+    def advance(done: str) -> None:
+        bar.set_postfix_str(f"{workload} {done}", refresh=False)
+        bar.update(1)
+
+    return advance
+
+
+def _listed_modes(value: str | None) -> list[str] | None:
+    """``--modes``: ``None`` where it is not given; else its names, each once, in order. A
+    name given twice runs once, with a note on stderr; an empty list or name is refused."""
+    from mixprec import bench
+
+    if value is None:
+        return None
+    names = [name.strip() for name in value.split(",")]
+    if not all(names):
+        what = "is empty" if not any(names) else "has an empty mode name"
+        raise UsageError(
+            f"--modes {value!r} {what}; give comma-separated modes, each optionally "
+            f"{bench.COMPILED!r}, from: {', '.join(bench.ALL_MODES)}"
+        )
+    unique = list(dict.fromkeys(names))
+    repeated = [name for name in unique if names.count(name) > 1]
+    if repeated:
+        print(f"mixprec bench: note: --modes names {', '.join(repeated)} more than once; "
+              "each mode runs once", file=sys.stderr)  # fmt: skip
+    return unique
+
+
 def _bench_subtitle(device: str, small: bool) -> str:
     from mixprec import bench
 
     shapes = ", --small shapes" if small else ""
-    return f"{bench.device_name(device)}, torch {torch.__version__}{shapes}"
+    return (
+        f"{bench.device_name(device)}, {bench.bf16_support(device)}, torch {torch.__version__}"
+        f"{shapes}"
+    )
 
 
-def _workload_function(spec: str) -> None:
-    """``module:function`` must name an importable callable: a one-line error, else."""
-    import importlib
+def _user_workload(spec: str, small: bool) -> None:
+    """``module:function`` must name a function that returns a ``Workload`` when called with
+    no arguments: checked, by calling it, before any work; a one-line error, else."""
+    from mixprec import bench
 
-    module, _, func = spec.partition(":")
     try:
-        found = getattr(importlib.import_module(module), func, None)
-    except ImportError as err:
-        raise UsageError(f"workload {spec!r}: cannot import module {module!r} ({err})") from None
-    if not callable(found):
-        raise UsageError(f"workload {spec!r}: module {module!r} has no function {func!r}")
+        bench.get_workload(spec, small)
+    except ArgumentError as err:
+        raise UsageError(str(err)) from None
 
 
 def _check_device(device: str) -> None:
