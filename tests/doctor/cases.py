@@ -1,6 +1,7 @@
 """The models and batches the 16-bit doctor tests diagnose: one that overflows float16 in
-the forward, healthy ones, and issue 15 item 4's model whose float32-kept block sends
-gradients ``gain`` times larger back into the 16-bit layers before it."""
+the forward, healthy ones, issue 15 item 4's model whose float32-kept block sends
+gradients ``gain`` times larger back into the 16-bit layers before it (issue 31's model at
+gain 1e5, with its draws), and the bench's MLP with a blow-up injected."""
 
 from __future__ import annotations
 
@@ -95,3 +96,47 @@ def train_applied(model: nn.Module, x, y, scaler=None, steps: int = 30):
         flags.append(opt.step().applied)
         losses.append(loss.item())
     return flags, losses
+
+
+def issue_batch(seed: int):
+    """Issue 31's batch for ``gained(1e5)``: 16 standard normal rows of 32, 4 classes."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(16, 32, generator=g), torch.randint(0, 4, (16,), generator=g)
+
+
+# Draws of ``issue_batch`` for ``gained(1e5)``. 166-1996: the block's largest output lands
+# 0.3-6.5% below float16's max (every seed of 0-1999 whose largest output fell between
+# 4.5e4 and 65504); 1: the issue's case, an
+# output beyond the max that the ReLU after the block brings back to 6.45e4 (98%); 0 and 2
+# ordinary. The step-0 plan (no headroom, no check) applied 1, 22, 15, 7, 4 and 5 of 30
+# steps on 1, 166, 483, 1855, 1908 and 1996, with a non-finite forward at the end.
+ISSUE_DRAWS = (0, 1, 2, 166, 435, 483, 1155, 1855, 1908, 1996)
+
+
+def injected_mlp(seed: int = 0) -> nn.Module:
+    """The bench's MLP (``mixprec.models.mlp``, 32 -> 64 -> 64 -> 10) with a blow-up injected
+    before its hidden Linear: x 1e5, as a layer in raw units would."""
+    torch.manual_seed(seed)
+    model = mp.models.mlp(32, hidden=64, depth=2, classes=10)
+    model[3] = nn.Sequential(Scale(1e5), model[3])
+    return model
+
+
+def follow(report, model: nn.Module, x, y, loss_fn=CE, steps: int = 30) -> tuple[int, bool]:
+    """Apply ``report``'s plan as issue 31's user does (its keep list at O2, a
+    ``DynamicLossScaler`` started at ``loss_scale_reached``, Adam lr 1e-3) and train
+    ``steps`` steps on the batch: the steps applied, and whether the forward after them is
+    finite."""
+    model = mp.auto_mixed_precision(
+        model, "mixed_float16", "O2", keep_float32=report.recommended_keep_float32
+    )
+    scaler = mp.DynamicLossScaler(init_scale=report.loss_scale_reached)
+    opt = mp.LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), loss_scaler=scaler)
+    opt.health = None  # a failing plan is what some tests show: no warning about it
+    applied = 0
+    for _ in range(steps):
+        opt.zero_grad()
+        opt.backward(loss_fn(model(x), y))
+        applied += opt.step().applied
+    with torch.no_grad():
+        return applied, bool(torch.isfinite(model(x)).all())

@@ -1,17 +1,18 @@
 """What both doctors share (``mixprec.doctor._common``): the relative error they compare runs
 by, including a reference that is exactly zero, the recorder of each module's first call,
-and JSON without inf/NaN."""
+JSON without inf/NaN, and the refusal of a batch that is non-finite itself."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
 from torch import nn
 
-from mixprec.doctor._common import Recorder, relative_error, to_json
+from mixprec.doctor._common import Recorder, check_finite_batch, relative_error, to_json
 
 
 def test_relative_error_is_the_norm_of_the_difference_over_the_references():
@@ -130,3 +131,23 @@ def test_to_json_writes_inf_and_nan_as_strings():
         "ok": 2,
     }
     assert to_json({"a": 1}, indent=2) == '{\n  "a": 1\n}'
+
+
+def test_a_non_finite_batch_is_refused_naming_where():
+    fine = torch.ones(2, 3)
+    check_finite_batch(fine, torch.tensor([0, 1]), "diagnose")  # integer targets: fine
+    check_finite_batch((fine, "a note", None), {"y": fine}, "diagnose")
+    bad = fine.clone()
+    bad[0, 0], bad[1, 2] = math.inf, -math.nan
+    for inputs, targets, where in (
+        (bad, fine, "inputs"),
+        ((fine, bad), fine, "inputs[1]"),
+        ({"ids": torch.tensor([1]), "mask": bad}, fine, "inputs['mask']"),
+        (fine, [fine, {"aux": bad}], "targets[1]['aux']"),
+    ):
+        with pytest.raises(ValueError, match=(
+            rf"^diagnose: the batch itself is non-finite: {re.escape(where)} holds 2 inf/NaN "
+            r"values \(of 6\); the float32 run would be non-finite too, so no precision fixes "
+            r"it: clean or mask the data$"
+        )):  # fmt: skip
+            check_finite_batch(inputs, targets, "diagnose")

@@ -213,6 +213,20 @@ def test_bad_arguments_say_what_is_valid():
         diagnose_float8(lambda t: t, x, y, F.mse_loss)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("where", ["inputs", "targets"])
+def test_a_non_finite_batch_is_refused_as_such(where):
+    """A NaN in the batch made every layer look hurt (the bfloat16 reference is NaN too):
+    both entry points say that the batch itself is non-finite, and where."""
+    x, y = readings(BATCH, seed=0)
+    bad = x if where == "inputs" else y
+    bad[7, 3] = math.nan
+    with pytest.raises(ValueError, match=rf"^diagnose_float8: the batch itself is non-finite: "
+                       rf"{where} holds 1 inf/NaN value \(of {bad.numel()}\)"):  # fmt: skip
+        diagnose_float8(sensors(), x, y, F.mse_loss, float8=SMALL)
+    with pytest.raises(ValueError, match=rf"the batch itself is non-finite: {where} holds 1"):
+        mp.diagnose(sensors(), x, y, F.mse_loss, "mixed_float8", float8=SMALL)
+
+
 def test_mp_diagnose_dispatches_float8_policies():
     x, y = readings(64, 0)
     report = mp.diagnose(sensors(), x, y, F.mse_loss, "mixed_float8_rowwise", float8=SMALL)

@@ -18,7 +18,7 @@ from mixprec._errors import ArgumentError
 from mixprec.casting import first_floating
 from mixprec.levels import applied
 
-__all__ = ["Recorder", "float32_model", "relative_error", "to_json"]
+__all__ = ["Recorder", "check_finite_batch", "float32_model", "relative_error", "to_json"]
 
 
 def float32_model(model: Any, who: str) -> nn.Module:
@@ -39,6 +39,34 @@ def float32_model(model: Any, who: str) -> nn.Module:
     if applied(module) is not None:
         raise ArgumentError(f"{who} needs the float32 model, before auto_mixed_precision")
     return module
+
+
+def _floating(value: Any, where: str) -> list[tuple[str, torch.Tensor]]:
+    """The floating-point tensors in ``value`` (tuples, lists, dict values), each with where
+    it sits: ``inputs``, ``inputs[1]``, ``inputs['mask']``."""
+    if isinstance(value, torch.Tensor):
+        return [(where, value)] if value.is_floating_point() else []
+    if isinstance(value, (tuple, list)):
+        items: Any = enumerate(value)
+    elif isinstance(value, Mapping):
+        items = value.items()
+    else:
+        return []
+    return [found for key, v in items for found in _floating(v, f"{where}[{key!r}]")]
+
+
+def check_finite_batch(inputs: Any, targets: Any, who: str) -> None:
+    """Refuse a batch whose inputs or floating-point targets hold inf/NaN: the float32
+    reference is non-finite too, so every layer would look at risk and no precision plan
+    can help."""
+    for where, tensor in _floating(inputs, "inputs") + _floating(targets, "targets"):
+        bad = int((~torch.isfinite(tensor.detach())).sum())
+        if bad:
+            raise ArgumentError(
+                f"{who}: the batch itself is non-finite: {where} holds {bad} inf/NaN "
+                f"value{'s' if bad > 1 else ''} (of {tensor.numel()}); the float32 run "
+                "would be non-finite too, so no precision fixes it: clean or mask the data"
+            )
 
 
 class Recorder:

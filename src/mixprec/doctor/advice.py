@@ -43,6 +43,29 @@ def advice(report: Report, compute: torch.dtype, left: set[str]) -> list[str]:
             f"{report.backoff_steps} steps backing off to {reached:g}; start it there: "
             f"LossScaleOptimizer(..., loss_scaler=DynamicLossScaler(init_scale={reached:g}))"
         )
+    check = report.check
+    if check is not None and check.added:
+        said.append(
+            f"the plan's check over {check.steps} {check.optimizer} steps found "
+            f"{', '.join(map(repr, check.added))} overflowing after the weights moved: kept "
+            "in float32 (in the list above)"
+        )
+    if check is not None and not check.passed:
+        said.append(
+            f"the plan still fails its check after {check.rounds} rounds: {check.applied} of "
+            f"{check.steps} {check.optimizer} steps applied, forward "
+            f"{'finite' if check.finite else 'not finite'} after them: use bfloat16, or a "
+            "lower learning rate if training diverges in float32 too"
+        )
+    if report.at_edge:
+        scale = report.loss_scale_reached or report.loss_scale
+        said.append(
+            f"at the edge: the small gradients of {', '.join(map(repr, report.at_edge))} "
+            f"sit within the headroom of {report.compute_dtype}'s flush to zero at loss "
+            f"scale {scale:g}; a larger loss scale gives them room"
+            + (f" (suggested: {report.suggested_loss_scale:g})"
+               if report.suggested_loss_scale and report.suggested_loss_scale > scale else "")
+        )  # fmt: skip
     if compute == torch.float16 and report.loss_scale_range is not None:
         low, high = report.loss_scale_range
         scale = report.suggested_loss_scale or 1.0

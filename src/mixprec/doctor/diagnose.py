@@ -1,9 +1,11 @@
 """The 16-bit doctor: which layer overflows or underflows in 16 bits, and what to do.
 
 ``diagnose`` runs one batch twice, in float32 and under the policy, with hooks on every
-module (``passes.run``), and compares them module by module (``risk``); for float16 it then
-checks its own recommendation by doing on that batch what the dynamic loss scaler would
-(``passes.back_off``). A float8 policy goes to the float8 doctor (``doctor.float8``).
+module (``passes.run``), and compares them module by module (``risk``), keeping what comes
+within the headroom of the 16-bit range (``headroom``); for float16 it then checks its own
+recommendation by doing on that batch what the dynamic loss scaler would
+(``passes.back_off``), and over a few optimizer steps (``verify``). A float8 policy goes to
+the float8 doctor (``doctor.float8``).
 """
 
 from __future__ import annotations
@@ -19,8 +21,15 @@ from torch import nn
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
 from mixprec._rng import same_draws
-from mixprec.doctor._common import float32_model
+from mixprec.doctor._common import check_finite_batch, float32_model
 from mixprec.doctor.advice import advice
+from mixprec.doctor.headroom import (
+    EDGE_RISK,
+    HEADROOM,
+    flag_small_gradients,
+    measure,
+    recommend,
+)
 from mixprec.doctor.passes import (
     back_off,
     error,
@@ -33,6 +42,7 @@ from mixprec.doctor.passes import (
 )
 from mixprec.doctor.report import ModuleReport, Report
 from mixprec.doctor.risk import SCALE_FLOOR, loss_scale_range, nonfinite_origin, score
+from mixprec.doctor.verify import CHECK_STEPS, OptimizerLike, check_optimizer, check_plan
 from mixprec.float8 import Float8Options
 from mixprec.levels import KeepEntry, applied, auto_mixed_precision, module_dtypes
 from mixprec.policy import PolicyLike, get_policy
@@ -55,30 +65,49 @@ def diagnose(
     float8: Float8Options | None = None,
     keep_bfloat16: Iterable[KeepEntry] = (),
     keep_float32: Iterable[KeepEntry] = (),
+    optimizer: OptimizerLike | None = None,
+    check_steps: int = CHECK_STEPS,
+    headroom: float = HEADROOM,
 ) -> Report | Float8Report:
     """Run one batch in float32 and under ``policy``/``level`` and report, per module, the
-    value ranges against the 16-bit dtype, underflow, non-finite values and the error
-    against float32. ``model`` is a float32 model; it is copied, never modified.
+    value ranges against the 16-bit dtype, how close they come to its limits (``*_fraction``),
+    underflow, non-finite values and the error against float32. ``model`` is a float32
+    model; it is copied, never modified. A batch holding inf/NaN is refused.
 
     ``loss_scale``: the scale the mixed run's backward uses, as training would; by default
     what the policy implies (2**16, ``DynamicLossScaler``'s start, for float16; 1 otherwise).
     Underflow fractions are measured at that scale; pass 1 to see the unscaled gradients.
 
-    ``recommended_keep_float32`` accounts for the backward as well as the forward: for
-    float16 it also lists the leaves whose gradients overflow even at the scaler's floor
-    (loss scale 1), then applies the list to a copy and backs the scale off from
-    ``loss_scale`` as ``DynamicLossScaler`` would on this batch (``loss_scale_reached``,
-    ``backoff_steps``), keeping any further leaf that still overflows at the floor.
+    ``recommended_keep_float32`` leaves ``headroom`` (a fraction of the range, ``2**-4``:
+    a factor 16): it lists the leaves whose float32 inputs or outputs come within it of the
+    16-bit max (the overflowing layer and its consumer), and, for float16, those whose
+    gradients do even at the scaler's floor (loss scale 1). For float16 it then applies the
+    list to a copy and backs the scale off from ``loss_scale`` as ``DynamicLossScaler``
+    would on this batch (``loss_scale_reached``, ``backoff_steps``), keeping any further leaf
+    that still overflows at the floor; and checks the plan over ``check_steps`` optimizer
+    steps (``optimizer``: an optimizer, or a function of the parameters that builds one;
+    default Adam, lr 1e-3), keeping what those steps push over and lowering the start where
+    they back off (``Report.check``; 0 turns the check off). Leaves whose small gradients
+    come within ``headroom`` of the flush to zero are named in ``at_edge``.
 
     A float8 policy (``mixed_float8``...) gives ``diagnose_float8``'s ``Float8Report``: per
     float8 layer, its casts' amax, scales, saturation and flush, and its error against
     bfloat16; ``float8``, ``keep_bfloat16`` and ``keep_float32`` are passed to it (and are
-    float8-only: other policies diagnose the model without keeps, to find them)."""
+    float8-only: other policies diagnose the model without keeps, to find them);
+    ``optimizer``, ``check_steps`` and ``headroom`` are 16-bit only."""
     if get_policy(policy).float8_recipe is not None:
         if loss_scale is not None:
             raise ArgumentError(
                 f"loss_scale={loss_scale!r} does not apply to float8 policies: each float8 "
                 "cast has its own scale; leave it None"
+            )
+        sixteen = [n for n, v in (("optimizer", optimizer is not None),
+                                  ("check_steps", check_steps != CHECK_STEPS),
+                                  ("headroom", headroom != HEADROOM)) if v]  # fmt: skip
+        if sixteen:
+            raise ArgumentError(
+                f"diagnose: {', '.join(sixteen)} apply to 16-bit policies only; the float8 "
+                "doctor replays each float8 layer on the batch"
             )
         from mixprec.doctor.float8 import diagnose_float8
 
@@ -94,6 +123,17 @@ def diagnose(
             f"{get_policy(policy).name!r} is diagnosed without keeps, to find them"
         )
     model = float32_model(model, "diagnose")
+    check_finite_batch(inputs, targets, "diagnose")
+    check_optimizer(optimizer)
+    if isinstance(check_steps, bool) or not (isinstance(check_steps, int) and check_steps >= 0):
+        raise ArgumentError(
+            f"check_steps={check_steps!r} is invalid; it must be an int >= 0 (0: no check)"
+        )
+    if isinstance(headroom, bool) or not (isinstance(headroom, (int, float)) and 0 < headroom <= 1):
+        raise ArgumentError(
+            f"headroom={headroom!r} is invalid; it must be a fraction of the range in (0, 1] "
+            "(1: no margin)"
+        )
     resolved = get_policy(policy)
     if loss_scale is None:
         loss_scale = 2.0**16 if resolved.loss_scaling == "dynamic" else 1.0
@@ -110,71 +150,15 @@ def diagnose(
     # Modules that compute in float32 under the policy (islands, kept modules, inside them).
     islands = {row.name for row in module_dtypes(mixed) if row.compute == "float32"}
     leaves = {n or "(model)" for n, m in model.named_modules() if not list(m.children())}
-
-    reports = []
-    for name, ref in ref_calls.items():
-        mix = mixed_calls.get(name, {})
-        out_zero, out_sub = lost(ref["output"], compute)
-        scaled_ref = None if ref["grad"] is None else ref["grad"] * loss_scale
-        grad_zero, grad_sub = lost(scaled_ref, compute)
-        rep = ModuleReport(
-            name=name,
-            kind=ref["kind"],
-            order=ref["order"],
-            dtype=dtype_name(mix["output"].dtype) if mix else "?",
-            max_input=max_abs(ref["input"]),
-            max_output=max_abs(ref["output"]),
-            max_grad=max_abs(ref["grad"]),
-            max_output_mixed=max_abs(mix.get("output")),
-            max_grad_mixed=max_abs(mix.get("grad")),
-            nonfinite_output=nonfinite(mix.get("output")),
-            nonfinite_grad=nonfinite(mix.get("scaled_grad", mix.get("grad"))),
-            nonfinite_input=nonfinite(mix.get("input")),
-            output_underflow=out_zero,
-            output_subnormal=out_sub,
-            grad_underflow=grad_zero,
-            grad_subnormal=grad_sub,
-            output_rel_error=error(mix.get("output"), ref["output"]),
-            grad_rel_error=error(mix.get("grad"), ref["grad"]),
-            float32=name in islands or compute == torch.float32,
-            min_grad=min_nonzero(ref["grad"]),
-            max_input_grad=max_abs(ref["input_grad"]),
-            max_param_grad=ref["param_grad_max"],
-        )
-        reports.append(rep)
+    reports = _module_reports(ref_calls, mixed_calls, compute, float(loss_scale), islands)
     origin = nonfinite_origin(reports, leaves)
     for rep in reports:
         score(rep, compute, limit, origin)
 
-    # Forward: leaves whose values leave the 16-bit range (the overflowing layer and its
-    # consumer), and those whose output turns inf/NaN from finite inputs.
-    recommended = [
-        r.name
-        for r in sorted(reports, key=lambda r: r.order)
-        if r.name in leaves
-        and not r.float32
-        and (
-            r.max_input > limit
-            or r.max_output > limit
-            or (r.nonfinite_output > 0 and r.nonfinite_input == 0)
-        )
-    ]
-    # Backward: the gradient a float32 block sends back to the 16-bit layers before it is
-    # as large as the block's forward gain. A dynamic scaler backs off until the 16-bit
-    # backward fits, but not below its floor: a leaf whose gradients exceed the range even
-    # there overflows at every step, so it is kept too (float32 figures; power-of-two
-    # scaling is exact, so floor * gradient is what the 16-bit backward would hold).
     dynamic = resolved.loss_scaling == "dynamic"
     floor = min(SCALE_FLOOR, float(loss_scale)) if dynamic else float(loss_scale)
-    for r in reports:
-        if r.name in leaves and not r.float32 and floor * r.max_backward > limit:
-            r.risk += 100 + floor * r.max_backward / limit
-            r.reasons.append(
-                f"gradients up to {r.max_backward:.3g} exceed {dtype_name(compute)} max "
-                f"{limit:.4g} even at loss scale {floor:g}"
-            )
-            if r.name not in recommended:
-                recommended.append(r.name)
+    measure(reports, limit, floor)
+    recommended = recommend(reports, leaves, compute, limit, floor, headroom)
     reached, backoff, half = None, 0, {r.name for r in reports if not r.float32}
     # The mixed run at this scale with nothing kept had nothing non-finite: nothing to back off.
     healthy = finite_run(mixed_calls, mixed_loss)
@@ -186,18 +170,42 @@ def diagnose(
                 model, inputs, targets, loss_fn, resolved, level, recommended,
                 reports, float(loss_scale), floor, limit, leaves, rewind,
             )  # fmt: skip
+    check = None
+    trainable = any(p.requires_grad for p in model.parameters())
+    if (
+        compute == torch.float16
+        and reached is not None
+        and check_steps
+        and half & leaves
+        and trainable
+    ):
+        with same_draws() as rewind:
+            recommended, check, half = check_plan(
+                model, (inputs, targets, loss_fn), resolved, level, recommended, reached,
+                floor, leaves, optimizer, check_steps, rewind,
+            )  # fmt: skip
+        by_name = {r.name: r for r in reports}
+        for name in check.added:
+            by_name[name].risk += EDGE_RISK
+            by_name[name].reasons.append(
+                f"inf/NaN after {check.optimizer} steps (the plan's check): kept in float32"
+            )
+        if check.scale < reached:  # the check's steps backed off further: start there
+            backoff += round(math.log2(reached / check.scale))
+            reached = check.scale
     order = {r.name: r.order for r in reports}
     recommended.sort(key=lambda n: order.get(n, len(order)))
+    at_edge = flag_small_gradients(
+        reports, half & leaves, compute, reached or float(loss_scale), headroom
+    )
     # The loss scale range for what stays in 16 bits once the recommendation is applied.
     scale, scale_range = loss_scale_range([r for r in reports if r.name in half & leaves], compute)
     bf16_max = float(torch.finfo(torch.bfloat16).max)
-    overflow = any(
-        r.max_input > limit or r.max_output > limit or floor * r.max_backward > limit
-        for r in reports
-    )
+    at_risk = any(max(r.input_fraction, r.output_fraction, r.grad_fraction) > headroom
+                  for r in reports)  # fmt: skip
     bf16_helps = (
         compute == torch.float16
-        and overflow
+        and at_risk
         and all(max(r.max_output, r.max_backward) < bf16_max for r in reports)
     )
     done = applied(mixed)
@@ -217,6 +225,52 @@ def diagnose(
         loss_scale_reached=reached,
         backoff_steps=backoff,
         model=type(model).__name__,
+        headroom=float(headroom),
+        at_edge=at_edge,
+        check=check,
     )
     report.advice = advice(report, compute, half & leaves)
     return report
+
+
+def _module_reports(
+    ref_calls: dict[str, dict[str, Any]],
+    mixed_calls: dict[str, dict[str, Any]],
+    compute: torch.dtype,
+    loss_scale: float,
+    islands: set[str],
+) -> list[ModuleReport]:
+    """Each module's figures from the float32 run and the mixed run (recorded by ``run``)."""
+    reports = []
+    for name, ref in ref_calls.items():
+        mix = mixed_calls.get(name, {})
+        out_zero, out_sub = lost(ref["output"], compute)
+        scaled_ref = None if ref["grad"] is None else ref["grad"] * loss_scale
+        grad_zero, grad_sub = lost(scaled_ref, compute)
+        reports.append(
+            ModuleReport(
+                name=name,
+                kind=ref["kind"],
+                order=ref["order"],
+                dtype=dtype_name(mix["output"].dtype) if mix else "?",
+                max_input=max_abs(ref["input"]),
+                max_output=max_abs(ref["output"]),
+                max_grad=max_abs(ref["grad"]),
+                max_output_mixed=max_abs(mix.get("output")),
+                max_grad_mixed=max_abs(mix.get("grad")),
+                nonfinite_output=nonfinite(mix.get("output")),
+                nonfinite_grad=nonfinite(mix.get("scaled_grad", mix.get("grad"))),
+                nonfinite_input=nonfinite(mix.get("input")),
+                output_underflow=out_zero,
+                output_subnormal=out_sub,
+                grad_underflow=grad_zero,
+                grad_subnormal=grad_sub,
+                output_rel_error=error(mix.get("output"), ref["output"]),
+                grad_rel_error=error(mix.get("grad"), ref["grad"]),
+                float32=name in islands or compute == torch.float32,
+                min_grad=min_nonzero(ref["grad"]),
+                max_input_grad=max_abs(ref["input_grad"]),
+                max_param_grad=ref["param_grad_max"],
+            )
+        )
+    return reports

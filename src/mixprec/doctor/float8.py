@@ -45,7 +45,7 @@ from mixprec._calling import call
 from mixprec._errors import ArgumentError
 from mixprec._rng import same_draws
 from mixprec.casting import get_region
-from mixprec.doctor._common import Recorder, float32_model, relative_error
+from mixprec.doctor._common import Recorder, check_finite_batch, float32_model, relative_error
 from mixprec.doctor.float8_casts import (
     OPERANDS,
     CastStats,
@@ -310,9 +310,11 @@ def diagnose_float8(
     (``mixed_float8``, ``mixed_float8_rowwise``, ``mixed_float8_rowwise_with_gw_hp``, or a
     ``Policy`` with a ``float8_recipe``). ``level``, ``float8``, ``keep_bfloat16`` and
     ``keep_float32``: as ``auto_mixed_precision`` takes them, to diagnose the model as it
-    will be trained.
+    will be trained. A batch holding inf/NaN (inputs, floating-point targets) is refused:
+    every layer would look hurt, and the bfloat16 reference is non-finite too.
     """
     model = float32_model(model, "diagnose_float8")
+    check_finite_batch(inputs, targets, "diagnose_float8")
     resolved = get_policy(policy)
     recipe = resolved.float8_recipe
     if recipe is None:

@@ -1,6 +1,8 @@
 """The 16-bit doctor's plot (``Report.plot``): per-module value ranges of the float32 run on
-a log scale against the 16-bit dtype's limits, drawn on a ``matplotlib.figure.Figure`` of its
-own (no ``matplotlib.use``, no pyplot: the user's backend and figures are left alone).
+a log scale against the 16-bit dtype's limits and the headroom below the max, with each
+module's range used (``ModuleReport.range_used``) written along the top, drawn on a
+``matplotlib.figure.Figure`` of its own (no ``matplotlib.use``, no pyplot: the user's
+backend and figures are left alone).
 matplotlib is imported when a plot is drawn, not with mixprec."""
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
+
+from mixprec.doctor.headroom import headroom_text, percent
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -23,6 +27,7 @@ def plot_report(report: Report, path: str) -> Figure:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter, NullLocator
+    from matplotlib.transforms import blended_transform_factory
 
     mods = sorted(report.modules, key=lambda m: m.order)
     info = torch.finfo(getattr(torch, report.compute_dtype))
@@ -62,6 +67,13 @@ def plot_report(report: Report, path: str) -> Figure:
             ls=":",
             label=f"min normal / loss scale {scale:g} (gradients)",
         )
+    ax.axhline(
+        info.max * report.headroom,
+        color="red",
+        ls="-.",
+        lw=0.8,
+        label=f"{report.compute_dtype} max x {headroom_text(report.headroom)} (headroom)",
+    )
     reached = report.loss_scale_reached
     if reached is not None and reached != scale:
         ax.axhline(
@@ -70,6 +82,9 @@ def plot_report(report: Report, path: str) -> Figure:
             ls=":",
             label=f"{report.compute_dtype} max / scale {reached:g} reached",
         )
+    # Room along the top for each module's range used: 11% of the axis height, in log space.
+    low, high = ax.get_ylim()
+    ax.set_ylim(low, high * (high / low) ** 0.12)
     zeros = [
         (what, marker, [i for i, v in enumerate(values) if v == 0])
         for what, marker, values in (
@@ -103,6 +118,18 @@ def plot_report(report: Report, path: str) -> Figure:
                     ms=7,
                     label=what,
                 )
+    # Each module's range used, along the top: how close its closest tensor came to a limit.
+    along_top = blended_transform_factory(ax.transData, ax.transAxes)
+    for i, m in enumerate(mods):
+        edge = m.range_used > report.headroom and not m.float32
+        ax.text(
+            i, 0.985, percent(m.range_used), transform=along_top, rotation=90, ha="center",
+            va="top", fontsize=6, color="tab:red" if edge else "0.4",
+        )  # fmt: skip
+    ax.plot(
+        [], [], ls="none", marker="$\\%$", color="tab:red",
+        label=f"range used (top; red: 16-bit, within {headroom_text(report.headroom)} of a limit)",
+    )  # fmt: skip
     ax.set_xticks(x, [m.name for m in mods], rotation=60, ha="right", fontsize=7)
     ax.set_xlim(-0.6, len(mods) - 0.4)
     ax.set_xlabel("module (forward execution order)")
