@@ -52,10 +52,11 @@ def load_data(data: str, seed: int) -> tuple[tuple[torch.Tensor, torch.Tensor], 
     raise UsageError(f"unknown data {data!r}; valid: {', '.join(DATA)}")
 
 
-def build_model(model: str, x: torch.Tensor, classes: int) -> torch.nn.Module:
-    """The ``--model`` named, shaped for inputs like ``x`` and ``classes`` outputs."""
+def build_model(model: str, x: torch.Tensor, classes: int, hidden: int = 512) -> torch.nn.Module:
+    """The ``--model`` named, shaped for inputs like ``x`` and ``classes`` outputs; ``hidden``
+    is the MLP's width."""
     if model == "mlp":
-        return models.mlp(input_shape=tuple(x.shape[1:]), classes=classes)
+        return models.mlp(input_shape=tuple(x.shape[1:]), hidden=hidden, classes=classes)
     if x.dim() != 3:
         raise UsageError(f"model 'cnn' needs image data (n, H, W); this data is {tuple(x.shape)}")
     return models.cnn(in_channels=1, classes=classes)

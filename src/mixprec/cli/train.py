@@ -25,7 +25,9 @@ from typing import Any
 import torch
 
 from mixprec import distributed
+from mixprec._step_profile import matmul_ms, memory_parts
 from mixprec.checkpoint import save_checkpoint
+from mixprec.cli import _train_report as report
 from mixprec.cli._common import (
     TRAIN_FLOAT8_MIN_FEATURES,
     UsageError,
@@ -49,11 +51,25 @@ from mixprec.train import Trainer
 
 HELP = "train a model in mixed precision and compare it with float32"
 
+# The main job's defaults: a step whose matmuls dominate (64 -> 2048 -> 2048 -> 10 at batch
+# 256 is ~8 GFLOP a step), so that the precision of the matmuls decides its speed. At width
+# 512 and batch 64 a step is ~0.1 GFLOP, mostly optimizer and Python, and no precision
+# speeds it up.
+DEFAULT_HIDDEN = 2048
+DEFAULT_BATCH = 256
+DEFAULT_EPOCHS = 20
+OPTIMIZER = "torch.optim.Adam(fused=True)"
+# Steps a probe run times where auto picks float32 (emulated 16-bit math is slow).
+PROBE_STEPS = 4
+
 
 def add_arguments(sub: argparse.ArgumentParser) -> None:
     """The options of ``mixprec train``."""
-    add_model_options(sub, policy="auto", batch_size=64)
-    sub.add_argument("--epochs", type=int, default=20)
+    add_model_options(sub, policy="auto", batch_size=DEFAULT_BATCH)
+    sub.add_argument(
+        "--hidden", type=int, default=DEFAULT_HIDDEN, help="the MLP's width (--model mlp)"
+    )
+    sub.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
     sub.add_argument("--lr", type=float, default=1e-3)
     sub.add_argument(
         "--compare", default="float32", help="baseline policy to compare with, or 'none'"
@@ -80,7 +96,14 @@ def run_training(config: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(config["seed"])
     (x_train, y_train), (x_test, y_test) = load_data(config["data"], config["seed"])
     classes = int(max(y_train.max(), y_test.max())) + 1
-    model = build_model(config["model"], x_train, classes)
+    probe = config.get("probe_steps")
+    if probe:  # a few steps only, to time them
+        x_train, y_train = (
+            x_train[: probe * config["batch_size"]],
+            y_train[: probe * config["batch_size"]],
+        )
+        config = {**config, "epochs": 1}
+    model = build_model(config["model"], x_train, classes, config.get("hidden", 512))
     policy: str | None = config["policy"]
     float8_layers = None
     if Policy(config["policy"]).float8_recipe is not None:
@@ -90,7 +113,9 @@ def run_training(config: dict[str, Any]) -> dict[str, Any]:
         converted, considered = layer_counts(model)
         float8_layers = f"{converted} of {considered}"
         policy = None
-    optimizer = torch.optim.Adam(model.parameters(), lr=config["lr"])
+    # One optimizer implementation in every run, named in the output: torch's fused Adam
+    # (one kernel a step for all parameters, float32 masters included).
+    optimizer = torch.optim.Adam(model.parameters(), lr=config["lr"], fused=True)
     trainer = Trainer(
         model, "cross_entropy", optimizer, policy=policy, level=config["level"],
         compile=config.get("compile", False),
@@ -109,6 +134,11 @@ def run_training(config: dict[str, Any]) -> dict[str, Any]:
         path = Path(config["save"]) / f"{config['label']}.safetensors"
         save_checkpoint(path, model, trainer.optimizer, trainer.resume_state())
     done = applied(model)
+    parts = memory_parts(model, trainer.optimizer)
+    matmul = None
+    if not probe:
+        x1, y1 = x_train[: config["batch_size"]], y_train[: config["batch_size"]]
+        matmul = matmul_ms(lambda: trainer.step(x1, y1))
     return {
         "label": config["label"],
         "policy": done.policy.name if done else config["policy"],
@@ -123,6 +153,12 @@ def run_training(config: dict[str, Any]) -> dict[str, Any]:
         "peak_mb": memory.mb(),
         "memory_kind": memory.kind,
         "float8_layers": float8_layers,
+        "optimizer": OPTIMIZER,
+        "matmul_ms": matmul,
+        "memory_parts": parts.describe(),
+        # What the peak above the start holds for the parameters: the optimizer state and
+        # gradients appear during training; weights and masters exist before it starts.
+        "kept_mb": (parts.optimizer_state + parts.gradients) / 2.0**20,
     }
 
 
@@ -138,8 +174,11 @@ def run(args: argparse.Namespace) -> int:
         output_dir("--save", args.save)
     plot = plot_file("--plot", args.plot) if args.plot else None
 
+    if args.hidden < 1:
+        raise UsageError(f"--hidden must be >= 1, got {args.hidden}")
     common = {
         "model": args.model, "data": args.data, "epochs": args.epochs, "seed": args.seed,
+        "hidden": args.hidden,
         "batch_size": args.batch_size, "lr": args.lr, "save": args.save,
         "verbose": 0 if args.quiet else 1, "compile": args.compile,
         "float8_min_features": args.float8_min_features,
@@ -148,25 +187,31 @@ def run(args: argparse.Namespace) -> int:
     configs = []
     if args.compare != "none":
         configs.append({**common, "label": "baseline", "policy": args.compare, "level": "auto"})
-    mixed_policy, note = _mixed_run_policy(args.policy)
-    configs.append({**common, "label": "mixed", "policy": mixed_policy, "level": args.level})
+    mixed_policy, auto_float32 = _mixed_run_policy(args.policy)
+    mixed = {**common, "label": "mixed", "policy": mixed_policy, "level": args.level}
+    if auto_float32 is not None:  # time a few emulated steps only; train float32
+        mixed = {**mixed, "label": "probe", "probe_steps": PROBE_STEPS, "verbose": 0}
+        if args.compare == "none":
+            configs.append({**common, "label": "baseline", "policy": "float32", "level": "auto"})
+    configs.append(mixed)
 
     runs = []
     # Under torchrun every process is one rank: train here, print on rank 0 only.
     under_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
     say = print if not under_torchrun or os.environ.get("RANK", "0") == "0" else _silent
-    if note:
-        say(note, flush=True)
     for config in configs:
-        say(f"training {config['policy']} (level {config['level']}) ...", flush=True)
+        doing = "timing" if config.get("probe_steps") else "training"
+        say(f"{doing} {config['policy']} (level {config['level']}) ...", flush=True)
         if args.in_process or under_torchrun:
             if under_torchrun and config["verbose"] and os.environ.get("RANK", "0") != "0":
                 config = {**config, "verbose": 0}
             runs.append(run_training(config))
             continue
         runs.append(_in_subprocess(config))
+    probe = runs.pop() if auto_float32 is not None else None
     say()
-    say(_table(runs))
+    say(report.table(runs))
+    say(f"optimizer: {OPTIMIZER} in every run")
     for result in runs:
         if result.get("float8_layers"):
             rule = float8_rule(train_float8(args.float8_min_features))
@@ -180,15 +225,18 @@ def run(args: argparse.Namespace) -> int:
             "the same configuration twice: the speed column is run-to-run noise"
             if same
             else f"{runs[0]['ms_per_step'] / runs[1]['ms_per_step']:.2f}x the speed"
-            + (" (16-bit math emulated on this CPU)" if note else "")
             + (" (float8 matmuls emulated on CPU)" if runs[1].get("float8_layers") else "")
         )
         say(
             f"\n{runs[1]['policy']}: test accuracy {runs[1]['test_accuracy']:.3f} vs "
             f"{runs[0]['policy']} {runs[0]['test_accuracy']:.3f} ({diff:+.3f}), {speed}"
         )
+    for line in report.explain_speed(runs) + report.explain_memory(runs):
+        say(line)
+    if probe is not None and auto_float32 is not None:
+        say(report.probe_line(auto_float32, runs[0], probe))
     if plot and say is print:
-        _plot(runs, plot)
+        report.plot(runs, plot)
         say(f"loss curves written to {plot}")
     return 0
 
@@ -295,71 +343,18 @@ class _WorkerTracebackError(Exception):
 
 
 def _mixed_run_policy(policy: str) -> tuple[str, str | None]:
-    """The policy of the main job's mixed run, and a line to print about it.
+    """The policy of the main job's mixed run, and the reason when ``auto`` picks float32.
 
-    ``auto`` where it picks float32 (a CPU without fast 16-bit math) would train float32
-    twice; the main job exists to show mixed precision, so it trains bfloat16 instead and
-    says why ``auto`` would not, and what the speed column then measures."""
+    ``auto`` picks float32 on a CPU without fast 16-bit math, where bfloat16 matmuls are
+    emulated: the main job then trains float32 and times a few mixed_bfloat16 steps only,
+    to say with a measured figure why it does not train them (``probe_line``)."""
     if policy.strip().lower() != "auto":
         return policy, None
     chosen = Policy("auto")
     if chosen.is_mixed:
         return policy, None
-    return "mixed_bfloat16", (
-        f"auto picks float32 here ({chosen.reason}); the mixed run trains mixed_bfloat16 "
-        "anyway, to show mixed precision. Its accuracy is what bfloat16 gives on any "
-        "hardware; its speed is this CPU's emulated 16-bit math, not a fast 16-bit unit's."
-    )
+    return "mixed_bfloat16", chosen.reason
 
 
 def _silent(*args: Any, **kwargs: Any) -> None:
     """print() on the ranks that stay quiet."""
-
-
-def _table(runs: list[dict[str, Any]]) -> str:
-    base = runs[0]["ms_per_step"]
-    header = (
-        f"{'run':<24} {'test acc':>8} {'loss':>8} {'ms/step':>8} {'speedup':>8} "
-        f"{'peak MB':>8} {'skipped':>7}"
-    )
-    lines = [header, "-" * len(header)]
-    for r in runs:
-        lines.append(
-            f"{r['policy'] + ' (' + r['level'] + ')':<24} {r['test_accuracy']:>8.3f} "
-            f"{r['final_loss']:>8.4f} {r['ms_per_step']:>8.2f} {base / r['ms_per_step']:>7.2f}x "
-            f"{_mb(r['peak_mb']):>8} {r['skipped_steps']:>7d}"
-        )
-    return "\n".join(lines)
-
-
-def _mb(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
-
-
-def _plot(runs: list[dict[str, Any]], path: str) -> None:
-    """The runs' train and test loss per epoch, written to ``path`` as a PNG."""
-    from matplotlib.figure import Figure  # no pyplot: the user's backend stays as it is
-    from matplotlib.ticker import MaxNLocator
-
-    fig = Figure(figsize=(7, 4))
-    ax = fig.subplots()
-    # The runs often overlap closely: the first is drawn wide and pale beneath, the second
-    # narrow with markers on top, so that both stay visible where they coincide.
-    styles = [
-        {"color": "tab:blue", "linewidth": 4.0, "alpha": 0.45},
-        {"color": "tab:orange", "linewidth": 1.5, "marker": "o", "markersize": 3},
-    ]
-    for r, style in zip(runs, styles[-len(runs) :], strict=True):
-        epochs = range(1, len(r["loss_curve"]) + 1)
-        name = f"{r['policy']} ({r['level']})"
-        ax.plot(epochs, r["loss_curve"], label=f"{name} train", **style)  # type: ignore[arg-type]
-        ax.plot(epochs, r["val_loss_curve"], "--", label=f"{name} test", **style)  # type: ignore[arg-type]
-    ax.set_title("mixprec train: loss per epoch, " + " vs ".join(r["policy"] for r in runs))
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("loss (log scale)")
-    ax.set_yscale("log")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend()
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)

@@ -1,0 +1,117 @@
+"""What ``mixprec train`` prints after its runs: the table, the lines that say why the
+mixed run gained what it gained (matmul share of a step, memory by kind), and the plot."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mixprec._step_profile import GAIN_THRESHOLD
+
+
+def explain_speed(runs: list[dict[str, Any]]) -> list[str]:
+    """Lines that say where the step time goes in each run and, where the mixed run gains
+    less than ``GAIN_THRESHOLD``, why: mixed precision speeds up matmuls, so a step that
+    spends little of its time in them gains little on any hardware."""
+    lines = []
+    for r in runs:
+        if r.get("matmul_ms") is not None:
+            share = min(r["matmul_ms"] / r["ms_per_step"], 1.0)
+            lines.append(
+                f"  {r['policy']} ({r['level']}): {r['matmul_ms']:.2f} of {r['ms_per_step']:.2f} "
+                f"ms a step in matmuls ({share:.0%})"
+            )
+    if lines:
+        lines.insert(0, "time in matmuls, the work 16-bit math speeds up:")
+    if len(runs) == 2 and all(r.get("matmul_ms") is not None for r in runs):
+        base, mixed = runs
+        speedup = base["ms_per_step"] / mixed["ms_per_step"]
+        if speedup < GAIN_THRESHOLD:
+            other = base["ms_per_step"] - base["matmul_ms"]
+            lines.append(
+                f"mixed precision buys little here ({speedup:.2f}x): the step is "
+                f"overhead-bound, {base['matmul_ms']:.2f} of {base['ms_per_step']:.2f} ms in "
+                f"matmuls, the only part 16-bit math speeds up; the other {other:.2f} ms "
+                "(optimizer, casts, Python) stay. A larger batch or model gains."
+            )
+    return lines
+
+
+def explain_memory(runs: list[dict[str, Any]]) -> list[str]:
+    """One line per run: what it keeps per parameter, and what the peak adds beyond that."""
+    lines = []
+    for r in runs:
+        parts = r.get("memory_parts")
+        if parts is None:
+            continue
+        line = f"  {r['policy']} ({r['level']}): {parts}"
+        if r.get("peak_mb") is not None and r.get("kept_mb") is not None:
+            rest = r["peak_mb"] - r["kept_mb"]
+            line += f"; the rest of the peak (activations, kernel workspace): {max(rest, 0):.1f}"
+        lines.append(line)
+    if lines:
+        lines.insert(0, "memory by kind (MB):")
+        lines.append(
+            "(O2 keeps 16-bit weights plus their float32 masters: 2 more bytes a parameter "
+            "than float32, paid back by 16-bit activations once the batch is large)"
+        )
+    return lines
+
+
+def probe_line(reason: str, base: dict[str, Any], probe: dict[str, Any]) -> str:
+    """``auto`` picked float32: say why, with the mixed_bfloat16 steps timed here."""
+    slower = probe["ms_per_step"] / base["ms_per_step"]
+    return (
+        f"auto picks float32 here ({reason}): a mixed_bfloat16 step took "
+        f"{probe['ms_per_step']:.1f} ms against float32's {base['ms_per_step']:.1f} ms "
+        f"({slower:.1f}x slower; 16-bit matmuls are emulated on this CPU), so only float32 "
+        "trains. --policy mixed_bfloat16 trains the mixed run anyway."
+    )
+
+
+def table(runs: list[dict[str, Any]]) -> str:
+    base = runs[0]["ms_per_step"]
+    header = (
+        f"{'run':<24} {'test acc':>8} {'loss':>8} {'ms/step':>8} {'speedup':>8} "
+        f"{'peak MB':>8} {'skipped':>7}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in runs:
+        lines.append(
+            f"{r['policy'] + ' (' + r['level'] + ')':<24} {r['test_accuracy']:>8.3f} "
+            f"{r['final_loss']:>8.4f} {r['ms_per_step']:>8.2f} {base / r['ms_per_step']:>7.2f}x "
+            f"{_mb(r['peak_mb']):>8} {r['skipped_steps']:>7d}"
+        )
+    return "\n".join(lines)
+
+
+def _mb(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def plot(runs: list[dict[str, Any]], path: str) -> None:
+    """The runs' train and test loss per epoch, written to ``path`` as a PNG."""
+    from matplotlib.figure import Figure  # no pyplot: the user's backend stays as it is
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    # The runs often overlap closely: the first is drawn wide and pale beneath, the second
+    # narrow with markers on top, so that both stay visible where they coincide.
+    styles = [
+        {"color": "tab:blue", "linewidth": 4.0, "alpha": 0.45},
+        {"color": "tab:orange", "linewidth": 1.5, "marker": "o", "markersize": 3},
+    ]
+    for r, style in zip(runs, styles[-len(runs) :], strict=True):
+        epochs = range(1, len(r["loss_curve"]) + 1)
+        name = f"{r['policy']} ({r['level']})"
+        ax.plot(epochs, r["loss_curve"], label=f"{name} train", **style)  # type: ignore[arg-type]
+        ax.plot(epochs, r["val_loss_curve"], "--", label=f"{name} test", **style)  # type: ignore[arg-type]
+    ax.set_title("mixprec train: loss per epoch, " + " vs ".join(r["policy"] for r in runs))
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("loss (log scale)")
+    ax.set_yscale("log")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
