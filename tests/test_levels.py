@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
+import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,10 +16,13 @@ from hypothesis import strategies as st
 from torch import nn
 
 import mixprec as mp
+import mixprec.policy
+from mixprec import levels
 from mixprec.levels import Applied, applied, resolve_level
 from tests.conftest import make_mlp, make_transformer
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def storage(model):
@@ -156,6 +163,43 @@ def test_global_policy_is_the_default():
     mp.set_global_policy("mixed_bfloat16")
     model = mp.auto_mixed_precision(make_mlp())
     assert model[0].weight.dtype == BF16
+
+
+def test_no_policy_anywhere_means_auto_and_says_so_once(monkeypatch):
+    # As in a fresh process: set_global_policy never called (the fixture of conftest calls it).
+    monkeypatch.setattr(mixprec.policy, "_GLOBAL", [levels._UNSET_GLOBAL])
+    levels._say_auto.cache_clear()  # once per process: start afresh
+    auto = mp.Policy("auto")
+    with pytest.warns(UserWarning, match=r"no policy given and none set globally") as caught:
+        model = mp.auto_mixed_precision(make_mlp())
+    said = [str(w.message) for w in caught if "none set globally" in str(w.message)]
+    assert len(said) == 1 and f"policy='auto' chose {auto.name} ({auto.reason})" in said[0]
+    assert caught[0].filename == __file__  # points at the caller
+    assert applied(model).policy == auto
+    assert applied(model).level == resolve_level("auto", auto)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert applied(mp.auto_mixed_precision(make_mlp())).policy == auto  # said once
+        # An explicit float32 stays float32 (O0), as a float32 global policy does.
+        assert applied(mp.auto_mixed_precision(make_mlp(), "float32")).level == "O0"
+        mp.set_global_policy("float32")
+        assert applied(mp.auto_mixed_precision(make_mlp())).policy == mp.Policy("float32")
+
+
+def test_a_fresh_process_prepares_with_auto_by_default():
+    code = (
+        "import warnings; warnings.simplefilter('always')\n"
+        "import mixprec as mp\n"
+        "from mixprec.levels import applied\n"
+        "from tests.conftest import make_mlp\n"
+        "print(applied(mp.auto_mixed_precision(make_mlp())).policy.name)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [mp.Policy("auto").name]
+    assert "no policy given and none set globally: policy='auto' chose" in done.stderr
 
 
 def test_describe_lists_every_module():

@@ -26,7 +26,7 @@ model gets the level as under ``mixed_bfloat16``. O0 converts nothing.
 
 from __future__ import annotations
 
-import fnmatch
+import functools
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from mixprec._dtypes import closest, dtype_name
+from mixprec._plain_optimizers import watch_plain_optimizers
 from mixprec.casting import (
     LEVEL_ATTR,
     MASTERS_ATTR,
@@ -53,7 +54,10 @@ from mixprec.float8 import (
     is_float8,
     layer_counts,
 )
-from mixprec.policy import Policy, PolicyLike, get_policy
+from mixprec.keep import KeepEntry as KeepEntry  # re-exported: callers import it from here
+from mixprec.keep import inside, kept_modules
+from mixprec.keep import keep_list as keep_list  # re-exported too
+from mixprec.policy import Policy, PolicyLike, get_policy, global_policy
 from mixprec.trace import remember_model
 
 M = TypeVar("M", bound=nn.Module)
@@ -115,9 +119,22 @@ HALF_STORAGE_MODULES: tuple[type[nn.Module], ...] = (
     nn.RNNBase,
 )
 
-KeepEntry = type[nn.Module] | str | nn.Module
-
 _APPLIED_ATTR = "_mixprec_applied"
+
+#: The global policy until ``set_global_policy`` (or ``policy_scope``) is first called: then
+#: ``policy=None`` means ``"auto"``, the hardware's best.
+_UNSET_GLOBAL = global_policy()
+
+
+@functools.lru_cache(maxsize=1)
+def _say_auto(name: str, reason: str) -> None:
+    """Once per process: what ``policy=None`` resolved to, with no global policy set."""
+    warnings.warn(
+        f"no policy given and none set globally: policy='auto' chose {name} ({reason}). Pass "
+        "policy= (policy='float32' keeps float32) or call mp.set_global_policy(...) to choose",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 @dataclass(frozen=True)
@@ -151,52 +168,6 @@ def resolve_level(level: str, policy: Policy) -> str:
     )
 
 
-def keep_list(entries: KeepEntry | Iterable[KeepEntry]) -> tuple[KeepEntry, ...]:
-    """``keep_float32``-style arguments as a tuple: one entry may be given alone."""
-    if isinstance(entries, (str, nn.Module, type)):
-        return (entries,)
-    return tuple(entries)
-
-
-def _kept_modules(
-    model: nn.Module, keep_float32: Iterable[KeepEntry], argument: str = "keep_float32"
-) -> dict[str, nn.Module]:
-    """Resolve ``keep_float32`` entries (types, name patterns, modules) to named modules."""
-    keep_float32 = keep_list(keep_float32)
-    named = dict(model.named_modules())
-    kept: dict[str, nn.Module] = {}
-    for entry in keep_float32:
-        if isinstance(entry, type) and issubclass(entry, nn.Module):
-            kept.update((n, m) for n, m in named.items() if isinstance(m, entry))
-        elif isinstance(entry, str):
-            hits = {n: m for n, m in named.items() if n == entry or fnmatch.fnmatchcase(n, entry)}
-            if not hits:
-                hint = closest(entry, [n for n in named if n])
-                raise ValueError(
-                    f"{argument} entry {entry!r} matches no module name of the model"
-                    + (f"; closest: {hint!r}" if hint else "")
-                )
-            kept.update(hits)
-        elif isinstance(entry, nn.Module):
-            name = next((n for n, m in named.items() if m is entry), None)
-            if name is None:
-                raise ValueError(
-                    f"{argument} entry {type(entry).__name__} module is not part of the model"
-                )
-            kept[name] = entry
-        else:
-            raise TypeError(
-                f"{argument} entries must be nn.Module subclasses, name patterns (str) or "
-                f"modules; got {type(entry).__name__}: {entry!r}"
-            )
-    return kept
-
-
-def _inside(modules: Iterable[nn.Module]) -> set[int]:
-    """Ids of the given modules and all their descendants."""
-    return {id(sub) for m in modules for sub in m.modules()}
-
-
 def auto_mixed_precision(
     model: M,
     policy: PolicyLike = None,
@@ -209,7 +180,8 @@ def auto_mixed_precision(
 ) -> M:
     """Prepare ``model`` for mixed precision in place and return it.
 
-    ``policy``: a ``Policy`` or name (``None``: the global policy). ``level``: ``"O0"`` to
+    ``policy``: a ``Policy`` or name (``None``: the global policy, or ``"auto"`` while none
+    was set, which says once what it chose). ``level``: ``"O0"`` to
     ``"O3"`` or ``"auto"`` (see the module docstring). ``keep_float32``: module types, name
     patterns (``"head"``, ``"blocks.*.norm"``) or modules to keep in float32. Modules already
     given a dtype with ``to_float`` keep it. The model's outputs come back in the policy's
@@ -248,7 +220,8 @@ def auto_mixed_precision(
             f"policy={policy!r} looks like a level: auto_mixed_precision(model, policy, level); "
             f"write auto_mixed_precision(model, 'mixed_float16', level={policy!r})"
         )
-    resolved = get_policy(policy)
+    defaulted = policy is None and global_policy() is _UNSET_GLOBAL
+    resolved = get_policy("auto" if defaulted else policy)
     lvl = resolve_level(level, resolved)
     if lvl in ("O1", "O2", "O3") and not resolved.is_mixed:
         warnings.warn(
@@ -263,8 +236,8 @@ def auto_mixed_precision(
             "auto_mixed_precision() was already applied to this model "
             f"(level {done.level}, policy {done.policy.name}); apply it once, to a float32 model"
         )
-    kept = _kept_modules(model, keep_float32)
-    bf16_kept = _kept_modules(model, keep_bfloat16, "keep_bfloat16")
+    kept = kept_modules(model, keep_float32)
+    bf16_kept = kept_modules(model, keep_bfloat16, "keep_bfloat16")
     if resolved.float8_recipe is None and (bf16_kept or float8 is not None):
         raise ValueError(
             f"keep_bfloat16= and float8= apply to float8 policies only; policy "
@@ -274,7 +247,7 @@ def auto_mixed_precision(
         raise TypeError(f"float8 must be a Float8Options or None, got {type(float8).__name__}")
     # Modules the user already set with to_float keep their dtype, like keep_float32 entries.
     preset = [m for m in model.modules() if m is not model and get_region(m) is not None]
-    fixed = _inside([*kept.values(), *preset])
+    fixed = inside([*kept.values(), *preset])
     converted: tuple[str, ...] = ()
     if resolved.float8_recipe is not None and lvl != "O0":
         choices = convert_to_float8(
@@ -282,7 +255,7 @@ def auto_mixed_precision(
             resolved.float8_recipe,
             policy_name=resolved.name,
             float32=fixed,
-            bfloat16=_inside(bf16_kept.values()),
+            bfloat16=inside(bf16_kept.values()),
             options=float8 or Float8Options(),
         )
         converted = tuple(n for n, c in choices.items() if c.converted)
@@ -348,10 +321,12 @@ def auto_mixed_precision(
             setattr(param, MASTERS_ATTR, True)
     remember_model(model)
     setattr(
-        model,
-        _APPLIED_ATTR,
-        Applied(resolved, lvl, tuple(sorted(kept)), o3_masters, converted),
+        model, _APPLIED_ATTR, Applied(resolved, lvl, tuple(sorted(kept)), o3_masters, converted)
     )
+    if lvl == "O2" or o3_masters:
+        watch_plain_optimizers()  # a plain torch optimizer stepping the 16-bit weights warns
+    if defaulted:
+        _say_auto(resolved.name, resolved.reason or "")
     return model
 
 

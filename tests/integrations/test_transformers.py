@@ -409,6 +409,40 @@ def test_resume_equals_the_uninterrupted_run(tmp_path, policy):
     assert resumed.lr_scheduler.get_last_lr() == full.lr_scheduler.get_last_lr()
 
 
+@pytest.mark.parametrize("save_masters", [True, False])
+def test_save_model_writes_the_float32_masters(tmp_path, save_masters):
+    """``save_model()`` at O2 writes the float32 masters, the values training reached, so
+    ``from_pretrained`` gives them back in float32; the prepared model stays 16-bit.
+    ``save_masters=False`` writes the weights as the model stores them."""
+    trainer = MixprecTrainer(
+        model=build(),
+        args=arguments(tmp_path / "run", max_steps=3),
+        train_dataset=dataset(),
+        policy="mixed_bfloat16",
+        save_masters=save_masters,
+    )
+    trainer.train()
+    masters, stored = float32_values(trainer), weights(trainer.model)
+    out = tmp_path / "final"
+    trainer.save_model(str(out))
+    assert weights(trainer.model).keys() == stored.keys()
+    assert all(torch.equal(p, stored[n]) for n, p in weights(trainer.model).items())
+    from safetensors.torch import load_file
+
+    written = load_file(out / "model.safetensors")
+    attn = "transformer.h.0.attn.c_attn.weight"
+    assert written[attn].dtype == (torch.float32 if save_masters else torch.bfloat16)
+    expected = masters if save_masters else stored
+    for name, value in written.items():
+        if name in expected:  # parameters; the rest are buffers
+            assert torch.equal(value, expected[name]), name
+    loaded = type(trainer.model).from_pretrained(str(out))
+    if save_masters:
+        assert {p.dtype for p in loaded.parameters()} == {torch.float32}
+        for name, value in weights(loaded).items():
+            assert torch.equal(value, masters[name]), name
+
+
 # -- refusals and bad arguments -------------------------------------------------------------
 
 
@@ -456,6 +490,7 @@ def prepared_model() -> nn.Module:
         ({"level": "O4"}, ValueError, "level='O4' is not a known level; valid: O0, O1, O2, O3"),
         ({"loss_scaler": "dynamic"}, TypeError, "loss_scaler must be a mixprec"),
         ({"trace_overflow": "yes"}, TypeError, "trace_overflow must be True or False"),
+        ({"save_masters": 1}, TypeError, "save_masters must be True or False, got 1"),
         ({"model": prepared_model}, ValueError, "model was already prepared by auto_mixed"),
         ({"optimizers": "lso"}, TypeError, r"optimizers=\(LossScaleOptimizer\(...\), ...\)"),
         ({"keep_float32": ["lm_haed"]}, ValueError, "closest: 'lm_head'"),
@@ -493,6 +528,7 @@ def test_private_overrides_match_the_installed_trainer():
     for name, params in (
         ("_clip_grad_norm", ["self", "model"]),
         ("_get_grad_norm", ["self", "model", "grad_norm"]),
+        ("_save", ["self", "output_dir", "state_dict"]),
     ):
         assert list(inspect.signature(getattr(trainer, name)).parameters) == params, name
     loop = inspect.getsource(trainer._run_epoch)
@@ -504,5 +540,7 @@ def test_private_overrides_match_the_installed_trainer():
         "self.lr_scheduler.step()",
     ):
         assert call in loop, call
+    assert "self._save(output_dir)" in inspect.getsource(trainer.save_model)
+    assert "save_pretrained(output_dir, state_dict=state_dict" in inspect.getsource(trainer._save)
     assert "self.accelerator.backward(loss, **kwargs)" in inspect.getsource(trainer.training_step)
     assert "self.scaler.scale(loss).backward(**kwargs)" in inspect.getsource(Accelerator.backward)

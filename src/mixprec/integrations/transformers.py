@@ -18,6 +18,9 @@ Where the Trainer's loop is joined (transformers 5.23):
   so that it advances on applied steps only (the loop asks ``accelerator.
   optimizer_step_was_skipped``, which only accelerate's own GradScaler sets).
 - ``log`` (public): adds ``loss_scale`` and ``skipped_steps``.
+- ``_save`` (private): ``save_model`` and checkpoints write the float32 masters in place of
+  the 16-bit weights (``save_masters=True``), as ``export_weights`` does, with a config whose
+  ``dtype`` is float32, so that ``from_pretrained`` gives back what training reached.
 
 Checkpoints need nothing more: ``optimizer.pt`` holds the ``LossScaleOptimizer`` state, that is
 the inner optimizer's, the float32 masters and the loss scaler's (scale and counters).
@@ -44,7 +47,7 @@ __all__ = ["MixprecTrainer"]
 
 #: Private Trainer methods overridden here. Without them the Trainer would clip and log the
 #: scaled 16-bit gradients, so their absence (another transformers version) is an error.
-_PRIVATE_OVERRIDES = ("_clip_grad_norm", "_get_grad_norm")
+_PRIVATE_OVERRIDES = ("_clip_grad_norm", "_get_grad_norm", "_save")
 _missing = [name for name in _PRIVATE_OVERRIDES if not callable(getattr(Trainer, name, None))]
 if _missing:  # pragma: no cover - depends on the installed transformers
     import transformers as _tf
@@ -72,6 +75,11 @@ class MixprecTrainer(Trainer):
     float32 master gradients; the learning-rate scheduler advances on applied steps only;
     ``global_step`` counts skipped steps too, as with ``fp16=True``. The logs carry
     ``loss_scale`` and ``skipped_steps`` (skipped since the start of training, checkpointed).
+
+    ``save_model()`` (and each checkpoint) writes the float32 master weights in place of the
+    16-bit ones, and a config whose ``dtype`` is float32: ``from_pretrained`` then loads the
+    values training reached, not their 16-bit rounding. ``save_masters=False`` writes the
+    weights as the prepared model stores them. Before ``train()`` there are no masters yet.
     """
 
     def __init__(
@@ -84,6 +92,7 @@ class MixprecTrainer(Trainer):
         loss_scaler: LossScaler | None = None,
         keep_float32: Iterable[KeepEntry] = (),
         trace_overflow: bool = False,
+        save_masters: bool = True,
         **trainer_kwargs: Any,
     ) -> None:
         # Checked before Trainer.__init__, which builds the Accelerator from the arguments.
@@ -94,8 +103,9 @@ class MixprecTrainer(Trainer):
                 "loss_scaler must be a mixprec NoOpLossScaler, StaticLossScaler or "
                 f"DynamicLossScaler (or None), got {type(loss_scaler).__name__}: {loss_scaler!r}"
             )
-        if not isinstance(trace_overflow, bool):
-            raise ArgumentError(f"trace_overflow must be True or False, got {trace_overflow!r}")
+        for name, flag in (("trace_overflow", trace_overflow), ("save_masters", save_masters)):
+            if not isinstance(flag, bool):
+                raise ArgumentError(f"{name} must be True or False, got {flag!r}")
         if args is not None and not isinstance(args, TrainingArguments):
             raise ArgumentError(
                 f"args must be a transformers.TrainingArguments, got {type(args).__name__}"
@@ -106,6 +116,7 @@ class MixprecTrainer(Trainer):
         self._loss_scaler = loss_scaler
         self._keep_float32 = keep_list(keep_float32)
         self._trace_overflow = trace_overflow
+        self.save_masters = save_masters
         self._mixprec_optimizer: LossScaleOptimizer | None = None
         optimizers = trainer_kwargs.get("optimizers")
         if optimizers and isinstance(optimizers[0], LossScaleOptimizer):
@@ -225,6 +236,41 @@ class MixprecTrainer(Trainer):
             grads = [p.grad for p in self._unscaled_masters() if p.grad is not None]
             grad_norm = nn.utils.get_total_norm(grads, foreach=True) if grads else None
         return grad_norm
+
+    # -- saving ---------------------------------------------------------------------------
+
+    # Private override (transformers 5.23: Trainer._save(output_dir, state_dict=None), called
+    # by save_model and for checkpoints; it writes the weights with save_pretrained).
+    def _save(
+        self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None
+    ) -> None:
+        masters = self._float32_state_dict() if state_dict is None and self.save_masters else None
+        if masters is None:  # no masters (O0, O1, O3, before train()) or a given state dict
+            super()._save(output_dir, state_dict)
+            return
+        config = getattr(self.model, "config", None)
+        before = getattr(config, "dtype", None)
+        super()._save(output_dir, masters)
+        if config is not None and self.args.should_save:
+            # save_pretrained wrote the dtype of the model's first weight (16-bit at O2), which
+            # from_pretrained would load the float32 masters in.
+            config.dtype = "float32"
+            try:
+                config.save_pretrained(output_dir or self.args.output_dir)
+            finally:
+                config.dtype = before
+
+    def _float32_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The model's state dict with each 16-bit weight's float32 master in its place (a
+        tied weight's names all get the same master); ``None`` without masters."""
+        optimizer, model = self._mixprec_optimizer, self.model
+        pairs = optimizer.master_weights() if optimizer is not None else []
+        if not pairs or model is None:
+            return None
+        by_id = {id(half): master.detach() for half, master in pairs}
+        named = model.named_parameters(remove_duplicate=False)
+        masters = {name: by_id[id(p)] for name, p in named if id(p) in by_id}
+        return {key: masters.get(key, value) for key, value in model.state_dict().items()}
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # Training logs ("loss" every logging_steps, "train_loss" in the final metrics, which

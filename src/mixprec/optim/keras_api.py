@@ -19,9 +19,11 @@ import torch
 
 from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import ArgumentError
+from mixprec.optim.checks import SetupCheck, watch_health
 from mixprec.optim.masters import MasterWeights
 from mixprec.optim.step_result import StepResult
 from mixprec.scaling import DynamicLossScaler, LossScaler, unscale_grads_
+from mixprec.scaling.health import ScalerHealth
 
 if TYPE_CHECKING:
     from mixprec.optim.loss_scale_optimizer import _Bookkeeping
@@ -37,6 +39,8 @@ class KerasMethods:
     _loss_scaler: LossScaler
     _weights: MasterWeights
     _device: torch.device | None
+    _setup: SetupCheck
+    health: ScalerHealth | None
 
     if TYPE_CHECKING:
 
@@ -46,6 +50,8 @@ class KerasMethods:
         """``loss * scale / accumulation_steps`` (Keras ``get_scaled_loss``; the division
         only matters with accumulation, where it makes the summed gradients a mean, as
         ``backward`` does)."""
+        if self._setup.pending:  # once, at the first backward: was the model prepared later?
+            self._setup.run(self._weights, self._loss_scaler)
         self._book.micro += 1
         self._book.fresh = True
         factor = self._loss_scaler.get_scale() / self.accumulation_steps
@@ -76,6 +82,8 @@ class KerasMethods:
     ) -> StepResult:
         """Apply already unscaled gradients (Keras ``apply_gradients``): check them, clip,
         apply or skip, update the scale."""
+        if self._setup.pending:
+            self._setup.run(self._weights, self._loss_scaler)
         pairs = list(grads_and_vars)
         weights = self._weights
         weights.follow_external_writes()
@@ -102,8 +110,12 @@ class KerasMethods:
             target.grad = grad.detach().to(target.dtype)
         self._book.micro = self.accumulation_steps
         self._book.fresh = False
-        self._book.found_inf = unscale_grads_(weights.step_grads(), 1.0, self._device)
-        return self._finish()
+        grads = weights.step_grads()
+        self._book.no_grads = not grads
+        self._book.found_inf = unscale_grads_(grads, 1.0, self._device)
+        result = self._finish()
+        watch_health(self.health, result, self._loss_scaler)
+        return result
 
 
 def keras_scaler(

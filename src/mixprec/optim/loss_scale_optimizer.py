@@ -9,7 +9,6 @@ step, then either apply the inner optimizer and copy the masters back into the 1
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -20,10 +19,11 @@ from torch import nn
 
 from mixprec._dist import agree_found_inf, is_distributed, is_dtensor
 from mixprec._errors import ArgumentError, MisuseError, shown
+from mixprec.optim.checks import SetupCheck, no_gradients, watch_health
 from mixprec.optim.fused import _fuse, _unfuse_sparse, needs_scaling
 from mixprec.optim.keras_api import KerasMethods, keras_scaler
 from mixprec.optim.masters import MasterWeights, warn_if_eps_vanishes
-from mixprec.optim.state_dict import check_state_dict
+from mixprec.optim.state_dict import StateDictMethods
 from mixprec.optim.step_result import StepResult
 from mixprec.scaling import (
     DynamicLossScaler,
@@ -34,6 +34,7 @@ from mixprec.scaling import (
     checks_on_host,
     finite_on_cpu,
 )
+from mixprec.scaling.health import ScalerHealth
 from mixprec.trace import OverflowTracer, model_of
 
 __all__ = ["LossScaleOptimizer"]
@@ -55,9 +56,11 @@ class _Bookkeeping:
     found_inf: torch.Tensor | None = None  # set by unscale_()
     # Whether the float16 weights were finite after the last applied update; see _finish.
     weights_finite: torch.Tensor = field(default_factory=lambda: torch.ones((), dtype=torch.bool))
+    no_grads: bool = False  # set by unscale_(): no parameter had a gradient
+    said_no_grads: bool = False  # the no-gradient step was warned about (once)
 
 
-class LossScaleOptimizer(KerasMethods, torch.optim.Optimizer):
+class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
     """Wrap ``optimizer`` for mixed precision training.
 
     16-bit parameters (made by ``auto_mixed_precision`` at O2, say) get float32 master copies
@@ -78,6 +81,10 @@ class LossScaleOptimizer(KerasMethods, torch.optim.Optimizer):
     Keras 3's keywords ``initial_scale=`` and ``dynamic_growth_steps=`` give Keras 3's
     schedule (start at ``2**15``, double after ``2000`` clean steps, halve on overflow, no
     ceiling, no floor above float32's smallest normal) in place of mixprec's default.
+
+    Build it after ``auto_mixed_precision``: the first backward raises ``MisuseError`` when the
+    model was prepared later. ``health`` (a ``ScalerHealth``; ``None`` turns it off) warns once
+    when steps keep being skipped. A step where no parameter has a gradient applies nothing.
     """
 
     def __init__(
@@ -110,10 +117,12 @@ class LossScaleOptimizer(KerasMethods, torch.optim.Optimizer):
         model_params = self._weights.model_params()
         # Where found_inf lives when no parameter has a gradient (a rank with none).
         self._device = model_params[0].device if model_params else None
+        self._setup = SetupCheck(self._weights, scaler_chosen=loss_scaler is not None)
         self._loss_scaler = loss_scaler or (
             DynamicLossScaler() if needs_scaling(model_params) else NoOpLossScaler()
         )
         self._book = _Bookkeeping()
+        self.health: ScalerHealth | None = ScalerHealth()
         self._tracer = _make_tracer(trace_overflow, model_params)
 
     # -- parameters -------------------------------------------------------------------------
@@ -202,12 +211,16 @@ class LossScaleOptimizer(KerasMethods, torch.optim.Optimizer):
     def _unscale(self) -> None:
         self._weights.follow_external_writes()
         self._weights.load_master_grads()
-        self._book.found_inf = self._loss_scaler.unscale_(self._weights.step_grads(), self._device)
+        grads = self._weights.step_grads()
+        self._book.no_grads = not grads
+        self._book.found_inf = self._loss_scaler.unscale_(grads, self._device)
 
     # -- the step ---------------------------------------------------------------------------
 
     def step(self, closure: Callable[[], float] | None = None) -> StepResult:  # type: ignore[override]
-        """Unscale once, check, clip, apply or skip, update the scale; see ``StepResult``."""
+        """Unscale once, check, clip, apply or skip, update the scale; see ``StepResult``.
+        With no gradient at all (``zero_grad`` between ``backward`` and ``step``) nothing is
+        applied and the scale does not move: ``applied=False``, said once."""
         if closure is not None:
             raise MisuseError("LossScaleOptimizer.step() does not take a closure")
         if not self._book.fresh:
@@ -218,12 +231,13 @@ class LossScaleOptimizer(KerasMethods, torch.optim.Optimizer):
         self._book.fresh = False
         if self._book.micro < self.accumulation_steps:
             return StepResult(False, False, self._loss_scaler.get_scale(), accumulating=True)
-        if self._book.found_inf is None:
-            result = self._host_step()
-            if result is not None:
-                return result
-            self._unscale()
-        return self._finish()
+        result = self._host_step() if self._book.found_inf is None else None
+        if result is None:
+            if self._book.found_inf is None:
+                self._unscale()
+            result = self._finish()
+        watch_health(self.health, result, self._loss_scaler)
+        return result
 
     def _host_step(self) -> StepResult | None:
         """The whole step with a Python bool for ``found_inf``, or None where the general path
@@ -244,6 +258,8 @@ class LossScaleOptimizer(KerasMethods, torch.optim.Optimizer):
         grads = [g._values() if g.is_sparse else g for g in self._weights.plain_grads()]
         if not checks_on_host(grads):
             return None
+        if not grads:
+            return no_gradients(self._book, 1.0)
         overflow = bool(grads) and not finite_on_cpu(grads)
         # The tail of _finish, restated: as a function of its own shared by both, it cost
         # torch.compile(opt.step) two more graphs, and dynamo then traced the scaler's
@@ -261,6 +277,10 @@ class LossScaleOptimizer(KerasMethods, torch.optim.Optimizer):
         # last applied update made a float16 weight inf/NaN (checked then, read now: no extra
         # host synchronisation). A skipped step changed no weight and sends the same answer
         # again, so a compiled step has one shape whichever steps were skipped.
+        # One process only: under torch.distributed a rank may hold no gradient and still
+        # has to join the collective below.
+        if self._book.no_grads and not is_distributed():
+            return no_gradients(self._book, self._loss_scaler.get_scale())
         flags = [self._book.found_inf.reshape(1).float()]  # type: ignore[union-attr]
         if self._weights.checked:
             flags.append((~self._book.weights_finite).reshape(1).to(flags[0]))
@@ -311,29 +331,6 @@ class LossScaleOptimizer(KerasMethods, torch.optim.Optimizer):
         )
 
     # -- checkpointing ----------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """Inner optimizer state, float32 master weights and the loss scaler's state.
-
-        Take it between steps: gradients accumulated mid-way are not part of it."""
-        return {
-            "optimizers": [inner.state_dict() for inner in self.optimizers],
-            "master_weights": [m.detach() for m in self._weights.masters],
-            "loss_scaler": self._loss_scaler.state_dict(),
-            "micro_steps": self._book.micro,
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_state_dict(state_dict, self._weights.masters, self.optimizers)
-        # The scaler's state is checked on a copy first, so that a bad one changes nothing.
-        copy.deepcopy(self._loss_scaler).load_state_dict(state_dict["loss_scaler"])
-        for inner, inner_state in zip(self.optimizers, state_dict["optimizers"], strict=True):
-            inner.load_state_dict(inner_state)
-        self._loss_scaler.load_state_dict(state_dict["loss_scaler"])
-        self._weights.load(state_dict["master_weights"])
-        self._book.micro = int(state_dict.get("micro_steps", 0))
-        self._book.fresh = False
-        self._book.found_inf = None
 
     def register_step_pre_hook(self, hook: Any) -> Any:
         """Runs before the (first) inner optimizer's step, that is, only on applied steps."""

@@ -16,13 +16,14 @@ from typing import Any
 import torch
 
 from mixprec._dist import is_dtensor
-from mixprec._dtypes import HALF_DTYPES, dtype_name
+from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
-from mixprec.casting import LEVEL_ATTR, MASTERS_ATTR, take_float32_copy
+from mixprec._plain_optimizers import needs_master
+from mixprec.casting import take_float32_copy
 from mixprec.scaling import all_finite
 from mixprec.trace import model_of
 
-__all__ = ["MasterWeights"]
+__all__ = ["MasterWeights", "needs_master"]
 
 
 class MasterWeights:
@@ -56,9 +57,7 @@ class MasterWeights:
             _check_param(p, f"{where}['params'][{j}]")
             if p.dtype == torch.float16:
                 self.checked.append(_local(p))
-            if p.dtype in HALF_DTYPES and (
-                getattr(p, LEVEL_ATTR, None) != "O3" or getattr(p, MASTERS_ATTR, False)
-            ):
+            if needs_master(p):
                 # Start from the float32 values auto_mixed_precision kept, when they are
                 # still current (not after a load_state_dict into the 16-bit model).
                 original = take_float32_copy(p)

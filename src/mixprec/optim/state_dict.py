@@ -1,19 +1,58 @@
-"""What ``LossScaleOptimizer.state_dict()`` holds, and the checks ``load_state_dict`` makes
-before it loads any of it: ``optimizers`` (the inner optimizers' states), ``master_weights``
-(the float32 masters, in order), ``loss_scaler`` and ``micro_steps``. A state that does not
-fit this optimizer is refused whole, so that a bad one changes nothing.
+"""``LossScaleOptimizer.state_dict()`` and ``load_state_dict`` (``StateDictMethods``), and
+the checks ``load_state_dict`` makes before it loads any of it. The state holds
+``optimizers`` (the inner optimizers' states), ``master_weights`` (the float32 masters, in
+order), ``loss_scaler`` and ``micro_steps``. A state that does not fit this optimizer is
+refused whole, so that a bad one changes nothing.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mixprec._errors import ArgumentError
+from mixprec.optim.masters import MasterWeights
+from mixprec.scaling import LossScaler
 
-__all__ = ["check_state_dict"]
+if TYPE_CHECKING:
+    from mixprec.optim.loss_scale_optimizer import _Bookkeeping
+
+__all__ = ["StateDictMethods", "check_state_dict"]
+
+
+class StateDictMethods:
+    """``state_dict`` and ``load_state_dict``, on the state ``LossScaleOptimizer`` sets up."""
+
+    optimizers: list[torch.optim.Optimizer]
+    _book: _Bookkeeping
+    _loss_scaler: LossScaler
+    _weights: MasterWeights
+
+    def state_dict(self) -> dict[str, Any]:
+        """Inner optimizer state, float32 master weights and the loss scaler's state.
+
+        Take it between steps: gradients accumulated mid-way are not part of it."""
+        return {
+            "optimizers": [inner.state_dict() for inner in self.optimizers],
+            "master_weights": [m.detach() for m in self._weights.masters],
+            "loss_scaler": self._loss_scaler.state_dict(),
+            "micro_steps": self._book.micro,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_state_dict(state_dict, self._weights.masters, self.optimizers)
+        # The scaler's state is checked on a copy first, so that a bad one changes nothing.
+        copy.deepcopy(self._loss_scaler).load_state_dict(state_dict["loss_scaler"])
+        for inner, inner_state in zip(self.optimizers, state_dict["optimizers"], strict=True):
+            inner.load_state_dict(inner_state)
+        self._loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        self._weights.load(state_dict["master_weights"])
+        self._book.micro = int(state_dict.get("micro_steps", 0))
+        self._book.fresh = False
+        self._book.found_inf = None
 
 
 def check_state_dict(

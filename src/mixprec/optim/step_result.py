@@ -14,7 +14,8 @@ __all__ = ["StepResult"]
 class StepResult:
     """What one ``step()`` did.
 
-    ``applied``: the update was made (advance schedulers, EMA, step counters only then).
+    ``applied``: the update was made (advance schedulers, EMA, step counters only then);
+    not on a skipped step, nor on a step where no parameter had a gradient.
     ``found_inf``: the gradients held inf/NaN, so the update was skipped.
     ``scale``: the loss scale the gradients were computed with.
     ``grad_norm``: total norm of the unscaled gradients when ``max_grad_norm`` is set.

@@ -6,6 +6,7 @@ from __future__ import annotations
 try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins import Precision as FabricPrecision
+    from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.core.optimizer import LightningOptimizer
     from lightning.pytorch.plugins.precision import Precision
     from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -14,4 +15,11 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
         "mixprec.integrations.lightning needs Lightning: pip install 'mixprec[lightning]'"
     ) from err
 
-__all__ = ["FabricPrecision", "GradClipAlgorithmType", "LightningOptimizer", "Precision", "pl"]
+__all__ = [
+    "Callback",
+    "FabricPrecision",
+    "GradClipAlgorithmType",
+    "LightningOptimizer",
+    "Precision",
+    "pl",
+]

@@ -3,6 +3,7 @@ plugin."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from mixprec._errors import ArgumentError
+from mixprec.casting import cast_floating, get_region
 from mixprec.integrations.lightning._lightning import FabricPrecision
 from mixprec.integrations.lightning.precision import _MixprecPlugin
 from mixprec.optim import LossScaleOptimizer, StepResult
@@ -26,6 +28,12 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
     ``not result.skipped``. The 16-bit gradients are released after each step, since the
     optimizer's own ``zero_grad`` only reaches the float32 masters.
 
+    Inputs (``convert_input``): floating inputs of ``model(...)`` are cast where the prepared
+    model casts its own, at O2 and O3, to its compute dtype, as Fabric's ``MixedPrecision``
+    and ``HalfPrecision`` cast them. At O1 they pass as given: the weights are float32 and
+    autocast picks each op's dtype, so ops it keeps in float32 (and modules in
+    ``keep_float32``) see the inputs unrounded.
+
     Checkpoints: put the plugin in the state, ``fabric.save(path, {"model": model,
     "optimizer": optimizer, "mixprec": plugin})``; its state holds the scaler and every
     wrapped optimizer's masters, which the optimizer's own state does not.
@@ -35,12 +43,42 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
         super()._reset_run()
         self._last_loss: torch.Tensor | None = None  # see _fabric_lso
         self._pending: list[dict[str, Any]] = []  # loaded before their optimizer was seen
+        self._models: list[weakref.ref[nn.Module]] = []  # every model fabric.setup prepared
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state.pop("_last_loss", None)
         state.pop("_pending", None)
+        state.pop("_models", None)
         return state
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        module = super().convert_module(module)
+        if not any(ref() is module for ref in self._models):
+            self._models.append(weakref.ref(module))
+        return module
+
+    def _input_dtype(self) -> torch.dtype | None:
+        """The dtype the prepared models cast their floating inputs to, read from their
+        regions (a model kept in float32 with ``keep_float32`` or ``to_float`` has a float32
+        one); ``None`` at O1 (autocast casts per op) or where the models disagree (each then
+        casts its own inputs)."""
+        if not self._step_context:
+            return None
+        dtypes: set[torch.dtype | None] = set()
+        for model in (ref() for ref in self._models):
+            if model is None:
+                continue
+            region = get_region(model)
+            dtypes.add(region.compute_dtype if region is not None and region.cast_inputs else None)
+        return dtypes.pop() if len(dtypes) == 1 else None
+
+    def convert_input(self, data: Any) -> Any:
+        """Floating tensors in ``data`` (the arguments of ``model(...)``) in the model's
+        compute dtype where its region casts inputs (O2, O3), as Fabric's own plugins do;
+        at O1 and O0 as they are. Integer and bool tensors are never cast."""
+        dtype = self._input_dtype()
+        return data if dtype is None else cast_floating(data, dtype)
 
     def _fabric_lso(self, optimizer: Any) -> LossScaleOptimizer:
         lso = self._owner_of(optimizer)

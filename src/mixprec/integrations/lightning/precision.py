@@ -23,7 +23,8 @@ from torch import nn
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec.casting import Float32Functions, cast_floating
 from mixprec.integrations.lightning._lightning import LightningOptimizer
-from mixprec.levels import KeepEntry, applied, auto_mixed_precision, keep_list, resolve_level
+from mixprec.keep import KeepEntry, keep_list
+from mixprec.levels import applied, auto_mixed_precision, resolve_level
 from mixprec.optim import LossScaleOptimizer, StepResult, needs_scaling
 from mixprec.policy import Policy, PolicyLike, get_policy
 from mixprec.scaling import DynamicLossScaler, LossScaler, NoOpLossScaler
@@ -205,8 +206,10 @@ class _MixprecPlugin:
             yield
 
     def convert_input(self, data: Any) -> Any:
-        """Inputs pass as they are: the model's region casts floating inputs once at its
-        boundary (O2, O3), and casting the whole batch would also round float targets."""
+        """Inputs pass as they are. Lightning's Trainer hands the whole batch here, targets
+        included: its ``MixedPrecision`` passes it as it is too, and the model's region casts
+        its floating inputs once at its boundary (O2, O3) while float targets stay float32.
+        ``MixprecFabricPrecision`` casts (Fabric hands only the model's arguments)."""
         return data
 
     def convert_output(self, data: Any) -> Any:

@@ -1,5 +1,6 @@
-"""MixprecPrecision and MixprecFabricPrecision: mixprec's numerics inside Lightning's Trainer
-and Fabric, against float32 runs of the same trainer."""
+"""MixprecPrecision: mixprec's numerics inside Lightning's Trainer, against float32 runs of
+the same trainer. The helpers here (data, model, trainer) serve the other Lightning and
+Fabric test files too."""
 
 from __future__ import annotations
 
@@ -14,15 +15,11 @@ import pytest
 L = pytest.importorskip("lightning")
 
 import torch  # noqa: E402
-from lightning.fabric import Fabric  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import mixprec as mp  # noqa: E402
-from mixprec.integrations.lightning import (  # noqa: E402
-    MixprecFabricPrecision,
-    MixprecPrecision,
-)
+from mixprec.integrations.lightning import LossScaleMonitor, MixprecPrecision  # noqa: E402
 
 STEPS_PER_EPOCH = 8  # 128 samples, batches of 16
 
@@ -221,7 +218,8 @@ def test_overflow_skips_the_step_and_holds_the_scheduler(
     plugin = MixprecPrecision(policy, level="O2", trace_overflow=True)
     snaps = _Snapshots()
     logger = L.pytorch.loggers.CSVLogger(tmp_path, name="run", version=0)
-    trainer = _trainer(plugin, logger=logger, log_every_n_steps=1, callbacks=[snaps])
+    callbacks = [snaps, LossScaleMonitor()]
+    trainer = _trainer(plugin, logger=logger, log_every_n_steps=1, callbacks=callbacks)
     trainer.fit(module, _data())
 
     unchanged = zip(snaps.weights[k], snaps.weights[k - 1], strict=True)
@@ -291,6 +289,43 @@ def test_gradient_clipping_acts_on_unscaled_float32_masters() -> None:
     assert f16.at_step == pytest.approx([clip] * 3, rel=1e-5)
 
 
+# -- the batch -----------------------------------------------------------------------------------
+
+
+class _Regression(L.LightningModule):
+    """Float targets, a training_step that calls a submodule; records what the step is
+    handed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(16, 1)
+        self.batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        self.batches.append((x, y))
+        return nn.functional.mse_loss(self.net(x).float().squeeze(1), y.float())
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def test_the_trainer_hands_the_batch_over_as_given_float_targets_too() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 16, generator=g), torch.randn(32, generator=g) * 1000 + 0.1
+    data = DataLoader(TensorDataset(x, y), batch_size=16)
+    native = _Regression()  # Lightning's bf16-true casts the whole batch, targets included
+    _trainer(precision="bf16-true").fit(native, data)
+    assert {(a.dtype, b.dtype) for a, b in native.batches} == {(torch.bfloat16,) * 2}
+    assert not torch.equal(native.batches[0][1].float(), y[:16])
+    module = _Regression()  # mixprec at O3 (reported as "bf16-true"): the batch as it came
+    plugin = MixprecPrecision("bfloat16", level="O3")
+    _trainer(plugin).fit(module, data)
+    assert plugin.precision == "bf16-true" and module.net.weight.dtype == torch.bfloat16
+    assert torch.equal(module.batches[0][0], x[:16]) and torch.equal(module.batches[0][1], y[:16])
+
+
 # -- checkpoints ---------------------------------------------------------------------------------
 
 
@@ -335,77 +370,6 @@ def test_resume_from_a_lightning_checkpoint_equals_an_uninterrupted_run(tmp_path
         assert torch.equal(a, b)
     assert plugin.loss_scaler.state == whole_plugin.loss_scaler.state
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 2 * STEPS_PER_EPOCH
-
-
-# -- Fabric --------------------------------------------------------------------------------------
-
-
-def _fabric_run(
-    plugin: MixprecFabricPrecision | None,
-    steps: int,
-    seed: int = 0,
-    load: Any = None,
-    save: Any = None,
-    start: int = 0,
-) -> tuple[list[float], nn.Module]:
-    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin] if plugin else None)
-    model = _mlp(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt = fabric.setup(model, opt)
-    state = {"model": model, "optimizer": opt, **({"mixprec": plugin} if plugin else {})}
-    if load is not None:
-        fabric.load(load, state)
-    batches = list(_data()) * 4
-    losses = []
-    for x, y in batches[start : start + steps]:
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        fabric.backward(loss)
-        fabric.clip_gradients(model, opt, max_norm=1.0, error_if_nonfinite=False)
-        opt.step()
-        losses.append(loss.item())
-    if save is not None:
-        fabric.save(save, state)
-    return losses, model
-
-
-@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
-def test_fabric_o2_tracks_float32(policy: str) -> None:
-    reference, _ = _fabric_run(None, steps=24)
-    plugin = MixprecFabricPrecision(policy, level="O2")
-    losses, model = _fabric_run(plugin, steps=24)
-    # The Trainer's model, data and steps, with clipping: measured max |loss difference|
-    # 0.0011 (bfloat16) and 0.00042 (float16), the Trainer's figures to the last bit.
-    tolerance = 0.005 if policy == "mixed_bfloat16" else 0.002
-    gap = max(abs(a - b) for a, b in zip(losses, reference, strict=True))
-    assert 0 < gap < tolerance
-    assert losses[-1] < 0.8 * losses[0]  # measured 0.57
-    assert {p.dtype for p in model.parameters()} == {plugin.policy.compute_dtype}
-    (lso,) = plugin.optimizers
-    assert all(p.dtype == torch.float32 for p in lso.master_params())
-    # Released after each step: the user's zero_grad only reaches the masters.
-    assert all(p.grad is None for p in model.parameters())
-    assert plugin.last_step is not None and plugin.last_step.applied
-
-
-def test_fabric_checkpoint_with_the_plugin_resumes_bitwise(tmp_path: Any) -> None:
-    whole_plugin = MixprecFabricPrecision("mixed_float16", level="O2", loss_scaler=_scaler())
-    whole, whole_model = _fabric_run(whole_plugin, steps=12)
-    path = tmp_path / "fabric.ckpt"
-    first_plugin = MixprecFabricPrecision("mixed_float16", level="O2", loss_scaler=_scaler())
-    _fabric_run(first_plugin, steps=6, save=path)
-    assert first_plugin.loss_scaler.get_scale() != 2.0**10  # so restoring it is tested
-    # Loaded before Fabric shows the plugin the optimizer: the masters wait for it.
-    plugin = MixprecFabricPrecision("mixed_float16", level="O2", loss_scaler=_scaler())
-    rest, model = _fabric_run(plugin, steps=6, seed=7, load=path, start=6)
-    assert rest == whole[6:]
-    assert all(
-        torch.equal(a, b) for a, b in zip(model.parameters(), whole_model.parameters(), strict=True)
-    )
-    (lso,), (whole_lso,) = plugin.optimizers, whole_plugin.optimizers
-    for (_, a), (_, b) in zip(lso.master_weights(), whole_lso.master_weights(), strict=True):
-        assert torch.equal(a, b)
-    assert plugin.loss_scaler.state == whole_plugin.loss_scaler.state
 
 
 # -- arguments and pickling ----------------------------------------------------------------------

@@ -1,0 +1,69 @@
+"""Which 16-bit parameters need a float32 master, and the guard that warns when a plain
+torch optimizer steps such parameters itself. It sits below both ``levels`` (which installs
+the guard when it stores weights in 16 bits) and ``optim`` (whose masters follow the same
+rule), so neither imports the other for it."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from mixprec._dtypes import HALF_DTYPES, dtype_name
+from mixprec.casting import LEVEL_ATTR, MASTERS_ATTR
+
+
+def needs_master(p: torch.Tensor) -> bool:
+    """A 16-bit parameter is updated through a float32 master, except at O3, which updates
+    its weights in place (unless MindSpore's O3, ``amp_level="O3"``, asked for masters)."""
+    return p.dtype in HALF_DTYPES and (
+        getattr(p, LEVEL_ATTR, None) != "O3" or bool(getattr(p, MASTERS_ATTR, False))
+    )
+
+
+_HOOK: list[Any] = []  # the handle, once installed
+_CHECKED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def watch_plain_optimizers() -> None:
+    """Install, once per process, the global step pre-hook that warns when an optimizer
+    steps a prepared model's 16-bit parameters itself (no float32 master behind them).
+
+    Each optimizer is looked at once, at its first step; after that the hook is one
+    membership test. ``LossScaleOptimizer``'s inner optimizers hold the masters, so they
+    pass."""
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_first_step))
+
+
+def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if torch.compiler.is_compiling() or optimizer in _CHECKED:
+        return
+    _CHECKED.add(optimizer)
+    bare = [
+        p
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if isinstance(p, torch.Tensor)
+        and p.dtype in HALF_DTYPES
+        and getattr(p, LEVEL_ATTR, None) is not None
+        and needs_master(p)
+    ]
+    if not bare:
+        return
+    kind = type(optimizer)
+    name = f"torch.optim.{kind.__name__}" if kind.__module__.startswith("torch.") else kind.__name__
+    dtypes = ", ".join(sorted({dtype_name(p.dtype) for p in bare}))
+    levels = ", ".join(sorted({str(getattr(p, LEVEL_ATTR)) for p in bare}))
+    warnings.warn(
+        f"{name} steps {len(bare)} {dtypes} parameters of a model prepared by "
+        f"auto_mixed_precision (level {levels}) directly: they have no float32 master "
+        "weights, so small updates round away and the optimizer state is 16-bit. Wrap "
+        "the optimizer, built after "
+        f"auto_mixed_precision: opt = mp.LossScaleOptimizer({name}(model.parameters(), ...))",
+        UserWarning,
+        stacklevel=3,  # _first_step <- torch's step wrapper <- the caller's opt.step()
+    )

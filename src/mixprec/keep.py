@@ -1,0 +1,62 @@
+"""``keep_float32``-style arguments: module types, name patterns or modules, resolved to the
+named modules of a model they stand for (``auto_mixed_precision``'s ``keep_float32`` and
+``keep_bfloat16``, the doctors' keep lists)."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+
+from torch import nn
+
+from mixprec._dtypes import closest
+
+__all__ = ["KeepEntry", "inside", "keep_list", "kept_modules"]
+
+KeepEntry = type[nn.Module] | str | nn.Module
+
+
+def keep_list(entries: KeepEntry | Iterable[KeepEntry]) -> tuple[KeepEntry, ...]:
+    """``keep_float32``-style arguments as a tuple: one entry may be given alone."""
+    if isinstance(entries, (str, nn.Module, type)):
+        return (entries,)
+    return tuple(entries)
+
+
+def kept_modules(
+    model: nn.Module, keep_float32: Iterable[KeepEntry], argument: str = "keep_float32"
+) -> dict[str, nn.Module]:
+    """Resolve ``keep_float32`` entries (types, name patterns, modules) to named modules."""
+    keep_float32 = keep_list(keep_float32)
+    named = dict(model.named_modules())
+    kept: dict[str, nn.Module] = {}
+    for entry in keep_float32:
+        if isinstance(entry, type) and issubclass(entry, nn.Module):
+            kept.update((n, m) for n, m in named.items() if isinstance(m, entry))
+        elif isinstance(entry, str):
+            hits = {n: m for n, m in named.items() if n == entry or fnmatch.fnmatchcase(n, entry)}
+            if not hits:
+                hint = closest(entry, [n for n in named if n])
+                raise ValueError(
+                    f"{argument} entry {entry!r} matches no module name of the model"
+                    + (f"; closest: {hint!r}" if hint else "")
+                )
+            kept.update(hits)
+        elif isinstance(entry, nn.Module):
+            name = next((n for n, m in named.items() if m is entry), None)
+            if name is None:
+                raise ValueError(
+                    f"{argument} entry {type(entry).__name__} module is not part of the model"
+                )
+            kept[name] = entry
+        else:
+            raise TypeError(
+                f"{argument} entries must be nn.Module subclasses, name patterns (str) or "
+                f"modules; got {type(entry).__name__}: {entry!r}"
+            )
+    return kept
+
+
+def inside(modules: Iterable[nn.Module]) -> set[int]:
+    """Ids of the given modules and all their descendants."""
+    return {id(sub) for m in modules for sub in m.modules()}

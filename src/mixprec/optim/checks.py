@@ -1,0 +1,130 @@
+"""Checks around ``LossScaleOptimizer`` that catch set-up mistakes which would otherwise train
+silently in the wrong precision, and what a step says about the run.
+
+- ``SetupCheck``: at the first backward, the optimizer's construction-time decisions (which
+  parameters get float32 masters, whether the loss is scaled) must still fit the model: a
+  model prepared by ``auto_mixed_precision`` (or cast to 16 bits) *after* the optimizer was
+  built would train its 16-bit weights without masters, or float16 math without scaling.
+- (A plain torch optimizer stepping such a model's 16-bit weights itself is caught by
+  ``mixprec._plain_optimizers``, which ``auto_mixed_precision`` installs.)
+- ``no_gradients``: a step where no parameter has a gradient applies nothing, and says so.
+- ``watch_health``: the loss scaler's health (``ScalerHealth``) after every step, so custom
+  loops hear, once, of a run stuck at the scaler's floor or of runs of skipped steps.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+
+from mixprec._dtypes import dtype_name
+from mixprec._errors import MisuseError
+from mixprec.casting import POLICY_ATTR
+from mixprec.optim.fused import needs_scaling
+from mixprec.optim.masters import MasterWeights, needs_master
+from mixprec.optim.step_result import StepResult
+from mixprec.scaling import LossScaler, NoOpLossScaler
+from mixprec.scaling.health import ScalerHealth, scale_floor
+
+if TYPE_CHECKING:
+    from mixprec.optim.loss_scale_optimizer import _Bookkeeping
+
+__all__ = ["SetupCheck", "no_gradients", "watch_health"]
+
+_ORDER = (
+    "build the optimizer after auto_mixed_precision: model = mp.auto_mixed_precision(model, "
+    "...); opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters()))"
+)
+
+
+class SetupCheck:
+    """What a ``LossScaleOptimizer`` decided when it was built, checked once against the
+    model at the first backward (not in the step, which ``torch.compile`` may trace)."""
+
+    def __init__(self, weights: MasterWeights, scaler_chosen: bool) -> None:
+        self.pending = True
+        self.scaler_chosen = scaler_chosen  # by the user: their choice is not second-guessed
+        self.dtypes = [p.dtype for p in weights.plain]
+
+    def run(self, weights: MasterWeights, scaler: LossScaler) -> None:
+        """Raise ``MisuseError`` with the right order when the model was prepared (or cast
+        to 16 bits) after the optimizer was built."""
+        self.dtypes += [p.dtype for p in weights.plain[len(self.dtypes) :]]  # add_param_group
+        late = [
+            p
+            for p, then in zip(weights.plain, self.dtypes, strict=True)
+            if p.dtype != then or needs_master(p)
+        ]
+        params = weights.model_params()
+        unscaled = (
+            not self.scaler_chosen
+            and isinstance(scaler, NoOpLossScaler)
+            and any(hasattr(p, POLICY_ATTR) for p in params)
+            and needs_scaling(params)
+        )
+        if late or unscaled:
+            found = []
+            if late:
+                kinds = ", ".join(sorted({dtype_name(p.dtype) for p in late}))
+                found.append(
+                    f"{len(late)} parameters it holds are now {kinds} with no float32 master "
+                    "weights (small updates round away, the optimizer state is 16-bit)"
+                )
+            if unscaled:
+                found.append(
+                    "the model now computes in float16 and this optimizer does no loss scaling "
+                    "(it chose NoOpLossScaler for a float32 model), so small gradients "
+                    "underflow to 0"
+                )
+            raise MisuseError(
+                "LossScaleOptimizer was built before the model was prepared for mixed "
+                f"precision (or cast to 16 bits): {'; and '.join(found)}. Its masters and loss "
+                f"scaler are decided when it is built: {_ORDER}"
+            )
+        self.pending = False
+
+
+def no_gradients(book: _Bookkeeping, scale: float) -> StepResult:
+    """The result of a due step where no parameter has a gradient: nothing is applied, the
+    scaler does not move (this was not a step), and it is said once per optimizer."""
+    book.micro = 0
+    book.found_inf = None
+    book.no_grads = False
+    if not book.said_no_grads:
+        book.said_no_grads = True
+        warnings.warn(
+            "LossScaleOptimizer.step(): no parameter has a gradient, so nothing was applied "
+            "(applied=False). Did zero_grad() run between backward() and step()? Clear the "
+            "gradients before the forward or after the step: opt.zero_grad(); "
+            "opt.backward(loss_fn(model(x), y)); opt.step()",
+            UserWarning,
+            stacklevel=4,
+        )
+    return StepResult(applied=False, found_inf=False, scale=scale)
+
+
+def watch_health(health: ScalerHealth | None, result: StepResult, scaler: LossScaler) -> None:
+    """Feed one due step to ``health`` and warn with what it diagnoses (once per kind).
+
+    Under ``torch.compile(opt.step)`` this runs eagerly: traced, its counters and window
+    would be guards, and every step would compile again."""
+    if health is None or result.accumulating:
+        return
+    if torch.compiler.is_compiling():
+        _observe_eagerly(health, result, scaler)
+    else:
+        _observe(health, result, scaler)
+
+
+def _observe(health: ScalerHealth, result: StepResult, scaler: LossScaler) -> None:
+    message = health.observe(scaler.state, result.found_inf, result.overflow, scale_floor(scaler))
+    if message:
+        # _observe <- watch_health <- step (or apply_gradients) <- the caller's line.
+        warnings.warn(message, UserWarning, stacklevel=4)
+
+
+# torch's lazy form of torch.compiler.disable: dynamo is imported at the first call (under
+# compile, when it is loaded anyway), not when mixprec is.
+_observe_eagerly = torch._disable_dynamo(_observe)  # type: ignore[attr-defined]

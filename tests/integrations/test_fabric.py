@@ -1,0 +1,210 @@
+"""MixprecFabricPrecision: mixprec's numerics inside Lightning Fabric, against float32 runs
+of the same loop, and the inputs Fabric hands the model, against Fabric's own plugins."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+L = pytest.importorskip("lightning")
+
+import torch  # noqa: E402
+from lightning.fabric import Fabric  # noqa: E402
+from lightning.fabric.plugins.precision import MixedPrecision  # noqa: E402
+from torch import nn  # noqa: E402
+
+from mixprec.integrations.lightning import MixprecFabricPrecision  # noqa: E402
+from tests.integrations.test_lightning_plugin import _data, _mlp, _scaler  # noqa: E402
+
+
+def _fabric_run(
+    plugin: MixprecFabricPrecision | None,
+    steps: int,
+    seed: int = 0,
+    load: Any = None,
+    save: Any = None,
+    start: int = 0,
+) -> tuple[list[float], nn.Module]:
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin] if plugin else None)
+    model = _mlp(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = fabric.setup(model, opt)
+    state = {"model": model, "optimizer": opt, **({"mixprec": plugin} if plugin else {})}
+    if load is not None:
+        fabric.load(load, state)
+    batches = list(_data()) * 4
+    losses = []
+    for x, y in batches[start : start + steps]:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        fabric.backward(loss)
+        fabric.clip_gradients(model, opt, max_norm=1.0, error_if_nonfinite=False)
+        opt.step()
+        losses.append(loss.item())
+    if save is not None:
+        fabric.save(save, state)
+    return losses, model
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_fabric_o2_tracks_float32(policy: str) -> None:
+    reference, _ = _fabric_run(None, steps=24)
+    plugin = MixprecFabricPrecision(policy, level="O2")
+    losses, model = _fabric_run(plugin, steps=24)
+    # The Trainer's model, data and steps, with clipping: measured max |loss difference|
+    # 0.0011 (bfloat16) and 0.00042 (float16), the Trainer's figures to the last bit.
+    tolerance = 0.005 if policy == "mixed_bfloat16" else 0.002
+    gap = max(abs(a - b) for a, b in zip(losses, reference, strict=True))
+    assert 0 < gap < tolerance
+    assert losses[-1] < 0.8 * losses[0]  # measured 0.57
+    assert {p.dtype for p in model.parameters()} == {plugin.policy.compute_dtype}
+    (lso,) = plugin.optimizers
+    assert all(p.dtype == torch.float32 for p in lso.master_params())
+    # Released after each step: the user's zero_grad only reaches the masters.
+    assert all(p.grad is None for p in model.parameters())
+    assert plugin.last_step is not None and plugin.last_step.applied
+
+
+def test_fabric_checkpoint_with_the_plugin_resumes_bitwise(tmp_path: Any) -> None:
+    whole_plugin = MixprecFabricPrecision("mixed_float16", level="O2", loss_scaler=_scaler())
+    whole, whole_model = _fabric_run(whole_plugin, steps=12)
+    path = tmp_path / "fabric.ckpt"
+    first_plugin = MixprecFabricPrecision("mixed_float16", level="O2", loss_scaler=_scaler())
+    _fabric_run(first_plugin, steps=6, save=path)
+    assert first_plugin.loss_scaler.get_scale() != 2.0**10  # so restoring it is tested
+    # Loaded before Fabric shows the plugin the optimizer: the masters wait for it.
+    plugin = MixprecFabricPrecision("mixed_float16", level="O2", loss_scaler=_scaler())
+    rest, model = _fabric_run(plugin, steps=6, seed=7, load=path, start=6)
+    assert rest == whole[6:]
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), whole_model.parameters(), strict=True)
+    )
+    (lso,), (whole_lso,) = plugin.optimizers, whole_plugin.optimizers
+    for (_, a), (_, b) in zip(lso.master_weights(), whole_lso.master_weights(), strict=True):
+        assert torch.equal(a, b)
+    assert plugin.loss_scaler.state == whole_plugin.loss_scaler.state
+
+
+# -- inputs: Fabric's convert_input contract ----------------------------------------------------
+
+
+class _Recorder(nn.Module):
+    """An MLP that records the dtype it is called with (a forward pre-hook: what Fabric hands
+    the module) and the dtype its own ``forward`` sees (after mixprec's region)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp(0)
+        self.called_with: list[torch.dtype] = []
+        self.forward_saw: list[torch.dtype] = []
+        self.returned: list[torch.dtype] = []  # what model(...) returned through Fabric
+        self.register_forward_pre_hook(lambda _, args: self.called_with.append(args[0].dtype))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        self.forward_saw.append(x.dtype)
+        assert labels.dtype == torch.int64  # integer inputs are never cast
+        return self.net(x)
+
+
+def _fabric_inputs(plugin: Any = None, precision: str | None = None) -> _Recorder:
+    """Two steps of a Fabric loop fed float32 batches; the module's record."""
+    fabric = Fabric(accelerator="cpu", devices=1, precision=precision, plugins=plugin)
+    module = _Recorder()
+    model, opt = fabric.setup(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    for x, y in list(_data())[:2]:
+        assert x.dtype == torch.float32
+        opt.zero_grad()
+        out = model(x, labels=y)
+        module.returned.append(out.dtype)
+        fabric.backward(nn.functional.cross_entropy(out, y))
+        opt.step()
+    return module
+
+
+@pytest.mark.parametrize(
+    ("policy", "level", "native"),
+    [
+        ("mixed_bfloat16", "O2", {"precision": "bf16-mixed"}),
+        ("mixed_float16", "O2", {"plugin": "16-mixed"}),
+        ("bfloat16", "O3", {"precision": "bf16-true"}),
+    ],
+)
+def test_fabric_casts_floating_inputs_as_its_own_plugins_do(
+    policy: str, level: str, native: dict[str, str]
+) -> None:
+    if "plugin" in native:  # Fabric turns precision="16-mixed" into bf16 on a CPU
+        reference = _fabric_inputs(plugin=MixedPrecision(native["plugin"], device="cpu"))
+    else:
+        reference = _fabric_inputs(precision=native["precision"])
+    plugin = MixprecFabricPrecision(policy, level=level)
+    module = _fabric_inputs(plugin=plugin)
+    compute = plugin.policy.compute_dtype
+    assert reference.called_with == reference.forward_saw == [compute] * 2
+    assert module.called_with == module.forward_saw == [compute] * 2
+    # Outputs: Fabric's plugins return torch's default dtype; mixprec the policy's output
+    # dtype, float32 for the mixed policies, bfloat16 for the pure bfloat16 one.
+    assert reference.returned == [torch.float32] * 2
+    output = torch.bfloat16 if policy == "bfloat16" else torch.float32
+    assert module.returned == [plugin.policy.output_dtype] * 2 == [output] * 2
+
+
+def test_fabric_convert_input_casts_floating_tensors_in_any_collection() -> None:
+    plugin = MixprecFabricPrecision("mixed_bfloat16", level="O2")
+    assert plugin.convert_input(torch.ones(2)).dtype == torch.float32  # no model prepared yet
+    plugin.convert_module(_mlp(0))
+    ids = torch.arange(3)
+    args, kwargs = plugin.convert_input(((torch.ones(2), ids), {"mask": torch.ones(2) > 0}))
+    assert args[0].dtype == torch.bfloat16 and args[1] is ids
+    assert kwargs["mask"].dtype == torch.bool
+
+
+class _Wide(nn.Module):
+    """Inputs beyond float16's range (65504) through a first layer that scales them down:
+    kept in float32, it must see them as they are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(16, 32)
+        with torch.no_grad():
+            self.first.weight.mul_(1e-4)
+        self.rest = nn.Sequential(nn.ReLU(), nn.Linear(32, 4))
+        self.called_with: list[torch.dtype] = []
+        self.first.register_forward_pre_hook(lambda _, a: self.called_with.append(a[0].dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rest(self.first(x))
+
+
+def test_fabric_o1_passes_inputs_as_given_so_float32_layers_see_them_unrounded() -> None:
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0)) * 1e5
+    assert x.abs().max() > torch.finfo(torch.float16).max
+
+    def forward(plugin: Any, model: nn.Module) -> torch.Tensor:
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=plugin)
+        return fabric.setup(model)(x)
+
+    # Fabric's 16-mixed casts the batch to float16 first: inf before the first layer.
+    native = _Wide()
+    assert not forward(MixedPrecision("16-mixed", device="cpu"), native).isfinite().all()
+    assert native.called_with == [torch.float16]
+    # mixprec at O1: autocast decides per op, and the float32 first layer gets x as it is.
+    module = _Wide()
+    plugin = MixprecFabricPrecision("mixed_float16", level="O1", keep_float32=["first"])
+    out = forward(plugin, module)
+    assert module.called_with == [torch.float32]
+    assert out.isfinite().all()
+    assert module.rest[1].weight.dtype == torch.float32  # O1: float32 weights, autocast math
+    # The Fabric argument cast follows the model: at O1 none, at O0 none (Fabric's 32-true).
+    assert plugin.convert_input(x) is x
+    o0 = MixprecFabricPrecision("mixed_bfloat16", level="O0")
+    o0.convert_module(_mlp(0))
+    assert o0.convert_input(x) is x
+
+
+def test_fabric_model_kept_in_float32_gets_float32_inputs() -> None:
+    # keep_float32 naming the model's own type keeps all of it: its region casts to float32.
+    plugin = MixprecFabricPrecision("mixed_bfloat16", level="O2", keep_float32=[_Recorder])
+    module = _fabric_inputs(plugin=plugin)
+    assert module.called_with == module.forward_saw == [torch.float32] * 2

@@ -1,0 +1,170 @@
+"""The set-up and step checks (``mixprec.optim.checks``): an optimizer built before the model
+was prepared, a plain torch optimizer stepping a prepared model's 16-bit weights, a step with
+no gradients, and the loss-scale health watch of custom loops."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec as mp
+from tests.conftest import classification_data, make_mlp
+from tests.optim._helpers import loss_of
+
+ORDER = (
+    r"build the optimizer after auto_mixed_precision: model = mp.auto_mixed_precision\(model, "
+    r"\.\.\.\); opt = mp.LossScaleOptimizer\(torch.optim.AdamW\(model.parameters\(\)\)\)"
+)
+
+
+def _weights(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_optimizer_built_before_o2_preparation_is_refused_with_the_order(policy):
+    model = make_mlp()
+    opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    mp.auto_mixed_precision(model, policy, "O2")
+    with pytest.raises(mp.MisuseError, match=ORDER) as caught:
+        opt.backward(loss_of(model))
+    message = str(caught.value)
+    assert "6 parameters" in message and "no float32 master" in message
+    assert ("no loss scaling" in message) == (policy == "mixed_float16")
+
+
+def test_float16_o1_preparation_after_the_optimizer_is_refused_for_its_scaler():
+    # O1 keeps float32 weights, but float16 math needs the dynamic scaler the optimizer did
+    # not choose when it was built over a float32 model.
+    model = make_mlp()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert isinstance(opt.loss_scaler, mp.NoOpLossScaler)
+    mp.auto_mixed_precision(model, "mixed_float16", "O1")
+    with pytest.raises(mp.MisuseError, match="no loss scaling") as caught:
+        opt.backward(loss_of(model))
+    assert "no float32 master" not in str(caught.value)
+    x, y = classification_data(n=8)
+    grads = torch.autograd.grad(nn.functional.cross_entropy(model(x), y), list(model.parameters()))
+    with pytest.raises(mp.MisuseError, match=ORDER):  # Keras' loop is checked too
+        opt.apply_gradients(zip(grads, model.parameters(), strict=True))
+
+
+def test_a_scaler_chosen_by_the_user_and_the_right_order_pass():
+    model = make_mlp()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), mp.NoOpLossScaler())
+    mp.auto_mixed_precision(model, "mixed_float16", "O1")
+    opt.backward(loss_of(model))  # the user's scaler is the user's choice
+    assert opt.step().applied
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.backward(loss_of(model))
+    assert opt.step().applied
+
+
+@pytest.mark.parametrize("amp_level", ["O2", "O3"])
+def test_plain_optimizer_over_16bit_weights_with_masters_warns_once(amp_level):
+    model = mp.auto_mixed_precision(make_mlp(), amp_level=amp_level)  # MindSpore's: masters
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step() -> None:
+        opt.zero_grad()
+        loss_of(model).backward()
+        opt.step()
+
+    with pytest.warns(UserWarning, match=r"SGD steps .* float16 parameters .* directly") as got:
+        step()
+    said = [w for w in got if "directly" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__  # points at the caller's step
+    message = str(said[0].message)
+    assert "no float32 master" in message
+    assert "opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), ...))" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step()  # once per optimizer
+
+
+def test_no_warning_for_a_loss_scale_optimizer_or_pure_16bit_o3():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+        opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        opt.backward(loss_of(model))
+        assert opt.step().applied
+        pure = mp.auto_mixed_precision(make_mlp(), "bfloat16", "O3")  # no masters, by design
+        plain = mp.CompensatedAdamW(pure.parameters(), lr=1e-3)
+        loss_of(pure).backward()
+        plain.step()
+
+
+@pytest.mark.parametrize(("policy", "level"), [("float32", "O0"), ("mixed_float16", "O2")])
+def test_a_step_without_gradients_applies_nothing_and_says_so_once(policy, level):
+    model = mp.auto_mixed_precision(make_mlp(), policy, level)
+    opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    before, scaler = _weights(model), opt.loss_scaler.state
+    opt.backward(loss_of(model))
+    opt.zero_grad()  # between backward and step: the gradients are gone
+    with pytest.warns(UserWarning, match=r"no parameter has a gradient.*zero_grad\(\)") as got:
+        result = opt.step()
+    assert [w.filename for w in got if "gradient" in str(w.message)] == [__file__]
+    assert not result.applied and not result.found_inf and not result.accumulating
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert opt.loss_scaler.state == scaler  # not a step: the scale's counters do not move
+    opt.backward(loss_of(model))
+    opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not opt.step().applied  # said once per optimizer
+    opt.backward(loss_of(model))
+    assert opt.step().applied  # a normal step afterwards
+
+
+def test_custom_loop_stuck_at_the_scale_floor_warns_once():
+    # Every batch overflows: from 4 the scale backs off to its floor, 1, and stays there,
+    # skipping 60 of 60 steps. The custom loop hears it once, from the optimizer.
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), mp.DynamicLossScaler(init_scale=4.0)
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = []
+        for _ in range(60):
+            opt.zero_grad()
+            opt.backward(loss_of(model, scale=float("inf")))
+            results.append(opt.step())
+    assert not any(r.applied for r in results) and opt.loss_scaler.get_scale() == 1.0
+    said = [w for w in caught if issubclass(w.category, UserWarning)]
+    assert len(said) == 1, [str(w.message) for w in said]
+    assert str(said[0].message).startswith("training is stuck: the loss scale is at its floor")
+    assert "trace_overflow=True" in str(said[0].message)
+    assert said[0].filename == __file__
+
+
+def test_health_watch_can_be_turned_off_and_names_the_module_when_traced():
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), mp.DynamicLossScaler(init_scale=2.0)
+    )
+    assert isinstance(opt.health, mp.ScalerHealth)
+    opt.health = None  # e.g. a training loop that watches the scaler itself
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(20):
+            opt.zero_grad()
+            opt.backward(loss_of(model, scale=float("inf")))
+            assert not opt.step().applied
+    traced = mp.LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        mp.DynamicLossScaler(init_scale=2.0),
+        trace_overflow=True,
+    )
+    x, y = classification_data(n=32)
+    x[0, 0] = float("inf")
+    with pytest.warns(UserWarning, match=r"training is stuck.*came from 0 \(Linear\)"):
+        for _ in range(6):
+            traced.zero_grad()
+            traced.backward(nn.functional.cross_entropy(model(x), y))
+            traced.step()
