@@ -8,6 +8,8 @@ thresholds, under which nothing this small would be converted.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("torchao")
@@ -393,10 +395,37 @@ GAP_MEASURED = 0.0078
 GAP_BOUND = 3 * GAP_MEASURED
 
 
+def _float8_matmul_gflops() -> float:
+    """This CPU's float8 matmul throughput on one thread, from one small product. Some CPUs
+    run ``torch._scaled_mm`` through a reference kernel at ~0.06 GFLOP/s (2-core Intel Xeon
+    with AMX-BF16, torch 2.13, 2026-11), where others emulate it a thousand times faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.randn(64, 64).to(torch.float8_e4m3fn)
+        b = torch.randn(64, 64).to(torch.float8_e4m3fn).t()
+        one = torch.tensor(1.0)
+        torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+        start = time.perf_counter()
+        torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+        return 2 * 64**3 / (time.perf_counter() - start) / 1e9
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_main_job_digits_mlp_in_float8_within_a_point_of_float32():
     """Issue 16's accuracy target, on the main job's model, data and schedule (`mixprec
-    train --policy mixed_float8`: 20 epochs of the digits MLP). Measured on seed 0: float32
-    0.981, mixed_float8 0.978 (2 of 3 Linear layers in float8, head bfloat16)."""
+    train --policy mixed_float8`: 20 epochs of the digits MLP at width 512). Measured on seed
+    0: float32 0.981, mixed_float8 0.978 (2 of 3 Linear layers in float8, head bfloat16).
+    Its 2760 float8 products of 64x512x512 take ~25 minutes on a CPU whose float8 matmul is
+    a reference kernel: there it is skipped, saying so (the other float8 tests use small
+    layers and run everywhere)."""
+    gflops = _float8_matmul_gflops()
+    if gflops < 1.0:
+        pytest.skip(
+            f"float8 matmuls run at {gflops:.2f} GFLOP/s on this CPU (a reference kernel): "
+            "20 epochs of float8 training would take ~25 minutes"
+        )
     from mixprec.cli import run_training
 
     common = {"model": "mlp", "data": "digits", "epochs": 20, "seed": 0, "batch_size": 64,

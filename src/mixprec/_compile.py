@@ -32,7 +32,7 @@ def compile_options(compile: CompileOption, where: str = "compile") -> dict[str,
     if compile is True:
         return {}
     if not isinstance(compile, Mapping):
-        raise TypeError(
+        raise ArgumentError(
             f"{where}={compile!r} is invalid; pass True, False or a dict of torch.compile "
             "options such as {'mode': 'max-autotune-no-cudagraphs', 'fullgraph': True}"
         )

@@ -6,6 +6,8 @@ import difflib
 
 import torch
 
+from mixprec._errors import ArgumentError
+
 #: The dtypes a policy may use, by canonical name.
 CANONICAL: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -47,11 +49,11 @@ def parse_dtype(value: str | torch.dtype, *, argument: str = "dtype") -> torch.d
     if isinstance(value, torch.dtype):
         if value in CANONICAL.values():
             return value
-        raise ValueError(
+        raise ArgumentError(
             f"{argument}={value!r} is not supported; valid dtypes: {', '.join(CANONICAL)}"
         )
     if not isinstance(value, str):
-        raise TypeError(
+        raise ArgumentError(
             f"{argument} must be a str or torch.dtype, got {type(value).__name__}: {value!r}"
         )
     key = value.strip().lower().removeprefix("torch.")
@@ -60,7 +62,7 @@ def parse_dtype(value: str | torch.dtype, *, argument: str = "dtype") -> torch.d
         return CANONICAL[key]
     valid = list(CANONICAL) + list(_ALIASES)
     hint = closest(key, valid)
-    raise ValueError(
+    raise ArgumentError(
         f"{argument}={value!r} is not a known dtype; valid: {', '.join(valid)}"
         + (f" (did you mean {hint!r}?)" if hint else "")
     )

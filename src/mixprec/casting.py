@@ -25,6 +25,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from mixprec._dtypes import HALF_DTYPES, parse_dtype
+from mixprec._errors import ArgumentError
 from mixprec._output_sources import remember_source
 from mixprec._upcast_saves import keep_16bit_sources
 
@@ -434,7 +435,7 @@ def to_float(module: M, dtype: str | torch.dtype) -> M:
     when ``auto_mixed_precision`` had stored them in 16 bits). Returns ``module``.
     """
     if not isinstance(module, nn.Module):
-        raise TypeError(
+        raise ArgumentError(
             f"to_float(module=...) needs a torch.nn.Module, got {type(module).__name__}"
         )
     target = parse_dtype(dtype, argument="to_float dtype")

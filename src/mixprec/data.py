@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from mixprec._errors import ArgumentError
+
 __all__ = [
     "load_digits",
     "load_mnist",
@@ -39,7 +41,7 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[Split, Split
     permutation from ``seed``; its last ``test_fraction`` is the test set.
     """
     if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction={test_fraction!r} is invalid; it must be in (0, 1)")
+        raise ArgumentError(f"test_fraction={test_fraction!r} is invalid; it must be in (0, 1)")
     try:
         from sklearn.datasets import load_digits as _sklearn_digits
     except ImportError as exc:
@@ -142,7 +144,7 @@ def synthetic_classification(
     """Learnable data: x standard normal float32, y = argmax(x @ W) for a fixed teacher W."""
     for arg, value, minimum in (("n", n, 1), ("features", features, 1), ("classes", classes, 2)):
         if value < minimum:
-            raise ValueError(f"{arg}={value!r} is invalid; it must be an int >= {minimum}")
+            raise ArgumentError(f"{arg}={value!r} is invalid; it must be an int >= {minimum}")
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, features, generator=g)
     teacher = torch.randn(features, classes, generator=g)
@@ -160,7 +162,7 @@ def synthetic_tokens(
     """
     for arg, value in (("n", n), ("seq_len", seq_len), ("vocab", vocab), ("branching", branching)):
         if value < 1:
-            raise ValueError(f"{arg}={value!r} is invalid; it must be an int >= 1")
+            raise ArgumentError(f"{arg}={value!r} is invalid; it must be an int >= 1")
     g = torch.Generator().manual_seed(seed)
     successors = torch.randint(0, vocab, (vocab, branching), generator=g)
     weights = torch.rand(vocab, branching, generator=g) + 0.1  # no successor is unreachable
@@ -205,7 +207,7 @@ def validate_classification(
             f"{name}: labels must have an integer dtype, got {y.dtype}; convert with y.long()"
         )
     if num_classes is not None and num_classes < 1:
-        raise ValueError(f"num_classes={num_classes!r} is invalid; it must be an int >= 1")
+        raise ArgumentError(f"num_classes={num_classes!r} is invalid; it must be an int >= 1")
     valid = f"0..{num_classes - 1}" if num_classes is not None else ">= 0"
     flat = y.reshape(-1)
     out = flat < 0 if num_classes is None else (flat < 0) | (flat >= num_classes)

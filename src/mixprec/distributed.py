@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from mixprec._errors import ArgumentError
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import PolicyLike, get_policy
 
@@ -92,7 +93,7 @@ def check_batch(global_batch: int) -> int:
     """The per-rank batch for ``global_batch``; it must divide evenly."""
     size = world_size()
     if global_batch % size:
-        raise ValueError(
+        raise ArgumentError(
             f"batch_size={global_batch} does not divide across world_size={size} processes; "
             f"use a multiple of {size}"
         )

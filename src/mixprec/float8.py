@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from mixprec._dtypes import dtype_name
+from mixprec._errors import ArgumentError
 from mixprec.casting import Region, set_region
 from mixprec.policy import parse_float8_recipe
 
@@ -86,12 +87,12 @@ class Float8Options:
     def __post_init__(self) -> None:
         n = self.min_features
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"min_features={n!r} is invalid; use an int >= 1, or None")
+            raise ArgumentError(f"min_features={n!r} is invalid; use an int >= 1, or None")
         for name in ("keep_head", "fsdp_float8_all_gather"):
             if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise ArgumentError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.module_filter_fn is not None and not callable(self.module_filter_fn):
-            raise TypeError(
+            raise ArgumentError(
                 "module_filter_fn must be a callable (module, fqn) -> bool, got "
                 f"{type(self.module_filter_fn).__name__}"
             )
@@ -225,7 +226,7 @@ def convert_to_float8(
     config = ao.Float8LinearConfig.from_recipe_name(recipe)
     if options.fsdp_float8_all_gather:
         if recipe != "tensorwise":
-            raise ValueError(
+            raise ArgumentError(
                 f"Float8Options(fsdp_float8_all_gather=True) needs the tensorwise recipe "
                 f"(torchao gathers float8 weights only with one scale per tensor), got "
                 f"{recipe!r}; use policy 'mixed_float8'"

@@ -175,7 +175,7 @@ class GradScaler(_Accessors):
             if isinstance(value, abc.Iterable):
                 scaled = map(apply, value)
                 return type(value)(scaled) if isinstance(value, (list, tuple)) else scaled
-            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+            raise ArgumentError("outputs must be a Tensor or an iterable of Tensors")
 
         return apply(outputs)
 
@@ -349,7 +349,7 @@ class GradScaler(_Accessors):
         torch_keys = ("scale", "growth_factor", "backoff_factor", "growth_interval")
         missing = [k for k in (*torch_keys, "_growth_tracker") if k not in state_dict]
         if missing:
-            raise ValueError(f"load_state_dict: GradScaler state lacks {', '.join(missing)}")
+            raise ArgumentError(f"load_state_dict: GradScaler state lacks {', '.join(missing)}")
         current = self._scaler.state_dict()
         # The values go to the scaler as they are: its load_state_dict checks each by name.
         merged = {

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from mixprec._dtypes import closest
+from mixprec._errors import ArgumentError
 
 __all__ = ["KeepEntry", "inside", "keep_list", "kept_modules"]
 
@@ -37,7 +38,7 @@ def kept_modules(
             hits = {n: m for n, m in named.items() if n == entry or fnmatch.fnmatchcase(n, entry)}
             if not hits:
                 hint = closest(entry, [n for n in named if n])
-                raise ValueError(
+                raise ArgumentError(
                     f"{argument} entry {entry!r} matches no module name of the model"
                     + (f"; closest: {hint!r}" if hint else "")
                 )
@@ -45,12 +46,12 @@ def kept_modules(
         elif isinstance(entry, nn.Module):
             name = next((n for n, m in named.items() if m is entry), None)
             if name is None:
-                raise ValueError(
+                raise ArgumentError(
                     f"{argument} entry {type(entry).__name__} module is not part of the model"
                 )
             kept[name] = entry
         else:
-            raise TypeError(
+            raise ArgumentError(
                 f"{argument} entries must be nn.Module subclasses, name patterns (str) or "
                 f"modules; got {type(entry).__name__}: {entry!r}"
             )

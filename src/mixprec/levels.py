@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from mixprec._dtypes import closest, dtype_name
+from mixprec._errors import ArgumentError
 from mixprec._plain_optimizers import watch_plain_optimizers
 from mixprec.casting import (
     LEVEL_ATTR,
@@ -153,7 +154,7 @@ class Applied:
 def resolve_level(level: str, policy: Policy) -> str:
     """Normalise ``level`` (``"o2"`` -> ``"O2"``) and resolve ``"auto"`` for ``policy``."""
     if not isinstance(level, str):
-        raise TypeError(f"level must be a str, got {type(level).__name__}: {level!r}")
+        raise ArgumentError(f"level must be a str, got {type(level).__name__}: {level!r}")
     key = level.strip().upper()
     if key == "AUTO":
         if not policy.is_mixed:
@@ -162,7 +163,7 @@ def resolve_level(level: str, policy: Policy) -> str:
     if key in LEVELS:
         return key
     hint = closest(key, [*LEVELS, "AUTO"])
-    raise ValueError(
+    raise ArgumentError(
         f"level={level!r} is not a known level; valid: {', '.join(LEVELS)}, auto"
         + (f" (closest: {hint!r})" if hint else "")
     )
@@ -196,19 +197,19 @@ def auto_mixed_precision(
     (``Float8Options``) sets the size rule and the output head's treatment.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(
+        raise ArgumentError(
             f"auto_mixed_precision(model=...) needs a torch.nn.Module, got {type(model).__name__}"
         )
     o3_masters = False
     if amp_level is not None:
         if level != "auto":
-            raise ValueError(
+            raise ArgumentError(
                 f"auto_mixed_precision takes level= (mixprec's) or amp_level= (MindSpore's), "
                 f"not both; got level={level!r}, amp_level={amp_level!r}"
             )
         key = amp_level.strip().upper() if isinstance(amp_level, str) else None
         if key not in LEVELS:
-            raise ValueError(
+            raise ArgumentError(
                 f"amp_level={amp_level!r} is invalid; valid: {', '.join(LEVELS)} "
                 "(MindSpore's levels)"
             )
@@ -216,7 +217,7 @@ def auto_mixed_precision(
         if policy is None:
             policy = "mixed_float16"
     if isinstance(policy, str) and policy.strip().upper() in (*LEVELS, "AUTO") and policy != "auto":
-        raise ValueError(
+        raise ArgumentError(
             f"policy={policy!r} looks like a level: auto_mixed_precision(model, policy, level); "
             f"write auto_mixed_precision(model, 'mixed_float16', level={policy!r})"
         )
@@ -239,12 +240,12 @@ def auto_mixed_precision(
     kept = kept_modules(model, keep_float32)
     bf16_kept = kept_modules(model, keep_bfloat16, "keep_bfloat16")
     if resolved.float8_recipe is None and (bf16_kept or float8 is not None):
-        raise ValueError(
+        raise ArgumentError(
             f"keep_bfloat16= and float8= apply to float8 policies only; policy "
             f"{resolved.name!r} has no float8 matmuls (use policy='mixed_float8')"
         )
     if float8 is not None and not isinstance(float8, Float8Options):
-        raise TypeError(f"float8 must be a Float8Options or None, got {type(float8).__name__}")
+        raise ArgumentError(f"float8 must be a Float8Options or None, got {type(float8).__name__}")
     # Modules the user already set with to_float keep their dtype, like keep_float32 entries.
     preset = [m for m in model.modules() if m is not model and get_region(m) is not None]
     fixed = inside([*kept.values(), *preset])

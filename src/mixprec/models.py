@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec._dtypes import closest
+from mixprec._errors import ArgumentError
 from mixprec.losses import cross_entropy
 
 __all__ = [
@@ -38,9 +39,9 @@ def mlp(
     MindSpore mixed precision guides. The input size is the product of ``input_shape``."""
     shape = (input_shape,) if isinstance(input_shape, int) else tuple(input_shape)
     if not shape or any(d < 1 for d in shape):
-        raise ValueError(f"input_shape={input_shape!r} is invalid; dims must be ints >= 1")
+        raise ArgumentError(f"input_shape={input_shape!r} is invalid; dims must be ints >= 1")
     if depth < 0:
-        raise ValueError(f"depth={depth!r} is invalid; it must be an int >= 0")
+        raise ArgumentError(f"depth={depth!r} is invalid; it must be an int >= 0")
     layers: list[nn.Module] = [nn.Flatten()]
     width = math.prod(shape)
     for _ in range(depth):
@@ -116,7 +117,7 @@ class CausalLM(nn.Module):
     ) -> None:
         super().__init__()
         if d_model % n_heads:
-            raise ValueError(
+            raise ArgumentError(
                 f"d_model={d_model!r} is not divisible by n_heads={n_heads!r}; "
                 "each head gets d_model // n_heads dims"
             )
@@ -133,10 +134,10 @@ class CausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.dim() != 2:
-            raise ValueError(f"tokens must be (batch, seq_len), got shape {tuple(tokens.shape)}")
+            raise ArgumentError(f"tokens must be (batch, seq_len), got shape {tuple(tokens.shape)}")
         t = tokens.shape[1]
         if t > self.max_len:
-            raise ValueError(
+            raise ArgumentError(
                 f"sequence length {t} exceeds max_len={self.max_len}; pass shorter sequences "
                 f"or build CausalLM(max_len>={t})"
             )
@@ -175,7 +176,7 @@ class SpeechCTC(nn.Module):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         if features.dim() != 3 or features.shape[-1] != self.n_mels:
-            raise ValueError(
+            raise ArgumentError(
                 f"features must be (batch, time, n_mels={self.n_mels}), "
                 f"got shape {tuple(features.shape)}"
             )
@@ -217,9 +218,9 @@ def synthetic_speech(
     segments, plus Gaussian noise; frames past ``input_lengths`` are zero.
     """
     if n_tokens < 3:
-        raise ValueError(f"n_tokens={n_tokens!r} is invalid; it must be >= 3 (blank + 2)")
+        raise ArgumentError(f"n_tokens={n_tokens!r} is invalid; it must be >= 3 (blank + 2)")
     if time < 30:
-        raise ValueError(f"time={time!r} is invalid; it must be >= 30 to hold 15 tokens")
+        raise ArgumentError(f"time={time!r} is invalid; it must be >= 30 to hold 15 tokens")
     g = torch.Generator().manual_seed(seed)
     spectra = torch.randn(n_tokens, n_mels, generator=g)
     target_lengths = torch.randint(5, 16, (n,), generator=g)
@@ -254,7 +255,7 @@ class Recommender(nn.Module):
     ) -> None:
         super().__init__()
         if not table_sizes:
-            raise ValueError("table_sizes=() is invalid; give at least one table size")
+            raise ArgumentError("table_sizes=() is invalid; give at least one table size")
         self.tables = nn.ModuleList(nn.Embedding(s, dim, sparse=sparse) for s in table_sizes)
         self.mlp = nn.Sequential(
             nn.Linear(len(table_sizes) * dim, hidden), nn.ReLU(), nn.Linear(hidden, 1)
@@ -262,7 +263,7 @@ class Recommender(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dim() != 2 or ids.shape[1] != len(self.tables):
-            raise ValueError(
+            raise ArgumentError(
                 f"ids must be (batch, {len(self.tables)}): one column per table, "
                 f"got shape {tuple(ids.shape)}"
             )
@@ -283,7 +284,7 @@ def get_model(name: str, **kwargs: object) -> nn.Module:
     """Build a registered model by name, e.g. ``get_model("lm", vocab=500)``."""
     if name not in MODELS:
         hint = closest(str(name), list(MODELS))
-        raise ValueError(
+        raise ArgumentError(
             f"model={name!r} is not a known model; valid names: {', '.join(MODELS)}"
             + (f" (closest: {hint!r})" if hint else "")
         )

@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 
 from mixprec._dtypes import CANONICAL, closest, dtype_name, parse_dtype
+from mixprec._errors import ArgumentError
 from mixprec._hardware import probe_hardware
 
 LossScaling = Literal["none", "dynamic"]
@@ -98,7 +99,7 @@ class Policy:
             reason, recipe = now.reason, now.float8_recipe
         elif name is not None:
             if any(d is not None for d in (param_dtype, compute_dtype, output_dtype)):
-                raise ValueError(
+                raise ArgumentError(
                     f"Policy({name!r}, ...) takes either a name or dtype keywords, not both"
                 )
             params, compute, output, reason, recipe = _parse(name)
@@ -168,7 +169,7 @@ _Parsed = tuple[torch.dtype, torch.dtype, torch.dtype, str | None, str | None]
 def _parse(text: str) -> _Parsed:
     """``(params, compute, output, reason, float8_recipe)`` of a policy name or string."""
     if not isinstance(text, str):
-        raise TypeError(f"policy must be a str or Policy, got {type(text).__name__}: {text!r}")
+        raise ArgumentError(f"policy must be a str or Policy, got {type(text).__name__}: {text!r}")
     key = text.strip().lower()
     if key in PRESETS:
         return (*PRESETS[key], None, None)
@@ -180,7 +181,7 @@ def _parse(text: str) -> _Parsed:
         params, compute, output, recipe = _parse_grammar(text)
         return params, compute, output, None, recipe
     hint = closest(key, list(NAMES))
-    raise ValueError(
+    raise ArgumentError(
         f"policy={text!r} is not a known policy; valid names: {', '.join(NAMES)}, or "
         "'params=<dtype>,compute=<dtype>,output=<dtype>'"
         + (f" (closest: {hint!r})" if hint else "")
@@ -199,7 +200,7 @@ def _parse_grammar(text: str) -> tuple[torch.dtype, torch.dtype, torch.dtype, st
         key, sep, value = part.partition("=")
         key = key.strip().lower()
         if not sep or key not in _KEYS:
-            raise ValueError(
+            raise ArgumentError(
                 f"policy={text!r}: bad entry {part.strip()!r}; expected key=dtype with key in "
                 f"{', '.join(sorted(set(_KEYS.values()) - {'float8'}))} and dtype in "
                 f"{', '.join(CANONICAL)}, or float8=<recipe> with recipe in "
@@ -207,7 +208,7 @@ def _parse_grammar(text: str) -> tuple[torch.dtype, torch.dtype, torch.dtype, st
             )
         canonical = _KEYS[key]
         if canonical in seen or (canonical == "float8" and recipe is not None):
-            raise ValueError(f"policy={text!r}: {canonical!r} is given twice")
+            raise ArgumentError(f"policy={text!r}: {canonical!r} is given twice")
         if canonical == "float8":
             recipe = parse_float8_recipe(value, argument="policy float8")
             continue
@@ -218,7 +219,7 @@ def _parse_grammar(text: str) -> tuple[torch.dtype, torch.dtype, torch.dtype, st
         # torchao's float8 Linear returns its input's dtype and runs everything around the
         # matmuls there; mixprec feeds it bfloat16, the dtype its recipes are tuned and tested
         # with (float16 would also need loss scaling on top of float8's own scales).
-        raise ValueError(
+        raise ArgumentError(
             f"policy={text!r}: float8={recipe} needs compute=bfloat16, got "
             f"compute={dtype_name(compute)}; write e.g. "
             f"'params=float32,compute=bfloat16,output=float32,float8={recipe}'"
@@ -229,12 +230,12 @@ def _parse_grammar(text: str) -> tuple[torch.dtype, torch.dtype, torch.dtype, st
 def parse_float8_recipe(value: object, *, argument: str = "float8_recipe") -> str:
     """A torchao float8 recipe name (case-insensitive), or ``ValueError`` listing them."""
     if not isinstance(value, str):
-        raise TypeError(f"{argument} must be a str, got {type(value).__name__}: {value!r}")
+        raise ArgumentError(f"{argument} must be a str, got {type(value).__name__}: {value!r}")
     key = value.strip().lower()
     if key in FLOAT8_RECIPES:
         return key
     hint = closest(key, list(FLOAT8_RECIPES))
-    raise ValueError(
+    raise ArgumentError(
         f"{argument}={value!r} is not a float8 recipe; valid: {', '.join(FLOAT8_RECIPES)}"
         + (f" (closest: {hint!r})" if hint else "")
     )
