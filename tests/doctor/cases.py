@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
 
 import mixprec as mp
+from mixprec.doctor.report import ModuleReport
 
 CE = nn.functional.cross_entropy
 
@@ -140,3 +142,17 @@ def follow(report, model: nn.Module, x, y, loss_fn=CE, steps: int = 30) -> tuple
         applied += opt.step().applied
     with torch.no_grad():
         return applied, bool(torch.isfinite(model(x)).all())
+
+
+def module(name: str, order: int, **figures: Any) -> ModuleReport:
+    """A float16 module with unremarkable figures, but for ``figures``."""
+    values: dict[str, Any] = {
+        "kind": "Linear", "dtype": "float16", "max_input": 1.0, "max_output": 1.0,
+        "max_grad": 1e-3, "max_output_mixed": 1.0, "max_grad_mixed": 1e-3,
+        "nonfinite_output": 0, "nonfinite_grad": 0, "nonfinite_input": 0,
+        "output_underflow": 0.0, "output_subnormal": 0.0, "grad_underflow": 0.0,
+        "grad_subnormal": 0.0, "output_rel_error": 1e-4, "grad_rel_error": 1e-3,
+        "float32": False, "min_grad": 1e-6,
+    }  # fmt: skip
+    values.update(figures)
+    return ModuleReport(name=name, order=order, **values)

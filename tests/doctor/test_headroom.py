@@ -4,8 +4,6 @@ gradients at the scale floor), and small gradients named at the edge of the flus
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -18,24 +16,10 @@ from mixprec.doctor.headroom import (
     recommend,
     smallest_subnormal,
 )
-from mixprec.doctor.report import ModuleReport
+from tests.doctor.cases import module
 
 F16 = torch.float16
 F16_MAX = float(torch.finfo(F16).max)
-
-
-def module(name: str, order: int, **figures: Any) -> ModuleReport:
-    """A float16 module with unremarkable figures, but for ``figures``."""
-    values: dict[str, Any] = {
-        "kind": "Linear", "dtype": "float16", "max_input": 1.0, "max_output": 1.0,
-        "max_grad": 1e-3, "max_output_mixed": 1.0, "max_grad_mixed": 1e-3,
-        "nonfinite_output": 0, "nonfinite_grad": 0, "nonfinite_input": 0,
-        "output_underflow": 0.0, "output_subnormal": 0.0, "grad_underflow": 0.0,
-        "grad_subnormal": 0.0, "output_rel_error": 1e-4, "grad_rel_error": 1e-3,
-        "float32": False, "min_grad": 1e-6,
-    }  # fmt: skip
-    values.update(figures)
-    return ModuleReport(name=name, order=order, **values)
 
 
 def test_the_margin_is_a_factor_16_and_fractions_read_as_percentages():

@@ -4,34 +4,19 @@ where inf/NaN starts, what each finding adds to a module's risk, and the loss-sc
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pytest
 import torch
 
-from mixprec.doctor.report import ModuleReport
 from mixprec.doctor.risk import (
     OUTPUT_ERROR_LIMIT,
     loss_scale_range,
     nonfinite_origin,
     score,
 )
+from tests.doctor.cases import module
 
 F16_MAX = float(torch.finfo(torch.float16).max)
-
-
-def module(name: str, order: int, **figures: Any) -> ModuleReport:
-    """A float16 module with unremarkable figures, but for ``figures``."""
-    values: dict[str, Any] = {
-        "kind": "Linear", "dtype": "float16", "max_input": 1.0, "max_output": 1.0,
-        "max_grad": 1e-3, "max_output_mixed": 1.0, "max_grad_mixed": 1e-3,
-        "nonfinite_output": 0, "nonfinite_grad": 0, "nonfinite_input": 0,
-        "output_underflow": 0.0, "output_subnormal": 0.0, "grad_underflow": 0.0,
-        "grad_subnormal": 0.0, "output_rel_error": 1e-4, "grad_rel_error": 1e-3,
-        "float32": False, "min_grad": 1e-6,
-    }  # fmt: skip
-    values.update(figures)
-    return ModuleReport(name=name, order=order, **values)
 
 
 def test_nonfinite_origin_is_the_first_leaf_to_make_inf_from_finite_input():
