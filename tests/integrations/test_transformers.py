@@ -491,7 +491,11 @@ def prepared_model() -> nn.Module:
         ({"loss_scaler": "dynamic"}, TypeError, "loss_scaler must be a mixprec"),
         ({"trace_overflow": "yes"}, TypeError, "trace_overflow must be True or False"),
         ({"save_masters": 1}, TypeError, "save_masters must be True or False, got 1"),
-        ({"model": prepared_model}, ValueError, "model was already prepared by auto_mixed"),
+        (
+            {"model": prepared_model, "policy": "mixed_float16"},
+            ValueError,
+            "model was already prepared by auto_mixed",
+        ),
         ({"optimizers": "lso"}, TypeError, r"optimizers=\(LossScaleOptimizer\(...\), ...\)"),
         ({"keep_float32": ["lm_haed"]}, ValueError, "closest: 'lm_head'"),
     ],

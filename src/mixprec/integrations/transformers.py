@@ -38,7 +38,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.optimization import GreedyLR
 
 from mixprec._errors import ArgumentError, MisuseError
-from mixprec.levels import KeepEntry, applied, auto_mixed_precision, keep_list, resolve_level
+from mixprec.integrations._hf_prepare import is_prepared_as, note_optimizer, pass_on_masters
+from mixprec.levels import KeepEntry, auto_mixed_precision, keep_list, resolve_level
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import Policy, PolicyLike, get_policy
 from mixprec.scaling import LossScaler
@@ -69,8 +70,13 @@ class MixprecTrainer(Trainer):
     the first module whose output or gradient overflowed when a step is skipped (adds hooks).
     Every other argument is ``transformers.Trainer``'s.
 
-    The model passed (or each one ``model_init`` returns) must be float32: it is prepared in
-    place. ``TrainingArguments`` must not ask for accelerate's mixed precision as well
+    The model passed (or each one ``model_init`` returns) is prepared in place when it is
+    float32. One already prepared with the same policy and level (by an earlier
+    ``MixprecTrainer``: resuming with other arguments, a Trainer for evaluation) is used as
+    it is, and its optimizer starts from the latest float32 masters of the model (those of
+    the last ``MixprecTrainer`` that trained it, while the weights are still their
+    rounding); a conflicting policy, level or ``keep_float32`` is refused.
+    ``TrainingArguments`` must not ask for accelerate's mixed precision as well
     (``bf16``, ``fp16``, ``ACCELERATE_MIXED_PRECISION``). ``max_grad_norm`` clips the unscaled
     float32 master gradients; the learning-rate scheduler advances on applied steps only;
     ``global_step`` counts skipped steps too, as with ``fp16=True``. The logs carry
@@ -110,11 +116,13 @@ class MixprecTrainer(Trainer):
             raise ArgumentError(
                 f"args must be a transformers.TrainingArguments, got {type(args).__name__}"
             )
-        if model is not None:
-            _check_unprepared(model)
+        keep = keep_list(keep_float32)
+        # A model prepared with this policy and level (by an earlier MixprecTrainer) is used
+        # as it is; a conflicting preparation is refused.
+        prepared = model is not None and is_prepared_as(model, self.policy, self.level, keep)
         _refuse_second_mixed_precision(args, self.policy)
         self._loss_scaler = loss_scaler
-        self._keep_float32 = keep_list(keep_float32)
+        self._keep_float32 = keep
         self._trace_overflow = trace_overflow
         self.save_masters = save_masters
         self._mixprec_optimizer: LossScaleOptimizer | None = None
@@ -127,7 +135,7 @@ class MixprecTrainer(Trainer):
 
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
 
-        if model is not None:
+        if model is not None and not prepared:
             # After Trainer.__init__: the model is on its device, so the float32 values
             # kept for the master weights are too.
             self._prepare(model)
@@ -140,7 +148,8 @@ class MixprecTrainer(Trainer):
 
     def call_model_init(self, trial: Any = None) -> nn.Module:
         model = super().call_model_init(trial)
-        _check_unprepared(model, "model_init()")
+        if is_prepared_as(model, self.policy, self.level, self._keep_float32, "model_init()"):
+            return model
         return self._prepare(model)
 
     @property
@@ -152,7 +161,10 @@ class MixprecTrainer(Trainer):
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(model)
         found = _find_loss_scale_optimizer(optimizer)
+        opt_model = self.model if model is None else model
         if found is None:
+            # A model trained by an earlier Trainer: start from its latest float32 masters.
+            pass_on_masters(opt_model, optimizer)
             # The Trainer handles gradient accumulation (it divides the loss, or normalises it
             # by the batch's token count) and clipping (in _clip_grad_norm below), so the
             # wrapper only scales, skips and keeps the masters: accumulation_steps=1 and no
@@ -164,6 +176,7 @@ class MixprecTrainer(Trainer):
             )
             self.optimizer = found
         self._mixprec_optimizer = found
+        note_optimizer(opt_model, found)
         return self.optimizer  # type: ignore[return-value]  # set just above or by Trainer
 
     def create_scheduler(
@@ -340,18 +353,6 @@ def _find_loss_scale_optimizer(optimizer: Any) -> LossScaleOptimizer | None:
         if optimizer is None:
             break
     return None
-
-
-def _check_unprepared(model: nn.Module, where: str = "model") -> None:
-    if not isinstance(model, nn.Module):
-        raise ArgumentError(f"{where} must be a torch.nn.Module, got {type(model).__name__}")
-    done = applied(model)
-    if done is not None:
-        raise ArgumentError(
-            f"MixprecTrainer: {where} was already prepared by auto_mixed_precision (level "
-            f"{done.level}, policy {done.policy.name!r}); pass the float32 model and "
-            "policy=/level= to MixprecTrainer, which prepares it"
-        )
 
 
 def _refuse_second_mixed_precision(args: TrainingArguments | None, policy: Policy) -> None:
