@@ -3,6 +3,8 @@ the trainer states a load would refuse refused when saving."""
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 import torch
 from torch import nn
@@ -69,3 +71,48 @@ def test_save_refuses_a_trainer_state_load_would_refuse(tmp_path, state, match):
     with pytest.raises(ValueError, match=f"save_checkpoint: {match}"):
         mp.save_checkpoint(target, make_mlp(), trainer_state=state)
     assert not target.exists()
+
+
+def test_save_refuses_a_directory_path(tmp_path):
+    folder = tmp_path / "ckpts"
+    folder.mkdir()
+    with pytest.raises(mp.ArgumentError) as info:
+        mp.save_checkpoint(folder, make_mlp())
+    assert str(info.value) == (
+        f"save_checkpoint: path {str(folder)!r} is a directory; "
+        "valid: a file path (e.g. 'ckpt.safetensors') in an existing or new directory"
+    )
+    assert list(folder.iterdir()) == []
+
+
+def test_save_refuses_a_path_under_a_file(tmp_path):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("x")
+    target = blocker / "sub" / "c.safetensors"
+    with pytest.raises(mp.ArgumentError) as info:
+        mp.save_checkpoint(target, make_mlp())
+    assert str(info.value) == (
+        f"save_checkpoint: path {str(target)!r} is under {str(blocker)!r}, "
+        "which is a file; valid: a file path in an existing or new directory"
+    )
+    assert blocker.read_text() == "x"
+
+
+def test_disk_full_names_the_path_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    target = tmp_path / "c.safetensors"
+    mp.save_checkpoint(target, make_mlp(seed=1))
+    before = target.read_bytes()
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("mixprec.checkpoint._files.save_file", full)
+    with pytest.raises(OSError) as info:
+        mp.save_checkpoint(target, make_mlp(seed=2))
+    assert info.value.errno == errno.ENOSPC
+    assert str(info.value) == (
+        f"[Errno 28] no space left on device while writing checkpoint {str(target)!r}; "
+        "the previous checkpoint there is intact"
+    )
+    assert target.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]

@@ -205,3 +205,42 @@ def test_numbers_beyond_float_are_refused_by_name(make):
         ValueError, match=r"(init_scale|scale|max_grad_norm)=an int of 401 digits is invalid"
     ):
         make()
+
+
+def test_dynamic_loads_a_torch_grad_scaler_state():
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    for i in range(6):  # one overflow, then five clean steps: one growth, tracker at 2
+        opt.zero_grad()
+        loss = model(torch.ones(1, 2)).sum() * (float("inf") if i == 0 else 1.0)
+        theirs.scale(loss).backward()
+        theirs.step(opt)
+        theirs.update()
+    state = theirs.state_dict()
+    assert (state["scale"], state["_growth_tracker"]) == (2.0**10, 2)
+    ours = mp.DynamicLossScaler()
+    ours.load_state_dict(state)
+    assert ours.get_scale() == theirs.get_scale() == 2.0**10
+    assert ours.state.growth_tracker == 2
+    assert (ours.config.growth_factor, ours.config.backoff_factor) == (2.0, 0.5)
+    assert ours.config.growth_interval == 3
+    assert run(ours, [False]) == [2.0**11]  # the third clean step grows, as torch's would
+
+
+def test_static_refuses_a_torch_grad_scaler_state_and_says_where_it_loads():
+    state = torch.amp.GradScaler("cpu").state_dict()
+    with pytest.raises(mp.ArgumentError) as info:
+        mp.StaticLossScaler(8.0).load_state_dict(state)
+    assert str(info.value) == (
+        "load_state_dict: a torch.amp.GradScaler state cannot load into StaticLossScaler; "
+        "load it into DynamicLossScaler or mixprec.GradScaler"
+    )
+
+
+def test_dynamic_refuses_a_torch_grad_scaler_state_missing_a_key():
+    state = torch.amp.GradScaler("cpu").state_dict()
+    del state["growth_interval"]
+    with pytest.raises(mp.ArgumentError) as info:
+        mp.DynamicLossScaler().load_state_dict(state)
+    assert str(info.value) == "load_state_dict: torch.amp.GradScaler state lacks growth_interval"

@@ -154,3 +154,109 @@ def test_amp_level_is_accepted_as_auto_mixed_precision_takes_it():
         mp.build_train_step(make_mlp(), "sgd", "cross_entropy", amp_level="O7")
     with pytest.raises(ValueError, match=r"takes level= \(mixprec's\) or amp_level="):
         mp.build_train_step(make_mlp(), "sgd", "cross_entropy", level="O1", amp_level="O2")
+
+
+# -- model outputs other than a tensor, and losses that are not a floating scalar -----------
+
+
+class _Wrapped(nn.Module):
+    """``make_mlp`` whose forward returns its logits inside a tuple, list or mapping."""
+
+    def __init__(self, wrap) -> None:
+        super().__init__()
+        self.inner = make_mlp()
+        self.wrap = wrap
+
+    def forward(self, x):
+        return self.wrap(self.inner(x))
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda t: (t, t.detach().sum()),
+        lambda t: [t],
+        lambda t: {"loss": t.sum(), "logits": t},
+    ],
+    ids=["tuple", "list", "mapping"],
+)
+def test_a_tuple_list_or_mapping_output_trains_on_its_tensor(wrap):
+    model = _Wrapped(wrap)
+    step = mp.build_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), "cross_entropy")
+    x, y = classification_data(n=64)
+    losses = [step(x, y)[0].item() for _ in range(10)]
+    assert losses[-1] < losses[0]
+    assert step.last_output is not None and step.last_output.shape == (64, 10)
+
+
+def test_the_trainer_fits_a_model_returning_a_tuple():
+    model = _Wrapped(lambda t: (t.sum(dim=1, keepdim=True), t))
+    trainer = mp.Trainer(model, nn.MSELoss(), "sgd", metrics=())
+    x, _ = classification_data(n=32)
+    history = trainer.fit(x, torch.randn(32, 1), epochs=2, batch_size=16, verbose=0)
+    assert len(history.history["loss"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("wrap", "message"),
+    [
+        (lambda t: {"loss": t.sum()}, "a dict with keys ['loss'] and no 'logits' tensor"),
+        (lambda t: ("text", t), "a tuple whose first item is a str"),
+        (lambda t: (), "an empty tuple"),
+        (lambda t: t.tolist(), "a list whose first item is a list"),
+        (lambda t: 3.0, "a float"),
+    ],
+)
+def test_an_output_without_a_tensor_to_take_says_what_is_needed(wrap, message):
+    model = _Wrapped(wrap)
+    step = mp.build_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), "mse")
+    x, _ = classification_data(n=8)
+    with pytest.raises(mp.ArgumentError) as info:
+        step(x, torch.zeros(8, 10))
+    assert str(info.value) == (
+        f"model output is {message}; valid: a tensor, a tuple or list whose first item is a "
+        "tensor, or a mapping with a 'logits' tensor"
+    )
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "got"),
+    [
+        (nn.CrossEntropyLoss(reduction="none"), "a tensor of shape (8,) and dtype torch.float32"),
+        (lambda out, y: (out.argmax(1) != y).sum(), "a tensor of shape () and dtype torch.int64"),
+        (lambda out, y: out.detach().sum().item(), "a float"),
+    ],
+    ids=["reduction-none", "integer", "python-float"],
+)
+def test_a_loss_that_is_not_a_floating_scalar_is_refused(loss_fn, got):
+    model = make_mlp()
+    step = mp.build_train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn)
+    x, y = classification_data(n=8)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(mp.ArgumentError) as info:
+        step(x, y)
+    assert str(info.value) == (
+        f"loss_fn returned {got}; valid: a floating-point scalar tensor "
+        "(a loss with reduction='mean' or 'sum')"
+    )
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_a_trainer_fits_evaluates_and_predicts_a_model_returning_a_dict():
+    """HF-style outputs everywhere the Trainer calls the model: fit (cross-entropy reads the
+    class count from the output), evaluate and predict take the ``logits``."""
+
+    class DictOut(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return {"logits": self.net(x), "hidden": x}
+
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+    trainer = mp.Trainer(DictOut(), "cross_entropy", "adam", policy="float32")
+    trainer.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert set(trainer.evaluate(x, y)) >= {"loss", "accuracy"}
+    assert trainer.predict(x).shape == (32, 3)

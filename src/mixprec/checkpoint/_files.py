@@ -4,6 +4,7 @@ the memory a read may fill."""
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
@@ -18,14 +19,28 @@ from mixprec.checkpoint.format import CheckpointError
 
 def _atomic_write(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> None:
     """Temporary file in the same folder, fsync, rename, fsync the folder: a crash at any
-    point leaves the previous file (or none), never a torn one."""
+    point leaves the previous file (or none), never a torn one. A disk that fills up raises
+    an ``OSError`` (``ENOSPC``) naming ``path`` and saying what is left there."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        try:
+            save_file(tensors, tmp, metadata)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+            left = (
+                "the previous checkpoint there is intact"
+                if path.exists()
+                else "no checkpoint was written there"
+            )
+            raise OSError(
+                errno.ENOSPC,
+                f"no space left on device while writing checkpoint {str(path)!r}; {left}",
+            ) from err
         # mkstemp makes the file 0600; a checkpoint gets the mode any new file would.
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)

@@ -38,6 +38,7 @@ def save_checkpoint(
     ``ArgumentError`` (a ``ValueError``) here, rather than a checkpoint that
     ``load_checkpoint`` refuses."""
     target = Path(path)
+    _check_target(target)
     tensors, aliases, master_names = _model_tensors(model, optimizer)
     optim_state: Any = None
     if optimizer is not None:
@@ -78,3 +79,22 @@ def save_checkpoint(
     parsed["checksum"] = _checksum(tensors, parsed)
     _atomic_write(tensors, {"mixprec": json.dumps(parsed)}, target)
     return target
+
+
+def _check_target(target: Path) -> None:
+    """Refuse a ``path`` no file can be written to: an existing directory, or one under a
+    file. The raw ``OSError`` would come from deep inside the writer, after the tensors were
+    gathered."""
+    if target.is_dir():
+        raise ArgumentError(
+            f"save_checkpoint: path {str(target)!r} is a directory; "
+            "valid: a file path (e.g. 'ckpt.safetensors') in an existing or new directory"
+        )
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ArgumentError(
+                    f"save_checkpoint: path {str(target)!r} is under {str(parent)!r}, "
+                    "which is a file; valid: a file path in an existing or new directory"
+                )
+            return

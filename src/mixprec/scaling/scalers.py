@@ -118,6 +118,10 @@ class LossScaler:
         return {"type": type(self).__name__, **self._config(), **asdict(self._state)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state from ``state_dict()`` of this class; ``DynamicLossScaler`` also loads
+        one from ``torch.amp.GradScaler().state_dict()``."""
+        if "type" not in state_dict and "_growth_tracker" in state_dict:
+            state_dict = self._from_torch(state_dict)
         kind = state_dict.get("type")
         if kind != type(self).__name__:
             raise ArgumentError(
@@ -133,6 +137,12 @@ class LossScaler:
 
     def _load_config(self, state_dict: dict[str, Any], scale: float) -> None:
         pass
+
+    def _from_torch(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        raise ArgumentError(
+            f"load_state_dict: a torch.amp.GradScaler state cannot load into "
+            f"{type(self).__name__}; load it into DynamicLossScaler or mixprec.GradScaler"
+        )
 
     def __repr__(self) -> str:
         config = ", ".join(f"{k}={v!r}" for k, v in self._config().items())
@@ -331,6 +341,24 @@ class DynamicLossScaler(LossScaler):
                 f"max_scale] = [{low!r}, {high!r}]"
             )
         self.config = config
+
+    def _from_torch(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """This scaler's state with torch's scale, growth tracker, factors and interval.
+        torch has no hysteresis, scale bounds or step counters: those stay this scaler's."""
+        missing = [k for k in (*_TORCH_CONFIG, "_growth_tracker") if k not in state_dict]
+        if missing:
+            raise ArgumentError(
+                f"load_state_dict: torch.amp.GradScaler state lacks {', '.join(missing)}"
+            )
+        return {
+            **self.state_dict(),
+            **{k: state_dict[k] for k in _TORCH_CONFIG},
+            "growth_tracker": state_dict["_growth_tracker"],
+        }
+
+
+# The keys of ``torch.amp.GradScaler().state_dict()`` besides ``_growth_tracker``.
+_TORCH_CONFIG = ("scale", "growth_factor", "backoff_factor", "growth_interval")
 
 
 def _check_config(

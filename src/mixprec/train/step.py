@@ -11,6 +11,7 @@ Composition only: the model is prepared by ``auto_mixed_precision`` and the opti
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -61,8 +62,8 @@ class TrainStep:
         self._copy_loss = options is not None
 
     def _forward_and_loss(self, x: Any, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        output = call(self.model, x)
-        return self.loss_fn(output, y), output
+        output = model_output(call(self.model, x))
+        return checked_loss(self.loss_fn(output, y)), output
 
     def __call__(
         self, x: Any, y: torch.Tensor, *, flush: bool = False
@@ -78,6 +79,57 @@ class TrainStep:
             result = self.optimizer.step()
         self.last_output = output.detach()
         return (loss.detach().clone() if self._copy_loss else loss.detach()), result
+
+
+def model_output(output: Any) -> torch.Tensor:
+    """The tensor the loss and metrics take from a forward's result: the result itself, the
+    first item of a tuple or list, or the ``logits`` of a mapping (a Hugging Face
+    ``ModelOutput``, as HF users expect)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, Mapping):
+        logits = output.get("logits")
+        if isinstance(logits, torch.Tensor):
+            return logits
+        keys = ", ".join(repr(k) for k in list(output)[:8])
+        raise ArgumentError(
+            f"model output is a {type(output).__name__} with keys [{keys}] and no 'logits' "
+            "tensor; valid: a tensor, a tuple or list whose first item is a tensor, or a "
+            "mapping with a 'logits' tensor"
+        )
+    if isinstance(output, (tuple, list)):
+        if output and isinstance(output[0], torch.Tensor):
+            return output[0]
+        kind = type(output).__name__
+        what = (
+            f"a {kind} whose first item is a {type(output[0]).__name__}"
+            if output
+            else (f"an empty {kind}")
+        )
+        raise ArgumentError(
+            f"model output is {what}; valid: "
+            "a tensor, a tuple or list whose first item is a tensor, or a mapping with a "
+            "'logits' tensor"
+        )
+    raise ArgumentError(
+        f"model output is a {type(output).__name__}; valid: a tensor, a tuple or list whose "
+        "first item is a tensor, or a mapping with a 'logits' tensor"
+    )
+
+
+def checked_loss(loss: Any) -> torch.Tensor:
+    """``loss`` if it is a floating-point scalar tensor (one element) that backward can
+    start from; else one ``ArgumentError`` naming what ``loss_fn`` returned."""
+    if isinstance(loss, torch.Tensor):
+        if loss.is_floating_point() and loss.numel() == 1:
+            return loss
+        got = f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
+    else:
+        got = f"a {type(loss).__name__}"
+    raise ArgumentError(
+        f"loss_fn returned {got}; valid: a floating-point scalar tensor "
+        "(a loss with reduction='mean' or 'sum')"
+    )
 
 
 def apply_partial_group(optimizer: LossScaleOptimizer) -> StepResult:

@@ -36,7 +36,7 @@ from mixprec.train import batches
 from mixprec.train.batches import Batch, as_tensor, to_device
 from mixprec.train.callbacks import Callback, CallbackList, History, Logs, ProgressBar
 from mixprec.train.metrics import LossFn, Metric, get_loss, get_metric
-from mixprec.train.step import build_train_step
+from mixprec.train.step import build_train_step, model_output
 from mixprec.train.warn import warn
 
 
@@ -221,7 +221,7 @@ class Trainer:
         # One sample in eval mode tells the number of classes (train mode would update
         # BatchNorm statistics and reject a batch of one).
         with torch.no_grad(), _eval_mode(self.model):
-            return int(call(self.model, to_device(inputs, self.device)).shape[-1])
+            return int(model_output(call(self.model, to_device(inputs, self.device))).shape[-1])
 
     # -- fit --------------------------------------------------------------------------------
 
@@ -371,7 +371,7 @@ class Trainer:
         with torch.no_grad(), _eval_mode(self.model):
             for batch in epoch_batches():
                 xb, yb = to_device(batch[0], self.device), to_device(batch[1], self.device)
-                output = call(self.model, xb).float()
+                output = model_output(call(self.model, xb)).float()
                 size = len(yb)
                 sums["loss"] += float(self.loss_fn(output, yb)) * size
                 for name, fn in self.metrics.items():
@@ -392,7 +392,8 @@ class Trainer:
             chunks = (as_tensor(c, "x") if batches.is_array(c) else c for c in chunks)
         with torch.no_grad(), _eval_mode(self.model):
             for chunk in chunks:
-                outputs.append(call(self.model, to_device(chunk, self.device)).float().cpu())
+                output = model_output(call(self.model, to_device(chunk, self.device)))
+                outputs.append(output.float().cpu())
         return torch.cat(outputs) if outputs else torch.empty(0)
 
     # -- MindSpore style --------------------------------------------------------------------
