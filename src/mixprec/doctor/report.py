@@ -183,13 +183,14 @@ class Report:
         return to_json(self.to_dict(), **kwargs)
 
     def plot(self, path: str) -> Figure:
-        """Per-module max |output|, max |gradient| (of its output, input or weights) and
-        small |gradient| (of its output) in the float32 run, on a log scale, against the
-        16-bit dtype's largest and smallest normal values: as they are for outputs, divided
-        by the loss scale for gradients (the backward holds the gradient times the scale).
-        Modules recommended for float32 are shaded; a line marks the headroom below the max,
-        and each module's ``range_used`` is written along the top (red where a 16-bit module
-        is within the headroom). A zero (an all-zero output; an all-zero or absent
+        """Two panels sharing the x axis, whose ticks name each module and its type. The
+        top one: per-module max |output| in the float32 run, on a log scale, against the
+        16-bit dtype's largest and smallest normal values, with a line for the headroom below
+        the max and each module's ``range_used`` along the top (red where a 16-bit module is
+        within the headroom). The bottom one: max |grad| (the table's column, the gradient of
+        the module's output) and the small |gradient|, against those limits divided by the
+        loss scale (the backward holds the gradient times the scale). Modules recommended for
+        float32 are shaded in both. A zero (an all-zero output; an all-zero or absent
         gradient) has no place on a log axis: it is a gap in its line and a mark in a grey
         lane below the axis. Saves a PNG to ``path`` and returns the figure (a
         ``matplotlib.figure.Figure`` of its own: the matplotlib backend and pyplot's figures
