@@ -8,6 +8,8 @@ thresholds, under which nothing this small would be converted.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
@@ -467,3 +469,26 @@ def test_float8_all_gather_weights_save_and_load(tmp_path, level):
     with pytest.raises(ValueError, match="fsdp_float8_all_gather=True\\) needs the tensorwise"):
         mp.auto_mixed_precision(nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 10)),
                                 "mixed_float8_rowwise", float8=options)  # fmt: skip
+
+
+_IMPORT_TORCHAO = """
+import warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from mixprec.float8 import torchao_float8
+    torchao_float8()
+for w in caught:
+    print("WARNING:", w.category.__name__, w.message)
+"""
+
+
+def test_torchaos_harmless_import_noise_is_dropped():
+    """torchao imported through mixprec: no "Failed to load ...so" lines, no pytree
+    register_constant() deprecation, as a log line or as a Python warning."""
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORT_TORCHAO], capture_output=True, text=True, check=True
+    )
+    out = done.stdout + done.stderr
+    assert "Failed to load" not in out
+    assert "register_constant" not in out
+    assert "is an Enum subclass" not in out

@@ -43,6 +43,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import logging
+import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -121,15 +124,48 @@ def is_float8(module: nn.Module) -> bool:
     return choice is not None and choice.converted
 
 
+# torchao's import-time noise that says nothing about the user's model: its optional native
+# kernels (``_C*.so``, built for other CUDA or Python versions) that fail to load, and
+# torch's deprecation of ``register_constant()`` on the Enum classes torchao registers.
+_HARMLESS_LOGS = {
+    "torchao": re.compile(r"Failed to load .*_C[^/]*\.so"),
+    "torch.utils._pytree": re.compile(r"is an Enum subclass .*register_constant\(\)"),
+}
+_HARMLESS_WARNING = r".*is an Enum subclass .*register_constant\(\)"
+
+
+class _DropHarmless(logging.Filter):
+    """Drops the records of one logger whose message matches ``pattern``."""
+
+    def __init__(self, pattern: re.Pattern[str]) -> None:
+        super().__init__()
+        self.pattern = pattern
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.pattern.search(record.getMessage()) is None
+
+
 def torchao_float8() -> ModuleType:
-    """``torchao.float8``, or an ``ImportError`` saying how to install it."""
+    """``torchao.float8``, or an ``ImportError`` saying how to install it.
+
+    The import runs with torchao's known-harmless import-time log lines and warnings
+    (``_HARMLESS_LOGS``) dropped; anything else it logs or warns still reaches the user."""
+    filters = {name: _DropHarmless(pattern) for name, pattern in _HARMLESS_LOGS.items()}
+    for name, log_filter in filters.items():
+        logging.getLogger(name).addFilter(log_filter)
     try:
-        return importlib.import_module("torchao.float8")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_HARMLESS_WARNING, category=FutureWarning)
+            warnings.filterwarnings("ignore", message=_HARMLESS_WARNING, category=UserWarning)
+            return importlib.import_module("torchao.float8")
     except ImportError as err:
         raise ImportError(
             "float8 policies (mixed_float8...) need torchao >= 0.18: "
             "pip install 'mixprec[float8]' (or pip install torchao)"
         ) from err
+    finally:
+        for name, log_filter in filters.items():
+            logging.getLogger(name).removeFilter(log_filter)
 
 
 def _pays_off(recipe: str, in_features: int, out_features: int) -> bool:

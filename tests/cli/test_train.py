@@ -34,6 +34,20 @@ def test_train_mixed_bfloat16_on_digits(capsys):
     assert "mixed_bfloat16: test accuracy" in out
 
 
+def test_training_lines_name_the_resolved_policy_and_level(capsys):
+    assert cli.main(["train", "--quiet", "--in-process", "--hidden", "64", "--data", "synthetic",
+                     "--epochs", "1", "--compare", "float32"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    auto = Policy("auto")
+    mixed = auto.name if auto.is_mixed else "mixed_bfloat16"
+    doing = "training" if auto.is_mixed else "timing"
+    lines = [line for line in out.splitlines() if line.startswith(("training ", "timing "))]
+    assert "training float32 (level O0) ..." in lines
+    assert any(line.startswith(f"{doing} ") and f"{mixed} (level O2) ..." in line
+               for line in lines)  # fmt: skip
+    assert not any("(level auto)" in line for line in lines)
+
+
 def test_train_in_subprocesses_with_plot_and_save(tmp_path, capsys):
     plot = tmp_path / "loss.png"
     args = ["train", "--epochs", "2", "--quiet", "--policy", "mixed_float16", "--level", "O1",

@@ -132,6 +132,23 @@ def test_progress_bar_on_a_terminal():
     assert "epoch 1/1" in text and "2/2" in text and "loss" in text
 
 
+@pytest.mark.parametrize(("policy", "shown"), [("mixed_bfloat16", False), ("mixed_float16", True)])
+def test_epoch_lines_show_the_loss_scale_only_when_scaling(policy, shown, capsys):
+    x, y = classification_data(n=64)
+    trainer(policy).fit(x, y, epochs=2, verbose=1)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("epoch ")]
+    assert len(lines) == 2
+    assert all(("loss_scale" in line) is shown for line in lines)
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Tty()
+    trainer(policy).fit(x, y, epochs=1, callbacks=[mp.ProgressBar(stream)], verbose=0)
+    assert ("scale=" in stream.getvalue()) is shown
+
+
 def test_callback_argument_errors():
     with pytest.raises(ValueError, match="per_print_times=0 is invalid"):
         mp.LossMonitor(0)

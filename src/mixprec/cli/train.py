@@ -45,7 +45,7 @@ from mixprec.cli._model_options import (
     load_data,
 )
 from mixprec.float8 import layer_counts
-from mixprec.levels import applied, auto_mixed_precision
+from mixprec.levels import applied, auto_mixed_precision, resolve_level
 from mixprec.policy import Policy
 from mixprec.train import Trainer
 
@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     say = print if not under_torchrun or os.environ.get("RANK", "0") == "0" else _silent
     for config in configs:
         doing = "timing" if config.get("probe_steps") else "training"
-        say(f"{doing} {config['policy']} (level {config['level']}) ...", flush=True)
+        say(f"{doing} {_run_name(config['policy'], config['level'])} ...", flush=True)
         if args.in_process or under_torchrun:
             if under_torchrun and config["verbose"] and os.environ.get("RANK", "0") != "0":
                 config = {**config, "verbose": 0}
@@ -354,6 +354,14 @@ def _mixed_run_policy(policy: str) -> tuple[str, str | None]:
     if chosen.is_mixed:
         return policy, None
     return "mixed_bfloat16", chosen.reason
+
+
+def _run_name(policy: str, level: str) -> str:
+    """The policy and level a run trains in, as the results table names them:
+    ``auto -> mixed_bfloat16 (level O2)`` where the option names them differently."""
+    resolved = Policy(policy)
+    name = f"{resolved.name} (level {resolve_level(level, resolved)})"
+    return name if policy.strip().lower() == resolved.name else f"{policy} -> {name}"
 
 
 def _silent(*args: Any, **kwargs: Any) -> None:

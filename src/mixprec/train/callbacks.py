@@ -24,6 +24,7 @@ import torch
 
 from mixprec._errors import ArgumentError
 from mixprec.checkpoint import save_checkpoint, temporary_files
+from mixprec.scaling import NoOpLossScaler
 
 if TYPE_CHECKING:
     from mixprec.train.trainer import Trainer
@@ -113,6 +114,13 @@ def _format(logs: Logs, keys: Iterable[str]) -> str:
     return " - ".join(parts)
 
 
+def _scaling_on(callback: Callback) -> bool:
+    """Whether the trainer ``callback`` runs in scales its loss: the scale is worth showing
+    only then (it is 1 throughout with no scaler). Unattached, the scale is shown."""
+    trainer = callback.trainer
+    return trainer is None or not isinstance(trainer.optimizer.loss_scaler, NoOpLossScaler)
+
+
 class ProgressBar(Callback):
     """A tqdm progress bar per epoch on a terminal; one plain line per epoch otherwise."""
 
@@ -142,10 +150,14 @@ class ProgressBar(Callback):
     def on_train_batch_end(self, step: int, logs: Logs) -> None:
         if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix(loss=f"{logs['loss']:.4f}", scale=f"{logs['loss_scale']:g}")
+            if _scaling_on(self):
+                self._bar.set_postfix(loss=f"{logs['loss']:.4f}", scale=f"{logs['loss_scale']:g}")
+            else:
+                self._bar.set_postfix(loss=f"{logs['loss']:.4f}")
 
     def on_epoch_end(self, epoch: int, logs: Logs) -> None:
-        keys = [k for k in logs if k not in ("epoch",)]
+        hidden = ("epoch",) if _scaling_on(self) else ("epoch", "loss_scale")
+        keys = [k for k in logs if k not in hidden]
         line = f"epoch {epoch + 1}/{self._epochs} - {_format(logs, keys)}"
         if self._bar is not None:
             self._bar.set_postfix_str(_format(logs, ["loss", "val_loss", "val_accuracy"]))
