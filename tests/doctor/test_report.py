@@ -20,7 +20,8 @@ def test_report_json_and_plot(tmp_path):
     ax = fig.axes[0]
     assert "Sequential under mixed_float16" in ax.get_title()
     assert "loss scale 65536" in ax.get_title()
-    assert ax.get_xlabel() == "module (forward execution order)"
+    # Outputs above, gradients below, sharing x: the x label is on the bottom panel.
+    assert fig.axes[-1].get_xlabel() == "module (type), in forward execution order"
     labels = ax.get_legend_handles_labels()[1]
     assert "recommended keep_float32" in labels and not any("zero" in t for t in labels)
 
