@@ -30,6 +30,7 @@ from mixprec.checkpoint._rng import _check_rng_state, _set_rng_state
 from mixprec.checkpoint._tree import _tensor_names, _unflatten
 from mixprec.checkpoint.format import CheckpointError, LoadReport, OnRange, _cut, _is_count
 from mixprec.checkpoint.read import read_checkpoint
+from mixprec.checkpoint.read import trainer_state as stored_trainer_state
 from mixprec.optim import LossScaleOptimizer
 
 
@@ -102,7 +103,7 @@ def load_checkpoint(
     if restore_rng and header.get("rng") is not None:
         rng_state = _unflatten(header["rng"], tensors)
         _check_rng_state(path, rng_state)
-    trainer_state = _unflatten(header.get("trainer_state", {"__dict__": []}), tensors)
+    trainer_state = stored_trainer_state(header, tensors)
 
     # Commit: every value was checked above to fit its destination.
     model.load_state_dict(loaded, strict=False)
