@@ -15,11 +15,13 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
     """The options of ``mixprec convert``."""
     sub.add_argument("input", help="mixprec checkpoint, .safetensors or torch.save file")
     sub.add_argument("output", help="the .safetensors file to write")
-    sub.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    sub.add_argument(
+        "--dtype", default="float32", help="the weights' dtype: float32, bfloat16 or float16"
+    )
     sub.add_argument(
         "--on-range", default="error", choices=("error", "clamp", "ignore"),
-        help="values beyond the dtype's range: fail (default), saturate, or cast as is; "
-        "NaN/inf fail unless 'ignore'",
+        help="values beyond the dtype's range: error (fail), clamp (saturate), or ignore "
+        "(cast as is); NaN/inf fail unless 'ignore'",
     )  # fmt: skip
     sub.add_argument(
         "--in-place", action="store_true",

@@ -10,15 +10,18 @@ import torch
 
 from mixprec.cli._common import UsageError, output_file, plot_file, train_float8
 from mixprec.cli._model_options import (
+    SPEC_HELP,
     add_model_options,
     build_model,
     check_model_options,
+    classes_of,
     load_data,
 )
 from mixprec.doctor import Report, diagnose
 from mixprec.policy import Policy
 
 HELP = "per-layer numerics of one batch in 16 bits against float32"
+EPILOG = SPEC_HELP  # what --model and --data module:function must name
 
 
 def add_arguments(sub: argparse.ArgumentParser) -> None:
@@ -37,9 +40,9 @@ def run(args: argparse.Namespace) -> int:
     is_float8 = Policy(args.policy).float8_recipe is not None
     if is_float8 and plot_path:
         raise UsageError("--plot: the float8 doctor's report is a table; use --json")
-    (x_train, y_train), (_, y_test) = load_data(args.data, args.seed)
-    classes = int(max(y_train.max(), y_test.max())) + 1
-    model = build_model(args.model, x_train, classes)
+    splits = load_data(args.data, args.seed)
+    (x_train, y_train), _ = splits
+    model = build_model(args.model, x_train, classes_of(splits), data=args.data)
     x, y = x_train[: args.batch_size], y_train[: args.batch_size]
     loss_fn = torch.nn.functional.cross_entropy
     float8 = None

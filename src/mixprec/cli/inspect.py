@@ -13,7 +13,9 @@ HELP = "list a checkpoint's tensors and metadata"
 
 def add_arguments(sub: argparse.ArgumentParser) -> None:
     """The options of ``mixprec inspect``."""
-    sub.add_argument("checkpoint")
+    sub.add_argument(
+        "checkpoint", help="a mixprec checkpoint, .safetensors or torch.save file to list"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,8 +1,9 @@
 """The ``mixprec`` command line: its argparse parser and ``main``.
 
 Each subcommand lives in its own module with ``HELP``, ``add_arguments(sub)`` and
-``run(args) -> int``; this module lists them, in the order ``mixprec --help`` shows, and
-turns their errors into one line on stderr and an exit status.
+``run(args) -> int`` (and, optionally, ``EPILOG``: text ``--help`` shows after the options);
+this module lists them, in the order ``mixprec --help`` shows, and turns their errors into
+one line on stderr and an exit status.
 """
 
 from __future__ import annotations
@@ -27,6 +28,26 @@ COMMANDS = {
 }
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Each option's help followed by ``(default: VALUE)``, as argparse's
+    ``ArgumentDefaultsHelpFormatter`` writes it, but only where there is a value to show:
+    not for flags (``False``), for options without a default (``None``), or for help that
+    states its default itself. The description and epilog keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        if (
+            text is None
+            or "default" in text
+            or action.default is None
+            or action.default is False  # a flag (0 is a default to show)
+            or action.default == argparse.SUPPRESS
+            or (not action.option_strings and action.nargs not in ("?", "*"))
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every subcommand; each sets ``run`` to its module's ``run``, looked up
     when the parser is built."""
@@ -36,7 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=__version__)
     commands = parser.add_subparsers(dest="command", required=True)
     for name, module in COMMANDS.items():
-        sub = commands.add_parser(name, help=module.HELP)
+        sub = commands.add_parser(
+            name, help=module.HELP, description=f"mixprec {name}: {module.HELP}.",
+            epilog=getattr(module, "EPILOG", None), formatter_class=HelpFormatter,
+        )  # fmt: skip
         module.add_arguments(sub)
         sub.set_defaults(run=module.run)
     return parser

@@ -39,9 +39,12 @@ from mixprec.cli._common import (
     train_float8,
 )
 from mixprec.cli._model_options import (
+    SPEC_HELP,
     add_model_options,
     build_model,
     check_model_options,
+    classes_of,
+    is_spec,
     load_data,
 )
 from mixprec.float8 import layer_counts
@@ -50,6 +53,7 @@ from mixprec.policy import Policy
 from mixprec.train import Trainer
 
 HELP = "train a model in mixed precision and compare it with float32"
+EPILOG = SPEC_HELP  # what --model and --data module:function must name
 
 # The main job's defaults: a step whose matmuls dominate (64 -> 2048 -> 2048 -> 10 at batch
 # 256 is ~8 GFLOP a step), so that the precision of the matmuls decides its speed. At width
@@ -67,13 +71,17 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
     """The options of ``mixprec train``."""
     add_model_options(sub, policy="auto", batch_size=DEFAULT_BATCH)
     sub.add_argument(
-        "--hidden", type=int, default=DEFAULT_HIDDEN, help="the MLP's width (--model mlp)"
-    )
-    sub.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS)
-    sub.add_argument("--lr", type=float, default=1e-3)
+        "--hidden", type=int, default=DEFAULT_HIDDEN, metavar="N",
+        help="the MLP's width (--model mlp only)",
+    )  # fmt: skip
     sub.add_argument(
-        "--compare", default="float32", help="baseline policy to compare with, or 'none'"
+        "--epochs", type=int, default=DEFAULT_EPOCHS, metavar="N", help="passes over the data"
     )
+    sub.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
+    sub.add_argument(
+        "--compare", default="float32", metavar="POLICY",
+        help="the baseline policy trained beside --policy, or 'none'",
+    )  # fmt: skip
     sub.add_argument("--plot", metavar="FILE.png", help="write the loss curves of both runs")
     sub.add_argument("--save", metavar="DIR", help="save each run's final trainer state")
     sub.add_argument("--quiet", action="store_true", help="no progress output")
@@ -94,8 +102,8 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
 def run_training(config: dict[str, Any]) -> dict[str, Any]:
     """One training run; executed in a fresh process so that its peak memory is its own."""
     torch.manual_seed(config["seed"])
-    (x_train, y_train), (x_test, y_test) = load_data(config["data"], config["seed"])
-    classes = int(max(y_train.max(), y_test.max())) + 1
+    splits = load_data(config["data"], config["seed"])
+    (x_train, y_train), (x_test, y_test) = splits
     probe = config.get("probe_steps")
     if probe:  # a few steps only, to time them
         x_train, y_train = (
@@ -103,7 +111,9 @@ def run_training(config: dict[str, Any]) -> dict[str, Any]:
             y_train[: probe * config["batch_size"]],
         )
         config = {**config, "epochs": 1}
-    model = build_model(config["model"], x_train, classes, config.get("hidden", 512))
+    model = build_model(
+        config["model"], x_train, classes_of(splits), config.get("hidden", 512), config["data"]
+    )
     policy: str | None = config["policy"]
     float8_layers = None
     if Policy(config["policy"]).float8_recipe is not None:
@@ -184,6 +194,12 @@ def run(args: argparse.Namespace) -> int:
         "float8_min_features": args.float8_min_features,
     }  # fmt: skip
     float8_sizes(args.float8_min_features)  # a bad value fails before training
+    under_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if (is_spec(args.model) or is_spec(args.data)) and not (args.in_process or under_torchrun):
+        # A user's model or data fails here, in one line, not in each run's worker.
+        torch.manual_seed(args.seed)
+        splits = load_data(args.data, args.seed)
+        build_model(args.model, splits[0][0], classes_of(splits), args.hidden, args.data)
     configs = []
     if args.compare != "none":
         configs.append({**common, "label": "baseline", "policy": args.compare, "level": "auto"})
@@ -197,7 +213,6 @@ def run(args: argparse.Namespace) -> int:
 
     runs = []
     # Under torchrun every process is one rank: train here, print on rank 0 only.
-    under_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
     say = print if not under_torchrun or os.environ.get("RANK", "0") == "0" else _silent
     for config in configs:
         doing = "timing" if config.get("probe_steps") else "training"
