@@ -16,6 +16,8 @@ from mixprec.casting import (
     cast_floating,
     get_region,
     needs_float32_functions,
+    remember_float32,
+    upcast_16bit,
 )
 
 ALL_DTYPES = [
@@ -200,3 +202,37 @@ def test_region_forward_keeps_signature_and_survives_deepcopy():
     assert model(x).any()
     mp.casting.clear_region(model)
     assert "forward" not in model.__dict__ and model(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_upcast_16bit_stores_16_bit_tensors_in_float32_and_says_what():
+    """Parameters keep their identity and their gradients follow; a tied weight counts once;
+    float64, integer and float32 tensors are left alone; a parameter with a current float32
+    copy gets those values back."""
+    model = nn.Sequential(nn.Embedding(6, 4), nn.BatchNorm1d(4), nn.Linear(4, 6), nn.Linear(6, 2))
+    model[2].weight = model[0].weight  # tied: (6, 4) both
+    model[0].to(torch.bfloat16)
+    model[1].to(torch.float16)
+    model[3].double()
+    bias = model[2].bias
+    bias.data = bias.data.bfloat16()
+    bias.grad = torch.ones(6, dtype=torch.bfloat16)
+    exact = torch.full((6,), 0.1)
+    remember_float32(bias, exact)
+    params = [id(p) for p in model.parameters()]
+    done = upcast_16bit(model)
+    assert [id(p) for p in model.parameters()] == params
+    assert sorted((kind, str(dtype), kept) for kind, dtype, kept in done) == [
+        ("buffer", "torch.float16", False),  # running_mean, running_var
+        ("buffer", "torch.float16", False),
+        ("parameter", "torch.bfloat16", False),  # the tied weight, once
+        ("parameter", "torch.bfloat16", True),  # the bias, restored
+        ("parameter", "torch.float16", False),
+        ("parameter", "torch.float16", False),
+    ]
+    dtypes = {n: t.dtype for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    assert dtypes.pop("1.num_batches_tracked") == torch.int64
+    assert dtypes.pop("3.weight") == dtypes.pop("3.bias") == torch.float64
+    assert set(dtypes.values()) == {torch.float32}
+    assert torch.equal(bias, exact)  # 0.1 is not a bfloat16 value: restored
+    assert bias.grad.dtype == torch.float32 and model[2].weight is model[0].weight
+    assert upcast_16bit(model) == []

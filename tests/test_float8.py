@@ -8,6 +8,8 @@ thresholds, under which nothing this small would be converted.
 
 from __future__ import annotations
 
+import functools
+import re
 import subprocess
 import sys
 import time
@@ -184,6 +186,45 @@ def test_module_filter_fn_replaces_the_size_rule():
     model = mp.auto_mixed_precision(lm(), "mixed_float8", float8=options)
     assert converted(model) == {"blocks.0.qkv"}
     assert float8_choice(model.blocks[0].out).reason == "module_filter_fn returned False"
+
+
+class _Filter:
+    def __call__(self, module: nn.Module, fqn: str, *, strict: bool = False) -> bool:
+        return True
+
+
+def _module_only(module):
+    return True
+
+
+@pytest.mark.parametrize(
+    ("fn", "shown", "why"),
+    [
+        (_module_only, "_module_only(module)", "too many positional arguments"),
+        (lambda: True, "<lambda>()", "too many positional arguments"),
+        (lambda m, f, depth: True, "<lambda>(m, f, depth)", "missing a required argument: 'depth'"),
+        (lambda *, module, fqn: True, "<lambda>(*, module, fqn)", "too many positional arguments"),
+        (len, "len(obj, /)", "too many positional arguments"),
+    ],
+)  # fmt: skip
+def test_module_filter_fn_of_the_wrong_signature_is_refused_when_given(fn, shown, why):
+    """torchao calls it as fn(module, fqn) for every Linear, deep inside the conversion:
+    checked in Float8Options, in one line naming the callable and its signature."""
+    with pytest.raises(ValueError, match="^" + re.escape(
+        f"Float8Options(module_filter_fn={shown}): torchao calls it as fn(module, fqn) -> "
+        f"bool, which this signature cannot take ({why}); give a callable of two positional "
+        "arguments, e.g. lambda module, fqn: ..."
+    ) + "$"):  # fmt: skip
+        Float8Options(module_filter_fn=fn)
+
+
+@pytest.mark.parametrize(
+    "fn", [lambda module, fqn: True, lambda *args: True, lambda m, f, extra=1: True, _Filter(),
+           functools.partial(lambda flag, m, f: flag, True)],
+)  # fmt: skip
+def test_module_filter_fn_that_takes_two_positional_arguments_is_accepted(fn):
+    model = mp.auto_mixed_precision(lm(), "mixed_float8", float8=Float8Options(module_filter_fn=fn))
+    assert converted(model)  # every filter above says True
 
 
 def test_bad_float8_arguments():

@@ -96,49 +96,23 @@ def _cast(value: T, dtype: torch.dtype, link: bool) -> T:
 # bfloat16 BatchNorm at O3, say) receives the dtype it was built for.
 FLOAT32_LOSSES: frozenset[Callable[..., Any]] = frozenset(
     {
-        F.cross_entropy,
-        F.nll_loss,
-        F.ctc_loss,
-        F.kl_div,
-        F.binary_cross_entropy,
-        F.binary_cross_entropy_with_logits,
-        F.mse_loss,
-        F.l1_loss,
-        F.smooth_l1_loss,
-        F.huber_loss,
-        F.poisson_nll_loss,
-        F.gaussian_nll_loss,
-        F.cosine_embedding_loss,
-        F.margin_ranking_loss,
-        F.soft_margin_loss,
-        F.multilabel_soft_margin_loss,
-        F.multi_margin_loss,
-        F.triplet_margin_loss,
+        F.cross_entropy, F.nll_loss, F.ctc_loss, F.kl_div, F.binary_cross_entropy,
+        F.binary_cross_entropy_with_logits, F.mse_loss, F.l1_loss, F.smooth_l1_loss,
+        F.huber_loss, F.poisson_nll_loss, F.gaussian_nll_loss, F.cosine_embedding_loss,
+        F.margin_ranking_loss, F.soft_margin_loss, F.multilabel_soft_margin_loss,
+        F.multi_margin_loss, F.triplet_margin_loss,
     }
-)
+)  # fmt: skip
 FLOAT32_FUNCTIONS: frozenset[Callable[..., Any]] = FLOAT32_LOSSES | frozenset(
     {
-        F.softmax,
-        F.log_softmax,
-        F.softmin,
-        torch.softmax,
-        torch.log_softmax,
-        torch.Tensor.softmax,
-        torch.Tensor.log_softmax,
-        F.layer_norm,
-        F.group_norm,
-        F.rms_norm,
-        torch.logsumexp,
-        torch.Tensor.logsumexp,
-        torch.cumsum,
-        torch.Tensor.cumsum,
-        torch.cumprod,
-        torch.Tensor.cumprod,
-        torch.norm,
-        torch.Tensor.norm,
-        torch.linalg.vector_norm,
+        F.softmax, F.log_softmax, F.softmin, torch.softmax, torch.log_softmax,
+        torch.Tensor.softmax, torch.Tensor.log_softmax,
+        F.layer_norm, F.group_norm, F.rms_norm,
+        torch.logsumexp, torch.Tensor.logsumexp, torch.cumsum, torch.Tensor.cumsum,
+        torch.cumprod, torch.Tensor.cumprod,
+        torch.norm, torch.Tensor.norm, torch.linalg.vector_norm,
     }
-)
+)  # fmt: skip
 
 
 #: torch.nn modules whose own ``forward`` calls none of ``FLOAT32_FUNCTIONS`` (exact types:
@@ -424,6 +398,29 @@ def store_as(
         sub._apply(apply, recurse=False)
     for param, record in copies:
         record.version = param._version
+
+
+def upcast_16bit(module: nn.Module) -> list[tuple[str, torch.dtype, bool]]:
+    """Store the 16-bit parameters and buffers of ``module`` in float32 (parameters keep
+    their identity); a parameter with a current float32 copy (``take_float32_copy``) gets
+    those values back. Returns, for each tensor upcast: ``"parameter"`` or ``"buffer"``, its
+    16-bit dtype, and whether its float32 values were restored."""
+    kinds = {id(t): "buffer" for t in module.buffers() if t.dtype in HALF_DTYPES}
+    kinds.update({id(p): "parameter" for p in module.parameters() if p.dtype in HALF_DTYPES})
+    done: list[tuple[str, torch.dtype, bool]] = []
+    if not kinds:
+        return done
+
+    def upcast(t: torch.Tensor) -> torch.Tensor:  # Module._apply passes gradients here too
+        if t.dtype not in HALF_DTYPES:
+            return t
+        kept = take_float32_copy(t) if isinstance(t, nn.Parameter) else None
+        if id(t) in kinds:
+            done.append((kinds.pop(id(t)), t.dtype, kept is not None))
+        return t.float() if kept is None else kept
+
+    module._apply(upcast)
+    return done
 
 
 def to_float(module: M, dtype: str | torch.dtype) -> M:

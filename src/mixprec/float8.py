@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import logging
 import re
 import warnings
@@ -67,6 +68,25 @@ FLOAT8_ATTR = "_mixprec_float8"
 ALIGNMENT = 16
 
 ModuleFilter = Callable[[nn.Module, str], bool]
+
+
+def _check_filter_signature(fn: Callable[..., object]) -> None:
+    """torchao calls ``module_filter_fn(module, fqn)`` for every Linear: refuse, when it is
+    given, a callable that cannot take two positional arguments (one that hides its
+    signature, a C builtin, is let through)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(None, "")
+    except TypeError as err:
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        raise ArgumentError(
+            f"Float8Options(module_filter_fn={name}{signature}): torchao calls it as "
+            f"fn(module, fqn) -> bool, which this signature cannot take ({err}); give a "
+            "callable of two positional arguments, e.g. lambda module, fqn: ..."
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -94,11 +114,14 @@ class Float8Options:
         for name in ("keep_head", "fsdp_float8_all_gather"):
             if not isinstance(getattr(self, name), bool):
                 raise ArgumentError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.module_filter_fn is not None and not callable(self.module_filter_fn):
+        fn = self.module_filter_fn
+        if fn is not None and not callable(fn):
             raise ArgumentError(
                 "module_filter_fn must be a callable (module, fqn) -> bool, got "
-                f"{type(self.module_filter_fn).__name__}"
+                f"{type(fn).__name__}"
             )
+        if fn is not None:
+            _check_filter_signature(fn)
 
 
 @dataclass(frozen=True)
@@ -239,6 +262,22 @@ def _check_device(model: nn.Module, policy_name: str) -> None:
             return
 
 
+def check_float8(model: nn.Module, recipe: str, *, policy_name: str, options: Float8Options) -> str:
+    """Refuse what ``convert_to_float8`` would refuse, before anything changes the model
+    (torchao missing, a GPU without float8 matmuls, options the recipe cannot take); returns
+    the recipe's canonical name."""
+    recipe = parse_float8_recipe(recipe)
+    torchao_float8()
+    _check_device(model, policy_name)
+    if options.fsdp_float8_all_gather and recipe != "tensorwise":
+        raise ArgumentError(
+            f"Float8Options(fsdp_float8_all_gather=True) needs the tensorwise recipe "
+            f"(torchao gathers float8 weights only with one scale per tensor), got "
+            f"{recipe!r}; use policy 'mixed_float8'"
+        )
+    return recipe
+
+
 def convert_to_float8(
     model: nn.Module,
     recipe: str,
@@ -256,17 +295,10 @@ def convert_to_float8(
     optimizer built on the float32 model stays valid; the converted modules are new objects
     (hooks registered on the old ones are not carried over). Returns the choices by name.
     """
-    recipe = parse_float8_recipe(recipe)
+    recipe = check_float8(model, recipe, policy_name=policy_name, options=options)
     ao = torchao_float8()
-    _check_device(model, policy_name)
     config = ao.Float8LinearConfig.from_recipe_name(recipe)
     if options.fsdp_float8_all_gather:
-        if recipe != "tensorwise":
-            raise ArgumentError(
-                f"Float8Options(fsdp_float8_all_gather=True) needs the tensorwise recipe "
-                f"(torchao gathers float8 weights only with one scale per tensor), got "
-                f"{recipe!r}; use policy 'mixed_float8'"
-            )
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     forward_dtype = dtype_name(config.cast_config_input.target_dtype)
     linears = [(n, m) for n, m in model.named_modules() if n and isinstance(m, nn.Linear)]

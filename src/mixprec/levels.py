@@ -27,6 +27,7 @@ model gets the level as under ``mixed_bfloat16``. O0 converts nothing.
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -47,9 +48,11 @@ from mixprec.casting import (
     set_region,
     store_as,
     to_float,
+    upcast_16bit,
 )
 from mixprec.float8 import (
     Float8Options,
+    check_float8,
     convert_to_float8,
     float8_choice,
     is_float8,
@@ -68,11 +71,8 @@ LEVELS: tuple[str, ...] = ("O0", "O1", "O2", "O3")
 #: Normalisation: statistics computed in float32 at O1 and O2, output in the input's dtype.
 NORM_MODULES: tuple[type[nn.Module], ...] = (
     nn.modules.batchnorm._NormBase,  # BatchNorm*, InstanceNorm*, SyncBatchNorm
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.LocalResponseNorm,
-    nn.RMSNorm,
-)
+    nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.RMSNorm,
+)  # fmt: skip
 
 #: Normalisation whose PyTorch kernels take 16-bit inputs with float32 weights and compute
 #: mean, variance and running statistics in float32 internally (measured on CPU: bfloat16
@@ -84,11 +84,8 @@ MIXED_NORM_MODULES: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNo
 #: Modules that stay float32 at O1 and O2, outputs included: softmax, losses. (Normalisation
 #: is a float32 island too, but hands its output back in the input's dtype: NORM_MODULES.)
 FLOAT32_MODULES: tuple[type[nn.Module], ...] = (
-    nn.Softmax,
-    nn.LogSoftmax,
-    nn.Softmin,
-    nn.modules.loss._Loss,
-)
+    nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.modules.loss._Loss,
+)  # fmt: skip
 
 
 def _is_half_storage(module: nn.Module, compute: torch.dtype) -> bool:
@@ -111,14 +108,9 @@ def _is_half_storage(module: nn.Module, compute: torch.dtype) -> bool:
 
 #: Modules whose weights O2 stores in the compute dtype: the matrix work.
 HALF_STORAGE_MODULES: tuple[type[nn.Module], ...] = (
-    nn.Linear,
-    nn.Bilinear,
-    nn.modules.conv._ConvNd,
-    nn.Embedding,
-    nn.EmbeddingBag,
-    nn.MultiheadAttention,
-    nn.RNNBase,
-)
+    nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.Embedding, nn.EmbeddingBag,
+    nn.MultiheadAttention, nn.RNNBase,
+)  # fmt: skip
 
 _APPLIED_ATTR = "_mixprec_applied"
 
@@ -135,6 +127,31 @@ def _say_auto(name: str, reason: str) -> None:
         "policy= (policy='float32' keeps float32) or call mp.set_global_policy(...) to choose",
         UserWarning,
         stacklevel=3,
+    )
+
+
+def _upcast_16bit(model: nn.Module, level: str, masters: bool) -> None:
+    """Store a 16-bit model's 16-bit tensors in float32 (exact) for a level with float32
+    weights or masters, which then proceeds as from a float32 model holding the rounded
+    values; say so once, at the user's line (the first caller outside mixprec)."""
+    done = upcast_16bit(model) if level != "O3" or masters else []
+    if not done:
+        return
+    n, restored = sum(k == "parameter" for k, _, _ in done), sum(kept for *_, kept in done)
+    counts = ((n, "parameter"), (len(done) - n, "buffer"))
+    what = " and ".join(f"{k} {noun}{'s' * (k != 1)}" for k, noun in counts if k)
+    dtypes = " and ".join(sorted({dtype_name(dtype) for _, dtype, _ in done}))
+    why = {"O2": "master weights and norms", "O3": "master weights"}.get(level, "weights")
+    lost = f" ({restored} restored from the float32 values they were loaded from)" * (restored > 0)
+    depth, frame = 2, sys._getframe(1)
+    while frame.f_back and frame.f_globals.get("__name__", "").split(".")[0] == "mixprec":
+        depth, frame = depth + 1, frame.f_back
+    warnings.warn(
+        f"auto_mixed_precision: {what} of the model were {dtypes}; upcast to float32 so that "
+        f"{level} has float32 {why}; the precision lost when they were rounded to 16 bits is "
+        f"not recovered{lost}",
+        UserWarning,
+        stacklevel=depth,
     )
 
 
@@ -195,6 +212,9 @@ def auto_mixed_precision(
     Float8 policies only: ``keep_bfloat16`` (types, name patterns, modules, as
     ``keep_float32``) names Linear layers that keep bfloat16 matmuls, and ``float8``
     (``Float8Options``) sets the size rule and the output head's treatment.
+
+    A model already in 16 bits is stored in float32 first, with a warning, at the levels
+    with float32 weights or masters (O0-O2, ``amp_level="O3"``); O3 takes it as it is.
     """
     if not isinstance(model, nn.Module):
         raise ArgumentError(
@@ -250,14 +270,18 @@ def auto_mixed_precision(
     preset = [m for m in model.modules() if m is not model and get_region(m) is not None]
     fixed = inside([*kept.values(), *preset])
     converted: tuple[str, ...] = ()
-    if resolved.float8_recipe is not None and lvl != "O0":
+    options, recipe = float8 or Float8Options(), resolved.float8_recipe if lvl != "O0" else None
+    if recipe is not None:  # refuse what the conversion would refuse before changing anything
+        check_float8(model, recipe, policy_name=resolved.name, options=options)
+    _upcast_16bit(model, lvl, o3_masters)  # O0-O2 and MindSpore's O3 keep float32 weights
+    if recipe is not None:
         choices = convert_to_float8(
             model,
-            resolved.float8_recipe,
+            recipe,
             policy_name=resolved.name,
             float32=fixed,
             bfloat16=inside(bf16_kept.values()),
-            options=float8 or Float8Options(),
+            options=options,
         )
         converted = tuple(n for n, c in choices.items() if c.converted)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import warnings
 
 import pytest
 
@@ -225,6 +227,95 @@ def test_a_non_finite_batch_is_refused_as_such(where):
         diagnose_float8(sensors(), x, y, F.mse_loss, float8=SMALL)
     with pytest.raises(ValueError, match=rf"the batch itself is non-finite: {where} holds 1"):
         mp.diagnose(sensors(), x, y, F.mse_loss, "mixed_float8", float8=SMALL)
+
+
+def test_a_batch_the_model_cannot_take_is_refused_in_one_line():
+    """Wrong width, in the inputs or the targets: the float32 model fails on it too, so the
+    batch is at fault; the line names the shapes, where it failed and torch's reason."""
+    x, y = readings(16, seed=0)
+    with pytest.raises(ValueError, match="^" + re.escape(
+        "diagnose_float8: the batch (inputs (16, 31), targets (16, 16)) does not fit the "
+        "model: the float32 model fails on it too, in 'embed' (Linear): mat1 and mat2 shapes "
+        "cannot be multiplied (16x31 and 32x64)"
+    ) + "$") as raised:  # fmt: skip
+        diagnose_float8(sensors(), x[:, :31], y, F.mse_loss, float8=SMALL)
+    assert isinstance(raised.value, mp.ArgumentError) and raised.value.__cause__ is not None
+    with pytest.raises(ValueError, match=re.escape(
+        "the batch (inputs (16, 32), targets (16, 15)) does not fit the model: the float32 "
+        "model fails on it too, in loss_fn: The size of tensor a (16) must match the size of "
+        "tensor b (15)"
+    )), warnings.catch_warnings():  # fmt: skip
+        warnings.simplefilter("ignore")  # mse_loss's own broadcasting warning
+        diagnose_float8(sensors(), x, y[:, :15], F.mse_loss, float8=SMALL)
+
+
+def test_an_empty_batch_and_a_loss_that_is_not_one_value_are_refused():
+    x, y = readings(16, seed=0)
+    with pytest.raises(ValueError, match=r"^diagnose_float8: the batch is empty: inputs has "
+                       r"shape \(0, 32\); pass a batch of at least one sample$"):  # fmt: skip
+        diagnose_float8(sensors(), x[:0], y[:0], F.mse_loss, float8=SMALL)
+    with pytest.raises(ValueError, match=r"the batch is empty: inputs\['x'\] has shape \(0, 32\)"):
+        diagnose_float8(Keyed(), {"x": x[:0]}, y, F.mse_loss, float8=SMALL)
+    valid = "it must return a floating-point tensor of one value (reduce it: "
+    for loss_fn, got in [
+        (nn.MSELoss(reduction="none"), "a tensor of shape (16, 16), dtype float32"),
+        (
+            lambda out, target: (out - target).abs().sum().long(),
+            "a tensor of shape (), dtype int64",
+        ),
+        (lambda out, target: 0.5, "float"),
+    ]:
+        with pytest.raises(ValueError, match="^" + re.escape(
+            f"diagnose_float8: loss_fn returned {got}; {valid}reduction='mean', or .mean())"
+        ) + "$"):  # fmt: skip
+            diagnose_float8(sensors(), x, y, loss_fn, float8=SMALL)
+
+
+def test_a_failure_the_float32_model_does_not_share_is_not_blamed_on_the_batch():
+    x, y = readings(16, seed=0)
+    calls = []
+
+    def flaky(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        calls.append(out.dtype)
+        if len(calls) == 1:
+            raise RuntimeError("float8 run only")
+        return F.mse_loss(out, target)
+
+    with pytest.raises(RuntimeError, match=r"^float8 run only$"):
+        diagnose_float8(sensors(), x, y, flaky, float8=SMALL)
+    assert len(calls) == 2  # the float32 run took the batch
+
+
+def test_a_bfloat16_model_is_diagnosed_as_its_float32_upcast_with_one_note():
+    """Both copies the doctor prepares are upcast; the note is given once, at this line, and
+    the report is that of a float32 model holding the same rounded weights (exactly)."""
+    x, y = readings(16, seed=0)
+    rounded = sensors()
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.bfloat16().float())
+    expected = diagnose_float8(rounded, x, y, F.mse_loss, float8=SMALL)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = diagnose_float8(sensors().to(torch.bfloat16), x, y, F.mse_loss, float8=SMALL)
+    notes = [w for w in caught if "upcast to float32" in str(w.message)]
+    assert [w.filename for w in notes] == [__file__]
+    assert str(notes[0].message).startswith(
+        "auto_mixed_precision: 10 parameters of the model were bfloat16; upcast to float32 so "
+        "that O2 has float32 master weights and norms"
+    )
+    assert report.to_dict() == expected.to_dict()
+
+
+class Keyed(nn.Module):
+    """Sensors taking a dict of inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = sensors()
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.inner(batch["x"])
 
 
 def test_mp_diagnose_dispatches_float8_policies():

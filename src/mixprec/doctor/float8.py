@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec._calling import call
+from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
 from mixprec._rng import same_draws
 from mixprec.casting import get_region
@@ -288,6 +290,50 @@ def _advice(
     return advice
 
 
+def _tensors(value: Any, where: str) -> list[tuple[str, torch.Tensor]]:
+    """The tensors in ``value`` (tuples, lists, dict values), each with where it sits."""
+    if not isinstance(value, (tuple, list, dict)):
+        return [(where, value)] if isinstance(value, torch.Tensor) else []
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    return [found for k, v in items for found in _tensors(v, f"{where}[{k!r}]")]
+
+
+def _scalar(loss: Any) -> torch.Tensor:
+    """``loss`` if it is a floating-point tensor of one value, which backward needs."""
+    if isinstance(loss, torch.Tensor) and loss.is_floating_point() and loss.numel() == 1:
+        return loss
+    got = type(loss).__name__
+    if isinstance(loss, torch.Tensor):
+        got = f"a tensor of shape {tuple(loss.shape)}, dtype {dtype_name(loss.dtype)}"
+    raise ArgumentError(
+        f"diagnose_float8: loss_fn returned {got}; it must return a floating-point tensor of "
+        "one value (reduce it: reduction='mean', or .mean())"
+    )
+
+
+def _check_float32_runs(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any) -> None:
+    """Refuse a batch a copy of the float32 ``model`` fails on too (wrong width), naming its
+    shapes, the innermost module running then (or ``loss_fn``) and torch's reason. Where the
+    copy runs, the failure was float8's: the caller re-raises it."""
+    reference, running = copy.deepcopy(model), list[str]()  # the modules entered, not left
+    for name, module in reference.named_modules():
+        where = f"{name or '(model)'!r} ({type(module).__name__})"
+        module.register_forward_pre_hook(lambda m, a, where=where: running.append(where))
+        # __delitem__ returns None, so the hook leaves the module's output as it is.
+        module.register_forward_hook(lambda m, a, o: running.__delitem__(-1))
+    try:
+        with torch.no_grad():
+            loss_fn(call(reference, inputs), targets)
+    except Exception as err:
+        batch = _tensors(inputs, "inputs") + _tensors(targets, "targets")
+        shapes = ", ".join(f"{where} {tuple(t.shape)}" for where, t in batch)
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ArgumentError(
+            f"diagnose_float8: the batch ({shapes}) does not fit the model: the float32 model "
+            f"fails on it too, in {running[-1] if running else 'loss_fn'}: {first}"
+        ) from err
+
+
 def diagnose_float8(
     model: nn.Module,
     inputs: Any,
@@ -310,11 +356,17 @@ def diagnose_float8(
     (``mixed_float8``, ``mixed_float8_rowwise``, ``mixed_float8_rowwise_with_gw_hp``, or a
     ``Policy`` with a ``float8_recipe``). ``level``, ``float8``, ``keep_bfloat16`` and
     ``keep_float32``: as ``auto_mixed_precision`` takes them, to diagnose the model as it
-    will be trained. A batch holding inf/NaN (inputs, floating-point targets) is refused:
-    every layer would look hurt, and the bfloat16 reference is non-finite too.
-    """
+    will be trained. Refused in one line: a batch holding inf/NaN (every layer would look
+    hurt), an empty one, one the float32 model fails on too, and a ``loss_fn`` that does not
+    return one floating-point value."""
     model = float32_model(model, "diagnose_float8")
     check_finite_batch(inputs, targets, "diagnose_float8")
+    for where, tensor in _tensors(inputs, "inputs") + _tensors(targets, "targets"):
+        if tensor.numel() == 0:
+            raise ArgumentError(
+                f"diagnose_float8: the batch is empty: {where} has shape {tuple(tensor.shape)}; "
+                "pass a batch of at least one sample"
+            )
     resolved = get_policy(policy)
     recipe = resolved.float8_recipe
     if recipe is None:
@@ -343,11 +395,8 @@ def diagnose_float8(
         considered = [(n, c) for n, m in mixed.named_modules() if (c := float8_choice(m))]
         why = "; ".join(f"{n}: {c.reason}" for n, c in considered[:3])
         more = f"; and {len(considered) - 3} more" if len(considered) > 3 else ""
-        hint = (
-            " Pass float8=Float8Options(min_features=...) to convert smaller layers."
-            if float8 is None or float8.min_features is None
-            else ""
-        )
+        by_size = float8 is None or float8.min_features is None
+        hint = " Pass float8=Float8Options(min_features=...) to convert smaller layers." * by_size
         raise ArgumentError(
             f"diagnose_float8: policy {resolved.name!r} at level {lvl} converts no Linear "
             "layer of this model to float8 "
@@ -356,10 +405,18 @@ def diagnose_float8(
     with same_draws() as rewind:
         with Recorder(layers) as recorder:
             rewind()
-            loss8 = loss_fn(call(mixed, inputs), targets)
-            if loss8.requires_grad:
+            try:
+                loss8 = loss_fn(call(mixed, inputs), targets)
+            except Exception:
+                _check_float32_runs(model, inputs, targets, loss_fn)
+                raise
+            if _scalar(loss8).requires_grad:
                 loss8.backward()
-        reference = auto_mixed_precision(copy.deepcopy(model), "mixed_bfloat16", lvl, keep_float32)
+        with warnings.catch_warnings():  # a 16-bit model's upcast: said once, for the float8 copy
+            warnings.filterwarnings("ignore", r"auto_mixed_precision: .* upcast to float32")
+            reference = auto_mixed_precision(
+                copy.deepcopy(model), "mixed_bfloat16", lvl, keep_float32
+            )
         rewind()
         with torch.no_grad():
             loss16 = loss_fn(call(reference, inputs), targets)
