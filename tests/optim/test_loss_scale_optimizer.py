@@ -279,12 +279,10 @@ def _float16_o3():
 
 
 @pytest.mark.parametrize(
-    "case", ["scale-2", "clipping-set-later", "scaler-subclass", "float16-weights", "masters"]
+    "case", ["scale-2", "clipping-set-later", "scaler-subclass", "float16-weights"]
 )
 def test_the_general_step_path_where_the_host_step_does_not_apply(case, monkeypatch):
     model = _float16_o3() if case == "float16-weights" else make_mlp()
-    if case == "masters":
-        model = mp.auto_mixed_precision(model, "mixed_bfloat16", "O2")
     scaler = {
         "scale-2": mp.StaticLossScaler(2.0),
         "scaler-subclass": _Scaler(),

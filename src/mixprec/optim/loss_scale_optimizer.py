@@ -31,7 +31,6 @@ from mixprec.scaling import (
     NoOpLossScaler,
     StaticLossScaler,
     all_finite,
-    checks_on_host,
     finite_on_cpu,
 )
 from mixprec.scaling.health import ScalerHealth
@@ -57,6 +56,9 @@ class _Bookkeeping:
     # Whether the float16 weights were finite after the last applied update; see _finish.
     weights_finite: torch.Tensor = field(default_factory=lambda: torch.ones((), dtype=torch.bool))
     no_grads: bool = False  # set by unscale_(): no parameter had a gradient
+    # What _host_step needs and construction decides: local CPU parameters, no float16
+    # weight to check, a scaler whose unscale at scale 1 is the check alone.
+    host_path: bool = False
     said_no_grads: bool = False  # the no-gradient step was warned about (once)
 
 
@@ -122,6 +124,7 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
             DynamicLossScaler() if needs_scaling(model_params) else NoOpLossScaler()
         )
         self._book = _Bookkeeping()
+        self._decide_host_path()
         self.health: ScalerHealth | None = ScalerHealth()
         self._tracer = _make_tracer(trace_overflow, model_params)
 
@@ -134,6 +137,13 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
         group["params"] = self._weights.adopt(self.optimizer, params, "param_group")
         self.optimizer.add_param_group(group)
         _fuse(self.optimizer, self.optimizer.param_groups[-1])
+        self._decide_host_path()
+
+    def _decide_host_path(self) -> None:
+        weights = self._weights
+        self._book.host_path = (
+            weights.on_host and not weights.checked and type(self._loss_scaler) in _HOST_SCALERS
+        )
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -240,34 +250,48 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
         return result
 
     def _host_step(self) -> StepResult | None:
-        """The whole step with a Python bool for ``found_inf``, or None where the general path
-        is needed: float32 (O0, ``auto`` on a CPU without fast 16-bit math) and bfloat16 O1
-        and O3 on CPU, one process, nothing to unscale, copy back, clip or trace. The check
-        reads its answer at once, and the tensor flags, collective and copies of ``_finish``
-        would be per-step work that float32 training does not do."""
+        """The whole step on the host, or None where the general path is needed.
+
+        Taken on CPU, in one process, at scale 1 (float32, and bfloat16 at O1, O2 and O3:
+        the default) with nothing to clip or trace and no float16 weight to check. It makes
+        the passes float32 training makes and one more, each a multi-tensor kernel: the
+        16-bit gradients into the masters' kept float32 buffers, a read-only finiteness
+        check whose answer is read at once (no synchronisation on CPU), the inner step, and
+        the masters back into the 16-bit weights. The tensor flags, collective and copies of
+        ``_finish`` would be per-step work that plain training does not do."""
+        weights = self._weights
         if (
-            self._weights.half
-            or self._weights.checked
-            or self.max_grad_norm is not None
+            not self._book.host_path
+            or self.max_grad_norm is not None  # public attributes: set after construction too
             or self._tracer is not None
-            or type(self._loss_scaler) not in _HOST_SCALERS
             or self._loss_scaler.get_scale() != 1.0
+            or torch.compiler.is_compiling()
             or is_distributed()
         ):
             return None
-        grads = [g._values() if g.is_sparse else g for g in self._weights.plain_grads()]
-        if not checks_on_host(grads):
-            return None
+        # Checked before they are widened: reading the 16-bit gradients is half the bytes,
+        # and a skipped step then copies nothing.
+        grads = [p.grad for p in weights.half if p.grad is not None] + weights.plain_grads()
         if not grads:
             return no_gradients(self._book, 1.0)
-        overflow = bool(grads) and not finite_on_cpu(grads)
+        if any(g.is_sparse for g in grads):
+            grads = [g._values() if g.is_sparse else g for g in grads]
+        overflow = not finite_on_cpu(grads)
+        if not overflow and weights.half:
+            weights.follow_external_writes()
+            weights.load_master_grads()
         # The tail of _finish, restated: as a function of its own shared by both, it cost
         # torch.compile(opt.step) two more graphs, and dynamo then traced the scaler's
         # float32 rounding into a recursion in its struct polyfill (torch 2.13).
         if not overflow:
             for inner in self.optimizers:
-                _unfuse_sparse(inner)
+                if weights.saw_sparse:
+                    _unfuse_sparse(inner)
                 inner.step()
+            if weights.half:
+                with torch.no_grad():
+                    torch._foreach_copy_(weights.half, weights.masters)
+                weights.versions = weights.half_versions()
         self._loss_scaler.update(overflow)
         self._book.micro = 0
         return StepResult(applied=not overflow, found_inf=overflow, scale=1.0)
@@ -309,7 +333,8 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
                 _log.warning("step skipped: overflow first in %s", origin)
         if not overflow:
             for inner in self.optimizers:
-                _unfuse_sparse(inner)
+                if self._weights.saw_sparse:
+                    _unfuse_sparse(inner)
                 inner.step()
             # Inline: dynamo runs this eagerly after the graph break in the loop above, where
             # a MasterWeights method would compile as a graph of its own (torch 2.13).

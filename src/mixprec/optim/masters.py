@@ -46,6 +46,10 @@ class MasterWeights:
         self.index: dict[int, tuple[bool, int]] = {}  # id(param) -> (has master, position)
         self.checked: list[torch.Tensor] = []  # float16 weights, checked after each update
         self.versions: list[int] = []
+        # Every parameter on the CPU and local (no DTensor): checks may read their answer at
+        # once, as that costs no device synchronisation.
+        self.on_host = True
+        self.saw_sparse = False  # a sparse gradient was seen (fused groups then step unfused)
 
     def adopt(
         self, inner: torch.optim.Optimizer, params: list[torch.Tensor], where: str
@@ -80,6 +84,7 @@ class MasterWeights:
                 self.index[id(p)] = (False, len(self.plain))
                 self.plain.append(p)
                 adopted.append(p)
+            self.on_host = self.on_host and p.device.type == "cpu" and not is_dtensor(p)
         self.versions = self.half_versions()  # new 16-bit parameters have versions too
         return adopted
 
@@ -148,6 +153,7 @@ class MasterWeights:
             elif g.is_sparse:
                 # Widen before coalescing: summing duplicate indices in 16 bits can overflow.
                 m.grad = g.float().coalesce()
+                self.saw_sparse = True
             else:
                 if m.grad is None or m.grad.is_sparse:
                     m.grad = torch.empty_like(m)
@@ -159,10 +165,13 @@ class MasterWeights:
     def plain_grads(self) -> list[torch.Tensor]:
         grads = []
         for p in self.plain:
-            if p.grad is not None:
-                if p.grad.is_sparse and p.grad.dtype == torch.float16:
-                    p.grad = p.grad.coalesce()
-                grads.append(p.grad)
+            g = p.grad
+            if g is not None:
+                if g.is_sparse:
+                    self.saw_sparse = True
+                    if g.dtype == torch.float16:
+                        g = p.grad = g.coalesce()
+                grads.append(g)
         return grads
 
     def step_grads(self) -> list[torch.Tensor]:

@@ -5,6 +5,8 @@ doctor."""
 
 from __future__ import annotations
 
+from collections import deque
+
 from mixprec._errors import ArgumentError
 from mixprec.scaling.scalers import DynamicLossScaler, LossScaler
 from mixprec.scaling.schedule import ScalerState
@@ -50,7 +52,9 @@ class ScalerHealth:
         self.window = window
         self.max_skip_rate = max_skip_rate
         self.floor_skips = floor_skips
-        self._recent: list[bool] = []
+        # Step numbers of the skipped steps among the last ``window``: O(1) per clean step.
+        self._skips: deque[int] = deque()
+        self._steps = 0
         self._at_floor = 0  # skipped steps in a row with the scale at its floor
         self._asked = False  # needs_trace was set once: the next stuck step warns regardless
         self.needs_trace = False
@@ -67,7 +71,11 @@ class ScalerHealth:
     ) -> str | None:
         """``floor``: the scaler's lowest scale (``scale_floor``); ``loss``: this step's
         loss, for the stuck warning to show how it moved since the first step observed."""
-        self._recent = [*self._recent[-(self.window - 1) :], skipped]
+        self._steps += 1
+        if skipped:
+            self._skips.append(self._steps)
+        while self._skips and self._skips[0] <= self._steps - self.window:
+            self._skips.popleft()
         if self._first_loss is None and loss is not None:
             self._first_loss = loss
         self.needs_trace = False
@@ -100,13 +108,13 @@ class ScalerHealth:
                 "then keep them in float32 or use bfloat16."
             )
         if (
-            len(self._recent) == self.window
-            and sum(self._recent) / self.window > self.max_skip_rate
+            self._steps >= self.window
+            and len(self._skips) / self.window > self.max_skip_rate
             and "rate" not in self.warned
         ):
             self.warned.add("rate")
             return (
-                f"{sum(self._recent)} of the last {self.window} steps were skipped.{where} "
+                f"{len(self._skips)} of the last {self.window} steps were skipped.{where} "
                 "Occasional skips are how dynamic loss scaling probes the range; this many "
                 "waste training: lower growth_factor or raise growth_interval, or find the "
                 "layer with mp.diagnose."
