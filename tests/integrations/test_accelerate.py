@@ -12,7 +12,10 @@ weights, on the CPU. Skipped where ``accelerate`` or ``transformers`` is not ins
 
 from __future__ import annotations
 
+import linecache
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,6 +29,7 @@ transformers = pytest.importorskip("transformers")
 
 from accelerate.state import AcceleratorState  # noqa: E402
 
+from mixprec.integrations._save_guard import guard_saves  # noqa: E402
 from tests._tiny_gpt2 import counting_rows, tiny_gpt2  # noqa: E402
 
 VOCAB, SEQ, BATCH = 100, 16, 4
@@ -202,3 +206,82 @@ def test_recipe_accumulates_like_the_doubled_batch():
     ]
     diffs = [abs(a - b) for a, b in zip(per_step, whole.losses, strict=True)]
     assert max(diffs) < 1.5e-3, [f"{d:.1e}" for d in diffs]
+
+
+# -- saves that lose the masters, and the optimizer given to prepare -------------------------
+
+
+def _tiny_run(register: bool, guard: bool = False) -> Any:
+    """The recipe on a tiny float16 O2 model, one step; ``register``: the LossScaleOptimizer
+    is registered for checkpointing; ``guard``: the save guard is installed by hand."""
+    accelerator = accelerate.Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    model = mp.auto_mixed_precision(model, "mixed_float16", "O2")
+    if guard:
+        guard_saves(model)
+    scaler = mp.DynamicLossScaler(2.0**10)
+    optimizer = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler)
+    model = accelerator.prepare(model)
+    if register:
+        accelerator.register_for_checkpointing(optimizer)
+    optimizer.backward(model(torch.randn(4, 8)).float().sum())
+    assert optimizer.step().applied
+    return accelerator
+
+
+def _save_state(accelerator: Any, path: Path) -> list[tuple[str, str]]:
+    """The warnings of ``save_state``: (the line they point at, message)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        accelerator.save_state(str(path))
+    return [(linecache.getline(w.filename, w.lineno).strip(), str(w.message)) for w in caught]
+
+
+def _check_lossy_save_warns_once(accelerator: Any, tmp_path: Path) -> None:
+    ((line, message),) = _save_state(accelerator, tmp_path / "a")
+    assert line == "accelerator.save_state(str(path))"  # the user's call
+    assert message.startswith(
+        "accelerator.save_state() saves this mixprec model without the float32 master weights "
+        "and the loss scale, which its LossScaleOptimizer holds: call "
+        "accelerator.register_for_checkpointing(optimizer)"
+    )
+    assert _save_state(accelerator, tmp_path / "b") == []  # once per model
+
+
+def test_save_state_without_the_optimizer_warns_once_with_the_guard(tmp_path):
+    """The model's save guard (``guard_saves``), installed by hand."""
+    accelerator = _tiny_run(register=False, guard=True)
+    _check_lossy_save_warns_once(accelerator, tmp_path)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="auto_mixed_precision does not install the save guard yet (levels.py is not this "
+    "integration's file); remove this mark once it calls guard_saves(model) at O2",
+)
+def test_save_state_without_the_optimizer_warns_once(tmp_path):
+    accelerator = _tiny_run(register=False)
+    _check_lossy_save_warns_once(accelerator, tmp_path)
+
+
+def test_save_state_with_the_optimizer_registered_does_not_warn(tmp_path):
+    """The recipe's save (its resume is test_recipe_checkpoint_resumes_masters_and_scale)."""
+    accelerator = _tiny_run(register=True, guard=True)
+    assert _save_state(accelerator, tmp_path / "a") == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=pytest.fail.Exception,
+    reason="LossScaleOptimizer (optim/, not this integration's file) does not refuse "
+    "accelerate's wrapper yet",
+)
+def test_prepare_refuses_a_loss_scale_optimizer():
+    """accelerate's wrapper would hide ``step()``'s ``StepResult`` (``None``: the recipe's
+    ``result.applied`` fails) and let ``clip_grad_norm_`` clip the scaled 16-bit gradients."""
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = mp.auto_mixed_precision(nn.Linear(8, 2), "mixed_bfloat16", "O2")
+    optimizer = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(mp.ArgumentError, match=r"accelerator\.prepare\(\) got a mixprec "):
+        accelerator.prepare(model, optimizer)

@@ -3,6 +3,8 @@ of the same loop, and the inputs Fabric hands the model, against Fabric's own pl
 
 from __future__ import annotations
 
+import linecache
+import warnings
 from typing import Any
 
 import pytest
@@ -14,6 +16,7 @@ from lightning.fabric import Fabric  # noqa: E402
 from lightning.fabric.plugins.precision import MixedPrecision  # noqa: E402
 from torch import nn  # noqa: E402
 
+from mixprec._errors import MisuseError  # noqa: E402
 from mixprec.integrations.lightning import MixprecFabricPrecision  # noqa: E402
 from tests.integrations.test_lightning_plugin import _data, _mlp, _scaler  # noqa: E402
 
@@ -208,3 +211,81 @@ def test_fabric_model_kept_in_float32_gets_float32_inputs() -> None:
     plugin = MixprecFabricPrecision("mixed_bfloat16", level="O2", keep_float32=[_Recorder])
     module = _fabric_inputs(plugin=plugin)
     assert module.called_with == module.forward_saw == [torch.float32] * 2
+
+
+# -- checkpoints that lose the masters, and one optimizer set up twice ----------------------
+
+
+def _one_step(plugin: MixprecFabricPrecision) -> tuple[Fabric, nn.Module, Any]:
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = _mlp(0)
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    x, y = next(iter(_data()))
+    fabric.backward(nn.functional.cross_entropy(model(x), y))
+    opt.step()
+    return fabric, model, opt
+
+
+def _saving(fabric: Fabric, path: Any, state: dict[str, Any]) -> list[tuple[str, str]]:
+    """The warnings of ``fabric.save(path, state)``: (the line they point at, message)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fabric.save(path, state)
+    return [(linecache.getline(w.filename, w.lineno).strip(), str(w.message)) for w in caught]
+
+
+def test_fabric_save_without_the_plugin_warns_once_what_it_loses(tmp_path: Any) -> None:
+    plugin = MixprecFabricPrecision("mixed_float16", level="O2", loss_scaler=_scaler())
+    fabric, model, opt = _one_step(plugin)
+    ((line, warning),) = _saving(fabric, tmp_path / "a.ckpt", {"model": model, "optimizer": opt})
+    assert line == "fabric.save(path, state)"  # the user's call
+    assert warning.startswith("fabric.save() saves this mixprec model ")
+    assert "without the float32 master weights and the loss scale, which " in warning
+    assert 'MixprecFabricPrecision holds: add the plugin to the state, state["mixprec"]' in warning
+    # Once per model: a training loop that saves every epoch is not flooded.
+    assert _saving(fabric, tmp_path / "b.ckpt", {"model": model, "optimizer": opt}) == []
+
+
+@pytest.mark.parametrize(
+    ("policy", "level", "with_plugin"),
+    [("mixed_float16", "O2", True), ("mixed_bfloat16", "O1", False)],
+    ids=["plugin-in-the-state", "nothing-to-lose"],
+)
+def test_fabric_save_that_keeps_everything_does_not_warn(
+    tmp_path: Any, policy: str, level: str, with_plugin: bool
+) -> None:
+    # O1 with bfloat16: no masters, no dynamic scale, so a state without the plugin loses
+    # nothing.
+    plugin = MixprecFabricPrecision(policy, level=level)
+    fabric, model, opt = _one_step(plugin)
+    state = {"model": model, "optimizer": opt, **({"mixprec": plugin} if with_plugin else {})}
+    assert _saving(fabric, tmp_path / "a.ckpt", state) == []
+    model.state_dict()  # outside a save: never a warning
+    assert fabric.load(tmp_path / "a.ckpt", state) == {}
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_fabric_same_optimizer_set_up_twice_is_named(clip: bool) -> None:
+    """``fabric.setup(model, opt, opt)``: two wrappers of one optimizer; stepping (or clipping)
+    both after one ``fabric.backward`` finds the gradients used by the first step."""
+    plugin = MixprecFabricPrecision("mixed_bfloat16", level="O2")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    raw = _mlp(0)
+    opt = torch.optim.AdamW(raw.parameters(), lr=1e-2)
+    model, first, second = fabric.setup(raw, opt, opt)
+    x, y = next(iter(_data()))
+
+    def step(wrapper: Any) -> Any:
+        if clip:
+            fabric.clip_gradients(model, wrapper, max_norm=1.0)
+        return wrapper.step()
+
+    fabric.backward(nn.functional.cross_entropy(model(x), y))
+    assert step(first).applied
+    with pytest.raises(MisuseError, match=r"the same AdamW was set up twice with Fabric") as err:
+        step(second)
+    assert "loss.backward()" not in str(err.value)
+    # Each wrapper stepping once per backward is a working loop (a set-up cell run again).
+    for wrapper in (second, first):
+        fabric.backward(nn.functional.cross_entropy(model(x), y))
+        assert step(wrapper).applied

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -508,6 +509,66 @@ def test_bad_arguments_are_named(tmp_path, kwargs, error, message):
         kwargs["optimizers"] = (mp.LossScaleOptimizer(inner), None)
     with pytest.raises(error, match=message):
         MixprecTrainer(model=model, args=arguments(tmp_path), **kwargs)
+
+
+def test_an_optimizer_over_another_model_is_refused(tmp_path):
+    """Built over another model's parameters, it would step and log grad_norm 0 while the
+    model stays as it was."""
+    model, other = build(), build()
+    optimizer = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    trainable = sum(p.requires_grad for p in model.parameters())
+    with pytest.raises(mp.ArgumentError) as err:
+        MixprecTrainer(model=model, args=arguments(tmp_path), optimizers=(optimizer, None))
+    assert str(err.value).startswith(
+        f"MixprecTrainer(optimizers=(AdamW, ...)): the optimizer holds {trainable} parameters "
+        f"and none of the model's {trainable} trainable ones"
+    )
+    assert "torch.optim.AdamW(model.parameters())" in str(err.value)
+
+
+def test_an_optimizer_over_part_of_the_model_warns(tmp_path):
+    model = build()
+    part = torch.optim.AdamW(model.transformer.h.parameters(), lr=1e-3)
+    trainable = sum(p.requires_grad for p in model.parameters())
+    held = len(list(model.transformer.h.parameters()))
+    with pytest.warns(UserWarning) as caught:
+        MixprecTrainer(model=model, args=arguments(tmp_path), optimizers=(part, None))
+    (warning,) = [w for w in caught if "trainable" in str(w.message)]
+    assert str(warning.message).startswith(
+        f"optimizer holds {held} of the model's {trainable} trainable parameters; these will "
+        "not train: transformer.wte.weight, transformer.wpe.weight"
+    )
+    assert warning.filename == __file__  # the MixprecTrainer(...) line
+    # Over the whole model: nothing to say.
+    whole = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MixprecTrainer(
+            model=whole,
+            args=arguments(tmp_path),
+            optimizers=(torch.optim.AdamW(whole.parameters()), None),
+        )
+
+
+def test_a_16bit_model_gets_float32_masters_and_norms(tmp_path):
+    """A model in bfloat16 is brought to O2's storage by auto_mixed_precision (float32 norms,
+    float32 masters behind the 16-bit matrix weights), with its note at the user's line."""
+    model = build().to(torch.bfloat16)
+    with pytest.warns(UserWarning, match=r"upcast to float32 so that O2 has float32") as caught:
+        trainer = MixprecTrainer(
+            model=model,
+            args=arguments(tmp_path, max_steps=2),
+            train_dataset=dataset(16),
+            policy="mixed_bfloat16",
+        )
+    assert [w.filename for w in caught if "upcast" in str(w.message)] == [__file__]
+    block = model.transformer.h[0]
+    assert block.ln_1.weight.dtype == torch.float32
+    assert block.attn.c_attn.weight.dtype == torch.bfloat16
+    trainer.train()
+    masters = trainer.loss_scale_optimizer.master_weights()
+    assert masters and all(m.dtype == torch.float32 for _, m in masters)
+    assert logged(trainer, "skipped_steps") == [0, 0]
 
 
 def test_model_init_models_are_prepared(tmp_path):

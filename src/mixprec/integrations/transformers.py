@@ -43,6 +43,7 @@ from mixprec.levels import KeepEntry, auto_mixed_precision, keep_list, resolve_l
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import Policy, PolicyLike, get_policy
 from mixprec.scaling import LossScaler
+from mixprec.train.step import check_optimizer_covers
 
 __all__ = ["MixprecTrainer"]
 
@@ -132,6 +133,8 @@ class MixprecTrainer(Trainer):
                 "optimizers=(LossScaleOptimizer(...), ...): pass the inner optimizer; "
                 "MixprecTrainer wraps it (configure the scaling with loss_scaler=)"
             )
+        if model is not None and optimizers and optimizers[0] is not None:
+            _check_optimizer_covers(model, optimizers[0])
 
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
 
@@ -353,6 +356,23 @@ def _find_loss_scale_optimizer(optimizer: Any) -> LossScaleOptimizer | None:
         if optimizer is None:
             break
     return None
+
+
+def _check_optimizer_covers(model: nn.Module, optimizer: Any) -> None:
+    """``optimizers=(optimizer, ...)`` built over another model's parameters would train
+    nothing (every step applied, grad_norm 0): refused, naming both counts; one holding only
+    some of them warns (``check_optimizer_covers``, as ``Trainer`` does)."""
+    try:
+        check_optimizer_covers(model, optimizer)
+    except ArgumentError:
+        trainable = sum(p.requires_grad for p in model.parameters())
+        held = sum(len(group["params"]) for group in optimizer.param_groups)
+        raise ArgumentError(
+            f"MixprecTrainer(optimizers=({type(optimizer).__name__}, ...)): the optimizer "
+            f"holds {held} parameters and none of the model's {trainable} trainable ones (was "
+            "it built over another model?): training would change nothing; build it over "
+            "this model's parameters, e.g. torch.optim.AdamW(model.parameters())"
+        ) from None
 
 
 def _refuse_second_mixed_precision(args: TrainingArguments | None, policy: Policy) -> None:

@@ -3,18 +3,25 @@ plugin."""
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
 
-from mixprec._errors import ArgumentError
+from mixprec._errors import ArgumentError, MisuseError
 from mixprec.casting import cast_floating, get_region
+from mixprec.integrations._save_guard import guard_saves
 from mixprec.integrations.lightning._lightning import FabricPrecision
 from mixprec.integrations.lightning.precision import _MixprecPlugin
 from mixprec.optim import LossScaleOptimizer, StepResult
+from mixprec.scaling import DynamicLossScaler
+
+_FABRIC_WRAPPERS = ("lightning.fabric.wrappers", "lightning_fabric.wrappers")
+_FABRIC_MODULES = ("lightning.fabric.fabric", "lightning_fabric.fabric")
 
 
 class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[misc]
@@ -36,7 +43,8 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
 
     Checkpoints: put the plugin in the state, ``fabric.save(path, {"model": model,
     "optimizer": optimizer, "mixprec": plugin})``; its state holds the scaler and every
-    wrapped optimizer's masters, which the optimizer's own state does not.
+    wrapped optimizer's masters, which the optimizer's own state does not. A
+    ``fabric.save`` of the model without the plugin warns once, naming what it loses.
     """
 
     def _reset_run(self) -> None:
@@ -44,19 +52,37 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
         self._last_loss: torch.Tensor | None = None  # see _fabric_lso
         self._pending: list[dict[str, Any]] = []  # loaded before their optimizer was seen
         self._models: list[weakref.ref[nn.Module]] = []  # every model fabric.setup prepared
+        self._backwards = 0  # fabric.backward calls
+        #: id(LossScaleOptimizer) -> (self._backwards at its last step, the Fabric wrapper
+        #: that made that step): a second wrapper of one optimizer is a double setup.
+        self._last_steps: dict[int, tuple[int, weakref.ref[Any] | None]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.pop("_last_loss", None)
-        state.pop("_pending", None)
-        state.pop("_models", None)
+        for key in ("_last_loss", "_pending", "_models", "_backwards", "_last_steps"):
+            state.pop(key, None)
         return state
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         module = super().convert_module(module)
         if not any(ref() is module for ref in self._models):
             self._models.append(weakref.ref(module))
+        # fabric.save(path, {"model": model, ...}) without the plugin loses the masters and
+        # the scale: the model's state_dict hook says so (once) when it does.
+        guard_saves(module, holder=self)
         return module
+
+    def _unsaved_state(self) -> str:
+        """What a ``fabric.save`` without this plugin loses ("" for nothing): the masters
+        once an optimizer was wrapped (or loaded, waiting for it), and a dynamic scale."""
+        if not self._lsos and not self._pending:
+            return ""
+        lost = []
+        if self._pending or any(lso.master_weights() for lso in self._lsos):
+            lost.append("the float32 master weights")
+        if isinstance(self._scaler, DynamicLossScaler):
+            lost.append("the loss scale")
+        return " and ".join(lost)
 
     def _input_dtype(self) -> torch.dtype | None:
         """The dtype the prepared models cast their floating inputs to, read from their
@@ -100,11 +126,14 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
         self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, **kwargs: Any
     ) -> None:
         self._last_loss = tensor.detach()
+        self._backwards += 1
         self._scaled_loss(tensor, list(self._lsos)).backward(*args, **kwargs)
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale into the float32 masters (``fabric.clip_gradients`` calls this)."""
-        self._unscale(self._fabric_lso(optimizer))
+        lso = self._fabric_lso(optimizer)
+        self._refuse_double_setup(lso, stepping=False)
+        self._unscale(lso)
 
     def main_params(self, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:  # type: ignore[override]
         return self._fabric_lso(optimizer).master_params()
@@ -116,11 +145,33 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
                 "LossScaleOptimizer step takes no closure or other arguments"
             )
         lso = self._fabric_lso(optimizer)
+        self._refuse_double_setup(lso, stepping=True)
         self._unscale(lso)
         result = self._apply(lso)
         for half, _ in lso.master_weights():
             half.grad = None
         return result
+
+    def _refuse_double_setup(self, lso: LossScaleOptimizer, stepping: bool) -> None:
+        """One optimizer set up twice (``fabric.setup(model, opt, opt)``, or
+        ``fabric.setup_optimizers(opt)`` after ``fabric.setup(model, opt)``) gives two Fabric
+        wrappers of it; stepping (or clipping) the second after the first stepped, with no
+        ``fabric.backward`` between, finds the gradients used. Said here, before the unscale
+        would blame a missing backward."""
+        wrapper = _calling_wrapper()
+        at, ref = self._last_steps.get(id(lso), (-1, None))
+        previous = ref() if ref is not None else None
+        if at == self._backwards and wrapper is not None and previous not in (None, wrapper):
+            raise MisuseError(
+                f"{type(self).__name__}: the same {type(lso.optimizers[0]).__name__} was set "
+                "up twice with Fabric, and its second wrapper stepped after the first with no "
+                "fabric.backward(loss) between; set each optimizer up once (not "
+                "fabric.setup(model, opt, opt), nor fabric.setup_optimizers(opt) after "
+                "fabric.setup(model, opt)) and step the one Fabric returned"
+            )
+        if stepping:
+            now = weakref.ref(wrapper) if wrapper is not None else None
+            self._last_steps[id(lso)] = (self._backwards, now)
 
     def state_dict(self) -> dict[str, Any]:
         if self._scaler is None:
@@ -137,3 +188,21 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
             lso.load_state_dict(state)
         # Fabric has not shown us these optimizers yet: they load when it does.
         self._pending = states[len(self._lsos) :]
+
+
+def _calling_wrapper() -> Any:
+    """The Fabric optimizer wrapper the user called: the one whose ``step()`` is running
+    (it calls the strategy, which calls ``optimizer_step``), or the one given to
+    ``fabric.clip_gradients`` (which calls ``unscale_gradients``); None if neither."""
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(6):
+        if frame is None:
+            return None
+        name, module = frame.f_code.co_name, frame.f_globals.get("__name__")
+        if name == "step" and module in _FABRIC_WRAPPERS:
+            return frame.f_locals.get("self")
+        if name == "clip_gradients" and module in _FABRIC_MODULES:
+            given = frame.f_locals.get("optimizer")
+            return given if "_optimizer" in getattr(given, "__dict__", {}) else None
+        frame = frame.f_back
+    return None
