@@ -1,4 +1,5 @@
-"""``_step_profile``: the matmul time of a step, and a run's memory by kind."""
+"""``_step_profile``: the matmul time of a step, why a mixed step gains little, and a
+run's memory by kind."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import torch
 from torch import nn
 
 import mixprec as mp
-from mixprec._step_profile import matmul_ms, memory_parts
+from mixprec._step_profile import (
+    StepProfile,
+    matmul_ms,
+    memory_parts,
+    no_gain_line,
+    profile_step,
+    why_no_gain,
+)
 
 
 def test_matmul_time_counts_matmuls_and_nothing_else(capfd):
@@ -40,3 +48,39 @@ def test_memory_parts_of_a_float32_and_an_o2_run():
     assert parts.weights == 2 * half + 4 * (n - half)
     assert parts.weights_dtypes == ("bfloat16", "float32")
     assert "float32 masters" in parts.describe()
+
+
+def test_a_step_profile_splits_one_set_of_calls():
+    a = torch.randn(256, 256)
+    prof = profile_step(lambda: (a @ a).relu().sum(), steps=3)
+    assert 0 < prof.matmul_ms <= prof.ms and 0 < prof.matmul_share <= 1
+    assert StepProfile(ms=0.0, matmul_ms=0.0).matmul_share == 0.0
+    assert StepProfile(ms=1.0, matmul_ms=1.2).matmul_share == 1.0  # clock skew: capped
+
+
+def test_no_gain_line_words_the_measured_reason():
+    """Issue 35 item 4: one line with the measured reason, the same in ``mixprec train``
+    and ``mixprec bench``. The overhead-bound wording is the one train prints."""
+    line = no_gain_line(0.875, why_no_gain(1.4, 1.6, base_matmul_ms=0.3, mixed_matmul_ms=0.1))
+    assert line == (
+        "mixed precision buys little here (0.88x): the step is overhead-bound, 0.30 of 1.40 ms "
+        "in matmuls, the only part 16-bit math speeds up; the other 1.10 ms (optimizer, casts, "
+        "Python) grow to 1.50 ms in the mixed step. A larger batch or model gains."
+    )
+    # Without the mixed step's profile, or where its rest did not grow: they stay.
+    assert why_no_gain(1.4, 1.3, base_matmul_ms=0.3).endswith(
+        "the other 1.10 ms (optimizer, casts, Python) stay. A larger batch or model gains."
+    )
+    assert "stay." in why_no_gain(1.4, 1.3, base_matmul_ms=0.3, mixed_matmul_ms=0.2)
+    assert why_no_gain(10.0, 9.0, base_matmul_ms=8.0, mixed_matmul_ms=7.0) == (
+        "its matmuls are hardly faster than float32's: 7.00 against 8.00 ms of a 10.00 ms "
+        "float32 step"
+    )
+    assert why_no_gain(10.0, 9.5, base_matmul_ms=8.0, mixed_matmul_ms=2.0) == (
+        "its matmuls took 2.00 ms against float32's 8.00, but the rest of its step (casts, "
+        "float32 masters, optimizer) took 7.50 ms against float32's 2.00"
+    )
+    emulated = "bfloat16 matmuls are emulated on this CPU (no AVX512-BF16 or AMX)"
+    assert why_no_gain(2.0, 7.0, base_matmul_ms=1.0, emulated=emulated) == (
+        emulated + ": 7.00 ms a step against float32's 2.00 ms"
+    )

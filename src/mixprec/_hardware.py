@@ -1,8 +1,10 @@
-"""Hardware capability probes: whether this machine runs 16-bit matrix work fast."""
+"""Hardware capability probes: whether this machine runs 16-bit matrix work fast, and how
+to name the CPU and its 16-bit units in a title."""
 
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +35,47 @@ def cpuinfo_field(name: str) -> str | None:
 
 def _cpu_flags() -> set[str]:
     return set((cpuinfo_field("flags") or "").split())
+
+
+#: The CPU flags of fast 16-bit matrix work, by the names vendors give them: the bfloat16
+#: matrix units (Intel AMX, and AVX512-BF16's dot products) and AMX's float16 one.
+#: ``amx_tile`` (AMX's registers) comes with either AMX unit and names no dtype.
+CPU_16BIT_UNITS = {"amx_bf16": "AMX-BF16", "avx512_bf16": "AVX512-BF16", "amx_fp16": "AMX-FP16"}
+
+
+def cpu_16bit_units() -> tuple[str, ...]:
+    """This CPU's units for fast 16-bit matrix work, by their vendor names
+    (``CPU_16BIT_UNITS``, in its order), from /proc/cpuinfo's flags; empty where it has
+    none or there are no flags to read (see ``cpu_fast``)."""
+    flags = _cpu_flags()
+    return tuple(name for flag, name in CPU_16BIT_UNITS.items() if flag in flags)
+
+
+def cpu_fast(dtype: str) -> bool:
+    """Whether this CPU runs ``dtype`` (``"bfloat16"`` or ``"float16"``) matmuls fast, on
+    matrix units; else oneDNN emulates them, slower than float32. From the CPU's flags, as
+    ``probe_hardware`` reads them (``amx_tile`` counts for bfloat16), or where there are
+    none to read (macOS, Windows), from ``probe_hardware``'s oneDNN answer."""
+    flags = _cpu_flags()
+    if not flags:
+        hw = probe_hardware()
+        return hw.device == "cpu" and (hw.bf16_fast if dtype == "bfloat16" else hw.fp16_fast)
+    if dtype == "bfloat16":
+        return bool(flags & {"avx512_bf16", "amx_bf16", "amx_tile"})
+    return dtype == "float16" and "amx_fp16" in flags
+
+
+def cpu_model(name: str | None = None) -> str:
+    """The CPU's model name (``name``, or /proc/cpuinfo's ``model name``), shortened for a
+    title: trademark signs, the words "CPU" and "Processor", the core count and the clock
+    dropped. ``"Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz"``: ``"Intel Xeon Platinum
+    8481C"``; ``"AMD EPYC 9B14 96-Core Processor"``: ``"AMD EPYC 9B14"``."""
+    if name is None:
+        import platform
+
+        name = cpuinfo_field("model name") or platform.processor() or "CPU"
+    short = re.sub(r"\((R|TM)\)|@.*$|\b\d+-Core\b|\bCPU\b|\bProcessor\b", " ", name, flags=re.I)
+    return " ".join(short.split()) or name.strip() or "CPU"
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,10 +1,13 @@
 """Where a training step's time and memory go, so that a speed or memory figure can say why.
 
-``matmul_ms`` measures, with ``torch.profiler``, how much of a step the matrix
+``matmul_ms`` (and ``profile_step``, with the step's time in the same profiled calls)
+measures, with ``torch.profiler``, how much of a step the matrix
 multiplications and convolutions take: the only work 16-bit units speed up. A step where
 they are a small share is overhead-bound (optimizer, casts, Python) and gains little from
-mixed precision whatever the hardware. ``memory_parts`` counts the bytes of what a run
-keeps per parameter: weights, float32 masters, optimizer state and gradients.
+mixed precision whatever the hardware. ``why_no_gain`` words, from those figures, why a
+mixed step gains less than ``GAIN_THRESHOLD``, for ``mixprec train`` and ``mixprec bench``
+alike. ``memory_parts`` counts the bytes of what a run keeps per parameter: weights,
+float32 masters, optimizer state and gradients.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -31,20 +35,111 @@ def _is_matmul(op: str) -> bool:
     return "mm" in name.split("::")[-1] or "conv" in name or name.startswith("mkldnn::")
 
 
-def matmul_ms(step: Callable[[], object], steps: int = 5) -> float:
-    """Milliseconds a call of ``step`` spends in matmuls and convolutions (their self CPU
-    time, summed over ``steps`` profiled calls after one warm-up call, divided by
-    ``steps``). The profiler's own overhead lands on the ops' launch, not in the kernels,
-    so this is close to the unprofiled figure; the step time it is compared with should be
-    measured without the profiler."""
-    from torch.profiler import ProfilerActivity, profile
+@dataclass(frozen=True)
+class StepProfile:
+    """A step's time and its part in matmuls and convolutions, from the same profiled calls
+    (``profile_step``)."""
 
+    ms: float  # wall time of a profiled call
+    matmul_ms: float  # of which in matmuls and convolutions
+
+    @property
+    def matmul_share(self) -> float:
+        """The matmuls' part of the step, 0 to 1: as the profiler's overhead lands outside
+        the kernels, slightly below the unprofiled share."""
+        return min(self.matmul_ms / self.ms, 1.0) if self.ms > 0 else 0.0
+
+
+def profile_step(step: Callable[[], object], steps: int = 5, device: str = "cpu") -> StepProfile:
+    """Milliseconds a call of ``step`` takes and spends in matmuls and convolutions (their
+    self CPU time), each summed over ``steps`` profiled calls after one warm-up call, and
+    divided by ``steps``. The profiler's own overhead lands on the ops' launch, not in the
+    kernels, so the matmul figure is close to the unprofiled one; the wall time includes
+    that overhead. On a loaded machine a time measured apart drifts from both: compare the
+    share (``matmul_share``), which holds.
+
+    ``device="cuda"``: the GPU time of the kernels the matmul ops launch (their self device
+    time), as a CUDA op's CPU time is its launch only. The kernels themselves, which the
+    profiler also lists under their own names, are not counted a second time."""
+    from torch.profiler import DeviceType, ProfilerActivity, profile
+
+    cuda = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     step()
-    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
+    with _quiet_stderr(), profile(activities=activities) as prof:
+        start = time.perf_counter()
         for _ in range(steps):
             step()
-    total_us: float = sum(e.self_cpu_time_total for e in prof.key_averages() if _is_matmul(e.key))
-    return float(total_us) / 1000.0 / steps
+        if cuda:
+            torch.cuda.synchronize()
+        wall_s = time.perf_counter() - start
+    total_us = 0.0
+    for e in prof.key_averages():
+        if e.device_type == DeviceType.CPU and _is_matmul(e.key):
+            total_us += e.self_device_time_total if cuda else e.self_cpu_time_total
+    return StepProfile(ms=1000.0 * wall_s / steps, matmul_ms=float(total_us) / 1000.0 / steps)
+
+
+def matmul_ms(step: Callable[[], object], steps: int = 5, device: str = "cpu") -> float:
+    """Milliseconds a call of ``step`` spends in matmuls and convolutions (see
+    ``profile_step``); the step time it is compared with should be measured without the
+    profiler, on a machine whose load stays put (else compare ``profile_step``'s share)."""
+    return profile_step(step, steps, device).matmul_ms
+
+
+def why_no_gain(
+    base_ms: float,
+    mixed_ms: float,
+    *,
+    base_matmul_ms: float | None = None,
+    mixed_matmul_ms: float | None = None,
+    emulated: str | None = None,
+) -> str:
+    """Why a mixed step of ``mixed_ms`` gains less than ``GAIN_THRESHOLD`` over a float32
+    one of ``base_ms``, worded from measured figures: how much of each step is matmuls
+    (``matmul_ms``), the only work 16-bit math speeds up. ``emulated``: what the device
+    lacks where it emulates the mixed step's 16-bit matmuls (such as "bfloat16 matmuls are
+    emulated on this CPU (no AVX512-BF16 or AMX)"); the step times say the rest. The first
+    that holds:
+
+    - the matmuls are emulated;
+    - the float32 step is overhead-bound: under half of it is matmuls, so even free
+      matmuls would leave most of it (also where the mixed step's matmuls were not
+      profiled);
+    - the mixed step's matmuls are hardly faster (less than 1.2x) than float32's;
+    - its matmuls are faster, and the rest of its step (casts, masters, optimizer) grew by
+      more than they saved.
+    """
+    if emulated is not None:
+        return f"{emulated}: {mixed_ms:.2f} ms a step against float32's {base_ms:.2f} ms"
+    if base_matmul_ms is None:
+        return f"{mixed_ms:.2f} ms a step against float32's {base_ms:.2f} ms"
+    other = base_ms - base_matmul_ms
+    if base_matmul_ms < 0.5 * base_ms or mixed_matmul_ms is None:
+        rest = "stay"
+        if mixed_matmul_ms is not None and mixed_ms - mixed_matmul_ms > 1.05 * other:
+            rest = f"grow to {mixed_ms - mixed_matmul_ms:.2f} ms in the mixed step"
+        return (
+            f"the step is overhead-bound, {base_matmul_ms:.2f} of {base_ms:.2f} ms in matmuls, "
+            f"the only part 16-bit math speeds up; the other {other:.2f} ms (optimizer, casts, "
+            f"Python) {rest}. A larger batch or model gains."
+        )
+    if mixed_matmul_ms * 1.2 > base_matmul_ms:
+        return (
+            f"its matmuls are hardly faster than float32's: {mixed_matmul_ms:.2f} against "
+            f"{base_matmul_ms:.2f} ms of a {base_ms:.2f} ms float32 step"
+        )
+    return (
+        f"its matmuls took {mixed_matmul_ms:.2f} ms against float32's {base_matmul_ms:.2f}, "
+        f"but the rest of its step (casts, float32 masters, optimizer) took "
+        f"{mixed_ms - mixed_matmul_ms:.2f} ms against float32's {other:.2f}"
+    )
+
+
+def no_gain_line(speedup: float, reason: str) -> str:
+    """The one line that says a mixed run buys (almost) nothing: its ``speedup`` over
+    float32 and ``why_no_gain``'s reason."""
+    return f"mixed precision buys little here ({speedup:.2f}x): {reason}"
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ from mixprec.bench import memory
 
 def test_peak_memory_is_measured_per_mode():
     results = bench.run("mlp-b64", ["float32", "O2-bf16"], repeats=1, steps=1, warmup=1,
-                        memory=True, small=True)  # fmt: skip
+                        memory=True, small=True, explain=False)  # fmt: skip
     for r in results:
         assert r.peak_mb is not None and r.peak_mb > 0
 

@@ -127,7 +127,7 @@ def test_one_compiled_float8_mode_runs_and_trains_as_eager(monkeypatch):
     )  # fmt: skip
     monkeypatch.setattr(runner, "get_workload", lambda spec, small=False, batch=None: work)
     results = bench.run("tiny-fp8", ["O2-fp8", "O2-fp8+compile"], repeats=1, steps=1,
-                        warmup=2, memory=False, min_round_ms=0)  # fmt: skip
+                        warmup=2, memory=False, min_round_ms=0, explain=False)  # fmt: skip
     eager, compiled = results[1], results[2]
     assert compiled.mode == "O2-fp8+compile" and compiled.compile_s is not None
     assert (compiled.float8_layers, compiled.linear_layers) == (2, 3) == (

@@ -41,6 +41,15 @@ def test_every_mode_runs_and_reports_well_formed_numbers(workload):
                                "torch-autocast-scaler-bf16")  # fmt: skip
         if r.mode in masters_or_autocast:
             assert abs(r.final_loss - base.final_loss) < 0.05, r.mode
+    # Each 16-bit mode below the gain threshold says why, measured; the others say nothing.
+    for r in results:
+        sixteen = r.mode != "float32" and (r.mode != "auto" or mp.Policy("auto").is_mixed)
+        if sixteen and r.speedup < 1.1:
+            assert r.no_gain is not None and r.no_gain.startswith(
+                f"mixed precision buys little here ({r.speedup:.2f}x): "
+            ), r.mode
+        elif r.mode != "auto":
+            assert r.no_gain is None, r.mode
 
 
 @pytest.mark.parametrize("workload", ["mlp-b64", "lm-d512"])
@@ -50,7 +59,7 @@ def test_16_bit_outputs_train_like_float32_outputs(workload):
     # output's rounding to bfloat16 differs; measured below 0.005).
     modes = ["float32", "torch-autocast-bf16", "O2-bf16", "auto-bf16"]
     kwargs = {"repeats": 1, "steps": 1, "warmup": 1, "memory": False, "small": True,
-              "min_round_ms": 0}  # fmt: skip
+              "min_round_ms": 0, "explain": False}  # fmt: skip
     default = bench.run(workload, modes, **kwargs)
     sixteen = bench.run(workload, modes, outputs_16bit=True, **kwargs)
     for a, b in zip(default, sixteen, strict=True):
@@ -76,7 +85,7 @@ def test_rounds_last_at_least_min_round_ms(monkeypatch):
     monkeypatch.setattr(runner, "build_step", fake_step)
     monkeypatch.setattr(runner.time, "perf_counter", lambda: now[0])
     results = bench.run("mlp-b64", ["float32", "O2-bf16"], repeats=2, steps=1, warmup=1,
-                        memory=False, small=True, min_round_ms=50.0)  # fmt: skip
+                        memory=False, small=True, min_round_ms=50.0, explain=False)  # fmt: skip
     # 2 warm-up steps each, then 2 rounds of ceil(50 / 2) = 25 steps each.
     assert calls == {"float32": 2 + 2 * 25, "O2-bf16": 2 + 2 * 25}
     by_mode = {r.mode: r for r in results}
@@ -107,7 +116,7 @@ def test_rounds_alternate_direction_and_the_speedup_pairs_them(monkeypatch):
     monkeypatch.setattr(
         runner, "_time_modes", lambda *a, **k: (times, last, dict.fromkeys(times, 1.0))
     )
-    results = bench.run("mlp-b64", ["O2-bf16"], memory=False, small=True)
+    results = bench.run("mlp-b64", ["O2-bf16"], memory=False, small=True, explain=False)
     assert [(r.mode, r.ms_per_step, r.speedup) for r in results] == [
         ("float32", 1.0, 1.0),
         ("O2-bf16", 10.0, 0.5),
@@ -131,7 +140,7 @@ def test_bench_errors(args, message, capsys):
 def test_tflops_and_mfu_are_reported_for_the_lm(monkeypatch):
     monkeypatch.setattr(runner, "peak_tflops", lambda device, kind: 2.0 if kind else None)
     results = bench.run("lm-d512", ["float32", "O2-bf16"], repeats=1, steps=1, warmup=1,
-                        memory=False, small=True)  # fmt: skip
+                        memory=False, small=True, explain=False)  # fmt: skip
     work = bench.get_workload("lm-d512", small=True)
     for r in results:
         assert r.tflops == pytest.approx(work.flops / r.ms_per_step / 1e9)
@@ -150,7 +159,7 @@ def test_compiled_modes_report_compile_time_apart():
     modes = bench.with_compiled(["float32", "O2-bf16"])
     assert modes == ["float32", "O2-bf16", "float32+compile", "O2-bf16+compile"]
     results = bench.run("mlp-b64", modes, repeats=1, steps=1, warmup=2, memory=False,
-                        small=True, min_round_ms=0)  # fmt: skip
+                        small=True, min_round_ms=0, explain=False)  # fmt: skip
     by_mode = {r.mode: r for r in results}
     assert by_mode["float32"].compile_s is None and by_mode["O2-bf16"].compile_s is None
     for mode in ("float32", "O2-bf16"):
@@ -169,7 +178,7 @@ def test_float32_checked_is_an_opt_in_baseline_that_trains_as_float32():
     # Float32 skipping non-finite steps by hand: what the check costs any loop.
     assert "float32-checked" not in bench.MODES and bench.check_mode("float32-checked+compile")
     results = bench.run("mlp-b64", ["float32-checked", "auto"], repeats=1, steps=2, warmup=2,
-                        memory=False, small=True, min_round_ms=0)  # fmt: skip
+                        memory=False, small=True, min_round_ms=0, explain=False)  # fmt: skip
     losses = {r.mode: r.final_loss for r in results}
     assert losses["float32-checked"] == losses["float32"]
     if not mp.Policy("auto").is_mixed:  # float32 here: mixprec's step is the same SGD
@@ -184,7 +193,7 @@ def test_float8_modes_convert_the_lm_blocks_and_report_them(capsys):
     pytest.importorskip("torchao")
     modes = ["float32", "O2-bf16", *bench.FLOAT8_MODES]
     results = bench.run("lm-d512", modes, repeats=1, steps=1, warmup=1, memory=False,
-                        small=True, min_round_ms=0)  # fmt: skip
+                        small=True, min_round_ms=0, explain=False)  # fmt: skip
     by_mode = {r.mode: r for r in results}
     assert [r.mode for r in results] == modes
     for mode in modes:
@@ -214,7 +223,7 @@ def test_the_speedup_keeps_the_lowest_and_highest_round_ratio(monkeypatch):
     monkeypatch.setattr(
         runner, "_time_modes", lambda *a, **k: (times, last, dict.fromkeys(times, 1.0))
     )
-    base, mixed = bench.run("mlp-b64", ["O2-bf16"], memory=False, small=True)
+    base, mixed = bench.run("mlp-b64", ["O2-bf16"], memory=False, small=True, explain=False)
     assert (base.speedup_min, base.speedup, base.speedup_max) == (1.0, 1.0, 1.0)
     assert (mixed.speedup_min, mixed.speedup, mixed.speedup_max) == (0.1, 0.9, 1.25)
     assert json.loads(bench.to_json({"w": [base, mixed]}))["results"]["w"][1]["speedup_max"] == 1.25
@@ -229,13 +238,66 @@ def test_a_mode_named_twice_runs_once_and_progress_counts_every_unit(monkeypatch
                         warmup=1, memory=False, small=True, min_round_ms=0,
                         progress=done.append)  # fmt: skip
     assert [r.mode for r in results] == ["float32", "O2-bf16", "auto"]
-    assert done == [
+    assert done[:-1] == [
         "float32: warm-up", "O2-bf16: warm-up", "auto: warm-up",
         "float32: round 1/2", "O2-bf16: round 1/2", "auto: round 1/2",
         "auto: round 2/2", "O2-bf16: round 2/2", "float32: round 2/2",
     ]  # fmt: skip
+    # Then the matmul profiles behind the reasons of the modes that buy little (one unit).
+    assert done[-1] in ("matmul profiles", "no matmul profile needed")
     assert bench.run_units(["O2-bf16", "O2-bf16", "auto"], 2, memory=False) == len(done)
-    assert bench.run_units(["float32", "auto"], 5, memory=True) == 2 * 7
+    assert bench.run_units(["float32", "auto"], 5, memory=True) == 2 * 7 + 1
+    assert bench.run_units(["float32", "auto"], 5, memory=True, explain=False) == 2 * 7
+
+
+def test_each_mode_is_paired_with_plain_autocast_in_its_dtype(monkeypatch):
+    """Issue 30 item 5: each mode's ratio to plain autocast (bfloat16: no GradScaler;
+    float16: with one), the median of the rounds' own ratios as for float32, where the
+    peer ran."""
+    times = {
+        "float32": [4.0, 4.0, 4.0],
+        "torch-autocast-bf16": [2.0, 2.0, 4.0],
+        "O2-bf16": [1.0, 2.5, 8.0],  # against the peer: 2.0, 0.8, 0.5
+        "torch-autocast-scaler-bf16": [2.0, 2.0, 4.0],
+        "O1-fp16": [3.0, 3.0, 3.0],  # its peer, torch-autocast-fp16, did not run
+        "float32-checked": [4.0, 4.0, 4.0],
+    }
+    last = {m: torch.tensor(1.0) for m in times}
+    monkeypatch.setattr(runner, "build_step", lambda mode, *a, **k: lambda: torch.zeros(()))
+    monkeypatch.setattr(
+        runner, "_time_modes", lambda *a, **k: (times, last, dict.fromkeys(times, 1.0))
+    )
+    results = bench.run("mlp-b64", list(times), memory=False, small=True, explain=False)
+    got = {r.mode: (r.autocast_peer, r.vs_autocast) for r in results}
+    assert got == {
+        "float32": (None, None),
+        "torch-autocast-bf16": ("torch-autocast-bf16", 1.0),
+        "O2-bf16": ("torch-autocast-bf16", 0.8),
+        "torch-autocast-scaler-bf16": ("torch-autocast-bf16", 1.0),
+        "O1-fp16": (None, None),
+        "float32-checked": (None, None),
+    }
+    text = bench.table("mlp-b64", results)
+    assert " vs autocast " in text.splitlines()[1]
+    row = next(line for line in text.splitlines() if line.startswith("O2-bf16 "))
+    assert "  1.60x       0.80x " in row  # vs f32 (median of 4, 1.6, 0.5), vs autocast
+    row = next(line for line in text.splitlines() if line.startswith("O1-fp16 "))
+    assert "  1.33x           - " in row
+    # Without a peer in the run, no column.
+    alone = [r for r in results if r.mode in ("float32", "O1-fp16")]
+    for r in alone:
+        r.vs_autocast = None
+    assert "vs autocast" not in bench.table("mlp-b64", alone)
+
+
+def test_autocast_peers_are_run_the_same_way():
+    assert bench.autocast_peer("O2-bf16+compile") == "torch-autocast-bf16+compile"
+    assert bench.autocast_peer("auto-fp16") == "torch-autocast-fp16"
+    assert bench.autocast_peer("O2-fp8") == "torch-autocast-bf16"  # float8: against bf16
+    assert bench.autocast_peer("float32+compile") is None
+    assert bench.autocast_peer("auto") == (
+        None if mp.Policy("auto").compute_dtype == torch.float32 else "torch-autocast-bf16"
+    )
 
 
 def test_an_unknown_compile_mode_is_refused_before_any_work(monkeypatch):

@@ -1,8 +1,12 @@
-"""``mixprec bench``: float8 modes and a CUDA device where there is none."""
+"""``mixprec bench``: float8 modes, a CUDA device where there is none, progress, the
+chart's subtitle and the help."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
+import torch
 
 from mixprec import cli
 
@@ -82,10 +86,9 @@ def test_bench_shows_progress_on_stderr_and_keeps_stdout_unchanged(fake_steps, m
     assert shown.out == quiet.out and "workload cnn" in shown.out and "\r" not in shown.out
     (bar,) = bars
     total = 2 * bench.run_units(["float32", "O2-bf16"], repeats=2, memory=False)
-    assert bar.total == bar.n == total == 12
-    assert (
-        f"{total}/{total}" in shown.err and "cnn float32: round 2/2]" in shown.err
-    )  # the last unit
+    assert bar.total == bar.n == total == 14
+    # The last unit: no mode buys little (O2-bf16 is 2x), so nothing to profile.
+    assert f"{total}/{total}" in shown.err and "cnn no matmul profile needed]" in shown.err
 
 
 def test_max_batch_shows_progress_per_mode_and_probe(monkeypatch, capsys):
@@ -190,13 +193,13 @@ def test_bench_refuses_a_plot_suffix_matplotlib_cannot_write_before_any_work(
 @pytest.mark.parametrize("fast", [True, False])
 def test_bench_chart_subtitle_says_whether_bf16_is_fast(fast, fake_steps, monkeypatch, tmp_path,
                                                         capsys):  # fmt: skip
-    """Issue 33 item 12: the subtitle named the CPU, not whether it has fast bf16."""
-    from mixprec import bench
-    from mixprec._hardware import Hardware
-    from mixprec.bench import report
+    """Issue 33 item 12: the subtitle named the CPU, not whether it has fast bf16. Issue 30
+    item 5: it names the CPU shortly, its 16-bit units and torch's threads."""
+    from mixprec import _hardware, bench
 
-    detail = "CPU with avx512_bf16" if fast else "CPU without AVX512-BF16 or AMX"
-    monkeypatch.setattr(report, "probe_hardware", lambda: Hardware("cpu", fast, False, detail))
+    flags = {"avx512_bf16"} if fast else {"avx2"}
+    monkeypatch.setattr(_hardware, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(_hardware, "cpuinfo_field", lambda name: "AMD EPYC 9B14 96-Core Processor")
     figures = []
 
     def plot(results, path, subtitle=None):
@@ -210,9 +213,40 @@ def test_bench_chart_subtitle_says_whether_bf16_is_fast(fast, fake_steps, monkey
     subtitle = fig.axes[0].get_title().splitlines()[1]
     expected = ("fast bf16 (AVX512-BF16)" if fast else
                 "no fast bf16 (no AVX512-BF16 or AMX: bfloat16 matmuls are emulated)")  # fmt: skip
-    assert subtitle.startswith(bench.device_name("cpu") + ", " + expected + ", torch ")
-    assert subtitle.endswith(", --small shapes")
+    threads = torch.get_num_threads()
+    assert subtitle == (f"AMD EPYC 9B14, {expected}, {threads} thread{'s' * (threads != 1)}, "
+                        f"torch {torch.__version__}, --small shapes")  # fmt: skip
     # The rounds' spread reaches the chart: one whisker a mode beside float32.
     from matplotlib.container import ErrorbarContainer
 
     assert sum(isinstance(c, ErrorbarContainer) for c in fig.axes[0].containers) == 1
+
+
+def test_bench_help_lists_modes_workloads_and_every_default(capsys):
+    """Issue 33 item 8: ``bench --help`` showed no defaults or descriptions for --repeats,
+    --steps, --warmup, and no mode names."""
+    from mixprec import bench
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["bench", "--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps to the terminal
+    # Each option's entry runs to the next one's (in the order of the options).
+    defaults = [("--repeats REPEATS", 5), ("--steps STEPS", 3), ("--min-round-ms MS", 100),
+                ("--warmup WARMUP", 2), ("--device DEVICE", "auto"), ("--no-memory", None),
+                ("--batch-limit N", 65536), ("--outputs-16bit", None)]  # fmt: skip
+    for (option, default), (after, _) in itertools.pairwise(defaults):
+        if default is None:
+            continue
+        start = out.index(option, out.index(" options: "))  # past the usage line
+        described = out[start : out.index(after, start)]
+        assert f"(default: {default}" in described, described
+        assert len(described) > len(option) + 30, described  # it says what the option does
+    lists = out[out.index("modes (--modes; each also as MODE+compile):") :]
+    for mode in bench.ALL_MODES:
+        assert f" {mode} {bench.MODE_HELP[mode].split()[0]}" in lists, mode
+    assert "O2-fp8 float8 Linear layers" in lists and "[opt-in]" in lists
+    for workload in bench.WORKLOADS:
+        assert f" {workload} {bench.WORKLOAD_HELP[workload].split()[0]}" in lists, workload
+    assert f"default: {' '.join(bench.DEFAULT_WORKLOADS)}" in lists
+    assert f"module:function (default: {' '.join(bench.DEFAULT_WORKLOADS)})" in out

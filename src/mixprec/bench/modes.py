@@ -63,6 +63,52 @@ BASELINE_MODES: tuple[str, ...] = ("float32-checked",)
 #: Every mode ``build_step`` accepts, each also with the ``+compile`` suffix.
 ALL_MODES: tuple[str, ...] = (*MODES, *FLOAT8_MODES, *BASELINE_MODES)
 
+#: What each mode trains with, one line each (``mixprec bench --help``). Every mode trains
+#: the workload's model with SGD from the same weights on the same batch.
+MODE_HELP: dict[str, str] = {
+    "float32": "float32 weights and math: the baseline of 'vs f32'",
+    "torch-autocast-bf16": "torch.autocast bfloat16 around the forward, a plain optimizer "
+    "step, no GradScaler: the peer of the bf16 modes ('vs autocast')",
+    "torch-autocast-scaler-bf16": "the same with an enabled torch.amp.GradScaler, which skips "
+    "steps with inf/NaN gradients",
+    "torch-autocast-fp16": "torch.autocast float16 with torch.amp.GradScaler: the peer of the "
+    "fp16 modes",
+    "O1-bf16": "mixprec O1: autocast in bfloat16, float32 weights",
+    "O2-bf16": "mixprec O2: bfloat16 weights, float32 masters in LossScaleOptimizer",
+    "O3-bf16": "mixprec O3: every weight bfloat16, no masters",
+    "auto-bf16": "mixprec mixed_bfloat16 at level auto (O2)",
+    "O1-fp16": "mixprec O1 in float16, dynamic loss scaling",
+    "O2-fp16": "mixprec O2 in float16, dynamic loss scaling",
+    "auto-fp16": "mixprec mixed_float16 at level auto (O2)",
+    "auto": "mixprec's default: the policy this hardware picks (auto), level auto",
+    "O2-fp8": "float8 Linear layers, torchao's tensorwise recipe (policy mixed_float8; "
+    "needs mixprec[float8])",
+    "O2-fp8-rowwise": "the same, rowwise recipe (mixed_float8_rowwise)",
+    "O2-fp8-rowwise_with_gw_hp": "the same, rowwise with high-precision weight gradients "
+    "(mixed_float8_rowwise_with_gw_hp)",
+    "float32-checked": "float32 that skips a step whose gradients hold inf/NaN (all_finite)",
+}
+
+#: The plain ``torch.autocast`` loop a mode of each 16-bit matmul dtype is compared with
+#: ("vs autocast"): bfloat16 without a GradScaler (it needs none, and users drop it),
+#: float16 with one (it needs it).
+AUTOCAST_PEERS: dict[str, str] = {
+    "bfloat16": "torch-autocast-bf16",
+    "float16": "torch-autocast-fp16",
+}
+
+
+def autocast_peer(mode: str) -> str | None:
+    """The plain ``torch.autocast`` mode that ``mode`` is compared with, run the same way
+    (a ``+compile`` mode against the compiled peer): the peer of its matmul dtype
+    (``AUTOCAST_PEERS``; float8 modes: bfloat16's; ``auto``: the dtype it picks here).
+    ``None`` for a mode whose matmuls run in float32."""
+    peer = AUTOCAST_PEERS.get(_matmul_dtype(mode))
+    if peer is None:
+        return None
+    return peer + (COMPILED if mode.endswith(COMPILED) else "")
+
+
 #: The mode that runs each policy at level O2 (``--policy``, and a policy given as a mode).
 POLICY_MODES: dict[str, str] = {
     "mixed_bfloat16": "O2-bf16",

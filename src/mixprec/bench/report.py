@@ -1,28 +1,34 @@
-"""The benchmark's results as a text table and as JSON, with notes on what the figures of
-this device do not measure."""
+"""The benchmark's results as a text table and as JSON, with the device they ran on and
+notes on what the figures of this device do not measure."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import torch
 
 from mixprec._device import resolve_device
-from mixprec._hardware import cpuinfo_field, probe_hardware
+from mixprec._hardware import cpu_16bit_units, cpu_fast, cpu_model, cpuinfo_field, probe_hardware
 from mixprec.bench.modes import COMPILED, _matmul_dtype, is_float8_mode
 from mixprec.bench.runner import ModeResult
 
 
 def table(workload: str, results: list[ModeResult]) -> str:
-    """The results as a text table; float8 modes add their converted Linear layers (``fp8``:
-    converted/all) and, below, their speed against ``O2-bf16`` run the same way."""
+    """The results as a text table; ``vs autocast`` where a mode's autocast peer ran;
+    float8 modes add their converted Linear layers (``fp8``: converted/all) and, below,
+    their speed against ``O2-bf16`` run the same way. Below those, one line for each mode
+    that buys little over float32, with the measured reason (``ModeResult.no_gain``)."""
     header = f"{'mode':<34} {'level':<5}"
     float8 = any(r.float8_layers is not None for r in results)
     if float8:
         header += f" {'fp8':>5}"
-    header += f" {'ms/step':>9} {'samples/s':>10} {'vs f32':>7} {'peak MB':>8} {'loss':>8}"
+    header += f" {'ms/step':>9} {'samples/s':>10} {'vs f32':>7}"
+    peers = any(r.vs_autocast is not None for r in results)
+    if peers:
+        header += f" {'vs autocast':>11}"
+    header += f" {'peak MB':>8} {'loss':>8}"
     lm = any(r.tokens_per_s is not None for r in results)
     if lm:
         header += f" {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6}"
@@ -35,10 +41,10 @@ def table(workload: str, results: list[ModeResult]) -> str:
         if float8:
             layers = f"{r.float8_layers}/{r.linear_layers}" if r.float8_layers is not None else "-"
             line += f" {layers:>5}"
-        line += (
-            f" {r.ms_per_step:>9.2f} {r.samples_per_s:>10.0f} "
-            f"{r.speedup:>6.2f}x {_fmt(r.peak_mb, '8.0f')} {r.final_loss:>8.4f}"
-        )
+        line += f" {r.ms_per_step:>9.2f} {r.samples_per_s:>10.0f} {r.speedup:>6.2f}x"
+        if peers:
+            line += f" {r.vs_autocast:>10.2f}x" if r.vs_autocast is not None else f" {'-':>11}"
+        line += f" {_fmt(r.peak_mb, '8.0f')} {r.final_loss:>8.4f}"
         if lm:
             line += f" {_fmt(r.tokens_per_s, '9.0f')} {_fmt(r.tflops, '8.3f')}"
             line += f" {100 * r.mfu:5.1f}%" if r.mfu is not None else f" {'-':>6}"
@@ -53,6 +59,7 @@ def table(workload: str, results: list[ModeResult]) -> str:
             lines.append(
                 f"{r.mode}: {bf16.ms_per_step / r.ms_per_step:.2f}x the {unit} of {bf16.mode}"
             )
+    lines += [f"{workload} {r.mode}: {r.no_gain}" for r in results if r.no_gain]
     return "\n".join(lines)
 
 
@@ -68,14 +75,14 @@ def notes(modes: Sequence[str], device: str = "auto") -> list[str]:
     dtypes = {_matmul_dtype(m) for m in modes if not is_float8_mode(m)}
     float8 = [m for m in modes if is_float8_mode(m)]
     found: list[str] = []
-    hw = probe_hardware()
-    if dev.type == "cpu" and hw.device == "cpu":
-        if ("bfloat16" in dtypes or float8) and not hw.bf16_fast:
+    if dev.type == "cpu":
+        if ("bfloat16" in dtypes or float8) and not cpu_fast("bfloat16"):
             found.append(
-                f"{hw.detail}: bfloat16 matmuls are emulated here, slower than float32; the "
-                "bf16 figures compare the modes at equal, slow matmuls, not bfloat16's speed"
+                "CPU without AVX512-BF16 or AMX: bfloat16 matmuls are emulated here, slower "
+                "than float32; the bf16 figures compare the modes at equal, slow matmuls, not "
+                "bfloat16's speed"
             )
-        if "float16" in dtypes and not hw.fp16_fast:
+        if "float16" in dtypes and not cpu_fast("float16"):
             found.append("CPU without AMX-FP16: float16 matmuls are emulated here, very slowly")
     if dev.type == "cpu" and float8:
         found.append(
@@ -98,39 +105,43 @@ def device_name(device: str = "auto") -> str:
 
 
 def bf16_support(device: str = "auto") -> str:
-    """Whether ``device`` (as given to ``run``) runs bfloat16 matrix work fast, and by what,
-    from ``probe_hardware``: on a CPU its AVX512-BF16 / AMX units, on a GPU its compute
-    capability. This decides whether the bf16 figures measure bfloat16's speed."""
+    """Whether ``device`` (as given to ``run``) runs bfloat16 matrix work fast, and by what:
+    on a CPU its AVX512-BF16 / AMX units (``cpu_16bit_units``), on a GPU its compute
+    capability (``probe_hardware``). This decides whether the bf16 figures measure
+    bfloat16's speed."""
     dev = resolve_device(device)
     hw = probe_hardware()
     if dev.type == "cuda" and hw.device == "cuda":
         return f"{'fast' if hw.bf16_fast else 'no fast'} bf16 ({hw.detail.rpartition('(')[2][:-1]})"
     if dev.type != "cpu":
         return "bf16 speed unknown"
-    if hw.device == "cpu":
-        fast, detail = hw.bf16_fast, hw.detail
-    else:  # a CUDA machine benched on its CPU: the CPU's flags, as probe_hardware reads them
-        units = sorted(set((cpuinfo_field("flags") or "").split()) & _CPU_BF16_UNITS)
-        fast, detail = bool(units), "CPU with " + ", ".join(units)
-    if not fast:
+    if not cpu_fast("bfloat16"):
         return "no fast bf16 (no AVX512-BF16 or AMX: bfloat16 matmuls are emulated)"
-    if detail.startswith("CPU with "):
-        units = detail.removeprefix("CPU with ").split(", ")
-        return "fast bf16 (" + ", ".join(_UNIT_NAMES.get(u, u) for u in units) + ")"
-    return f"fast bf16 ({detail.removeprefix('CPU ').strip('()')})"
+    units = [u for u in cpu_16bit_units() if u.endswith("BF16")]
+    # No units by name: no CPU flags to read (macOS, Windows), and oneDNN said yes.
+    return f"fast bf16 ({', '.join(units) or 'oneDNN bf16 support reported'})"
 
 
-#: The CPU flags of fast bfloat16 matrix work (as ``probe_hardware`` reads them), and how
-#: the chart's subtitle names them.
-_CPU_BF16_UNITS = {"avx512_bf16", "amx_bf16", "amx_tile"}
-_UNIT_NAMES = {"avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16", "amx_tile": "AMX tiles"}
+def device_description(device: str = "auto") -> str:
+    """``device`` (as given to ``run``) in a few words, with what decides its 16-bit
+    figures: on a CPU its short model name (``cpu_model``), its bfloat16 units
+    (``bf16_support``), AMX-FP16 where it has it, and the threads torch uses (``"Intel Xeon,
+    fast bf16 (AMX-BF16, AVX512-BF16), 2 threads"``); on a GPU its name and bf16 support.
+    The chart's subtitle and the JSON's ``device_description``."""
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        return f"{torch.cuda.get_device_name(dev)}, {bf16_support(device)}"
+    fp16 = ", fast fp16 (AMX-FP16)" if dev.type == "cpu" and cpu_fast("float16") else ""
+    threads = torch.get_num_threads()
+    return f"{cpu_model()}, {bf16_support(device)}{fp16}, {threads} thread{'s' * (threads != 1)}"
 
 
 def to_json(
     all_results: dict[str, list[ModeResult]], outputs_16bit: bool = False, device: str = "auto"
 ) -> str:
-    """The results as JSON, with the device they ran on (``device`` as given to ``run``)
-    and the ``notes`` on what its figures do not measure."""
+    """The results as JSON, with the device they ran on (``device`` as given to ``run``:
+    its name, bf16 support, ``device_description`` and torch's CPU threads) and the
+    ``notes`` on what its figures do not measure. ``from_json`` reads it back."""
     dev = resolve_device(device)
     modes = list(dict.fromkeys(r.mode for rs in all_results.values() for r in rs))
     return json.dumps(
@@ -139,6 +150,8 @@ def to_json(
             "device": dev.type,
             "device_name": device_name(device),
             "bf16": bf16_support(device),
+            "device_description": device_description(device),
+            "threads": torch.get_num_threads(),
             "float32_matmul": "IEEE float32 (TF32 off)",
             "outputs_16bit": outputs_16bit,
             "notes": notes(modes, device),
@@ -146,6 +159,17 @@ def to_json(
         },
         indent=2,
     )
+
+
+def from_json(text: str) -> dict[str, list[ModeResult]]:
+    """The results of a ``to_json`` text, by workload, as ``chart`` takes them. A field the
+    text lacks takes its default (the committed ``docs/bench_*.json`` hold fewer fields);
+    a field ``ModeResult`` does not have is left out."""
+    known = {f.name for f in fields(ModeResult)}
+    return {
+        workload: [ModeResult(**{k: v for k, v in r.items() if k in known}) for r in results]
+        for workload, results in json.loads(text)["results"].items()
+    }
 
 
 def _cpu_name() -> str:

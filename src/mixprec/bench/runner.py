@@ -2,7 +2,8 @@
 
 Every mode trains the same model (same initial weights, same batch) with SGD. Modes are timed
 in turns (one block of steps each, repeated) so that machine noise hits all of them alike;
-ratios are against float32 in the same run.
+ratios are against float32, and against plain ``torch.autocast`` in the mode's 16-bit dtype
+(``autocast_peer``), in the same run.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from mixprec._device import resolve_device
+from mixprec.bench.explain import reasons
 from mixprec.bench.memory import MemoryArgs, _peak_memory
 from mixprec.bench.modes import (
     COMPILED,
@@ -25,6 +27,7 @@ from mixprec.bench.modes import (
     Step,
     _matmul_dtype,
     _sync,
+    autocast_peer,
     build_step,
     check_compile_mode,
     check_mode,
@@ -52,12 +55,13 @@ def _quiet(done: str) -> None:
     """The default ``Progress``: says nothing."""
 
 
-def run_units(modes: Sequence[str], repeats: int, memory: bool = True) -> int:
+def run_units(modes: Sequence[str], repeats: int, memory: bool = True, explain: bool = True) -> int:
     """How many times ``run`` calls its ``progress`` with these arguments: for each mode
     (float32 included, each mode once), after its warm-up, after each of its ``repeats``
-    timed rounds and, with ``memory``, after its memory probe."""
+    timed rounds and, with ``memory``, after its memory probe; with ``explain``, once more
+    after the matmul profiles behind the reasons (``no_gain``)."""
     count = len(_run_modes(modes))
-    return count * (1 + repeats + int(memory))
+    return count * (1 + repeats + int(memory)) + int(explain)
 
 
 def _run_modes(modes: Sequence[str]) -> list[str]:
@@ -111,6 +115,15 @@ class ModeResult:
     linear_layers: int | None = None  # ...of this many
     speedup_min: float | None = None  # the lowest of the rounds' ratios behind ``speedup``...
     speedup_max: float | None = None  # ...and the highest: the spread between rounds
+    #: The plain ``torch.autocast`` mode this one is compared with (``autocast_peer``),
+    #: where it ran, and the median over rounds of its ms / this mode's ms in the same round.
+    autocast_peer: str | None = None
+    vs_autocast: float | None = None
+    #: Where the mode computes in 16 bits and ``speedup`` is below ``GAIN_THRESHOLD``: the
+    #: line that says so and why, measured (``bench.explain``)...
+    no_gain: str | None = None
+    #: ...and the ms a step in matmuls and convolutions of each mode profiled for it.
+    matmul_ms: float | None = None
 
 
 def run(
@@ -127,6 +140,7 @@ def run(
     compile_mode: str | None = None,
     float8: Float8Options | None = None,
     progress: Progress = _quiet,
+    explain: bool = True,
 ) -> list[ModeResult]:
     """Benchmark ``modes`` on ``workload``; ``repeats`` rounds per mode, interleaved, after
     ``warmup`` steps each (at least 2). A round is ``steps`` steps, or more where the
@@ -135,7 +149,11 @@ def run(
     number of steps, so their final losses compare. Rounds run the modes forwards and
     backwards in turn. ms/step is the median of the per-round ms/step; the speedup, the
     median of the per-round ratios to float32, and their lowest and highest are kept
-    (``speedup_min``, ``speedup_max``). A mode named twice runs once.
+    (``speedup_min``, ``speedup_max``); ``vs_autocast``, the median of the per-round
+    ratios to the mode's ``autocast_peer``, where the peer is among the modes. With
+    ``explain``, a mode that computes in 16 bits and gains less than ``GAIN_THRESHOLD``
+    over float32 gets the measured reason (``no_gain``), which may profile a few more
+    steps of it and of float32 (``bench.explain``). A mode named twice runs once.
     ``outputs_16bit``, ``compile_mode`` and ``float8`` as in ``build_step``; a ``+compile``
     mode's compile time is its first step's time above its steady-state ms/step, kept
     apart. float8 modes need torchao: ``ImportError`` naming ``mixprec[float8]`` first.
@@ -161,6 +179,14 @@ def run(
         times, last, first = _time_modes(
             built, repeats, steps, warmup, dev, min_round_ms, progress=progress
         )
+    ratios = {m: _ratios(times, "float32", m) for m in modes}
+    speedups = {m: statistics.median(r) for m, r in ratios.items()}
+    ms_per_step = {m: statistics.median(t) for m, t in times.items()}
+    no_gain: dict[str, str] = {}
+    matmuls: dict[str, float] = {}
+    if explain:
+        no_gain, matmuls = reasons(built, ms_per_step, speedups, dev)
+        progress("matmul profiles" if matmuls else "no matmul profile needed")
     peaks: dict[str, float | None] = dict.fromkeys(modes)
     if memory:
         ctx = multiprocessing.get_context("spawn")
@@ -172,11 +198,11 @@ def run(
                 progress(f"{mode}: peak memory")
     results = []
     for mode in modes:
-        ms = statistics.median(times[mode])
-        # Paired: each round's float32 time over the mode's in the same round, so load that
-        # drifts between rounds (a shared machine) cancels instead of tilting the medians.
-        ratios = [b / t for b, t in zip(times["float32"], times[mode], strict=True)]
-        speedup = statistics.median(ratios)
+        ms = ms_per_step[mode]
+        peer = autocast_peer(mode)
+        vs_peer = None
+        if peer is not None and peer in times:
+            vs_peer = statistics.median(_ratios(times, peer, mode))
         converted, linears = getattr(built[mode], "float8", None) or (None, None)
         tflops = work.flops / ms / 1e9 if work.flops else None
         peak = peak_tflops(dev, _matmul_dtype(mode))
@@ -186,7 +212,7 @@ def run(
                 level=getattr(built[mode], "level", "-"),
                 ms_per_step=ms,
                 samples_per_s=1000 * work.samples / ms,
-                speedup=speedup,
+                speedup=speedups[mode],
                 final_loss=float(last[mode]),
                 peak_mb=peaks[mode],
                 tokens_per_s=1000 * work.tokens / ms if work.tokens else None,
@@ -195,11 +221,21 @@ def run(
                 compile_s=(first[mode] - ms) / 1000 if mode.endswith(COMPILED) else None,
                 float8_layers=converted,
                 linear_layers=linears,
-                speedup_min=min(ratios),
-                speedup_max=max(ratios),
+                speedup_min=min(ratios[mode]),
+                speedup_max=max(ratios[mode]),
+                autocast_peer=peer if vs_peer is not None else None,
+                vs_autocast=vs_peer,
+                no_gain=no_gain.get(mode),
+                matmul_ms=matmuls.get(mode),
             )
         )
     return results
+
+
+def _ratios(times: dict[str, list[float]], base: str, mode: str) -> list[float]:
+    """Each round's ``base`` ms over ``mode``'s in the same round: paired, so that load
+    drifting between rounds (a shared machine) cancels instead of tilting the medians."""
+    return [b / t for b, t in zip(times[base], times[mode], strict=True)]
 
 
 def _time_modes(

@@ -107,6 +107,15 @@ WORKLOADS: dict[str, Callable[[int | None], Workload]] = {
 #: What ``mixprec bench`` runs when no workload is named (lm-d2048 is for GPUs).
 DEFAULT_WORKLOADS: tuple[str, ...] = ("mlp-b64", "mlp-b8192", "lm-d512", "cnn")
 
+#: What each bundled workload trains, one line each (``mixprec bench --help``).
+WORKLOAD_HELP: dict[str, str] = {
+    "mlp-b64": "MLP 784-512-512-10, batch 64",
+    "mlp-b8192": "the same MLP, batch 8192",
+    "lm-d512": "causal LM, d=512, 4 layers, 8 x 256 tokens, vocabulary 8192",
+    "cnn": "small CNN (2 conv+BN blocks), 28 x 28 inputs, batch 64",
+    "lm-d2048": "causal LM, d=2048, 8 layers, 8 x 1024 tokens (for GPUs; slow on CPU)",
+}
+
 
 def workload_factory(spec: str) -> Callable[[], object]:
     """The function a ``module:function`` workload spec names, after checking that it can be

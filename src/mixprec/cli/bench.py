@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, NoReturn
 import torch
 
 from mixprec._errors import ArgumentError
+from mixprec._step_profile import GAIN_THRESHOLD
 from mixprec.cli._common import (
     UsageError,
     choice,
@@ -34,33 +35,86 @@ if TYPE_CHECKING:
 HELP = "time mixprec's modes against float32 and torch.autocast in one run"
 
 
+#: The help's last part, in place of the lists of modes and workloads (``_BenchHelp``).
+_LISTS = "(the modes and workloads)"
+
+
+class _BenchHelp(argparse.RawDescriptionHelpFormatter):
+    """Help that lists every mode and bundled workload with what it trains, below the
+    options. The lists are built when help is shown, so that parsing a command line does
+    not import the bench package; their lines are kept as written."""
+
+    def add_text(self, text: str | None) -> None:
+        super().add_text(_mode_lists() if text == _LISTS else text)
+
+
+def _mode_lists() -> str:
+    import textwrap
+
+    from mixprec.bench.modes import ALL_MODES, FLOAT8_MODES, MODE_HELP, MODES
+    from mixprec.bench.workloads import DEFAULT_WORKLOADS, WORKLOAD_HELP
+
+    def entry(name: str, text: str) -> str:
+        return textwrap.fill(f"  {name:<27} {text}", 78, subsequent_indent=" " * 30)
+
+    return "\n".join(
+        ["modes (--modes; each also as MODE+compile):"]
+        + [entry(m, MODE_HELP[m] + ("" if m in MODES else " [opt-in]")) for m in ALL_MODES]
+        + [entry("default:", f"all but the opt-in ones ({', '.join(FLOAT8_MODES)} need "
+                 "mixprec[float8])"), "",
+           "workloads (or module:function, a function returning a mixprec.bench.Workload):"]
+        + [entry(w, WORKLOAD_HELP[w]) for w in WORKLOAD_HELP]
+        + [entry("default:", " ".join(DEFAULT_WORKLOADS))]
+    )  # fmt: skip
+
+
 def add_arguments(sub: argparse.ArgumentParser) -> None:
-    """The options of ``mixprec bench``."""
+    """The options of ``mixprec bench``, each with its default; below them, every mode and
+    bundled workload with what it trains."""
+    sub.description = (
+        "Time mixprec's modes against float32 and plain torch.autocast in one process,\n"
+        "in interleaved rounds; 'vs f32' and 'vs autocast' are the medians of each\n"
+        "round's ratios."
+    )
+    sub.formatter_class = _BenchHelp
+    sub.epilog = _LISTS
     sub.add_argument(
         "workload", nargs="*",
-        help="mlp-b64, mlp-b8192, lm-d512, cnn, lm-d2048 (d=2048, for GPUs) or "
-        "module:function (default: the first four)",
+        help="bundled workloads (listed below) or module:function (default: mlp-b64 "
+        "mlp-b8192 lm-d512 cnn)",
     )  # fmt: skip
     sub.add_argument(
         "--modes",
-        help="comma-separated, each optionally MODE+compile, each once; default: all but the "
-        "float8 ones. float8 (needs mixprec[float8]): O2-fp8 (policy mixed_float8), O2-fp8-rowwise "
-        "(mixed_float8_rowwise), O2-fp8-rowwise_with_gw_hp (mixed_float8_rowwise_with_gw_hp)",
+        help="comma-separated modes (listed below), each optionally MODE+compile, each once "
+        "(default: all but the opt-in ones)",
     )  # fmt: skip
     sub.add_argument(
         "--policy", metavar="POLICY",
         help="add the policy's O2 mode (mixed_float8: O2-fp8) beside float32 and O2-bf16, or "
         "beside --modes",
     )  # fmt: skip
-    sub.add_argument("--repeats", type=int, default=5)
-    sub.add_argument("--steps", type=int, default=3, help="steps per timed round, at least")
+    sub.add_argument("--repeats", type=int, default=5,
+                     help="timed rounds per mode, interleaved (default: %(default)s)")  # fmt: skip
     sub.add_argument(
-        "--min-round-ms", type=float, default=100.0,
-        help="more steps per round where the fastest mode would take less (default 100)",
+        "--steps", type=int, default=3,
+        help="steps per timed round, at least; more where --min-round-ms needs them "
+        "(default: %(default)s)",
     )  # fmt: skip
-    sub.add_argument("--warmup", type=int, default=2)
-    sub.add_argument("--device", default="auto")
-    sub.add_argument("--no-memory", action="store_true", help="skip peak-memory runs")
+    sub.add_argument(
+        "--min-round-ms", type=float, default=100.0, metavar="MS",
+        help="more steps per round where the fastest mode would take less (default: "
+        "%(default)g)",
+    )  # fmt: skip
+    sub.add_argument(
+        "--warmup", type=int, default=2,
+        help="untimed steps per mode before the rounds, at least 2 (default: %(default)s)",
+    )  # fmt: skip
+    sub.add_argument(
+        "--device", default="auto",
+        help="auto, cpu, cuda or cuda:N (default: %(default)s: CUDA where it is)",
+    )  # fmt: skip
+    sub.add_argument("--no-memory", action="store_true",
+                     help="skip the peak-memory runs (one fresh process per mode)")  # fmt: skip
     sub.add_argument(
         "--small", action="store_true",
         help="tiny sizes, for tests (lm-d2048 keeps d=2048: one block, 2 x 64 tokens)",
@@ -69,7 +123,8 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
         "--max-batch", type=float, metavar="MB",
         help="instead of timing: the largest batch per mode within this peak-memory budget",
     )  # fmt: skip
-    sub.add_argument("--batch-limit", type=int, default=1 << 16, help="for --max-batch")
+    sub.add_argument("--batch-limit", type=int, default=1 << 16, metavar="N",
+                     help="the largest batch --max-batch tries (default: %(default)s)")  # fmt: skip
     sub.add_argument(
         "--outputs-16bit", action="store_true",
         help="the models return their compute dtype (policy output=compute) to a loss that "
@@ -82,15 +137,17 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
     sub.add_argument(
         "--compile-mode",
         help="torch.compile mode for +compile modes: default, reduce-overhead, max-autotune "
-        "or max-autotune-no-cudagraphs",
+        "or max-autotune-no-cudagraphs (default: torch.compile's default)",
     )
     sub.add_argument(
         "--float8-min-features", metavar="N|torchao",
         help="float8 modes convert Linear layers with both dims >= N, or by torchao's H100 "
         "size thresholds (default: every block Linear of the LMs, torchao's elsewhere)",
     )  # fmt: skip
-    sub.add_argument("--json", metavar="FILE")
-    sub.add_argument("--plot", metavar="FILE.png")
+    sub.add_argument("--json", metavar="FILE",
+                     help="write the results, the device and the notes as JSON")  # fmt: skip
+    sub.add_argument("--plot", metavar="FILE.png",
+                     help="write a bar chart of the speedups against float32")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -148,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     results = {}
     units = bench.run_units(modes, args.repeats, not args.no_memory)
+    print(f"mixprec bench on {bench.device_description(args.device)}, torch {torch.__version__}",
+          end="\n\n", flush=True)  # fmt: skip
     with _progress_bar(units * len(workloads), "run") as bar:
         for w in workloads:
             results[w] = bench.run(
@@ -163,6 +222,14 @@ def run(args: argparse.Namespace) -> int:
           "alone in a fresh process (allocator peak); on CUDA float32 runs without TF32; "
           "MFU: model TFLOP/s over the GPU's data-sheet peak for the mode's matmul dtype "
           "(bfloat16 for fp8 modes)")  # fmt: skip
+    if any(r.vs_autocast is not None for rs in results.values() for r in rs):
+        print("vs autocast: the same against plain torch.autocast in the mode's 16-bit dtype, "
+              "run the same way (eager, or +compile): bf16 with a plain optimizer step and no "
+              "GradScaler, fp16 with torch.amp.GradScaler")  # fmt: skip
+    if any(r.no_gain for rs in results.values() for r in rs):
+        print(f"buys little: a 16-bit mode below {GAIN_THRESHOLD:g}x float32, with the reason "
+              "measured here (matmul time by torch.profiler, the only part 16-bit math speeds "
+              "up)")  # fmt: skip
     if any(bench.is_float8_mode(m) for m in modes):
         rule = ("the workload's rule: lm-* every Linear of the blocks, the others torchao's "
                 "H100 size thresholds" if float8 is None else float8_rule(float8))  # fmt: skip
@@ -249,13 +316,11 @@ def _listed_modes(value: str | None) -> list[str] | None:
 
 
 def _bench_subtitle(device: str, small: bool) -> str:
+    """The device and its 16-bit features (``device_description``), and torch's version."""
     from mixprec import bench
 
     shapes = ", --small shapes" if small else ""
-    return (
-        f"{bench.device_name(device)}, {bench.bf16_support(device)}, torch {torch.__version__}"
-        f"{shapes}"
-    )
+    return f"{bench.device_description(device)}, torch {torch.__version__}{shapes}"
 
 
 def _user_workload(spec: str, small: bool) -> None:
