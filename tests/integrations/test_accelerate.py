@@ -271,12 +271,6 @@ def test_save_state_with_the_optimizer_registered_does_not_warn(tmp_path):
     assert _save_state(accelerator, tmp_path / "a") == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=pytest.fail.Exception,
-    reason="LossScaleOptimizer (optim/, not this integration's file) does not refuse "
-    "accelerate's wrapper yet",
-)
 def test_prepare_refuses_a_loss_scale_optimizer():
     """accelerate's wrapper would hide ``step()``'s ``StepResult`` (``None``: the recipe's
     ``result.applied`` fails) and let ``clip_grad_norm_`` clip the scaled 16-bit gradients."""

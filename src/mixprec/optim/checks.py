@@ -8,6 +8,7 @@ silently in the wrong precision, and what a step says about the run.
 - (A plain torch optimizer stepping such a model's 16-bit weights itself is caught by
   ``mixprec._plain_optimizers``, which ``auto_mixed_precision`` installs.)
 - ``no_gradients``: a step where no parameter has a gradient applies nothing, and says so.
+- ``refuse_accelerate_wrapper``: ``accelerator.prepare`` given a ``LossScaleOptimizer``.
 - ``watch_health``: the loss scaler's health (``ScalerHealth``) after every step, so custom
   loops hear, once, of a run stuck at the scaler's floor or of runs of skipped steps.
 """
@@ -15,12 +16,13 @@ silently in the wrong precision, and what a step says about the run.
 from __future__ import annotations
 
 import warnings
+from types import FrameType
 from typing import TYPE_CHECKING
 
 import torch
 
 from mixprec._dtypes import dtype_name
-from mixprec._errors import MisuseError
+from mixprec._errors import ArgumentError, MisuseError
 from mixprec.casting import POLICY_ATTR
 from mixprec.optim.fused import needs_scaling
 from mixprec.optim.masters import MasterWeights, needs_master
@@ -31,7 +33,7 @@ from mixprec.scaling.health import ScalerHealth, scale_floor
 if TYPE_CHECKING:
     from mixprec.optim.loss_scale_optimizer import _Bookkeeping
 
-__all__ = ["SetupCheck", "no_gradients", "watch_health"]
+__all__ = ["SetupCheck", "no_gradients", "refuse_accelerate_wrapper", "watch_health"]
 
 _ORDER = (
     "build the optimizer after auto_mixed_precision: model = mp.auto_mixed_precision(model, "
@@ -128,3 +130,18 @@ def _observe(health: ScalerHealth, result: StepResult, scaler: LossScaler) -> No
 # torch's lazy form of torch.compiler.disable: dynamo is imported at the first call (under
 # compile, when it is loaded anyway), not when mixprec is.
 _observe_eagerly = torch._disable_dynamo(_observe)  # type: ignore[attr-defined]
+
+
+def refuse_accelerate_wrapper(caller: FrameType | None) -> None:
+    """Raise when ``caller`` is accelerate's optimizer wrapper, which ``accelerator.prepare``
+    builds (and which reads ``state_dict()`` as it does). Wrapped, ``step()`` would return
+    ``None`` instead of the ``StepResult``, and its ``clip_grad_norm_`` would clip the
+    scaled 16-bit gradients. Matched by module name: accelerate is not imported."""
+    if caller is not None and caller.f_globals.get("__name__") == "accelerate.optimizer":
+        raise ArgumentError(
+            "accelerator.prepare() got a mixprec LossScaleOptimizer: accelerate's wrapper "
+            "hides step()'s StepResult and its clip_grad_norm_ would clip the scaled 16-bit "
+            "gradients. Prepare only the model and the data, step the LossScaleOptimizer "
+            "yourself (max_grad_norm= clips), and save it with "
+            "accelerator.register_for_checkpointing(optimizer)"
+        )

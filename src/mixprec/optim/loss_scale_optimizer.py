@@ -241,60 +241,13 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
         self._book.fresh = False
         if self._book.micro < self.accumulation_steps:
             return StepResult(False, False, self._loss_scaler.get_scale(), accumulating=True)
-        result = self._host_step() if self._book.found_inf is None else None
+        result = _host_step(self) if self._book.found_inf is None else None
         if result is None:
             if self._book.found_inf is None:
                 self._unscale()
             result = self._finish()
         watch_health(self.health, result, self._loss_scaler)
         return result
-
-    def _host_step(self) -> StepResult | None:
-        """The whole step on the host, or None where the general path is needed.
-
-        Taken on CPU, in one process, at scale 1 (float32, and bfloat16 at O1, O2 and O3:
-        the default) with nothing to clip or trace and no float16 weight to check. It makes
-        the passes float32 training makes and one more, each a multi-tensor kernel: the
-        16-bit gradients into the masters' kept float32 buffers, a read-only finiteness
-        check whose answer is read at once (no synchronisation on CPU), the inner step, and
-        the masters back into the 16-bit weights. The tensor flags, collective and copies of
-        ``_finish`` would be per-step work that plain training does not do."""
-        weights = self._weights
-        if (
-            not self._book.host_path
-            or self.max_grad_norm is not None  # public attributes: set after construction too
-            or self._tracer is not None
-            or self._loss_scaler.get_scale() != 1.0
-            or torch.compiler.is_compiling()
-            or is_distributed()
-        ):
-            return None
-        # Checked before they are widened: reading the 16-bit gradients is half the bytes,
-        # and a skipped step then copies nothing.
-        grads = [p.grad for p in weights.half if p.grad is not None] + weights.plain_grads()
-        if not grads:
-            return no_gradients(self._book, 1.0)
-        if any(g.is_sparse for g in grads):
-            grads = [g._values() if g.is_sparse else g for g in grads]
-        overflow = not finite_on_cpu(grads)
-        if not overflow and weights.half:
-            weights.follow_external_writes()
-            weights.load_master_grads()
-        # The tail of _finish, restated: as a function of its own shared by both, it cost
-        # torch.compile(opt.step) two more graphs, and dynamo then traced the scaler's
-        # float32 rounding into a recursion in its struct polyfill (torch 2.13).
-        if not overflow:
-            for inner in self.optimizers:
-                if weights.saw_sparse:
-                    _unfuse_sparse(inner)
-                inner.step()
-            if weights.half:
-                with torch.no_grad():
-                    torch._foreach_copy_(weights.half, weights.masters)
-                weights.versions = weights.half_versions()
-        self._loss_scaler.update(overflow)
-        self._book.micro = 0
-        return StepResult(applied=not overflow, found_inf=overflow, scale=1.0)
 
     def _finish(self) -> StepResult:
         # Flags agreed across ranks in one collective: this step's found_inf, and whether the
@@ -377,6 +330,55 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
             f"loss_scaler={self._loss_scaler!r}, masters={len(self._weights.masters)}, "
             f"max_grad_norm={self.max_grad_norm}, accumulation_steps={self.accumulation_steps})"
         )
+
+
+def _host_step(opt: LossScaleOptimizer) -> StepResult | None:
+    """The whole step on the host, or None where the general path is needed.
+
+    Taken on CPU, in one process, at scale 1 (float32, and bfloat16 at O1, O2 and O3:
+    the default) with nothing to clip or trace and no float16 weight to check: a
+    read-only finiteness check of the gradients as they are, its answer read at once (no
+    synchronisation on CPU); then, on a clean step, the 16-bit gradients into the masters'
+    float32 ones, the inner step and the masters back into the 16-bit weights, each one
+    kernel. The tensor flags, collective and copies of ``LossScaleOptimizer._finish`` would
+    be per-step work that plain training does not do. A function, not a method: the class
+    stays within its size, and under ``torch.compile`` it returns at the first test."""
+    weights = opt._weights
+    if (
+        not opt._book.host_path
+        or opt.max_grad_norm is not None  # public attributes: set after construction too
+        or opt._tracer is not None
+        or opt._loss_scaler.get_scale() != 1.0
+        or torch.compiler.is_compiling()
+        or is_distributed()
+    ):
+        return None
+    # Checked before they are widened: reading the 16-bit gradients is half the bytes,
+    # and a skipped step then copies nothing.
+    grads = [p.grad for p in weights.half if p.grad is not None] + weights.plain_grads()
+    if not grads:
+        return no_gradients(opt._book, 1.0)
+    if any(g.is_sparse for g in grads):
+        grads = [g._values() if g.is_sparse else g for g in grads]
+    overflow = not finite_on_cpu(grads)
+    if not overflow and weights.half:
+        weights.follow_external_writes()
+        weights.load_master_grads()
+    # The tail of _finish, restated: as a function of its own shared by both, it cost
+    # torch.compile(opt.step) two more graphs, and dynamo then traced the scaler's
+    # float32 rounding into a recursion in its struct polyfill (torch 2.13).
+    if not overflow:
+        for inner in opt.optimizers:
+            if weights.saw_sparse:
+                _unfuse_sparse(inner)
+            inner.step()
+        if weights.half:
+            with torch.no_grad():
+                torch._foreach_copy_(weights.half, weights.masters)
+            weights.versions = weights.half_versions()
+    opt._loss_scaler.update(overflow)
+    opt._book.micro = 0
+    return StepResult(applied=not overflow, found_inf=overflow, scale=1.0)
 
 
 def _checked_arguments(

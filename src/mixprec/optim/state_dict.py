@@ -8,12 +8,14 @@ refused whole, so that a bad one changes nothing.
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mixprec._errors import ArgumentError
+from mixprec.optim.checks import refuse_accelerate_wrapper
 from mixprec.optim.masters import MasterWeights
 from mixprec.scaling import LossScaler
 
@@ -35,6 +37,7 @@ class StateDictMethods:
         """Inner optimizer state, float32 master weights and the loss scaler's state.
 
         Take it between steps: gradients accumulated mid-way are not part of it."""
+        refuse_accelerate_wrapper(sys._getframe(1))
         return {
             "optimizers": [inner.state_dict() for inner in self.optimizers],
             "master_weights": [m.detach() for m in self._weights.masters],
