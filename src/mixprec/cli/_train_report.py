@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mixprec._step_profile import GAIN_THRESHOLD
+from mixprec._step_profile import GAIN_THRESHOLD, no_gain_line, why_no_gain
 
 
 def explain_speed(runs: list[dict[str, Any]]) -> list[str]:
@@ -26,13 +26,13 @@ def explain_speed(runs: list[dict[str, Any]]) -> list[str]:
         base, mixed = runs
         speedup = base["ms_per_step"] / mixed["ms_per_step"]
         if speedup < GAIN_THRESHOLD:
-            other = base["ms_per_step"] - base["matmul_ms"]
-            lines.append(
-                f"mixed precision buys little here ({speedup:.2f}x): the step is "
-                f"overhead-bound, {base['matmul_ms']:.2f} of {base['ms_per_step']:.2f} ms in "
-                f"matmuls, the only part 16-bit math speeds up; the other {other:.2f} ms "
-                "(optimizer, casts, Python) stay. A larger batch or model gains."
+            reason = why_no_gain(
+                base["ms_per_step"],
+                mixed["ms_per_step"],
+                base_matmul_ms=base["matmul_ms"],
+                mixed_matmul_ms=mixed["matmul_ms"],
             )
+            lines.append(no_gain_line(speedup, reason))
     return lines
 
 
