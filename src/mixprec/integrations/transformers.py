@@ -177,6 +177,9 @@ class MixprecTrainer(Trainer):
                 loss_scaler=self._loss_scaler,
                 trace_overflow=self._trace_overflow,
             )
+            # accelerate wraps it here by design: the methods above take the StepResult
+            # and clipping out of the wrapper's hands, so the optimizer does not refuse it.
+            found._managed_by = "MixprecTrainer"
             self.optimizer = found
         self._mixprec_optimizer = found
         note_optimizer(opt_model, found)

@@ -30,6 +30,9 @@ class StateDictMethods:
 
     optimizers: list[torch.optim.Optimizer]
     _book: _Bookkeeping
+    # Set by an integration that has accelerate wrap this optimizer on purpose (and takes
+    # the StepResult and clipping out of the wrapper's hands): MixprecTrainer.
+    _managed_by: str | None = None
     _loss_scaler: LossScaler
     _weights: MasterWeights
 
@@ -37,7 +40,8 @@ class StateDictMethods:
         """Inner optimizer state, float32 master weights and the loss scaler's state.
 
         Take it between steps: gradients accumulated mid-way are not part of it."""
-        refuse_accelerate_wrapper(sys._getframe(1))
+        if self._managed_by is None:
+            refuse_accelerate_wrapper(sys._getframe(1))
         return {
             "optimizers": [inner.state_dict() for inner in self.optimizers],
             "master_weights": [m.detach() for m in self._weights.masters],
