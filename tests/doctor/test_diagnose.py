@@ -1,13 +1,16 @@
 """``diagnose``, the 16-bit doctor end to end: the overflowing layer is named (report and
 provenance) and keeping it in float32 fixes training, leaves whose backward overflows even
 at the scale floor are kept too, its plan holds over 30 training steps (issue 31's
-acceptance), healthy models get a clean report, every pass draws the same random numbers,
-and bad input (a non-finite batch among it) is refused."""
+acceptance), healthy models get a clean report, every pass draws the same random numbers, a 16-bit
+model is diagnosed as its float32 upcast, and bad input (a non-finite batch among it) is
+refused."""
 
 from __future__ import annotations
 
 import math
 import re
+import sys
+import warnings
 
 import pytest
 import torch
@@ -211,3 +214,61 @@ def test_16_bit_options_are_checked():
         mp.diagnose(healthy(), x, y, CE, optimizer="adam")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="optimizer, headroom apply to 16-bit policies only"):
         mp.diagnose(healthy(), x, y, CE, "mixed_float8", optimizer=lambda p: None, headroom=0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_model_is_diagnosed_as_its_float32_upcast_with_one_warning(dtype):
+    """The report is that of a float32 model holding the same rounded weights: the same
+    computation on the same float32 values, so equal exactly (tolerance 0; the JSON form
+    compares its NaN loss as "nan"). One warning, at this line, says so; the model given
+    keeps its dtype and values."""
+    x, y = batch()
+    rounded = overflowing()
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.to(dtype).float())
+    expected = mp.diagnose(rounded, x, y, CE, policy="mixed_float16")
+    model = overflowing().to(dtype)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        report = mp.diagnose(model, x, y, CE, policy="mixed_float16")
+    notes = [w for w in record if "16 bits" in str(w.message)]
+    assert [(w.filename, w.lineno) for w in notes] == [(__file__, line)]
+    assert str(notes[0].message) == (
+        f"diagnose: 8 parameters of the model were {str(dtype)[6:]}; it diagnoses a float32 "
+        "upcast copy (the model itself is not modified): the precision lost when they were "
+        "rounded to 16 bits is not recovered"
+    )
+    assert report.recommended_keep_float32 == expected.recommended_keep_float32 == ["2", "3", "4"]
+    assert report.check is not None  # the plan's check ran, from the upcast copy too
+    assert report.to_json() == expected.to_json()
+    after = model.state_dict()
+    assert {k: v.dtype for k, v in after.items()} == {k: v.dtype for k, v in before.items()}
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert {p.dtype for p in model.parameters()} == {dtype} and mp.levels.applied(model) is None
+
+
+class Compiled(nn.Module):
+    """Stands in for torch.compile's wrapper, which holds the model as ``_orig_mod``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self._orig_mod = model
+
+
+def test_the_eager_mode_warning_points_at_this_line_for_both_doctors():
+    """``diagnose`` hands a float8 policy to ``diagnose_float8``: one mixprec frame more
+    between the warning and the user's call than a direct call has."""
+    from tests.doctor.float8_cases import SMALL, readings, sensors
+
+    x, y = readings(16, seed=0)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        mp.diagnose(Compiled(sensors()), x, y, nn.functional.mse_loss, "mixed_bfloat16")
+        mp.diagnose(Compiled(sensors()), x, y, nn.functional.mse_loss, "mixed_float8", float8=SMALL)
+    eager = [w for w in record if "runs the model eagerly" in str(w.message)]
+    assert [str(w.message).split()[0] for w in eager] == ["diagnose", "diagnose_float8"]
+    assert [(w.filename, w.lineno) for w in eager] == [(__file__, line), (__file__, line + 1)]

@@ -1,19 +1,56 @@
-"""Warnings from the Trainer point at the user's line, however deep in mixprec they rise."""
+"""Warnings point at the user's line, however deep in mixprec they rise: the Trainer's own
+(``train.warn``) and those of the modules it calls (``levels``), through ``mixprec._warn``."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
 from torch import nn
 
 import mixprec as mp
+from mixprec._warn import caller_stacklevel, warn_at_caller
 from mixprec.train.warn import warn
 from tests.conftest import make_mlp
 
 
 def _located(record: list[warnings.WarningMessage], text: str) -> list[str]:
     return [w.filename for w in record if text in str(w.message)]
+
+
+def _next_line() -> int:
+    """The line after the caller's."""
+    return sys._getframe(1).f_lineno + 1
+
+
+def test_train_warn_is_the_shared_warn_at_caller():
+    assert warn is warn_at_caller
+
+
+def test_caller_stacklevel_names_the_caller_itself_outside_mixprec():
+    assert caller_stacklevel() == 1  # this frame is already outside mixprec
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        line = _next_line()
+        warnings.warn("located", UserWarning, stacklevel=caller_stacklevel())
+    assert [(w.filename, w.lineno) for w in record] == [(__file__, line)]
+
+
+def test_a_levels_warning_points_at_the_users_line_directly_and_through_the_trainer():
+    """The upcast note of a bfloat16 model, raised in ``levels`` two to four mixprec frames
+    below the user's call (``auto_mixed_precision``, ``build_train_step``, ``Trainer``)."""
+    lines = []
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        lines.append(_next_line())
+        mp.auto_mixed_precision(make_mlp().to(torch.bfloat16), "mixed_bfloat16", "O2")
+        lines.append(_next_line())
+        mp.build_train_step(make_mlp().to(torch.bfloat16), "sgd", "mse", "mixed_bfloat16", "O2")
+        lines.append(_next_line())
+        mp.Trainer(make_mlp().to(torch.bfloat16), "mse", "sgd", "mixed_bfloat16", "O2")
+    notes = [w for w in record if "were bfloat16; upcast to float32" in str(w.message)]
+    assert [(w.filename, w.lineno) for w in notes] == [(__file__, n) for n in lines]
 
 
 def test_warn_called_from_here_points_here():

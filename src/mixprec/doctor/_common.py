@@ -1,12 +1,14 @@
 """What the two doctors (the 16-bit and the float8 one) share: taking the float32 model they
-diagnose, recording what its modules see in one forward and backward, the relative error
-they compare runs by, and writing reports as JSON."""
+diagnose (a 16-bit model as its float32 upcast copy), recording what its modules see in one
+forward and backward, the relative error they compare runs by, and writing reports as
+JSON."""
 
 from __future__ import annotations
 
+import copy
+import itertools
 import json
 import math
-import warnings
 from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
@@ -14,11 +16,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec._dtypes import HALF_DTYPES, dtype_name
 from mixprec._errors import ArgumentError
-from mixprec.casting import first_floating
+from mixprec._warn import warn_at_caller
+from mixprec.casting import first_floating, upcast_16bit
 from mixprec.levels import applied
 
-__all__ = ["Recorder", "check_finite_batch", "float32_model", "relative_error", "to_json"]
+__all__ = [
+    "Recorder",
+    "check_finite_batch",
+    "float32_model",
+    "float32_upcast",
+    "relative_error",
+    "to_json",
+]
 
 
 def float32_model(model: Any, who: str) -> nn.Module:
@@ -29,16 +40,38 @@ def float32_model(model: Any, who: str) -> nn.Module:
     module: nn.Module = model
     original = getattr(module, "_orig_mod", None)  # torch.compile's OptimizedModule
     if isinstance(original, nn.Module):
-        warnings.warn(
+        warn_at_caller(  # diagnose may hand the model on to diagnose_float8: count frames
             f"{who} runs the model eagerly (its hooks do not compile): it uses the module "
-            "inside torch.compile's wrapper; the figures are eager mode's",
-            UserWarning,
-            stacklevel=3,
+            "inside torch.compile's wrapper; the figures are eager mode's"
         )
         module = original
     if applied(module) is not None:
         raise ArgumentError(f"{who} needs the float32 model, before auto_mixed_precision")
     return module
+
+
+def float32_upcast(model: nn.Module, who: str) -> nn.Module:
+    """``model`` if it holds no 16-bit parameter or buffer; else a copy with them stored in
+    float32 (``casting.upcast_16bit``), said once at the user's line. The copy is a float32
+    model holding the rounded values: the reference run and every copy the doctor prepares
+    start from it, so the report is that float32 model's, and ``model`` is left as it is."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    if not any(t.dtype in HALF_DTYPES for t in tensors):
+        return model
+    upcast = copy.deepcopy(model)
+    done = upcast_16bit(upcast)
+    n = sum(kind == "parameter" for kind, _, _ in done)
+    counts = ((n, "parameter"), (len(done) - n, "buffer"))
+    what = " and ".join(f"{k} {noun}{'s' * (k != 1)}" for k, noun in counts if k)
+    dtypes = " and ".join(sorted({dtype_name(dtype) for _, dtype, _ in done}))
+    restored = sum(kept for *_, kept in done)
+    again = f" ({restored} restored from the float32 values they were loaded from)" * bool(restored)
+    warn_at_caller(
+        f"{who}: {what} of the model were {dtypes}; it diagnoses a float32 upcast copy (the "
+        f"model itself is not modified): the precision lost when they were rounded to 16 bits "
+        f"is not recovered{again}"
+    )
+    return upcast
 
 
 def _floating(value: Any, where: str) -> list[tuple[str, torch.Tensor]]:

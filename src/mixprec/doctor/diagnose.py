@@ -21,7 +21,7 @@ from torch import nn
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
 from mixprec._rng import same_draws
-from mixprec.doctor._common import check_finite_batch, float32_model
+from mixprec.doctor._common import check_finite_batch, float32_model, float32_upcast
 from mixprec.doctor.advice import advice
 from mixprec.doctor.headroom import (
     EDGE_RISK,
@@ -72,7 +72,9 @@ def diagnose(
     """Run one batch in float32 and under ``policy``/``level`` and report, per module, the
     value ranges against the 16-bit dtype, how close they come to its limits (``*_fraction``),
     underflow, non-finite values and the error against float32. ``model`` is a float32
-    model; it is copied, never modified. A batch holding inf/NaN is refused.
+    model; it is copied, never modified. A model in bfloat16 or float16 is diagnosed as its
+    float32 upcast copy, a float32 model holding the rounded values, with one warning. A
+    batch holding inf/NaN is refused.
 
     ``loss_scale``: the scale the mixed run's backward uses, as training would; by default
     what the policy implies (2**16, ``DynamicLossScaler``'s start, for float16; 1 otherwise).
@@ -139,6 +141,8 @@ def diagnose(
         loss_scale = 2.0**16 if resolved.loss_scaling == "dynamic" else 1.0
     if not (isinstance(loss_scale, (int, float)) and 0 < loss_scale < math.inf):
         raise ArgumentError(f"loss_scale={loss_scale!r} is invalid; it must be finite and > 0")
+    # A 16-bit model is diagnosed as its float32 upcast, from which every copy below starts.
+    model = float32_upcast(model, "diagnose")
     reference = copy.deepcopy(model).float()
     mixed = auto_mixed_precision(copy.deepcopy(model), resolved, level)
     # Each `same_draws` block starts from the caller's RNG state and restores it.

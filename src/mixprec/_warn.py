@@ -1,0 +1,38 @@
+"""Warnings located at the user's line: the first frame outside the mixprec package.
+
+A warning raised deep inside mixprec (``Trainer.fit`` -> the train step -> ``levels``) is
+about the user's call, however many of mixprec's own frames lie between. A fixed
+``stacklevel`` names a mixprec file whenever that depth changes, so the level is counted
+here, frame by frame, for every subpackage to share.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+__all__ = ["caller_stacklevel", "warn_at_caller"]
+
+#: The mixprec package's folder, with a trailing separator (``mixprec_extra/`` is not in it).
+_PACKAGE = os.path.dirname(os.path.realpath(__file__)) + os.sep
+
+
+def _in_package(filename: str) -> bool:
+    # "<stdin>" or "<string>" resolve to no file of the package.
+    return os.path.realpath(filename).startswith(_PACKAGE)
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` that locates a ``warnings.warn`` made by the function calling this
+    one at the first frame outside mixprec (level 1 is that function, 2 its caller, ...)."""
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and _in_package(frame.f_code.co_filename):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn(message, category)`` located at the first caller outside mixprec."""
+    warnings.warn(message, category, stacklevel=caller_stacklevel())
