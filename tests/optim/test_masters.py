@@ -59,8 +59,14 @@ def test_o3_has_no_masters():
 
 def test_warns_when_adam_eps_vanishes_in_pure_float16():
     model = mp.auto_mixed_precision(make_mlp(), "float16", "O3")
-    with pytest.warns(UserWarning, match=r"eps=1e-08 .* rounds to 0 in float16"):
+    with pytest.warns(UserWarning, match=r"eps=1e-08 .* rounds to 0 in float16") as seen:
         mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters()))
+    # At the user's line, directly and through build_train_step.
+    assert [w.filename for w in seen] == [__file__]
+    with pytest.warns(UserWarning, match=r"eps=1e-08 .* rounds to 0 in float16") as seen:
+        mp.build_train_step(model, torch.optim.AdamW(model.parameters()), "cross_entropy",
+                            "float16", "O3")  # fmt: skip
+    assert [w.filename for w in seen if "eps=" in str(w.message)] == [__file__]
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -10,7 +10,6 @@ they are. The weights' version counters show writes made outside the optimizer
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ from mixprec._dist import is_dtensor
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
 from mixprec._plain_optimizers import needs_master
+from mixprec._warn import warn_at_caller
 from mixprec.casting import take_float32_copy
 from mixprec.scaling import all_finite
 from mixprec.trace import model_of
@@ -213,12 +213,10 @@ def warn_if_eps_vanishes(group: dict[str, Any], where: str) -> None:
         return
     vanishes = torch.tensor(eps, dtype=torch.float16).item() == 0.0
     if vanishes and any(p.dtype == torch.float16 for p in group["params"]):
-        warnings.warn(
+        warn_at_caller(
             f"{where} has eps={eps!r} and float16 parameters without float32 masters "
             "(level O3): eps rounds to 0 in float16 and a zero gradient will make NaN "
-            "weights. Use eps >= 1e-4, or level O2.",
-            UserWarning,
-            stacklevel=3,
+            "weights. Use eps >= 1e-4, or level O2."
         )
 
 
