@@ -19,6 +19,7 @@ from torch import nn
 
 from mixprec._dist import agree_found_inf, is_distributed, is_dtensor
 from mixprec._errors import ArgumentError, MisuseError, shown
+from mixprec._save_guard import guard_saves
 from mixprec.optim.checks import SetupCheck, no_gradients, watch_health
 from mixprec.optim.fused import _fuse, _unfuse_sparse, needs_scaling
 from mixprec.optim.keras_api import KerasMethods, keras_scaler
@@ -127,6 +128,9 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
         self._decide_host_path()
         self.health: ScalerHealth | None = ScalerHealth()
         self._tracer = _make_tracer(trace_overflow, model_params)
+        model = model_of(model_params) if self._weights.half else None
+        if model is not None:  # a framework save that takes the model alone loses the masters
+            guard_saves(model)
 
     # -- parameters -------------------------------------------------------------------------
 

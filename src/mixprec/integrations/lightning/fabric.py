@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from mixprec._errors import ArgumentError, MisuseError
+from mixprec._save_guard import guard_saves
 from mixprec.casting import cast_floating, get_region
-from mixprec.integrations._save_guard import guard_saves
 from mixprec.integrations.lightning._lightning import FabricPrecision
 from mixprec.integrations.lightning.precision import _MixprecPlugin
 from mixprec.optim import LossScaleOptimizer, StepResult

@@ -79,11 +79,14 @@ def guard_saves(model: nn.Module, holder: Holder | None = None) -> None:
     ``holder``: an object that carries them in a Fabric state besides a
     ``LossScaleOptimizer`` (the Fabric plugin), and says what a save without it loses.
     Without one, what is lost is the masters and the scale whenever no
-    ``LossScaleOptimizer`` over the model is saved. Calling it again for the same model
-    replaces the holder; the hook is registered once."""
+    ``LossScaleOptimizer`` over the model is saved. ``LossScaleOptimizer`` calls it for
+    the model behind its masters. Calling it again for the same model replaces the holder
+    (a call without one keeps it); the hook is registered once."""
     guard = _GUARDS.get(model)
     if guard is None:
         model.register_state_dict_pre_hook(_on_state_dict)
+    elif holder is None:
+        return
     ref = weakref.ref(holder) if holder is not None else None
     _GUARDS[model] = _Guard(ref, guard.warned if guard is not None else False)
 
