@@ -130,3 +130,15 @@ def test_no_check_without_steps_or_outside_float16(one_thread):
     x, y = batch()
     assert mp.diagnose(healthy(), x, y, CE, check_steps=0).check is None
     assert mp.diagnose(healthy(), x, y, CE, policy="mixed_bfloat16").check is None
+
+
+def test_the_check_of_a_pure_float16_plan_steps_an_eps_float16_holds(one_thread):
+    # At O3 the weights are float16 without masters, so the default Adam computes in
+    # float16, where eps=1e-8 rounds to 0: its check trained NaN weights and raised
+    # FloatingPointError on a healthy model. It builds Adam with eps=1e-4 there.
+    x, y = batch()
+    report = mp.diagnose(healthy(), x, y, CE, "mixed_float16", level="O3")
+    assert report.check is not None and report.check.applied > 0
+    adam = build_optimizer(None, [torch.zeros(2, dtype=torch.float16, requires_grad=True)])
+    assert adam.defaults["eps"] == 1e-4
+    assert build_optimizer(None, [torch.zeros(2, requires_grad=True)]).defaults["eps"] == 1e-8

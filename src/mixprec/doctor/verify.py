@@ -83,7 +83,10 @@ def build_optimizer(
     rebuilt with its class and the hyperparameters of its first parameter group (what a
     scheduler set, e.g. its learning rate) that its constructor takes."""
     if optimizer is None:
-        return torch.optim.Adam(params, lr=1e-3)
+        # Pure float16 weights (O3) make Adam compute in float16, where eps=1e-8 rounds to
+        # 0 and a zero gradient gives NaN weights: the smallest eps float16 holds well.
+        pure16 = any(p.dtype == torch.float16 for p in params)
+        return torch.optim.Adam(params, lr=1e-3, eps=1e-4 if pure16 else 1e-8)
     if isinstance(optimizer, torch.optim.Optimizer):
         accepted = inspect.signature(type(optimizer)).parameters
         settings = {**optimizer.defaults, **optimizer.param_groups[0]}
