@@ -60,7 +60,30 @@ def table(workload: str, results: list[ModeResult]) -> str:
                 f"{r.mode}: {bf16.ms_per_step / r.ms_per_step:.2f}x the {unit} of {bf16.mode}"
             )
     lines += [f"{workload} {r.mode}: {r.no_gain}" for r in results if r.no_gain]
+    lines += slower_compiled(workload, results)
     return "\n".join(lines)
+
+
+#: A compiled mode this much slower than its eager twin is said to be (noise below).
+SLOWER_COMPILED = 1.05
+
+
+def slower_compiled(workload: str, results: list[ModeResult]) -> list[str]:
+    """One line for each compiled mode slower than the same mode run eagerly in this run:
+    ``torch.compile`` is not always faster (on CPU its generated kernels can lose to
+    oneDNN's), and a user who compiles by default should hear it, not pick the slower path
+    silently."""
+    eager = {r.mode: r for r in results if not r.mode.endswith(COMPILED)}
+    lines = []
+    for r in results:
+        twin = eager.get(r.mode.removesuffix(COMPILED)) if r.mode.endswith(COMPILED) else None
+        if twin is not None and r.ms_per_step > SLOWER_COMPILED * twin.ms_per_step:
+            lines.append(
+                f"{workload} {r.mode}: compiled is slower than eager here ({r.ms_per_step:.2f} "
+                f"vs {twin.ms_per_step:.2f} ms a step, {twin.ms_per_step / r.ms_per_step:.2f}x): "
+                "train this workload eagerly on this machine (compile=False)"
+            )
+    return lines
 
 
 def _fmt(value: float | None, spec: str) -> str:
