@@ -1,11 +1,14 @@
-"""What the optimizer tests share: an O2 MLP with its optimizer, a loss, a snapshot."""
+"""What the optimizer tests share: an O2 MLP with its optimizer, a loss, a snapshot, a
+deep comparison of states, and the outermost aten ops a step runs."""
 
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 import mixprec as mp
 from tests.conftest import classification_data, make_mlp
@@ -38,3 +41,27 @@ def trained(opt_factory, steps=15):
         opt.backward(loss_of(model))
         opt.step()
     return [m.detach().clone() for m in opt.master_params()], opt
+
+
+def same_state(a, b) -> bool:
+    """Nested dicts, lists and tensors equal, tensors bit for bit."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b, strict=True))
+    if torch.is_tensor(a):
+        return torch.equal(a, b)
+    return a == b
+
+
+def aten_ops(step) -> Counter[str]:
+    """The aten ops ``step()`` runs, outermost only: what a kernel calls inside itself is
+    the kernel's business."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return Counter(
+        e.name
+        for e in prof.events()
+        if e.name.startswith("aten::")
+        and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    )

@@ -4,17 +4,15 @@ the scale-1 host step and the general path, misuse and bad arguments."""
 from __future__ import annotations
 
 import copy
-from collections import Counter
 
 import pytest
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 import mixprec as mp
 from mixprec.scaling import finite
 from tests.conftest import classification_data, make_mlp
-from tests.optim._helpers import loss_of, prepared, snapshot
+from tests.optim._helpers import aten_ops, loss_of, prepared, same_state, snapshot
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -180,18 +178,6 @@ def test_bad_optimizer_and_integer_parameters():
         mp.LossScaleOptimizer(torch.optim.SGD([counts], lr=0.1))
 
 
-def _aten_ops(step) -> Counter[str]:
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step()
-    # Outermost aten ops only: what a kernel calls inside itself is the kernel's business.
-    return Counter(
-        e.name
-        for e in prof.events()
-        if e.name.startswith("aten::")
-        and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
-    )
-
-
 @pytest.mark.parametrize("level", ["auto", "O0"])
 def test_float32_step_adds_only_the_finiteness_check(level):
     # Issue 14 item 5: where a model trains in float32 (``auto`` on a CPU without fast
@@ -210,7 +196,7 @@ def test_float32_step_adds_only_the_finiteness_check(level):
         loss_of(plain).backward()
         opt.zero_grad()
         opt.backward(loss_of(model))
-        ours, theirs = _aten_ops(opt.step), _aten_ops(sgd.step)
+        ours, theirs = aten_ops(opt.step), aten_ops(sgd.step)
     grads = len(list(model.parameters()))
     extra = ours - theirs
     assert set(extra) <= {"aten::sum", "aten::item", "aten::_local_scalar_dense"}
@@ -250,20 +236,10 @@ def test_scale_one_host_step_skips_non_finite_gradients(bad, monkeypatch):
     assert (result.applied, result.found_inf, result.scale) == (False, True, 1.0)
     for a, b in zip(before, (*emb.parameters(), *lin.parameters()), strict=True):
         assert torch.equal(a, b)
-    assert _same_state(opt.state_dict()["optimizers"], state["optimizers"])
+    assert same_state(opt.state_dict()["optimizers"], state["optimizers"])
     assert opt.loss_scaler.state.skipped_steps == 1 and opt.loss_scaler.state.steps == 2
     backward()
     assert opt.step().applied and opt.loss_scaler.state.consecutive_skips == 0
-
-
-def _same_state(a, b) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b, strict=True))
-    if torch.is_tensor(a):
-        return torch.equal(a, b)
-    return a == b
 
 
 def _not_called() -> None:

@@ -6,16 +6,14 @@ finiteness check, nothing else."""
 from __future__ import annotations
 
 import copy
-from collections import Counter
 
 import pytest
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 import mixprec as mp
 from tests.conftest import make_mlp
-from tests.optim._helpers import loss_of
+from tests.optim._helpers import aten_ops, loss_of, same_state
 
 _OPTIMIZERS = {
     "adamw-fused": lambda params: torch.optim.AdamW(params, lr=0.01, fused=True),
@@ -28,16 +26,6 @@ def _snapshot(model: nn.Module, opt: mp.LossScaleOptimizer) -> tuple[list, list,
     weights = [p.detach().clone() for p in model.parameters()]
     masters = [m.detach().clone() for m in opt.master_params()]
     return weights, masters, copy.deepcopy([o.state_dict() for o in opt.optimizers])
-
-
-def _same(a: object, b: object) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)  # type: ignore[attr-defined,index]
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))  # type: ignore[arg-type]
-    if torch.is_tensor(a):
-        return torch.equal(a, b)  # type: ignore[arg-type]
-    return a == b
 
 
 @pytest.mark.parametrize("bad_step", [0, 2], ids=["first-step", "later-step"])
@@ -73,24 +61,13 @@ def test_a_non_finite_gradient_reaches_no_weight_and_no_optimizer_state(
         if i == bad_step:
             assert (result.applied, result.found_inf) == (False, True)
             after = _snapshot(model, opt)
-            assert _same(after[0], before[0]), "a 16-bit or float32 model weight changed"
-            assert _same(after[1], before[1]), "a float32 master changed"
-            assert _same(after[2], before[2]), "the optimizer state changed"
+            assert same_state(after[0], before[0]), "a 16-bit or float32 model weight changed"
+            assert same_state(after[1], before[1]), "a float32 master changed"
+            assert same_state(after[2], before[2]), "the optimizer state changed"
         else:
             assert result.applied
     assert opt.loss_scaler.state.skipped_steps == 1
     assert all(bool(p.isfinite().all()) for p in model.parameters())
-
-
-def _outer_aten_ops(step) -> Counter[str]:
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step()
-    return Counter(
-        e.name
-        for e in prof.events()
-        if e.name.startswith("aten::")
-        and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
-    )
 
 
 def test_default_bfloat16_step_is_plain_training_plus_two_copies_and_the_check():
@@ -108,7 +85,7 @@ def test_default_bfloat16_step_is_plain_training_plus_two_copies_and_the_check()
         loss_of(plain).backward()
         opt.zero_grad()
         opt.backward(loss_of(model))
-        ours, theirs = _outer_aten_ops(opt.step), _outer_aten_ops(theirs_opt.step)
+        ours, theirs = aten_ops(opt.step), aten_ops(theirs_opt.step)
     grads = len(list(model.parameters()))
     extra = ours - theirs
     assert not theirs - ours
