@@ -17,13 +17,14 @@ PUBLIC = [
     "ExponentialUpdateLossScaleManager", "Float8LayerReport", "Float8Options", "Float8Report",
     "GradScaler", "History", "LEVELS", "LearningRateScheduler", "LoadReport", "LossMonitor",
     "LossScaleOptimizer", "LossScaler", "MisuseError", "ModelCheckpoint", "ModuleReport",
-    "NoOpLossScaler", "Overflow", "Policy", "ProgressBar", "Report", "ScalerHealth",
+    "NoOpLossScaler", "Overflow", "Plan", "Policy", "ProgressBar", "Report", "ScalerHealth",
     "ScalerState", "StaticLossScaler", "StepResult", "TensorBoard", "TrainStep", "Trainer",
-    "__version__", "all_finite", "auto_mixed_precision", "build_train_step", "cast_floating",
-    "convert_checkpoint", "cross_entropy", "data", "describe", "diagnose", "diagnose_float8",
-    "distributed", "export_weights", "get_policy", "global_policy", "load_checkpoint", "losses",
-    "models", "module_dtypes", "policy_scope", "read_checkpoint", "save_checkpoint",
-    "set_global_policy", "split_embedding_parameters", "stochastic_round", "to_float",
+    "__version__", "all_finite", "auto_mixed_precision", "autotune", "build_train_step",
+    "cast_floating", "convert_checkpoint", "cross_entropy", "data", "describe", "diagnose",
+    "diagnose_float8", "distributed", "export_weights", "get_policy", "global_policy",
+    "load_checkpoint", "losses", "models", "module_dtypes", "policy_scope", "read_checkpoint",
+    "save_checkpoint", "set_global_policy", "split_embedding_parameters", "stochastic_round",
+    "to_float",
 ]  # fmt: skip
 
 

@@ -6,6 +6,7 @@ Policies, O0-O3 levels, loss scaling and master weights in one library.
 from mixprec import data, distributed, losses, models
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec._version import __version__
+from mixprec.autotune import Plan, autotune
 from mixprec.casting import cast_floating, to_float
 from mixprec.checkpoint import (
     CheckpointError,
@@ -80,6 +81,7 @@ __all__ = [
     "ModuleReport",
     "NoOpLossScaler",
     "Overflow",
+    "Plan",
     "Policy",
     "ProgressBar",
     "Report",
@@ -93,6 +95,7 @@ __all__ = [
     "__version__",
     "all_finite",
     "auto_mixed_precision",
+    "autotune",
     "build_train_step",
     "cast_floating",
     "convert_checkpoint",

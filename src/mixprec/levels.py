@@ -27,7 +27,6 @@ model gets the level as under ``mixed_bfloat16``. O0 converts nothing.
 from __future__ import annotations
 
 import functools
-import sys
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -38,7 +37,11 @@ from torch import nn
 
 from mixprec._dtypes import closest, dtype_name
 from mixprec._errors import ArgumentError
+from mixprec._module_kinds import FLOAT32_MODULES, MIXED_NORM_MODULES, NORM_MODULES, is_half_storage
+from mixprec._module_kinds import HALF_STORAGE_MODULES as HALF_STORAGE_MODULES  # re-exported
 from mixprec._plain_optimizers import watch_plain_optimizers
+from mixprec._plan_apply import PlanLike, plan_arguments
+from mixprec._warn import warn_at_caller
 from mixprec.casting import (
     LEVEL_ATTR,
     MASTERS_ATTR,
@@ -67,50 +70,6 @@ from mixprec.trace import remember_model
 M = TypeVar("M", bound=nn.Module)
 
 LEVELS: tuple[str, ...] = ("O0", "O1", "O2", "O3")
-
-#: Normalisation: statistics computed in float32 at O1 and O2, output in the input's dtype.
-NORM_MODULES: tuple[type[nn.Module], ...] = (
-    nn.modules.batchnorm._NormBase,  # BatchNorm*, InstanceNorm*, SyncBatchNorm
-    nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.RMSNorm,
-)  # fmt: skip
-
-#: Normalisation whose PyTorch kernels take 16-bit inputs with float32 weights and compute
-#: mean, variance and running statistics in float32 internally (measured on CPU: bfloat16
-#: layer_norm equals the float32 result rounded once; CUDA's autocast runs layer_norm in
-#: float32 anyway). They need no island, and an island's casts cost time: on the CNN
-#: workload, BatchNorm islands made O2 ~1.2x float32 against autocast's ~2x.
-MIXED_NORM_MODULES: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm)
-
-#: Modules that stay float32 at O1 and O2, outputs included: softmax, losses. (Normalisation
-#: is a float32 island too, but hands its output back in the input's dtype: NORM_MODULES.)
-FLOAT32_MODULES: tuple[type[nn.Module], ...] = (
-    nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.modules.loss._Loss,
-)  # fmt: skip
-
-
-def _is_half_storage(module: nn.Module, compute: torch.dtype) -> bool:
-    """Matrix-work modules, including Hugging Face's ``Conv1D`` (GPT-2's linear layer).
-
-    Sparse embedding tables stay float32 under float16: PyTorch cannot add float16 sparse
-    tensors on the CPU ("cadd_sparse" is not implemented for Half), which accumulation,
-    DDP and tables looked up twice all need."""
-    if (
-        compute == torch.float16
-        and isinstance(module, (nn.Embedding, nn.EmbeddingBag))
-        and module.sparse
-    ):
-        return False
-    kind = type(module)
-    return isinstance(module, HALF_STORAGE_MODULES) or (
-        kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers")
-    )
-
-
-#: Modules whose weights O2 stores in the compute dtype: the matrix work.
-HALF_STORAGE_MODULES: tuple[type[nn.Module], ...] = (
-    nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.Embedding, nn.EmbeddingBag,
-    nn.MultiheadAttention, nn.RNNBase,
-)  # fmt: skip
 
 _APPLIED_ATTR = "_mixprec_applied"
 
@@ -143,15 +102,10 @@ def _upcast_16bit(model: nn.Module, level: str, masters: bool) -> None:
     dtypes = " and ".join(sorted({dtype_name(dtype) for _, dtype, _ in done}))
     why = {"O2": "master weights and norms", "O3": "master weights"}.get(level, "weights")
     lost = f" ({restored} restored from the float32 values they were loaded from)" * (restored > 0)
-    depth, frame = 2, sys._getframe(1)
-    while frame.f_back and frame.f_globals.get("__name__", "").split(".")[0] == "mixprec":
-        depth, frame = depth + 1, frame.f_back
-    warnings.warn(
+    warn_at_caller(
         f"auto_mixed_precision: {what} of the model were {dtypes}; upcast to float32 so that "
         f"{level} has float32 {why}; the precision lost when they were rounded to 16 bits is "
-        f"not recovered{lost}",
-        UserWarning,
-        stacklevel=depth,
+        f"not recovered{lost}"
     )
 
 
@@ -166,6 +120,8 @@ class Applied:
     o3_masters: bool = False
     #: Float8 policies: names of the Linear layers converted to float8.
     float8: tuple[str, ...] = ()
+    #: ``plan=``: the plan applied (``mixprec.Plan``).
+    plan: PlanLike | None = None
 
 
 def resolve_level(level: str, policy: Policy) -> str:
@@ -195,6 +151,7 @@ def auto_mixed_precision(
     amp_level: str | None = None,
     keep_bfloat16: Iterable[KeepEntry] = (),
     float8: Float8Options | None = None,
+    plan: PlanLike | None = None,
 ) -> M:
     """Prepare ``model`` for mixed precision in place and return it.
 
@@ -215,11 +172,22 @@ def auto_mixed_precision(
 
     A model already in 16 bits is stored in float32 first, with a warning, at the levels
     with float32 weights or masters (O0-O2, ``amp_level="O3"``); O3 takes it as it is.
+
+    ``plan``: a ``Plan`` (``mp.autotune``), alone: it sets policy, level and the dtype of each
+    module it names (``mixprec._plan_apply``).
     """
     if not isinstance(model, nn.Module):
         raise ArgumentError(
             f"auto_mixed_precision(model=...) needs a torch.nn.Module, got {type(model).__name__}"
         )
+    planned = None
+    if plan is not None:
+        planned = plan_arguments(
+            model, plan, policy=policy, level=level, keep_float32=keep_float32,
+            amp_level=amp_level, keep_bfloat16=keep_bfloat16, float8=float8,
+        )  # fmt: skip
+        policy, level, float8 = planned.policy, planned.level, planned.float8
+        keep_float32 = planned.keep_float32
     o3_masters = False
     if amp_level is not None:
         if level != "auto":
@@ -257,6 +225,8 @@ def auto_mixed_precision(
             "auto_mixed_precision() was already applied to this model "
             f"(level {done.level}, policy {done.policy.name}); apply it once, to a float32 model"
         )
+    if planned is not None:
+        planned.preset()  # the plan's regions in its other 16-bit dtype, which the level keeps
     kept = kept_modules(model, keep_float32)
     bf16_kept = kept_modules(model, keep_bfloat16, "keep_bfloat16")
     if resolved.float8_recipe is None and (bf16_kept or float8 is not None):
@@ -294,7 +264,7 @@ def auto_mixed_precision(
             model,
             compute,
             # float8 layers keep float32 weights: torchao casts them to float8 each forward.
-            skip=lambda m: id(m) in fixed or not _is_half_storage(m, compute) or is_float8(m),
+            skip=lambda m: id(m) in fixed or not is_half_storage(m, compute) or is_float8(m),
         )
     else:  # O3: no float32 copies either, unless there will be master weights
         store_as(
@@ -346,7 +316,9 @@ def auto_mixed_precision(
             setattr(param, MASTERS_ATTR, True)
     remember_model(model)
     setattr(
-        model, _APPLIED_ATTR, Applied(resolved, lvl, tuple(sorted(kept)), o3_masters, converted)
+        model,
+        _APPLIED_ATTR,
+        Applied(resolved, lvl, tuple(sorted(kept)), o3_masters, converted, plan),
     )
     if lvl == "O2" or o3_masters:
         watch_plain_optimizers()  # a plain torch optimizer stepping the 16-bit weights warns

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from mixprec import distributed
 from mixprec._version import __version__
-from mixprec.cli import bench, convert, doctor, info, inspect, train
+from mixprec.cli import autotune, bench, convert, doctor, info, inspect, train
 from mixprec.cli._common import Terminated, UsageError, sigterm_raises
 
 COMMANDS = {
@@ -24,6 +24,7 @@ COMMANDS = {
     "inspect": inspect,
     "doctor": doctor,
     "bench": bench,
+    "autotune": autotune,
     "info": info,
 }
 

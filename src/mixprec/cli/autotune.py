@@ -1,0 +1,116 @@
+"""``mixprec autotune``: each layer's dtype chosen by its measured speed and error on this
+machine (``mp.autotune``), for a ``mixprec bench`` workload or the model and data ``train``
+takes; the plan printed as a table, optionally saved as JSON and charted. A tqdm bar on
+stderr shows what is being measured."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import torch
+
+from mixprec._plan_apply import PLAN_DTYPES
+from mixprec.cli._common import UsageError, output_file, plot_file
+from mixprec.cli._model_options import (
+    DATA_FACTORY,
+    MODEL_FACTORY,
+    SPEC_HELP,
+    TRAIN_MODELS,
+    build_model,
+    classes_of,
+    is_spec,
+    load_data,
+    load_factory,
+)
+
+HELP = "choose each layer's dtype by its measured speed and error on this machine"
+EPILOG = SPEC_HELP
+
+
+def add_arguments(sub: argparse.ArgumentParser) -> None:
+    """The options of ``mixprec autotune``."""
+    sub.add_argument(
+        "--workload", metavar="NAME|module:function",
+        help="a mixprec bench workload (mlp-b64, lm-d512, cnn...) or a module:function "
+        "returning a mixprec.bench.Workload; in place of --model/--data",
+    )  # fmt: skip
+    sub.add_argument("--small", action="store_true", help="the workload's tiny version (tests)")
+    sub.add_argument(
+        "--model", default="mlp", metavar="NAME|module:function",
+        help=f"without --workload: {' or '.join(TRAIN_MODELS)}, or a module:function of yours",
+    )  # fmt: skip
+    sub.add_argument(
+        "--data", default="digits", metavar="NAME|module:function",
+        help="without --workload: digits, mnist:DIR, synthetic, or a module:function of yours",
+    )  # fmt: skip
+    sub.add_argument("--batch-size", type=int, default=256, metavar="N",
+                     help="samples in the batch measured (--model/--data)")  # fmt: skip
+    sub.add_argument("--seed", type=int, default=0, metavar="N", help="seeds weights and data")
+    sub.add_argument(
+        "--candidates", default=",".join(PLAN_DTYPES),
+        help="comma-separated dtypes to consider",
+    )  # fmt: skip
+    sub.add_argument("--error-budget", type=float, default=0.05, metavar="E",
+                     help="largest relative error against float32")  # fmt: skip
+    sub.add_argument("--time-budget", type=float, default=60.0, metavar="S",
+                     help="seconds the tuning may take")  # fmt: skip
+    sub.add_argument("--check-steps", type=int, default=50, metavar="N",
+                     help="steps of the training check beside float32")  # fmt: skip
+    sub.add_argument("--compile", action="store_true", help="time and check compiled steps")
+    sub.add_argument("--json", metavar="FILE", help="save the plan as JSON (mp.Plan.load)")
+    sub.add_argument("--plot", metavar="FILE.png", help="chart time against error per layer")
+
+
+def _problem(args: argparse.Namespace) -> tuple[torch.nn.Module, tuple[Any, Any], Any]:
+    """The model, batch and loss to tune."""
+    if args.workload:
+        from mixprec.bench import get_workload
+
+        work = get_workload(args.workload, small=args.small)
+        torch.manual_seed(args.seed)
+        return work.make_model(), work.batch, work.loss_fn
+    if is_spec(args.model):
+        load_factory("--model", args.model, MODEL_FACTORY)
+    if is_spec(args.data):
+        load_factory("--data", args.data, DATA_FACTORY)
+    if args.batch_size < 1:
+        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    splits = load_data(args.data, args.seed)
+    (x, y), _ = splits
+    torch.manual_seed(args.seed)
+    model = build_model(args.model, x, classes_of(splits), data=args.data)
+    return model, (x[: args.batch_size], y[: args.batch_size]), torch.nn.functional.cross_entropy
+
+
+def run(args: argparse.Namespace) -> int:
+    """Tune, print the plan, and write what was asked for."""
+    from tqdm import tqdm
+
+    from mixprec.autotune import autotune
+    from mixprec.autotune.plot import plot_plan
+
+    candidates = tuple(c.strip() for c in args.candidates.split(",") if c.strip())
+    json_path = output_file("--json", args.json) if args.json else None
+    plot_path = plot_file("--plot", args.plot) if args.plot else None
+    model, batch, loss_fn = _problem(args)
+    with tqdm(desc="autotune", unit=" measurements", file=sys.stderr, leave=False) as bar:
+
+        def progress(text: str) -> None:
+            bar.set_postfix_str(text, refresh=False)
+            bar.update(1)
+
+        plan = autotune(
+            model, batch, loss_fn, candidates=candidates, error_budget=args.error_budget,
+            time_budget_s=args.time_budget, compile=args.compile, check_steps=args.check_steps,
+            progress=progress,
+        )  # fmt: skip
+    print(plan)
+    if json_path:
+        plan.save(json_path)
+        print(f"plan written to {json_path}")
+    if plot_path:
+        plot_plan(plan, plot_path)
+        print(f"chart written to {plot_path}")
+    return 0

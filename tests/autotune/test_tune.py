@@ -1,0 +1,245 @@
+"""``mp.autotune``: candidates left out with reasons, the search, the budget, the training
+check. Times come from an injected timer (``CostTimer``), so the search is deterministic;
+errors and ranges are measured for real."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec as mp
+from mixprec._errors import ArgumentError
+from mixprec.autotune import check as check_module
+
+F = nn.functional
+
+
+class CostTimer:
+    """Seconds from a table: per layer and dtype (``layer``), and a whole step as the sum of
+    its layers' costs (``step``). Each still calls ``run`` once: the numerics are real."""
+
+    def __init__(
+        self, costs: dict[str, float], per_layer: dict[tuple[str, str], float] | None = None
+    ):
+        self.costs, self.per_layer = costs, per_layer or {}
+        self.steps: list[dict[str, str]] = []
+
+    def cost(self, name: str, dtype: str) -> float:
+        return self.per_layer.get((name, dtype), self.costs[dtype])
+
+    def layer(self, name, dtype, run):
+        run()
+        return self.cost(name, dtype)
+
+    def step(self, dtypes, level, run):
+        run()
+        self.steps.append(dict(dtypes))
+        return sum(self.cost(n, d) for n, d in dtypes.items()) + (level == "O1") * 0.1
+
+
+def mlp(seed: int = 0, width: int = 32) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, 4))  # fmt: skip
+
+
+def batch(n: int = 32):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def tune(model, **kwargs):
+    kwargs.setdefault("check_steps", 5)
+    return mp.autotune(model, batch(), F.cross_entropy, **kwargs)
+
+
+def test_fastest_candidate_within_budget_everywhere_and_model_untouched():
+    model = mlp()
+    before = copy.deepcopy(model.state_dict())
+    timer = CostTimer({"float32": 1.0, "bfloat16": 0.5, "float16": 0.6})
+    plan = tune(model, candidates=("float32", "bfloat16", "float16"), timer=timer)
+    assert plan.dtypes == {"0": "bfloat16", "2": "bfloat16", "4": "bfloat16"}
+    assert plan.level == "O2" and plan.check.passed and plan.check.steps == 5
+    assert plan.step_times["float32"] == 3.0 and plan.step_times["bfloat16 O1"] == pytest.approx(
+        1.6
+    )
+    row = plan.layers[0]
+    assert set(row.times) == {"float32", "bfloat16", "float16"}
+    assert 0 < row.errors["float16"] < row.errors["bfloat16"] < 0.01  # 11 vs 8 mantissa bits
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert mp.levels.applied(model) is None
+
+
+def test_layer_near_float16_range_gets_float32():
+    model = mlp()
+    with torch.no_grad():
+        model[2].weight.mul_(1e4)  # its outputs reach ~1e4, > 2**-4 of float16's 65504
+        model[4].weight.mul_(1e-4)  # and the logits stay as they were
+    timer = CostTimer({"float32": 1.0, "float16": 0.5})
+    sgd = lambda params: torch.optim.SGD(params, lr=0.0)  # noqa: E731 (range, not training)
+    plan = tune(model, candidates=("float32", "float16"), timer=timer, optimizer=sgd)
+    assert plan.dtypes["0"] == "float16"
+    assert plan.dtypes["2"] == "float32" and "float16 range" in plan.layers[1].why
+    assert plan.layers[1].headroom > 2**-4
+
+
+def test_tiny_layer_is_measured_not_assumed():
+    # The timer says bfloat16 costs more than float32 on layer 4 alone (casts on a tiny
+    # layer): the search flips it back to float32 because the whole step gets faster.
+    timer = CostTimer({"float32": 1.0, "bfloat16": 0.5}, {("4", "bfloat16"): 1.5})
+    plan = tune(mlp(), candidates=("float32", "bfloat16"), timer=timer)
+    assert plan.dtypes == {"0": "bfloat16", "2": "bfloat16", "4": "float32"}
+    assert plan.layers[2].times == {"float32": 1.0, "bfloat16": 1.5}
+    assert plan.layers[2].why == "float32: step 20% faster than with bfloat16 (measured)"
+    assert plan.step_times["plan"] == 2.0
+
+
+def test_budget_zero_gives_the_float32_plan():
+    plan = tune(mlp(), error_budget=0, timer=CostTimer({"float32": 1.0}))
+    assert set(plan.dtypes.values()) == {"float32"}
+    assert {row.why for row in plan.layers} == {"error budget 0: float32 only"}
+
+
+def test_error_over_budget_goes_to_float32():
+    timer = CostTimer({"float32": 1.0, "bfloat16": 0.5})
+    plan = tune(mlp(), candidates=("float32", "bfloat16"), error_budget=1e-4, timer=timer)
+    assert set(plan.dtypes.values()) == {"float32"}
+    assert (
+        plan.layers[0].why.startswith("bfloat16 error ") and "> budget 0.0001" in plan.layers[0].why
+    )
+
+
+def test_slow_candidate_left_out_with_measured_reason():
+    timer = CostTimer({"float32": 1.0, "bfloat16": 0.5, "float16": 3.0})
+    plan = tune(mlp(), candidates=("float32", "bfloat16", "float16"), timer=timer)
+    assert plan.left_out["float16"].startswith(
+        "measured 3.0x float32's time on its largest layer 2 (3e+03 ms against 1e+03 ms)"
+    )
+    assert "float16" not in plan.layers[0].times
+
+
+def test_float8_on_cpu_is_left_out_and_says_why():
+    pytest.importorskip("torchao")
+    timer = CostTimer({"float32": 1.0, "bfloat16": 0.5, "float8": 40.0})
+    plan = tune(mlp(), candidates=("float32", "bfloat16", "float8"), timer=timer)
+    assert "float8" not in plan.dtypes.values()
+    assert "reference kernel" in plan.left_out["float8"]
+    assert "on 16 of its input rows" in plan.left_out["float8"]
+
+
+def test_float8_probe_on_cpu_takes_16_rows_of_the_smallest_layer():
+    pytest.importorskip("torchao")
+    seen = []
+
+    class Rows(CostTimer):
+        def layer(self, name, dtype, run):
+            result = run()  # the probe's runs return [output, input grad, weight grad]
+            seen.append((dtype, result[0].shape[0] if isinstance(result, list) else None))
+            return self.cost(name, dtype)
+
+    timer = Rows({"float32": 1.0, "float8": 40.0})
+    plan = mp.autotune(mlp(), batch(256), F.cross_entropy, candidates=("float32", "float8"),
+                       timer=timer, check_steps=2)  # fmt: skip
+    assert seen[:3] == [("float32", 16), ("float8", 16), ("float32", 16)]  # the same rows
+    assert "its smallest layer 0, on 16 of its input rows" in plan.left_out["float8"]
+
+
+def test_failed_training_check_sends_the_worst_layer_to_float32(monkeypatch):
+    real = check_module.difference
+    calls = iter([0.5])  # the first comparison fails, the rest are measured
+    monkeypatch.setattr(check_module, "difference", lambda a, b: next(calls, None) or real(a, b))
+    timer = CostTimer({"float32": 1.0, "bfloat16": 0.5})
+    plan = tune(mlp(), candidates=("float32", "bfloat16"), timer=timer)
+    (moved,) = plan.check.sent_to_float32
+    assert plan.check.passed and plan.dtypes[moved] == "float32"
+    row = next(r for r in plan.layers if r.name == moved)
+    assert row.why == (
+        "bfloat16 failed the training check: loss 5.0e-01 from float32's > budget 0.05 (the "
+        "largest error of its own)"
+    )
+    assert row.errors["bfloat16"] == max(r.errors["bfloat16"] for r in plan.layers)
+    assert plan.step_times["plan"] == 2.0  # timed again after the check changed it
+
+
+def test_plan_round_trips_json_and_applies_identically(tmp_path):
+    timer = CostTimer({"float32": 1.0, "bfloat16": 0.5})
+    plan = tune(mlp(), candidates=("float32", "bfloat16"), timer=timer)
+    loaded = mp.Plan.load(plan.save(tmp_path / "plan.json"))
+    assert loaded == plan
+    x, _ = batch()
+    a = mp.auto_mixed_precision(mlp(), plan=plan)
+    b = mp.auto_mixed_precision(mlp(), plan=loaded)
+    assert torch.equal(a(x), b(x))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"candidates": "bfloat16"}, r"candidates='bfloat16' is invalid; give a tuple"),
+        ({"candidates": ("int8",)}, r"candidates holds 'int8'; valid dtypes: float32"),
+        ({"error_budget": -1}, r"error_budget=-1 is invalid"),
+        ({"check_steps": 0}, r"check_steps=0 is invalid"),
+    ],
+)
+def test_bad_arguments_one_line(kwargs, message):
+    with pytest.raises(ArgumentError, match=message):
+        tune(mlp(), timer=CostTimer({"float32": 1.0}), **kwargs)
+
+
+def test_prepared_model_and_bad_batch_refused():
+    prepared = mp.auto_mixed_precision(mlp(), "mixed_bfloat16")
+    with pytest.raises(ArgumentError, match="needs the float32 model"):
+        tune(prepared)
+    with pytest.raises(ArgumentError, match=r"needs \(inputs, targets\)"):
+        mp.autotune(mlp(), torch.randn(2, 16), F.cross_entropy)
+
+
+def test_plan_slower_than_float32_falls_back_to_float32():
+    # Layers 2 and 4 must stay float32 (float16's range); the timer makes any mixed plan
+    # slow (the casts between float32 and float16 layers): the plan is float32, and says why.
+    class MixedIsSlow(CostTimer):
+        def step(self, dtypes, level, run):
+            mixed = len(set(dtypes.values())) > 1
+            return super().step(dtypes, level, run) + 10.0 * mixed
+
+    model = mlp()
+    with torch.no_grad():
+        model[2].weight.mul_(1e4)
+        model[4].weight.mul_(1e-4)
+    timer = MixedIsSlow({"float32": 1.0, "float16": 0.5})
+    sgd = lambda params: torch.optim.SGD(params, lr=0.0)  # noqa: E731 (range, not training)
+    plan = tune(model, candidates=("float32", "float16"), timer=timer, optimizer=sgd)
+    assert set(plan.dtypes.values()) == {"float32"}
+    assert plan.layers[0].why == "the plan timed slower than float32 (1.25e+04 ms against 3e+03 ms)"
+    assert plan.step_times["plan"] == 3.0
+
+
+def test_no_time_left_gives_float32_and_a_one_step_check():
+    timer = CostTimer({"float32": 1.0, "bfloat16": 0.5})
+    plan = tune(mlp(), candidates=("float32", "bfloat16"), time_budget_s=0, timer=timer)
+    assert set(plan.dtypes.values()) == {"float32"} and plan.check.steps == 1
+    assert plan.layers[1].times == {"float32": 1.0, "bfloat16": 0.5}  # the probe (largest)
+    assert plan.layers[0].times == {} and plan.layers[0].errors == {}  # not measured
+    assert plan.layers[0].why == "not measured within the time budget"
+
+
+def test_failed_check_at_o3_tries_o2_before_moving_layers(monkeypatch):
+    class O3Fastest(CostTimer):
+        def step(self, dtypes, level, run):
+            return super().step(dtypes, level, run) - 0.2 * (level == "O3")
+
+    real = check_module.difference
+    calls = iter([0.5])  # O3's curve fails; O2's is measured (and passes)
+    monkeypatch.setattr(check_module, "difference", lambda a, b: next(calls, None) or real(a, b))
+    plan = tune(
+        mlp(),
+        candidates=("float32", "bfloat16"),
+        timer=O3Fastest({"float32": 1.0, "bfloat16": 0.5}),
+    )
+    assert plan.level == "O2" and plan.check.level_from == "O3"
+    assert plan.check.sent_to_float32 == () and set(plan.dtypes.values()) == {"bfloat16"}
+    assert "level O3 -> O2 (float32 master weights)" in str(plan)
+    assert plan.step_times["plan"] == 1.5  # timed again, at O2
