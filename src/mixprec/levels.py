@@ -27,7 +27,6 @@ model gets the level as under ``mixed_bfloat16``. O0 converts nothing.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -81,11 +80,9 @@ _UNSET_GLOBAL = global_policy()
 @functools.lru_cache(maxsize=1)
 def _say_auto(name: str, reason: str) -> None:
     """Once per process: what ``policy=None`` resolved to, with no global policy set."""
-    warnings.warn(
+    warn_at_caller(
         f"no policy given and none set globally: policy='auto' chose {name} ({reason}). Pass "
-        "policy= (policy='float32' keeps float32) or call mp.set_global_policy(...) to choose",
-        UserWarning,
-        stacklevel=3,
+        "policy= (policy='float32' keeps float32) or call mp.set_global_policy(...) to choose"
     )
 
 
@@ -213,11 +210,9 @@ def auto_mixed_precision(
     resolved = get_policy("auto" if defaulted else policy)
     lvl = resolve_level(level, resolved)
     if lvl in ("O1", "O2", "O3") and not resolved.is_mixed:
-        warnings.warn(
+        warn_at_caller(
             f"level={lvl} with the float32 policy {resolved.name!r} changes nothing: pass "
-            "policy='mixed_bfloat16' or 'mixed_float16' (or set_global_policy)",
-            UserWarning,
-            stacklevel=2,
+            "policy='mixed_bfloat16' or 'mixed_float16' (or set_global_policy)"
         )
     if hasattr(model, _APPLIED_ATTR):
         done: Applied = getattr(model, _APPLIED_ATTR)

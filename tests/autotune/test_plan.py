@@ -163,3 +163,20 @@ def test_trainer_takes_a_planned_model():
     history = trainer.fit(x, y, batch_size=16, epochs=1, verbose=0)
     assert applied(model).plan is not None and model[0].weight.dtype == torch.bfloat16
     assert len(history.history["loss"]) == 1
+
+
+def test_trainer_and_build_train_step_take_plan_and_refuse_another():
+    plan = measured_plan()
+    model = tiny()
+    trainer = mp.Trainer(model, "sparse_categorical_crossentropy", "sgd", device="cpu", plan=plan)
+    assert applied(model).plan == plan and model[0].weight.dtype == torch.bfloat16
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    assert len(trainer.fit(x, y, batch_size=16, epochs=1, verbose=0).history["loss"]) == 1
+    # The same plan again is accepted; a model prepared otherwise is refused in one line.
+    mp.build_train_step(model, "sgd", "mse", plan=plan)
+    other = mp.auto_mixed_precision(tiny(), "mixed_bfloat16", "O2")
+    with pytest.raises(mp.ArgumentError, match=r"plan=: the model was already prepared with "
+                       r"policy mixed_bfloat16; build the model again"):  # fmt: skip
+        mp.build_train_step(other, "sgd", "mse", plan=plan)
+    with pytest.raises(mp.ArgumentError, match="plan"):
+        mp.Trainer(tiny(), "mse", "sgd", "mixed_bfloat16", plan=plan)  # plan alone

@@ -92,3 +92,19 @@ def test_a_loss_scale_warning_points_at_fit():
         trainer.fit(x, y, batch_size=4, epochs=1, verbose=0)
     health = [w for w in record if "skipped" in str(w.message)]
     assert health and {w.filename for w in health} == {__file__}, [str(w.message) for w in record]
+
+
+def test_the_float32_policy_level_warning_points_at_the_users_line_through_the_trainer():
+    # "level=O2 with the float32 policy changes nothing" pointed into train/step.py when
+    # build_train_step or Trainer raised it (a fixed stacklevel).
+    lines = []
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        lines.append(_next_line())
+        mp.auto_mixed_precision(make_mlp(), "float32", "O2")
+        lines.append(_next_line())
+        mp.build_train_step(make_mlp(), "sgd", "mse", "float32", "O2")
+        lines.append(_next_line())
+        mp.Trainer(make_mlp(), "mse", "sgd", "float32", "O2")
+    said = [w for w in record if "with the float32 policy" in str(w.message)]
+    assert [(w.filename, w.lineno) for w in said] == [(__file__, n) for n in lines]

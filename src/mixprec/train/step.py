@@ -20,6 +20,7 @@ from torch import nn
 from mixprec._calling import call
 from mixprec._compile import CompileOption, compile_options, compile_step
 from mixprec._errors import ArgumentError
+from mixprec._plan_apply import PlanLike
 from mixprec.levels import Applied, applied, auto_mixed_precision, resolve_level
 from mixprec.optim import LossScaleOptimizer, StepResult
 from mixprec.policy import PolicyLike, get_policy
@@ -171,6 +172,7 @@ def build_train_step(
     compile: CompileOption = False,
     *,
     amp_level: str | None = None,
+    plan: PlanLike | None = None,
 ) -> TrainStep:
     """Prepare ``model`` (unless ``auto_mixed_precision`` was already applied) and wrap
     ``optimizer`` (unless it is a ``LossScaleOptimizer``); return the step callable.
@@ -179,7 +181,8 @@ def build_train_step(
     ``mixprec.train.optimizers``), built over ``model.parameters()`` with Keras' defaults.
     ``amp_level``: MindSpore's keyword, in place of ``level``, as ``auto_mixed_precision``
     takes it. ``compile``: ``True`` or a dict of ``torch.compile`` options compiles the
-    forward and the loss together (see ``TrainStep``)."""
+    forward and the loss together (see ``TrainStep``). ``plan``: an ``mp.autotune`` plan,
+    applied as ``auto_mixed_precision(model, plan=plan)`` (alone: not with policy or level)."""
     compile_options(compile)  # a bad value fails before the model is changed
     if isinstance(model, nn.Module):  # else auto_mixed_precision says what model must be
         if isinstance(optimizer, str):
@@ -187,8 +190,16 @@ def build_train_step(
             optimizer = get_optimizer(optimizer, model.parameters())
         check_optimizer_covers(model, optimizer)  # before the model changes
     done = applied(model)
-    if done is None:
+    if done is None and plan is not None:
+        auto_mixed_precision(model, policy, level, amp_level=amp_level, plan=plan)
+    elif done is None:
         auto_mixed_precision(model, policy, level, amp_level=amp_level)
+    elif plan is not None and done.plan != plan:
+        raise ArgumentError(
+            "plan=: the model was already prepared "
+            + ("with another plan" if done.plan is not None else f"with policy {done.policy.name}")
+            + "; build the model again and give the plan once"
+        )
     elif (
         (policy is not None and get_policy(policy) != done.policy)
         or (level != "auto" and resolve_level(level, done.policy) != done.level)

@@ -25,6 +25,7 @@ from mixprec._calling import call
 from mixprec._compile import CompileOption, compile_options
 from mixprec._device import resolve_device
 from mixprec._errors import ArgumentError
+from mixprec._plan_apply import PlanLike
 from mixprec.checkpoint import load_checkpoint
 from mixprec.levels import applied
 from mixprec.optim import StepResult
@@ -146,7 +147,8 @@ class Trainer:
     ``Trainer(model, loss, optimizer, policy="mixed_bfloat16")`` applies the policy and level
     to ``model`` (in place) and wraps ``optimizer`` in a ``LossScaleOptimizer``. ``optimizer``
     may be a Keras name (``"adam"``, ``"sgd"``...) with Keras' defaults; ``amp_level`` is
-    MindSpore's keyword for the level, as ``auto_mixed_precision`` takes it. ``compile``
+    MindSpore's keyword for the level, as ``auto_mixed_precision`` takes it; ``plan`` an
+    ``mp.autotune`` plan in their place. ``compile``
     (``True`` or a dict of ``torch.compile`` options) compiles each training step's forward
     and loss; evaluation and prediction run the model as it is. With ``accumulation_steps``,
     the last micro-steps of an epoch are applied at its end, as their mean.
@@ -169,6 +171,7 @@ class Trainer:
         compile: CompileOption = False,
         *,
         amp_level: str | None = None,
+        plan: PlanLike | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ArgumentError(
@@ -190,6 +193,7 @@ class Trainer:
             trace_overflow,
             compile,
             amp_level=amp_level,
+            plan=plan,
         )
         self.health = ScalerHealth()
         self._watch = _HealthWatch(self.health, model, compile_options(compile) is None)
