@@ -33,6 +33,34 @@ def test_zero_grad_frees_master_gradients_unless_zeroing():
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
 
 
+def test_keep_grad_buffers_keeps_the_master_gradients_and_trains_the_same():
+    # keep_grad_buffers=True: the float32 master gradients outlive zero_grad (the same
+    # tensors every step), and training is bit for bit the default's.
+    runs = []
+    for keep in (False, True):
+        model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+        opt = mp.LossScaleOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2), keep_grad_buffers=keep
+        )
+        buffers = []
+        for _ in range(3):
+            opt.zero_grad()
+            opt.backward(loss_of(model))
+            assert opt.step().applied
+            buffers.append([m.grad for _, m in opt.master_weights()])
+        opt.zero_grad()
+        if keep:
+            assert all(a is b for a, b in zip(buffers[0], buffers[2], strict=True))
+        assert opt.master_weights() and all(
+            (m.grad is not None) == keep for _, m in opt.master_weights()
+        )
+        assert all(p.grad is None for p in model.parameters())
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    with pytest.raises(TypeError, match=r"keep_grad_buffers must be True or False, got 1"):
+        mp.LossScaleOptimizer(torch.optim.SGD(make_mlp().parameters()), keep_grad_buffers=1)
+
+
 def test_masters_are_float32_and_seeded_from_unrounded_weights():
     reference = make_mlp()
     model, opt = prepared()

@@ -85,6 +85,9 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
     schedule (start at ``2**15``, double after ``2000`` clean steps, halve on overflow, no
     ceiling, no floor above float32's smallest normal) in place of mixprec's default.
 
+    ``keep_grad_buffers=True`` keeps the masters' float32 gradients across ``zero_grad``: 4
+    bytes a parameter more at the peak, no fresh allocation (page faults) each step.
+
     Build it after ``auto_mixed_precision``: the first backward raises ``MisuseError`` when the
     model was prepared later. ``health`` (a ``ScalerHealth``; ``None`` turns it off) warns once
     when steps keep being skipped. A step where no parameter has a gradient applies nothing.
@@ -100,6 +103,7 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
         *,
         initial_scale: float | None = None,
         dynamic_growth_steps: int | None = None,
+        keep_grad_buffers: bool = False,
     ) -> None:
         # torch.optim.Optimizer.__init__ is not called: groups and state are the inner ones.
         if initial_scale is not None or dynamic_growth_steps is not None:
@@ -110,6 +114,11 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.accumulation_steps = accumulation_steps
         self._weights = MasterWeights()
+        if not isinstance(keep_grad_buffers, bool):
+            raise ArgumentError(
+                f"keep_grad_buffers must be True or False, got {keep_grad_buffers!r}"
+            )
+        self._weights.keep_grads = keep_grad_buffers
         for inner in self.optimizers:
             for i, group in enumerate(inner.param_groups):
                 group["params"] = self._weights.adopt(inner, group["params"], f"param_groups[{i}]")
