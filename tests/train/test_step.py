@@ -260,3 +260,42 @@ def test_a_trainer_fits_evaluates_and_predicts_a_model_returning_a_dict():
     trainer.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert set(trainer.evaluate(x, y)) >= {"loss", "accuracy"}
     assert trainer.predict(x).shape == (32, 3)
+
+
+@pytest.mark.parametrize("compiled_ms", [0.0, 20.0], ids=["faster", "slower"])
+def test_a_compiled_step_slower_than_eager_is_said_once(compiled_ms):
+    # Issue 30: Trainer(compile=True) / build_train_step(compile=...) time steps 4-6 compiled
+    # and 7-9 eagerly, once, and say when compiling made the step slower. The compiled
+    # forward here is eager code made slower by a sleep (the eager backend compiles nothing).
+    import time as _time
+
+    x, y = classification_data(n=16)
+    model = make_mlp()
+    step = mp.build_train_step(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), "cross_entropy",
+        compile={"backend": "eager"},
+    )  # fmt: skip
+    eager = step._forward_and_loss
+
+    def slowed(xb, yb):
+        _time.sleep(compiled_ms / 1000)
+        return eager(xb, yb)
+
+    def slowed_eager(xb, yb):
+        _time.sleep(0.02)
+        return eager(xb, yb)
+
+    step._forward_loss = slowed
+    if not compiled_ms:  # compiled faster: the eager steps sleep instead
+        step._forward_and_loss = slowed_eager  # type: ignore[method-assign]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(12):
+            step(x, y)
+    said = [w for w in record if "compiled training step took" in str(w.message)]
+    if compiled_ms:
+        assert len(said) == 1 and said[0].filename == __file__
+        assert "compile=False trains faster here" in str(said[0].message)
+        assert "(medians of 3 steps each, steps 4-9)" in str(said[0].message)
+    else:
+        assert said == []

@@ -11,6 +11,8 @@ Composition only: the model is prepared by ``auto_mixed_precision`` and the opti
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,6 +31,10 @@ from mixprec.train.metrics import LossFn, get_loss
 from mixprec.train.optimizers import get_optimizer
 from mixprec.train.warn import warn
 
+#: A compiled step's first calls compile (not timed); the next ``_PROBE`` are timed
+#: compiled and as many eagerly; compiled more than ``_SLOWER`` times eager is said once.
+_WARMUP, _PROBE, _SLOWER = 3, 3, 1.10
+
 
 class TrainStep:
     """One training step: zero grads, forward, loss, scaled backward, step.
@@ -37,7 +43,9 @@ class TrainStep:
     detached model output (for metrics). With ``compile``, the forward and the loss run as one
     ``torch.compile``'d function (so inductor fuses the output's upcast into the loss); the
     loss scaling and the optimizer step run outside the graph, so a new scale, a skipped step
-    or an accumulation micro-step compile nothing new."""
+    or an accumulation micro-step compile nothing new. Compiled, steps 4-6 are timed and
+    steps 7-9 run eagerly, timed, once: a compiled step slower than eager is said (compiling
+    does not always pay: on CPU most of a step can be kernels it only calls)."""
 
     def __init__(
         self,
@@ -56,6 +64,12 @@ class TrainStep:
             if options is None
             else compile_step(self._forward_and_loss, options, model)
         )
+        # Compiled: calls _WARMUP.. are timed compiled, then as many eagerly, once, to say
+        # when compiling made the step slower (not with accumulation: uneven calls).
+        self._calls = 0
+        self._probe: list[float] | None = (
+            [] if options is not None and optimizer.accumulation_steps == 1 else None
+        )
         # Under CUDA graphs (reduce-overhead, max-autotune, the cudagraphs backend, inductor's
         # global or environment setting) the next replay overwrites this step's loss, and
         # torch raises where a caller kept it (a list of losses). Which options record graphs
@@ -71,15 +85,34 @@ class TrainStep:
     ) -> tuple[torch.Tensor, StepResult]:
         """One micro-step; with ``flush``, an accumulation group that is not full yet is
         applied now, as the mean over the micro-steps it has (the last batch of an epoch)."""
+        timed = self._probe is not None and self._calls >= _WARMUP
+        eager = timed and self._calls >= _WARMUP + _PROBE
+        start = time.perf_counter()
         self.optimizer.zero_grad()
-        loss, output = self._forward_loss(x, y)
+        loss, output = (self._forward_and_loss if eager else self._forward_loss)(x, y)
         self.optimizer.backward(loss)
         if flush and self.optimizer.accumulation_steps > 1:
             result = apply_partial_group(self.optimizer)
         else:
             result = self.optimizer.step()
         self.last_output = output.detach()
+        self._calls += 1
+        if timed and self._probe is not None:
+            self._probe.append(time.perf_counter() - start)
+            if len(self._probe) == 2 * _PROBE:
+                self._say_if_compiled_is_slower(self._probe)
+                self._probe = None
         return (loss.detach().clone() if self._copy_loss else loss.detach()), result
+
+    @staticmethod
+    def _say_if_compiled_is_slower(times: list[float]) -> None:
+        compiled, eager = statistics.median(times[:_PROBE]), statistics.median(times[_PROBE:])
+        if compiled > _SLOWER * eager:
+            warn(
+                f"compile: on this machine a compiled training step took {1e3 * compiled:.2f} "
+                f"ms and an eager one {1e3 * eager:.2f} ms (medians of {_PROBE} steps each, "
+                f"steps {_WARMUP + 1}-{_WARMUP + 2 * _PROBE}): compile=False trains faster here"
+            )
 
 
 def model_output(output: Any) -> torch.Tensor:
