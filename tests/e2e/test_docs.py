@@ -3,6 +3,7 @@
 - A ```python block is executed on its own, in a fresh namespace, in a temporary working
   directory, under a time limit: each block is self-contained (its imports and its tiny data).
 - A block preceded by ``<!-- not-run: REASON -->`` is not executed; the reason is required.
+  One whose reason says it needs torchrun runs under torchrun on 2 processes (gloo, CPU).
 - Shell blocks (```bash, ```sh, ```console) are not executed, but each ``mixprec SUBCOMMAND``
   they use must exist: ``mixprec SUBCOMMAND --help`` exits 0, once per subcommand.
 - Other blocks (program output, untagged) are text.
@@ -11,8 +12,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -104,6 +108,7 @@ for _page in PAGES:
     MARKERS += _markers
 
 RUN = [b for b in BLOCKS if b.lang in PYTHON and b.not_run is None]
+TORCHRUN = [b for b in BLOCKS if b.lang in PYTHON and b.not_run and "torchrun" in b.not_run]
 
 
 def subcommands() -> list[str]:
@@ -224,3 +229,19 @@ def test_cli_subcommand_exists(sub: str, capsys: pytest.CaptureFixture[str]) -> 
         cli_main([sub, "--help"])
     assert exit_.value.code == 0, f"`mixprec {sub} --help` exited {exit_.value.code}"
     assert "usage: mixprec" in capsys.readouterr().out
+
+
+def test_torchrun_blocks_are_found() -> None:
+    # The distributed and FSDP2 examples: a renamed marker must not make the test below empty.
+    assert len(TORCHRUN) >= 2
+
+
+@pytest.mark.parametrize("block", TORCHRUN, ids=[b.id for b in TORCHRUN])
+def test_torchrun_block_runs_on_two_processes(block: Block, tmp_path: Path) -> None:
+    script = tmp_path / "block.py"
+    script.write_text("\n" * block.line + block.code, encoding="utf-8")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(script)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{block.id}:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
