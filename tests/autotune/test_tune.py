@@ -130,6 +130,23 @@ def test_float8_on_cpu_is_left_out_and_says_why():
     assert "on 16 of its input rows" in plan.left_out["float8"]
 
 
+def test_a_candidate_with_no_kernel_here_is_left_out_not_raised():
+    # oneDNN limited to AVX2 (an AVX2-only CPU) has no float8 matmul: torch._scaled_mm
+    # raised "could not create a primitive descriptor" out of autotune.
+    class NoKernel(CostTimer):
+        def layer(self, name, dtype, run):
+            if dtype == "float16":
+                raise RuntimeError("could not create a primitive descriptor for the matmul\nmore")
+            return super().layer(name, dtype, run)
+
+    timer = NoKernel({"float32": 1.0, "bfloat16": 0.5, "float16": 0.4})
+    plan = tune(mlp(), candidates=("float32", "bfloat16", "float16"), timer=timer)
+    assert plan.left_out["float16"] == (
+        "fails on this machine: could not create a primitive descriptor for the matmul"
+    )
+    assert set(plan.dtypes.values()) <= {"float32", "bfloat16"}
+
+
 def test_float8_probe_on_cpu_takes_16_rows_of_the_smallest_layer():
     pytest.importorskip("torchao")
     seen = []
