@@ -20,6 +20,7 @@ import torch
 from mixprec._errors import ArgumentError
 
 __all__ = [
+    "check_finite",
     "load_digits",
     "load_mnist",
     "synthetic_classification",
@@ -175,6 +176,21 @@ def synthetic_tokens(
     return tokens
 
 
+def check_finite(t: torch.Tensor, arg: str, name: str = "data") -> None:
+    """Raise ``ValueError`` naming how many values of ``t`` (``arg``: "x", "y") are NaN or
+    inf and the first sample holding one; integer tensors pass."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return
+    bad = ~torch.isfinite(t)
+    count = int(bad.sum())
+    if count:
+        first = int(bad.reshape(len(t), -1).any(dim=1).nonzero()[0, 0])
+        raise ValueError(
+            f"{name}: {arg} has {count} non-finite value(s) (NaN or inf); the first is in "
+            f"sample {first}"
+        )
+
+
 def validate_classification(
     x: torch.Tensor, y: torch.Tensor, num_classes: int | None = None, name: str = "data"
 ) -> None:
@@ -193,15 +209,7 @@ def validate_classification(
         raise ValueError(f"{name}: x has {len(x)} samples but y has {len(y)} labels")
     if len(x) == 0:
         raise ValueError(f"{name} is empty: 0 samples")
-    if x.is_floating_point() or x.is_complex():
-        bad = ~torch.isfinite(x)
-        count = int(bad.sum())
-        if count:
-            first = int(bad.reshape(len(x), -1).any(dim=1).nonzero()[0, 0])
-            raise ValueError(
-                f"{name}: x has {count} non-finite value(s) (NaN or inf); the first is in "
-                f"sample {first}"
-            )
+    check_finite(x, "x", name)
     if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
         raise ValueError(
             f"{name}: labels must have an integer dtype, got {y.dtype}; convert with y.long()"

@@ -15,7 +15,7 @@ import torch
 
 from mixprec import distributed
 from mixprec._errors import ArgumentError
-from mixprec.data import validate_classification
+from mixprec.data import check_finite, validate_classification
 from mixprec.train.metrics import LossFn, get_loss
 from mixprec.train.warn import warn
 
@@ -172,21 +172,7 @@ def validate(x: Any, y: Any, loss_fn: LossFn, count_classes: Callable[[torch.Ten
     if len(xt) == 0:
         raise ValueError("data is empty: 0 samples")
     for arg, t in (("x", xt), ("y", yt)):
-        _check_finite(t, arg)
-
-
-def _check_finite(t: torch.Tensor, arg: str) -> None:
-    """The message ``validate_classification`` gives for non-finite features."""
-    if not (t.is_floating_point() or t.is_complex()):
-        return
-    bad = ~torch.isfinite(t)
-    count = int(bad.sum())
-    if count:
-        first = int(bad.reshape(len(t), -1).any(dim=1).nonzero()[0, 0])
-        raise ValueError(
-            f"data: {arg} has {count} non-finite value(s) (NaN or inf); the first is in "
-            f"sample {first}"
-        )
+        check_finite(t, arg)
 
 
 def mark_last(data: Iterable[Batch]) -> Iterator[tuple[Batch, bool]]:
