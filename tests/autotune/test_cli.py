@@ -53,6 +53,10 @@ def test_bad_spec_and_candidates_are_one_line(capsys):
     assert cli.main(["autotune", "--model", "no_such_module_xyz:net"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--model 'no_such_module_xyz:net'" in err[0]
+    # A name that is no model is refused, not tuned as the CNN.
+    assert cli.main(["autotune", "--model", "resnet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "resnet" in err[0] and "mlp" in err[0]
     assert cli.main(["autotune", "--workload", "mlp-b64", "--candidates", "int8"]) == 2
     assert "candidates holds 'int8'" in capsys.readouterr().err
 

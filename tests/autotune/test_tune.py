@@ -260,3 +260,20 @@ def test_failed_check_at_o3_tries_o2_before_moving_layers(monkeypatch):
     assert plan.check.sent_to_float32 == () and set(plan.dtypes.values()) == {"bfloat16"}
     assert "level O3 -> O2 (float32 master weights)" in str(plan)
     assert plan.step_times["plan"] == 1.5  # timed again, at O2
+
+
+def test_an_all_float32_plan_is_not_trained_twice_in_its_check(monkeypatch):
+    # The float32 plan is the check's reference: its curve is trained once, not again as
+    # "the plan" (a float32 fallback spent up to 2/3 of the time left on a copy).
+    calls = []
+    real = check_module.curve
+
+    def counting(search, dtypes, level, steps):
+        calls.append((tuple(sorted(set(dtypes.values()))), level, steps))
+        return real(search, dtypes, level, steps)
+
+    monkeypatch.setattr(check_module, "curve", counting)
+    plan = tune(mlp(), candidates=("float32",), timer=CostTimer({"float32": 1.0}))
+    assert set(plan.dtypes.values()) == {"float32"} and plan.check.passed
+    assert plan.check.max_difference == 0.0
+    assert calls == [(("float32",), "O0", 1), (("float32",), "O0", plan.check.steps)]

@@ -57,11 +57,13 @@ def training_check(search: Search, steps: int, deadline: float) -> TrainingCheck
     moved: list[str] = []
     level_from = None
     while True:
+        half = [name for name, d in search.dtypes.items() if d != "float32"]
+        if not half:  # the float32 plan is the reference: trained once, not twice
+            return TrainingCheck(n, search.budget, 0.0, True, tuple(moved), level_from)
         search.progress(f"training check: {n} steps")
         losses = curve(search, search.dtypes, search.level, n)
         diff = difference(losses, reference)
-        half = [name for name, d in search.dtypes.items() if d != "float32"]
-        if diff <= search.budget or not half:
+        if diff <= search.budget:
             return TrainingCheck(n, search.budget, diff, True, tuple(moved), level_from)
         if time.monotonic() > deadline:
             return TrainingCheck(n, search.budget, diff, False, tuple(moved), level_from)

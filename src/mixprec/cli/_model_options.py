@@ -97,6 +97,15 @@ def is_spec(value: str) -> bool:
 def check_model_options(args: argparse.Namespace) -> None:
     """Refuse a bad shared option before any data is loaded; a ``module:function`` must
     name a function that can be called with no arguments (it is not called here)."""
+    check_model_and_data(args)
+    policy_option("policy", args.policy)
+    if args.level.upper() not in (*LEVELS, "AUTO"):
+        choice("level", args.level, [*LEVELS, "auto"])
+
+
+def check_model_and_data(args: argparse.Namespace) -> None:
+    """``--model``, ``--data`` and ``--batch-size`` of ``check_model_options``, for commands
+    without ``--policy``/``--level`` (``autotune``)."""
     if is_spec(args.model):
         load_factory("--model", args.model, MODEL_FACTORY)
     else:
@@ -105,9 +114,6 @@ def check_model_options(args: argparse.Namespace) -> None:
         load_factory("--data", args.data, DATA_FACTORY)
     elif args.data not in ("digits", "synthetic") and not args.data.startswith("mnist:"):
         _name_or_spec("data", args.data, DATA)
-    policy_option("policy", args.policy)
-    if args.level.upper() not in (*LEVELS, "AUTO"):
-        choice("level", args.level, [*LEVELS, "auto"])
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
 

@@ -12,17 +12,14 @@ from typing import Any
 import torch
 
 from mixprec._plan_apply import PLAN_DTYPES
-from mixprec.cli._common import UsageError, output_file, plot_file
+from mixprec.cli._common import output_file, plot_file
 from mixprec.cli._model_options import (
-    DATA_FACTORY,
-    MODEL_FACTORY,
     SPEC_HELP,
     TRAIN_MODELS,
     build_model,
+    check_model_and_data,
     classes_of,
-    is_spec,
     load_data,
-    load_factory,
 )
 
 HELP = "choose each layer's dtype by its measured speed and error on this machine"
@@ -71,12 +68,7 @@ def _problem(args: argparse.Namespace) -> tuple[torch.nn.Module, tuple[Any, Any]
         work = get_workload(args.workload, small=args.small)
         torch.manual_seed(args.seed)
         return work.make_model(), work.batch, work.loss_fn
-    if is_spec(args.model):
-        load_factory("--model", args.model, MODEL_FACTORY)
-    if is_spec(args.data):
-        load_factory("--data", args.data, DATA_FACTORY)
-    if args.batch_size < 1:
-        raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    check_model_and_data(args)  # a name that is no model is refused, not taken as the CNN
     splits = load_data(args.data, args.seed)
     (x, y), _ = splits
     torch.manual_seed(args.seed)
