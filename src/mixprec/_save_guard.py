@@ -9,8 +9,9 @@ holder loses the masters and the scale without a word, and a resume restarts fro
 rounded weights with a fresh scale.
 
 How it is seen: a ``state_dict`` pre-hook on the model (``guard_saves``), which runs on every
-``model.state_dict()`` and is a dictionary lookup and a return unless the call comes from one
-of those two saves. It looks a few frames up the call stack for ``Fabric.save`` or
+``model.state_dict()``: a few dictionary lookups and a return unless Fabric or accelerate is
+imported and the model has not been warned about. Then it looks up to 16 frames up the call
+stack for ``Fabric.save`` or
 ``Accelerator.save_state`` (compared by module and function name: neither framework is
 imported) and reads what that call saves: ``Fabric.save``'s ``state`` argument, the
 Accelerator's registered objects and prepared optimizers. None of them holding the model's
@@ -40,15 +41,16 @@ from typing import Any, Protocol
 
 from torch import nn
 
-__all__ = ["Holder", "guard_saves"]
+__all__ = ["FABRIC_MODULES", "Holder", "guard_saves"]
 
 #: How many frames above the hook a save's own frame may be (Fabric: save,
 #: save_checkpoint, _convert_stateful_objects_in_state, get_module_state_dict, a wrapper's
 #: state_dict, then the model's; accelerate: save_state, get_state_dict, DDP, the model).
 _MAX_DEPTH = 16
 
-_FABRIC_MODULES = ("lightning.fabric.fabric", "lightning_fabric.fabric")
+FABRIC_MODULES = ("lightning.fabric.fabric", "lightning_fabric.fabric")
 _ACCELERATE_MODULE = "accelerate.accelerator"
+_SAVE_MODULES = (*FABRIC_MODULES, _ACCELERATE_MODULE)
 _MASTERS_AND_SCALE = "the float32 master weights and the loss scale"
 
 
@@ -93,8 +95,8 @@ def guard_saves(model: nn.Module, holder: Holder | None = None) -> None:
 
 def _on_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     guard = _GUARDS.get(module)
-    if guard is None or guard.warned:
-        return
+    if guard is None or guard.warned or not any(m in sys.modules for m in _SAVE_MODULES):
+        return  # a save by neither framework: no frame walk on every state_dict() call
     found = _enclosing_save(sys._getframe(1))
     if found is None:
         return
@@ -118,7 +120,7 @@ def _enclosing_save(frame: FrameType | None) -> tuple[str, FrameType, int] | Non
     depth = 1  # ``frame`` is the hook's caller: Module.state_dict
     while frame is not None and depth <= _MAX_DEPTH:
         name, module = frame.f_code.co_name, frame.f_globals.get("__name__")
-        if name == "save" and module in _FABRIC_MODULES:
+        if name == "save" and module in FABRIC_MODULES:
             return "fabric", frame, depth
         if name == "save_state" and module == _ACCELERATE_MODULE:
             return "accelerate", frame, depth

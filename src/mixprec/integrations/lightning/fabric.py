@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mixprec._errors import ArgumentError, MisuseError
-from mixprec._save_guard import guard_saves
+from mixprec._save_guard import FABRIC_MODULES, guard_saves
 from mixprec.casting import cast_floating, get_region
 from mixprec.integrations.lightning._lightning import FabricPrecision
 from mixprec.integrations.lightning.precision import _MixprecPlugin
@@ -21,7 +21,6 @@ from mixprec.optim import LossScaleOptimizer, StepResult
 from mixprec.scaling import DynamicLossScaler
 
 _FABRIC_WRAPPERS = ("lightning.fabric.wrappers", "lightning_fabric.wrappers")
-_FABRIC_MODULES = ("lightning.fabric.fabric", "lightning_fabric.fabric")
 
 
 class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[misc]
@@ -201,7 +200,7 @@ def _calling_wrapper() -> Any:
         name, module = frame.f_code.co_name, frame.f_globals.get("__name__")
         if name == "step" and module in _FABRIC_WRAPPERS:
             return frame.f_locals.get("self")
-        if name == "clip_gradients" and module in _FABRIC_MODULES:
+        if name == "clip_gradients" and module in FABRIC_MODULES:
             given = frame.f_locals.get("optimizer")
             return given if "_optimizer" in getattr(given, "__dict__", {}) else None
         frame = frame.f_back
