@@ -30,7 +30,7 @@ from torch import nn
 from mixprec._dtypes import closest
 from mixprec._errors import ArgumentError
 from mixprec.casting import to_float
-from mixprec.float8 import ALIGNMENT, Float8Options
+from mixprec.float8 import Float8Options, linear_refusal
 from mixprec.keep import keep_list
 
 __all__ = ["PLAN_DTYPES", "PlanArguments", "PlanLike", "plan_arguments"]
@@ -80,17 +80,9 @@ def _refuse_others(given: Mapping[str, Any]) -> None:
 
 def _float8_ready(name: str, module: nn.Module) -> None:
     """A float8 plan entry must be a Linear that torchao's float8 Linear can replace."""
-    if type(module) is not nn.Linear:
-        raise ArgumentError(
-            f"plan gives {name!r} float8, but it is a {type(module).__name__}; float8 applies "
-            "to nn.Linear layers (exactly that type)"
-        )
-    k, n = module.in_features, module.out_features
-    if k % ALIGNMENT or n % ALIGNMENT:
-        raise ArgumentError(
-            f"plan gives {name!r} float8, but its in/out features {k}/{n} are not multiples "
-            f"of {ALIGNMENT}, which float8 matmuls need"
-        )
+    reason = linear_refusal(module)
+    if reason is not None:
+        raise ArgumentError(f"plan gives {name!r} float8, but {reason}, which float8 needs")
 
 
 def plan_arguments(model: nn.Module, plan: PlanLike, **given: Any) -> PlanArguments:

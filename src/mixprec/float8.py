@@ -212,6 +212,21 @@ def _threshold_text(recipe: str, options: Float8Options) -> str:
     return f"below torchao's {recipe} size threshold ({rule}; measured on H100)"
 
 
+def linear_refusal(module: nn.Module) -> str | None:
+    """Why torchao's float8 Linear cannot replace ``module`` (exactly ``nn.Linear``, in/out
+    features multiples of ``ALIGNMENT``), or ``None`` when it can. The one statement of
+    that rule: conversion, ``mp.autotune`` and plans all ask it."""
+    if type(module) is not nn.Linear:
+        if isinstance(module, nn.Linear):
+            return f"{type(module).__name__} is a Linear subclass whose forward may differ"
+        kind = type(module).__name__
+        return f"it is a {kind}; float8 applies to nn.Linear layers (exactly that type)"
+    k, n = module.in_features, module.out_features
+    if k % ALIGNMENT or n % ALIGNMENT:
+        return f"in/out features {k}/{n} are not multiples of {ALIGNMENT}"
+    return None
+
+
 def _refusal(
     name: str,
     module: nn.Linear,
@@ -230,10 +245,9 @@ def _refusal(
         return "kept bfloat16 (keep_bfloat16)"
     if id(module) in inside_attention:
         return "inside MultiheadAttention, which reads its weight without calling it"
-    if type(module) is not nn.Linear:
-        return f"{type(module).__name__} is a Linear subclass whose forward may differ"
-    if k % ALIGNMENT or n % ALIGNMENT:
-        return f"in/out features {k}/{n} are not multiples of {ALIGNMENT}"
+    kernel = linear_refusal(module)
+    if kernel is not None:
+        return kernel
     if options.module_filter_fn is not None:
         if not options.module_filter_fn(module, name):
             return "module_filter_fn returned False"

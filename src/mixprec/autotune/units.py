@@ -13,7 +13,7 @@ from torch import nn
 from mixprec._errors import ArgumentError
 from mixprec._module_kinds import is_half_storage
 from mixprec._plan_apply import PLAN_DTYPES
-from mixprec.float8 import ALIGNMENT, torchao_float8
+from mixprec.float8 import ALIGNMENT, linear_refusal, torchao_float8
 
 __all__ = ["Timer", "WallTimer", "available", "check_candidates", "float8_ready", "units"]
 
@@ -35,11 +35,7 @@ def units(model: nn.Module) -> dict[str, nn.Module]:
 def float8_ready(module: nn.Module) -> bool:
     """Whether torchao's float8 Linear can replace ``module`` (exact ``nn.Linear``, dims
     multiples of 16)."""
-    return (
-        type(module) is nn.Linear
-        and module.in_features % ALIGNMENT == 0
-        and module.out_features % ALIGNMENT == 0
-    )
+    return linear_refusal(module) is None
 
 
 def check_candidates(candidates: object) -> tuple[str, ...]:
