@@ -93,17 +93,24 @@ def _upcast_16bit(model: nn.Module, level: str, masters: bool) -> None:
     done = upcast_16bit(model) if level != "O3" or masters else []
     if not done:
         return
+    what, dtypes, restored = upcast_note(done)
+    why = {"O2": "master weights and norms", "O3": "master weights"}.get(level, "weights")
+    warn_at_caller(
+        f"auto_mixed_precision: {what} of the model were {dtypes}; upcast to float32 so that "
+        f"{level} has float32 {why}; the precision lost when they were rounded to 16 bits is "
+        f"not recovered{restored}"
+    )
+
+
+def upcast_note(done: list[tuple[str, torch.dtype, bool]]) -> tuple[str, str, str]:
+    """What ``casting.upcast_16bit`` returned, in words: ("10 parameters and 2 buffers",
+    "bfloat16", " (N restored from the float32 values they were loaded from)" or "")."""
     n, restored = sum(k == "parameter" for k, _, _ in done), sum(kept for *_, kept in done)
     counts = ((n, "parameter"), (len(done) - n, "buffer"))
     what = " and ".join(f"{k} {noun}{'s' * (k != 1)}" for k, noun in counts if k)
     dtypes = " and ".join(sorted({dtype_name(dtype) for _, dtype, _ in done}))
-    why = {"O2": "master weights and norms", "O3": "master weights"}.get(level, "weights")
-    lost = f" ({restored} restored from the float32 values they were loaded from)" * (restored > 0)
-    warn_at_caller(
-        f"auto_mixed_precision: {what} of the model were {dtypes}; upcast to float32 so that "
-        f"{level} has float32 {why}; the precision lost when they were rounded to 16 bits is "
-        f"not recovered{lost}"
-    )
+    again = f" ({restored} restored from the float32 values they were loaded from)" * bool(restored)
+    return what, dtypes, again
 
 
 @dataclass(frozen=True)

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec._dtypes import HALF_DTYPES, dtype_name
+from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import ArgumentError
 from mixprec._warn import warn_at_caller
 from mixprec.casting import first_floating, upcast_16bit
-from mixprec.levels import applied
+from mixprec.levels import applied, upcast_note
 
 __all__ = [
     "Recorder",
@@ -59,13 +59,7 @@ def float32_upcast(model: nn.Module, who: str) -> nn.Module:
     if not any(t.dtype in HALF_DTYPES for t in tensors):
         return model
     upcast = copy.deepcopy(model)
-    done = upcast_16bit(upcast)
-    n = sum(kind == "parameter" for kind, _, _ in done)
-    counts = ((n, "parameter"), (len(done) - n, "buffer"))
-    what = " and ".join(f"{k} {noun}{'s' * (k != 1)}" for k, noun in counts if k)
-    dtypes = " and ".join(sorted({dtype_name(dtype) for _, dtype, _ in done}))
-    restored = sum(kept for *_, kept in done)
-    again = f" ({restored} restored from the float32 values they were loaded from)" * bool(restored)
+    what, dtypes, again = upcast_note(upcast_16bit(upcast))
     warn_at_caller(
         f"{who}: {what} of the model were {dtypes}; it diagnoses a float32 upcast copy (the "
         f"model itself is not modified): the precision lost when they were rounded to 16 bits "
