@@ -33,8 +33,9 @@ def cpuinfo_field(name: str) -> str | None:
     return None
 
 
-def _cpu_flags() -> set[str]:
-    return set((cpuinfo_field("flags") or "").split())
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
+    return frozenset((cpuinfo_field("flags") or "").split())
 
 
 #: The CPU flags of fast 16-bit matrix work, by the names vendors give them: the bfloat16
@@ -56,13 +57,8 @@ def cpu_fast(dtype: str) -> bool:
     matrix units; else oneDNN emulates them, slower than float32. From the CPU's flags, as
     ``probe_hardware`` reads them (``amx_tile`` counts for bfloat16), or where there are
     none to read (macOS, Windows), from ``probe_hardware``'s oneDNN answer."""
-    flags = _cpu_flags()
-    if not flags:
-        hw = probe_hardware()
-        return hw.device == "cpu" and (hw.bf16_fast if dtype == "bfloat16" else hw.fp16_fast)
-    if dtype == "bfloat16":
-        return bool(flags & {"avx512_bf16", "amx_bf16", "amx_tile"})
-    return dtype == "float16" and "amx_fp16" in flags
+    cpu = probe_cpu()
+    return cpu.bf16_fast if dtype == "bfloat16" else dtype == "float16" and cpu.fp16_fast
 
 
 def cpu_model(name: str | None = None) -> str:
@@ -87,6 +83,12 @@ def probe_hardware() -> Hardware:
         # Ampere (8.0) and later run bf16 matmuls on tensor cores at fp16 speed.
         bf16 = bool(torch.cuda.is_bf16_supported()) and major >= 8
         return Hardware("cuda", bf16, major >= 7, f"CUDA {name} (sm_{major}{minor})")
+    return probe_cpu()
+
+
+def probe_cpu() -> Hardware:
+    """The CPU's 16-bit matrix units, whether or not a GPU is present (``probe_hardware``
+    answers for the GPU where there is one). Not cached: it reads the cached CPU flags."""
     flags = _cpu_flags()
     units = sorted(flags & {"avx512_bf16", "amx_bf16", "amx_tile"})
     if units:

@@ -22,7 +22,7 @@ from torch import nn
 
 from mixprec._compile import CompileOption, compile_options
 from mixprec._errors import ArgumentError
-from mixprec._hardware import cpu_fast, probe_hardware
+from mixprec._hardware import cpu_fast, probe_cpu, probe_hardware
 from mixprec._rng import same_draws
 from mixprec.autotune.check import training_check
 from mixprec.autotune.measure import LayerData, isolated_run, layer_error, reference_pass
@@ -57,7 +57,7 @@ def _hint(dtype: str, device: torch.device) -> str:
     if dtype == "float8":
         return "; on CPU torch._scaled_mm is a reference kernel, not float8 matrix units"
     if not cpu_fast(dtype):
-        return f"; this CPU has no fast {dtype} matrix units ({probe_hardware().detail})"
+        return f"; this CPU has no fast {dtype} matrix units ({probe_cpu().detail})"
     return ""
 
 
@@ -213,5 +213,6 @@ def autotune(
         search.step_times.pop("plan", None)
         if time.monotonic() < start + time_budget_s:
             search.step_times["plan"] = search.time_step(search.dtypes, search.level, "the plan")
+    machine = (probe_cpu() if device.type == "cpu" else probe_hardware()).detail
     return Plan(rows, search.level, left_out, dict(search.step_times), float(error_budget),
-                check, probe_hardware().detail)  # fmt: skip
+                check, machine)  # fmt: skip
