@@ -10,6 +10,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.optim import optimizer as _torch_optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from mixprec._dtypes import HALF_DTYPES, dtype_name
@@ -37,6 +38,16 @@ def watch_plain_optimizers() -> None:
     pass."""
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_first_step))
+
+
+def no_other_global_hooks() -> bool:
+    """No global optimizer step hook is installed but this guard (which does nothing after
+    an optimizer's first step): ``optim.direct`` may then skip ``Optimizer.step``'s hook
+    calls."""
+    pre = _torch_optimizer._global_optimizer_pre_hooks
+    return not _torch_optimizer._global_optimizer_post_hooks and all(
+        h is _first_step for h in pre.values()
+    )
 
 
 def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -21,7 +21,9 @@ from mixprec._dist import agree_found_inf, is_distributed, is_dtensor
 from mixprec._errors import ArgumentError, MisuseError, shown
 from mixprec._save_guard import guard_saves
 from mixprec.optim.checks import SetupCheck, no_gradients, watch_health
+from mixprec.optim.direct import FusedStep
 from mixprec.optim.fused import _fuse, _unfuse_sparse, needs_scaling
+from mixprec.optim.host_step import host_step
 from mixprec.optim.keras_api import KerasMethods, keras_scaler
 from mixprec.optim.masters import MasterWeights, warn_if_eps_vanishes
 from mixprec.optim.state_dict import StateDictMethods
@@ -32,7 +34,6 @@ from mixprec.scaling import (
     NoOpLossScaler,
     StaticLossScaler,
     all_finite,
-    finite_on_cpu,
 )
 from mixprec.scaling.health import ScalerHealth
 from mixprec.trace import OverflowTracer, model_of
@@ -61,6 +62,8 @@ class _Bookkeeping:
     # weight to check, a scaler whose unscale at scale 1 is the check alone.
     host_path: bool = False
     said_no_grads: bool = False  # the no-gradient step was warned about (once)
+    # The inner optimizers' steps as direct fused-kernel calls (host_step uses them).
+    fused: list[FusedStep] = field(default_factory=list)
 
 
 class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
@@ -133,7 +136,7 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
         self._loss_scaler = loss_scaler or (
             DynamicLossScaler() if needs_scaling(model_params) else NoOpLossScaler()
         )
-        self._book = _Bookkeeping()
+        self._book = _Bookkeeping(fused=[FusedStep(inner) for inner in self.optimizers])
         self._decide_host_path()
         self.health: ScalerHealth | None = ScalerHealth()
         self._tracer = _make_tracer(trace_overflow, model_params)
@@ -254,7 +257,7 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
         self._book.fresh = False
         if self._book.micro < self.accumulation_steps:
             return StepResult(False, False, self._loss_scaler.get_scale(), accumulating=True)
-        result = _host_step(self) if self._book.found_inf is None else None
+        result = host_step(self) if self._book.found_inf is None else None
         if result is None:
             if self._book.found_inf is None:
                 self._unscale()
@@ -343,55 +346,6 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
             f"loss_scaler={self._loss_scaler!r}, masters={len(self._weights.masters)}, "
             f"max_grad_norm={self.max_grad_norm}, accumulation_steps={self.accumulation_steps})"
         )
-
-
-def _host_step(opt: LossScaleOptimizer) -> StepResult | None:
-    """The whole step on the host, or None where the general path is needed.
-
-    Taken on CPU, in one process, at scale 1 (float32, and bfloat16 at O1, O2 and O3:
-    the default) with nothing to clip or trace and no float16 weight to check: a
-    read-only finiteness check of the gradients as they are, its answer read at once (no
-    synchronisation on CPU); then, on a clean step, the 16-bit gradients into the masters'
-    float32 ones, the inner step and the masters back into the 16-bit weights, each one
-    kernel. The tensor flags, collective and copies of ``LossScaleOptimizer._finish`` would
-    be per-step work that plain training does not do. A function, not a method: the class
-    stays within its size, and under ``torch.compile`` it returns at the first test."""
-    weights = opt._weights
-    if (
-        not opt._book.host_path
-        or opt.max_grad_norm is not None  # public attributes: set after construction too
-        or opt._tracer is not None
-        or opt._loss_scaler.get_scale() != 1.0
-        or torch.compiler.is_compiling()
-        or is_distributed()
-    ):
-        return None
-    # Checked before they are widened: reading the 16-bit gradients is half the bytes,
-    # and a skipped step then copies nothing.
-    grads = [p.grad for p in weights.half if p.grad is not None] + weights.plain_grads()
-    if not grads:
-        return no_gradients(opt._book, 1.0)
-    if any(g.is_sparse for g in grads):
-        grads = [g._values() if g.is_sparse else g for g in grads]
-    overflow = not finite_on_cpu(grads)
-    if not overflow and weights.half:
-        weights.follow_external_writes()
-        weights.load_master_grads()
-    # The tail of _finish, restated: as a function of its own shared by both, it cost
-    # torch.compile(opt.step) two more graphs, and dynamo then traced the scaler's
-    # float32 rounding into a recursion in its struct polyfill (torch 2.13).
-    if not overflow:
-        for inner in opt.optimizers:
-            if weights.saw_sparse:
-                _unfuse_sparse(inner)
-            inner.step()
-        if weights.half:
-            with torch.no_grad():
-                torch._foreach_copy_(weights.half, weights.masters)
-            weights.versions = weights.half_versions()
-    opt._loss_scaler.update(overflow)
-    opt._book.micro = 0
-    return StepResult(applied=not overflow, found_inf=overflow, scale=1.0)
 
 
 def _checked_arguments(

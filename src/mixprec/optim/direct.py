@@ -1,0 +1,161 @@
+"""``FusedStep``: torch's fused Adam, AdamW and SGD kernels called with tensor lists built once.
+
+``Optimizer.step()`` rebuilds its tensor lists, groups them by device and dtype, and runs
+its hooks and a profiler record on every call. For small models that is a large share of
+the step: fused AdamW on the MLP 784-512-512-10 took 492 us through ``opt.step()`` and 318
+us as the same two kernel calls with lists cached (2 threads, Intel Xeon with AMX,
+torch 2.13). ``FusedStep`` makes exactly the calls torch's ``_fused_adam`` and
+``_fused_sgd`` make (the same update, bit for bit, and the same state) once the
+optimizer's own first step has built its state.
+
+It hands back to ``opt.step()`` (``step`` returns False) whenever torch's step could do
+something it does not: hooks (but mixprec's own guard, which is done after an optimizer's
+first step), a ``step`` patched on the instance (a learning-rate scheduler given the inner
+optimizer), the profiler, a group that is not fused or has capturable, differentiable or
+tensor hyperparameters, mixed devices or dtypes in a group, a parameter without a
+gradient, or state it has not seen (``load_state_dict`` replaces it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mixprec._plain_optimizers import no_other_global_hooks
+
+__all__ = ["FusedStep"]
+
+_ADAM = (torch.optim.Adam, torch.optim.AdamW)
+_SGD = torch.optim.SGD
+
+# One group's cached lists: (group dict, its params list object, that list's length,
+# the state lists the kernel takes).
+_Cached = tuple[dict[str, Any], list[torch.Tensor], int, list[list[torch.Tensor]]]
+
+
+class FusedStep:
+    """The inner optimizer's step as direct fused-kernel calls, where that is the same."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+        self._kind = type(inner) if type(inner) in (*_ADAM, _SGD) else None
+        self._state: object = None  # the inner.state the lists were built from
+        self._cached: list[_Cached] = []
+
+    def step(self) -> bool:
+        """Step the inner optimizer directly; False (nothing done) where it must step
+        itself."""
+        inner = self.inner
+        if (
+            self._kind is None
+            or "step" in inner.__dict__
+            or inner._optimizer_step_pre_hooks
+            or inner._optimizer_step_post_hooks
+            or not no_other_global_hooks()
+            or torch.autograd.profiler._is_profiler_enabled
+        ):
+            return False
+        stale = self._state is not inner.state or len(self._cached) != len(inner.param_groups)
+        if stale and not self._build():
+            return False
+        grads = []
+        for group, params, n, _ in self._cached:
+            if group["params"] is not params or len(params) != n or not self._plain(group):
+                self._state = None  # rebuilt (or refused) next time
+                return False
+            g = [p.grad for p in params]
+            if any(t is None for t in g):
+                return False
+            grads.append(g)
+        with torch.no_grad():
+            for (group, params, _, lists), g in zip(self._cached, grads, strict=True):
+                if params:
+                    self._call(group, params, g, lists)
+        return True
+
+    def _plain(self, group: dict[str, Any]) -> bool:
+        """The group runs torch's fused kernel with Python-number hyperparameters."""
+        if group.get("fused") is not True or group.get("differentiable"):
+            return False
+        if self._kind is _SGD:
+            return isinstance(group["lr"], float)
+        return (
+            not group.get("capturable")
+            and isinstance(group["lr"], float)
+            and all(isinstance(b, float) for b in group["betas"])
+        )
+
+    def _build(self) -> bool:
+        """Cache every group's lists from the optimizer's state; False before its first
+        step (no state yet) or for anything ``step`` does not cover."""
+        inner, cached = self.inner, []
+        for group in inner.param_groups:
+            params = group["params"]
+            if not self._plain(group):
+                return False
+            if params and len({(p.device, p.dtype) for p in params}) != 1:
+                return False  # torch would make one call per (device, dtype)
+            states = [inner.state.get(p) for p in params]
+            if any(not s for s in states):
+                return False
+            keys = (
+                ("momentum_buffer",)
+                if self._kind is _SGD
+                else ("exp_avg", "exp_avg_sq", "step")
+                + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+            )
+            if self._kind is _SGD and not group["momentum"]:
+                keys = ()
+            lists = [[s.get(k) for s in states] for k in keys]  # type: ignore[union-attr]
+            if any(not isinstance(t, torch.Tensor) for lst in lists for t in lst):
+                return False
+            if self._kind is not _SGD and any(
+                t.device != p.device for t, p in zip(lists[2], params, strict=True)
+            ):
+                return False
+            cached.append((group, params, len(params), lists))
+        self._cached, self._state = cached, inner.state
+        return True
+
+    def _call(
+        self,
+        group: dict[str, Any],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        lists: list[list[torch.Tensor]],
+    ) -> None:
+        if self._kind is _SGD:
+            torch._fused_sgd_(
+                params,
+                grads,
+                lists[0] if lists else [],
+                weight_decay=group["weight_decay"],
+                momentum=group["momentum"],
+                lr=group["lr"],
+                dampening=group["dampening"],
+                nesterov=group["nesterov"],
+                maximize=group["maximize"],
+                is_first_step=False,  # the state holds the momentum buffers
+            )
+            return
+        exp_avgs, exp_avg_sqs, steps = lists[:3]
+        torch._foreach_add_(steps, 1)
+        decoupled = group.get("decoupled_weight_decay", self._kind is torch.optim.AdamW)
+        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        beta1, beta2 = group["betas"]
+        kernel(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            lists[3] if len(lists) > 3 else [],
+            steps,
+            amsgrad=group["amsgrad"],
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+        )
