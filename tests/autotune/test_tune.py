@@ -277,3 +277,22 @@ def test_an_all_float32_plan_is_not_trained_twice_in_its_check(monkeypatch):
     assert set(plan.dtypes.values()) == {"float32"} and plan.check.passed
     assert plan.check.max_difference == 0.0
     assert calls == [(("float32",), "O0", 1), (("float32",), "O0", plan.check.steps)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none here)")
+def test_on_cuda_each_candidate_is_timed_and_the_plan_trains_there():
+    """Issue 34 item 5: the same code on a GPU, with wall-clock timings (the timer waits for
+    CUDA work) and float8 decided per Linear by measurement, where torchao can run it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256)).cuda()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(512, 256, generator=g).cuda(), torch.randn(512, 256, generator=g).cuda()
+    plan = mp.autotune(model, (x, y), F.mse_loss, check_steps=5, time_budget_s=60)
+    assert plan.check is not None and plan.check.passed
+    for row in plan.layers:
+        timed = set(row.times) | set(plan.left_out)
+        assert {"float32", "bfloat16", "float16", "float8"} <= timed
+        assert all(t > 0 for t in row.times.values())
+    assert "CUDA" in plan.machine
+    tuned = mp.auto_mixed_precision(copy.deepcopy(model), plan=plan)
+    assert torch.isfinite(F.mse_loss(tuned(x).float(), y))
