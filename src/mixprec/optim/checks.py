@@ -26,7 +26,7 @@ from mixprec._errors import ArgumentError, MisuseError
 from mixprec.casting import POLICY_ATTR
 from mixprec.optim.fused import needs_scaling
 from mixprec.optim.masters import MasterWeights, needs_master
-from mixprec.optim.step_result import StepResult
+from mixprec.optim.step_result import DeviceFlag, StepResult
 from mixprec.scaling import LossScaler, NoOpLossScaler
 from mixprec.scaling.health import ScalerHealth, scale_floor
 
@@ -112,8 +112,8 @@ def watch_health(health: ScalerHealth | None, result: StepResult, scaler: LossSc
 
     Under ``torch.compile(opt.step)`` this runs eagerly: traced, its counters and window
     would be guards, and every step would compile again."""
-    if health is None or result.accumulating:
-        return
+    if health is None or result.accumulating or isinstance(result.found_inf, DeviceFlag):
+        return  # a step decided on the device is observed when it is read (optim.deferred)
     if torch.compiler.is_compiling():
         _observe_eagerly(health, result, scaler)
     else:
@@ -121,7 +121,9 @@ def watch_health(health: ScalerHealth | None, result: StepResult, scaler: LossSc
 
 
 def _observe(health: ScalerHealth, result: StepResult, scaler: LossScaler) -> None:
-    message = health.observe(scaler.state, result.found_inf, result.overflow, scale_floor(scaler))
+    message = health.observe(
+        scaler.state, bool(result.found_inf), result.overflow, scale_floor(scaler)
+    )
     if message:
         # _observe <- watch_health <- step (or apply_gradients) <- the caller's line.
         warnings.warn(message, UserWarning, stacklevel=4)

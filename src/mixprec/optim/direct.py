@@ -1,4 +1,5 @@
-"""``FusedStep``: torch's fused Adam, AdamW and SGD kernels called with tensor lists built once.
+"""``FusedStep``: torch's fused Adam, AdamW and SGD kernels (and plain SGD's one add per
+parameter) called with tensor lists built once.
 
 ``Optimizer.step()`` rebuilds its tensor lists, groups them by device and dtype, and runs
 its hooks and a profiler record on every call. For small models that is a large share of
@@ -43,9 +44,26 @@ class FusedStep:
         self._state: object = None  # the inner.state the lists were built from
         self._cached: list[_Cached] = []
 
-    def step(self) -> bool:
+    def step(self, found_inf: torch.Tensor | None = None) -> bool:
         """Step the inner optimizer directly; False (nothing done) where it must step
-        itself."""
+        itself. With ``found_inf`` (a 0-dim float32 tensor on the parameters' device) the
+        fused kernels skip the update on the device when it is nonzero, as torch's
+        optimizers do for ``GradScaler``: no host read decides; plain SGD cannot, so it
+        answers False then."""
+        return _step_eagerly(self, found_inf)  # type: ignore[no-any-return]
+
+    def _step(self, found_inf: torch.Tensor | None) -> bool:
+        grads = self._grads(skip_on_device=found_inf is not None)
+        if grads is None:
+            return False
+        with torch.no_grad():
+            for (group, params, _, lists), g in zip(self._cached, grads, strict=True):
+                if params:
+                    self._call(group, params, g, lists, found_inf)
+        return True
+
+    def _grads(self, skip_on_device: bool) -> list[list[torch.Tensor]] | None:
+        """Each cached group's gradients, or None where ``inner.step()`` must run."""
         inner = self.inner
         if (
             self._kind is None
@@ -55,36 +73,35 @@ class FusedStep:
             or not no_other_global_hooks()
             or torch.autograd.profiler._is_profiler_enabled
         ):
-            return False
+            return None
         stale = self._state is not inner.state or len(self._cached) != len(inner.param_groups)
         if stale and not self._build():
-            return False
+            return None
         grads = []
         for group, params, n, _ in self._cached:
             if group["params"] is not params or len(params) != n or not self._plain(group):
                 self._state = None  # rebuilt (or refused) next time
-                return False
+                return None
+            if skip_on_device and not group.get("fused"):
+                return None
             g = [p.grad for p in params]
             if any(t is None for t in g):
-                return False
+                return None
             grads.append(g)
-        with torch.no_grad():
-            for (group, params, _, lists), g in zip(self._cached, grads, strict=True):
-                if params:
-                    self._call(group, params, g, lists)
-        return True
+        return grads
 
     def _plain(self, group: dict[str, Any]) -> bool:
-        """The group runs torch's fused kernel with Python-number hyperparameters."""
-        if group.get("fused") is not True or group.get("differentiable"):
+        """The group runs torch's fused kernel, or is plain SGD (one add per parameter),
+        with Python-number hyperparameters."""
+        if group.get("differentiable") or not isinstance(group["lr"], float):
+            return False
+        if self._kind is _SGD and not group.get("fused"):
+            return not (group["momentum"] or group["weight_decay"] or group["maximize"])
+        if group.get("fused") is not True:
             return False
         if self._kind is _SGD:
-            return isinstance(group["lr"], float)
-        return (
-            not group.get("capturable")
-            and isinstance(group["lr"], float)
-            and all(isinstance(b, float) for b in group["betas"])
-        )
+            return True
+        return not group.get("capturable") and all(isinstance(b, float) for b in group["betas"])
 
     def _build(self) -> bool:
         """Cache every group's lists from the optimizer's state; False before its first
@@ -96,9 +113,6 @@ class FusedStep:
                 return False
             if params and len({(p.device, p.dtype) for p in params}) != 1:
                 return False  # torch would make one call per (device, dtype)
-            states = [inner.state.get(p) for p in params]
-            if any(not s for s in states):
-                return False
             keys = (
                 ("momentum_buffer",)
                 if self._kind is _SGD
@@ -106,7 +120,10 @@ class FusedStep:
                 + (("max_exp_avg_sq",) if group["amsgrad"] else ())
             )
             if self._kind is _SGD and not group["momentum"]:
-                keys = ()
+                keys = ()  # SGD without momentum keeps no state
+            states = [inner.state.get(p) for p in params] if keys else []
+            if any(not s for s in states):
+                return False
             lists = [[s.get(k) for s in states] for k in keys]  # type: ignore[union-attr]
             if any(not isinstance(t, torch.Tensor) for lst in lists for t in lst):
                 return False
@@ -124,7 +141,12 @@ class FusedStep:
         params: list[torch.Tensor],
         grads: list[torch.Tensor],
         lists: list[list[torch.Tensor]],
+        found_inf: torch.Tensor | None,
     ) -> None:
+        if self._kind is _SGD and not group.get("fused"):
+            # torch's SGD without momentum: param.add_(grad, alpha=-lr), per parameter.
+            torch._foreach_add_(params, grads, alpha=-group["lr"])
+            return
         if self._kind is _SGD:
             torch._fused_sgd_(
                 params,
@@ -137,6 +159,7 @@ class FusedStep:
                 nesterov=group["nesterov"],
                 maximize=group["maximize"],
                 is_first_step=False,  # the state holds the momentum buffers
+                found_inf=found_inf,
             )
             return
         exp_avgs, exp_avg_sqs, steps = lists[:3]
@@ -158,4 +181,13 @@ class FusedStep:
             weight_decay=group["weight_decay"],
             eps=group["eps"],
             maximize=group["maximize"],
+            found_inf=found_inf,
         )
+        if found_inf is not None:  # a skipped step does not count, as in torch's _fused_adam
+            torch._foreach_sub_(steps, [found_inf] * len(steps))
+
+
+# Eager under torch.compile(opt.step), as torch runs its own fused optimizers (their
+# functional form is torch.compiler.disable'd): the checks above read hooks and
+# identities that would be guards, and the kernels are single calls either way.
+_step_eagerly = torch._disable_dynamo(FusedStep._step)  # type: ignore[attr-defined]

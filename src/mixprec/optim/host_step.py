@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mixprec._dist import is_distributed
+from mixprec.optim import deferred
 from mixprec.optim.checks import no_gradients
 from mixprec.optim.fused import _unfuse_sparse
 from mixprec.optim.step_result import StepResult
@@ -44,8 +45,10 @@ def host_step(opt: LossScaleOptimizer) -> StepResult | None:
         or opt._loss_scaler.get_scale() != 1.0
         or torch.compiler.is_compiling()
         or is_distributed()
+        or deferred.ON_HOST  # the device path asked for on CPU (tests)
     ):
         return None
+    opt._read_device_steps()  # earlier steps decided on the device count first
     # Checked before they are widened: reading the 16-bit gradients is half the bytes,
     # and a skipped step then copies nothing.
     grads = [p.grad for p in weights.half if p.grad is not None] + weights.plain_grads()

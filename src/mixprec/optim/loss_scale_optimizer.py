@@ -21,6 +21,7 @@ from mixprec._dist import agree_found_inf, is_distributed, is_dtensor
 from mixprec._errors import ArgumentError, MisuseError, shown
 from mixprec._save_guard import guard_saves
 from mixprec.optim.checks import SetupCheck, no_gradients, watch_health
+from mixprec.optim.deferred import Deferred, device_tail, on_device
 from mixprec.optim.direct import FusedStep
 from mixprec.optim.fused import _fuse, _unfuse_sparse, needs_scaling
 from mixprec.optim.host_step import host_step
@@ -64,6 +65,7 @@ class _Bookkeeping:
     said_no_grads: bool = False  # the no-gradient step was warned about (once)
     # The inner optimizers' steps as direct fused-kernel calls (host_step uses them).
     fused: list[FusedStep] = field(default_factory=list)
+    deferred: Deferred | None = None  # steps decided on the device, not yet read
 
 
 class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
@@ -137,6 +139,7 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
             DynamicLossScaler() if needs_scaling(model_params) else NoOpLossScaler()
         )
         self._book = _Bookkeeping(fused=[FusedStep(inner) for inner in self.optimizers])
+        self._book.deferred = Deferred(self._folded)
         self._decide_host_path()
         self.health: ScalerHealth | None = ScalerHealth()
         self._tracer = _make_tracer(trace_overflow, model_params)
@@ -185,7 +188,20 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
 
     @property
     def loss_scaler(self) -> LossScaler:
+        """The scaler, its counters up to date (steps decided on the device read first)."""
+        self._read_device_steps()
         return self._loss_scaler
+
+    def _read_device_steps(self) -> None:
+        deferred = self._book.deferred
+        if deferred is not None and deferred.pending:
+            deferred.fold()
+
+    def _folded(self, found_inf: bool) -> None:
+        """One step decided on the device, now read: count it and watch the health."""
+        self._loss_scaler.update(found_inf)
+        result = StepResult(not found_inf, found_inf, self._loss_scaler.get_scale())
+        watch_health(self.health, result, self._loss_scaler)
 
     def broadcast_masters(self, src: int = 0) -> None:
         """Make every rank's float32 masters (and so 16-bit weights) those of rank ``src``.
@@ -279,6 +295,9 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
             flags.append((~self._book.weights_finite).reshape(1).to(flags[0]))
         agreed = agree_found_inf(flags[0] if len(flags) == 1 else torch.cat(flags))
         scale = self._loss_scaler.get_scale()
+        if on_device(self) and self._book.fused[0].step(found_inf=agreed.reshape(())):
+            return device_tail(self, agreed.reshape(()), scale)
+        self._read_device_steps()  # earlier steps decided on the device count first
         norm = None
         if self.max_grad_norm is not None:
             dense = [p for p in self.master_params() if p.grad is not None and not p.grad.is_sparse]

@@ -122,7 +122,7 @@ class _HealthWatch:
     def observe(self, result: StepResult, scaler: LossScaler, loss: float) -> None:
         """Warn when the health check says so; trace the next step when it asks."""
         warning = self.health.observe(
-            scaler.state, result.found_inf, self.culprit(result), scale_floor(scaler), loss
+            scaler.state, bool(result.found_inf), self.culprit(result), scale_floor(scaler), loss
         )
         if warning:
             warn(warning)
