@@ -16,7 +16,7 @@ import mixprec as mp
 from mixprec.optim import deferred
 from mixprec.optim.step_result import DeviceFlag
 from mixprec.scaling import finite
-from tests.conftest import make_mlp
+from tests.conftest import classification_data, make_mlp
 from tests.optim._helpers import loss_of, same_state
 
 _CASES = {
@@ -185,3 +185,29 @@ def test_a_compiled_step_decides_on_the_device_with_no_recompile():
     # Graphs for torch's first step and for the device path; none after (the skipped
     # step 4 included): the skip is decided in the kernels, not by a branch.
     assert frames[1] == frames[-1]
+
+
+def test_the_trainer_logs_plain_bools_for_steps_decided_on_the_device(monkeypatch):
+    """A GPU run's steps are decided on the device; the Trainer's logs (JSON, CSV) get bools."""
+    monkeypatch.setattr(deferred, "ON_HOST", True)
+    logs: list[dict] = []
+    added = []
+    real_add = deferred.Deferred.add
+    monkeypatch.setattr(
+        deferred.Deferred, "add", lambda self, flag: added.append(1) or real_add(self, flag)
+    )
+
+    class Keep(mp.Callback):
+        def on_train_batch_end(self, step, batch_logs):
+            logs.append(dict(batch_logs))
+
+    torch.manual_seed(0)
+    model = make_mlp()
+    trainer = mp.Trainer(model, "cross_entropy", torch.optim.Adam(model.parameters(), lr=3e-3),
+                         policy="mixed_bfloat16", device="cpu")  # fmt: skip
+    x, y = classification_data(n=96)
+    trainer.fit(x, y, batch_size=32, epochs=1, callbacks=[Keep()], verbose=0)
+    assert [type(b["applied"]) for b in logs] == [bool] * 3
+    assert [b["applied"] for b in logs] == [True] * 3 and logs[-1]["global_step"] == 3
+    assert len(added) == 2  # steps 2 and 3 were decided on the device (1 built the state)
+    assert trainer.optimizer._book.deferred.pending == []

@@ -338,7 +338,10 @@ class Trainer:
                     ) from err
                 loss_value = loss.item()  # after the step's own sync: no extra stall
                 elapsed = time.perf_counter() - start
-                if result.applied:
+                # Plain bools for the callbacks' logs (a step decided on the device holds
+                # DeviceFlags): read after loss.item() above, so no extra stall.
+                applied, found_inf = bool(result.applied), bool(result.found_inf)
+                if applied:
                     self.global_step += 1
                 if not result.accumulating:
                     self._watch.observe(result, self.optimizer.loss_scaler, loss_value)
@@ -348,8 +351,8 @@ class Trainer:
                     {
                         "epoch": epoch,
                         "loss": loss_value,
-                        "applied": result.applied,
-                        "found_inf": result.found_inf,
+                        "applied": applied,
+                        "found_inf": found_inf,
                         "loss_scale": result.scale,
                         "step_ms": 1000 * elapsed,
                         "size": len(yb),
