@@ -6,6 +6,8 @@ the host step does, and keep the scaler's counters and health as an eager run wo
 
 from __future__ import annotations
 
+import copy
+import pickle
 import warnings
 
 import pytest
@@ -128,6 +130,14 @@ def test_what_steps_did_is_read_in_batches_and_when_asked(monkeypatch):
     opt, _, _ = _train("bf16-O2-adamw", steps=5, nan_at=())
     assert opt._book.deferred.pending == []
     assert opt._loss_scaler.state.steps == 5
+
+
+def test_a_result_pickles_and_copies_as_plain_bools(monkeypatch):
+    monkeypatch.setattr(deferred, "ON_HOST", True)
+    _, results, _ = _train("bf16-O2-adamw", steps=5, nan_at=(3,))
+    for copied in (pickle.loads(pickle.dumps(results[3])), copy.deepcopy(results[3])):
+        assert copied.applied is False and copied.found_inf is True
+        assert copied == results[3]
 
 
 def test_state_dict_and_load_count_the_unread_steps_first(monkeypatch):

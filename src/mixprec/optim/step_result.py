@@ -59,6 +59,10 @@ class DeviceFlag:
     def __repr__(self) -> str:
         return repr(bool(self))
 
+    def __reduce__(self) -> tuple[type[bool], tuple[bool]]:
+        # Pickled or copied as the bool it stands for, not with the optimizer behind it.
+        return bool, (bool(self),)
+
 
 @dataclass(frozen=True)
 class StepResult:
