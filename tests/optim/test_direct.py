@@ -194,3 +194,23 @@ def test_a_parameter_without_a_gradient_is_left_alone_as_torch_leaves_it(monkeyp
     _steps(model, opt, 1)
     assert torch.equal(frozen, before)
     assert counted.answers == [False, True, False]
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "value"),
+    [("sgd-dampening", "momentum", 0.0), ("adam-amsgrad-decay", "weight_decay", 0.5)],
+)
+def test_a_hyperparameter_changed_between_steps_is_taken_as_torch_takes_it(
+    name, key, value, monkeypatch
+):
+    def change(i, model, opt):
+        if i == 3:
+            for group in opt.param_groups:
+                group[key] = value
+
+    direct, answers = _run(_OPTIMIZERS[name], 6, monkeypatch, direct=True, between=change)
+    reference, _ = _run(_OPTIMIZERS[name], 6, monkeypatch, direct=False, between=change)
+    assert same_state(direct, reference)
+    # Momentum switched off: that step is torch's, the next ones use lists without buffers.
+    rebuilt = [False, True, True, False, True, True]
+    assert answers == (rebuilt if key == "momentum" else [False] + [True] * 5)

@@ -78,8 +78,13 @@ class FusedStep:
         if stale and not self._build():
             return None
         grads = []
-        for group, params, n, _ in self._cached:
-            if group["params"] is not params or len(params) != n or not self._plain(group):
+        for group, params, n, lists in self._cached:
+            if (
+                group["params"] is not params
+                or len(params) != n
+                or not self._plain(group)
+                or len(lists) != self._lists_needed(group)  # amsgrad or momentum switched
+            ):
                 self._state = None  # rebuilt (or refused) next time
                 return None
             if skip_on_device and not group.get("fused"):
@@ -102,6 +107,11 @@ class FusedStep:
         if self._kind is _SGD:
             return True
         return not group.get("capturable") and all(isinstance(b, float) for b in group["betas"])
+
+    def _lists_needed(self, group: dict[str, Any]) -> int:
+        if self._kind is _SGD:
+            return 1 if group["momentum"] else 0
+        return 4 if group["amsgrad"] else 3
 
     def _build(self) -> bool:
         """Cache every group's lists from the optimizer's state; False before its first
