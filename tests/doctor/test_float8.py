@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 import warnings
 
 import pytest
@@ -286,25 +287,41 @@ def test_a_failure_the_float32_model_does_not_share_is_not_blamed_on_the_batch()
     assert len(calls) == 2  # the float32 run took the batch
 
 
-def test_a_bfloat16_model_is_diagnosed_as_its_float32_upcast_with_one_note():
-    """Both copies the doctor prepares are upcast; the note is given once, at this line, and
-    the report is that of a float32 model holding the same rounded weights (exactly)."""
+@pytest.mark.parametrize(
+    ("dtype", "level"),
+    [(torch.bfloat16, "auto"), (torch.float16, "O3")],
+    ids=["bfloat16-auto", "float16-O3"],
+)
+def test_a_16_bit_model_is_diagnosed_as_its_float32_upcast_with_one_warning(dtype, level):
+    """As ``mp.diagnose`` does (test_diagnose's test of the same name): the report is that of
+    a float32 model holding the same rounded weights (exactly, tolerance 0), at every level
+    (O3 included); one warning, the doctor's, at the caller's line, also when ``mp.diagnose``
+    hands the model on; the model given keeps its dtype and values."""
     x, y = readings(16, seed=0)
     rounded = sensors()
     with torch.no_grad():
         for p in rounded.parameters():
-            p.copy_(p.bfloat16().float())
-    expected = diagnose_float8(rounded, x, y, F.mse_loss, float8=SMALL)
+            p.copy_(p.to(dtype).float())
+    expected = diagnose_float8(rounded, x, y, F.mse_loss, level=level, float8=SMALL)
+    model = sensors().to(dtype)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = diagnose_float8(sensors().to(torch.bfloat16), x, y, F.mse_loss, float8=SMALL)
-    notes = [w for w in caught if "upcast to float32" in str(w.message)]
-    assert [w.filename for w in notes] == [__file__]
-    assert str(notes[0].message).startswith(
-        "auto_mixed_precision: 10 parameters of the model were bfloat16; upcast to float32 so "
-        "that O2 has float32 master weights and norms"
-    )
-    assert report.to_dict() == expected.to_dict()
+        line = sys._getframe().f_lineno + 1
+        report = diagnose_float8(model, x, y, F.mse_loss, level=level, float8=SMALL)
+        via = mp.diagnose(model, x, y, F.mse_loss, "mixed_float8", level, float8=SMALL)
+    notes = [w for w in caught if "16 bits" in str(w.message)]  # the doctor's or levels'
+    assert [(w.filename, w.lineno) for w in notes] == [(__file__, line), (__file__, line + 1)]
+    assert {str(w.message) for w in notes} == {
+        f"diagnose_float8: 10 parameters of the model were {str(dtype)[6:]}; it diagnoses a "
+        "float32 upcast copy (the model itself is not modified): the precision lost when they "
+        "were rounded to 16 bits is not recovered"
+    }
+    assert report.to_dict() == via.to_dict() == expected.to_dict()
+    after = model.state_dict()
+    assert {k: v.dtype for k, v in after.items()} == {k: v.dtype for k, v in before.items()}
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert {p.dtype for p in model.parameters()} == {dtype} and mp.levels.applied(model) is None
 
 
 class Keyed(nn.Module):

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -47,7 +46,13 @@ from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
 from mixprec._rng import same_draws
 from mixprec.casting import get_region
-from mixprec.doctor._common import Recorder, check_finite_batch, float32_model, relative_error
+from mixprec.doctor._common import (
+    Recorder,
+    check_finite_batch,
+    float32_model,
+    float32_upcast,
+    relative_error,
+)
 from mixprec.doctor.float8_casts import (
     OPERANDS,
     CastStats,
@@ -352,9 +357,10 @@ def diagnose_float8(
     bfloat16; name the layers float8 hurts in ``recommended_keep_bfloat16`` (see the module
     docstring).
 
-    ``model`` is a float32 model; it is copied, never modified. ``policy``: a float8 policy
-    (``mixed_float8``, ``mixed_float8_rowwise``, ``mixed_float8_rowwise_with_gw_hp``, or a
-    ``Policy`` with a ``float8_recipe``). ``level``, ``float8``, ``keep_bfloat16`` and
+    ``model`` is a float32 model (a 16-bit one is diagnosed as its float32 upcast copy, with
+    one warning); it is copied, never modified. ``policy``: a float8 policy (``mixed_float8``,
+    ``mixed_float8_rowwise``, ``mixed_float8_rowwise_with_gw_hp``, or a ``Policy`` with a
+    ``float8_recipe``). ``level``, ``float8``, ``keep_bfloat16`` and
     ``keep_float32``: as ``auto_mixed_precision`` takes them, to diagnose the model as it
     will be trained. Refused in one line: a batch holding inf/NaN (every layer would look
     hurt), an empty one, one the float32 model fails on too, and a ``loss_fn`` that does not
@@ -381,7 +387,8 @@ def diagnose_float8(
             "layer to float8; valid: O1, O2, O3, auto (O2)"
         )
     keep_float32 = keep_list(keep_float32)
-
+    # A 16-bit model is diagnosed as its float32 upcast, from which both copies below start.
+    model = float32_upcast(model, "diagnose_float8")
     mixed = auto_mixed_precision(
         copy.deepcopy(model),
         resolved,
@@ -412,11 +419,7 @@ def diagnose_float8(
                 raise
             if _scalar(loss8).requires_grad:
                 loss8.backward()
-        with warnings.catch_warnings():  # a 16-bit model's upcast: said once, for the float8 copy
-            warnings.filterwarnings("ignore", r"auto_mixed_precision: .* upcast to float32")
-            reference = auto_mixed_precision(
-                copy.deepcopy(model), "mixed_bfloat16", lvl, keep_float32
-            )
+        reference = auto_mixed_precision(copy.deepcopy(model), "mixed_bfloat16", lvl, keep_float32)
         rewind()
         with torch.no_grad():
             loss16 = loss_fn(call(reference, inputs), targets)
