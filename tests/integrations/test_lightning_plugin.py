@@ -425,6 +425,26 @@ def test_optimizers_it_cannot_wrap_are_refused(make: Any, match: str) -> None:
         _trainer(MixprecPrecision()).fit(Custom(), _data())
 
 
+def test_a_model_prepared_otherwise_is_refused_and_the_same_way_is_kept() -> None:
+    plugin = MixprecPrecision("mixed_float16", level="O2", keep_float32=["2"])
+    model = _mlp(0)
+    assert plugin.convert_module(model) is model  # prepared here
+    weight = model[0].weight
+    assert weight.dtype == torch.float16
+    MixprecPrecision("mixed_float16", level="O2").convert_module(model)  # the same: kept
+    assert model[0].weight is weight
+    with pytest.raises(
+        mp.ArgumentError,
+        match=r"^MixprecPrecision\(policy='mixed_bfloat16', level='O2'\): the model was already "
+        r"prepared with policy mixed_float16, level O2; a model is prepared once: pass "
+        r"policy='mixed_float16', level='O2' to use it as it is, or build the model again$",
+    ):
+        MixprecPrecision("mixed_bfloat16", level="O2").convert_module(model)
+    with pytest.raises(mp.ArgumentError, match=r"keeping \['2'\] in float32, and keep_float32 "
+                       r"asks for \['0', '2'\]"):  # fmt: skip
+        MixprecPrecision("mixed_float16", level="O2", keep_float32=["0", "2"]).convert_module(model)
+
+
 def test_a_checkpoint_of_another_level_is_refused() -> None:
     saved = MixprecPrecision("mixed_bfloat16", level="O2")
     saved.convert_module(_mlp(0))

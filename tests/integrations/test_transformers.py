@@ -495,7 +495,7 @@ def prepared_model() -> nn.Module:
         (
             {"model": prepared_model, "policy": "mixed_float16"},
             ValueError,
-            "model was already prepared by auto_mixed",
+            "model was already prepared with policy mixed_bfloat16, level O2",
         ),
         ({"optimizers": "lso"}, TypeError, r"optimizers=\(LossScaleOptimizer\(...\), ...\)"),
         ({"keep_float32": ["lm_haed"]}, ValueError, "closest: 'lm_head'"),

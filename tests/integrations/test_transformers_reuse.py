@@ -145,10 +145,9 @@ def test_model_init_may_return_the_same_prepared_model(tmp_path):
     [
         (
             {"policy": "mixed_float16"},
-            r"MixprecTrainer\(policy='mixed_float16', level='O2'\): model was already prepared "
-            r"by auto_mixed_precision with policy 'mixed_bfloat16', level O2; .* Pass "
-            r"policy='mixed_bfloat16', level='O2' to train it as it is, or give a fresh "
-            r"float32 model",
+            r"^MixprecTrainer\(policy='mixed_float16', level='O2'\): model was already "
+            r"prepared with policy mixed_bfloat16, level O2; a model is prepared once: pass "
+            r"policy='mixed_bfloat16', level='O2' to use it as it is, or build the model again$",
         ),
         ({"policy": POLICY, "level": "O1"}, r"level='O1'\).* level O2; .*level='O2'"),
         (

@@ -28,7 +28,11 @@ def test_build_train_step_custom_loop():
         assert isinstance(result, mp.StepResult) and result.applied
         losses.append(loss.item())
     assert losses[-1] < losses[0]
-    with pytest.raises(ValueError, match=r"already prepared with policy mixed_float16, level O2"):
+    with pytest.raises(
+        mp.ArgumentError,
+        match=r"^build_train_step\(policy='mixed_bfloat16', level='auto'\): the model was "
+        r"already prepared with policy mixed_float16, level O2; a model is prepared once",
+    ):
         mp.build_train_step(model, torch.optim.SGD(model.parameters(), 0.1), "cross_entropy",
                             policy="mixed_bfloat16")  # fmt: skip
     again = mp.build_train_step(model, step.optimizer, "cross_entropy")  # reuse: fine
@@ -146,8 +150,9 @@ def test_amp_level_is_accepted_as_auto_mixed_precision_takes_it():
     mp.build_train_step(model, "sgd", "cross_entropy", amp_level="O2")  # the same: fine
     with pytest.raises(
         ValueError,
-        match=r"already prepared with policy mixed_float16, level O2; "
-        r"build_train_step\(policy=None, amp_level='O3'\) cannot change",
+        match=r"^build_train_step\(policy=None, amp_level='O3'\): the model was already "
+        r"prepared with policy mixed_float16, level O2; a model is prepared once: pass "
+        r"policy='mixed_float16', level='O2' to use it as it is, or build the model again$",
     ):
         mp.build_train_step(model, "sgd", "cross_entropy", amp_level="O3")
     with pytest.raises(ValueError, match=r"amp_level='O7' is invalid; valid: O0, O1, O2, O3"):

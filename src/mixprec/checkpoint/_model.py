@@ -11,17 +11,30 @@ from torch import nn
 
 from mixprec.optim import LossScaleOptimizer
 
+__all__ = ["master_tensors", "optimizer_classes"]
+
+
+def master_tensors(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, torch.Tensor]:
+    """The float32 master of each 16-bit weight of ``model`` that ``optimizer`` (a
+    ``LossScaleOptimizer``) keeps, under every state-dict key of the weight (a tied weight has
+    several, all given the same master); empty for any other optimizer or ``None``. What a
+    checkpoint and ``MixprecTrainer``'s ``save_model`` write in place of the 16-bit values."""
+    names = _parameter_names(model)
+    masters: dict[str, torch.Tensor] = {}
+    if isinstance(optimizer, LossScaleOptimizer):
+        for param, master in optimizer.master_weights():
+            for name in names.get(id(param), []):
+                masters[name] = master
+    return masters
+
 
 def _model_tensors(
     model: nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
     """State-dict tensors with masters in place of 16-bit weights; tied tensors stored once."""
-    names = _parameter_names(model)
-    masters: dict[str, torch.Tensor] = {}
-    if isinstance(optimizer, LossScaleOptimizer):
-        for param, master in optimizer.master_weights():
-            for name in names.get(id(param), []):  # a tied weight has several names
-                masters[name] = master
+    masters = master_tensors(model, optimizer)
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple[int, int, tuple[int, ...], torch.dtype], str] = {}

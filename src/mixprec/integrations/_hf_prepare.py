@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from mixprec._errors import ArgumentError
+from mixprec._prepare_once import needs_preparation
 from mixprec.casting import remember_float32
-from mixprec.keep import KeepEntry, kept_modules
-from mixprec.levels import Applied, applied
+from mixprec.keep import KeepEntry
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import Policy
 
@@ -47,36 +47,20 @@ def is_prepared_as(
 ) -> bool:
     """``False`` for a model not prepared yet, ``True`` for one prepared with ``policy`` and
     ``level`` (and, when given, the same ``keep_float32`` modules); a conflicting preparation
-    raises ``ArgumentError`` naming both."""
+    raises ``ArgumentError`` naming both (``needs_preparation``). ``where``: what the model
+    came from (``"model"``, ``"model_init()"``)."""
     if not isinstance(model, nn.Module):
         raise ArgumentError(f"{where} must be a torch.nn.Module, got {type(model).__name__}")
-    done = applied(model)
-    if done is None:
-        return False
     ours = f"MixprecTrainer(policy={policy.name!r}, level={level!r})"
-    if done.policy != policy or done.level != level or done.o3_masters:
-        raise ArgumentError(
-            f"{ours}: {where} was already prepared by auto_mixed_precision with policy "
-            f"{done.policy.name!r}, level {_level(done)}; a model is prepared once. Pass "
-            f"policy={done.policy.name!r}, level={done.level!r} to train it as it is, or give "
-            f"a fresh float32 model (or model_init=) to train with policy {policy.name!r}, "
-            f"level {level}"
-        )
-    keep = list(keep_float32)
-    if keep:
-        wanted = tuple(sorted(kept_modules(model, keep)))
-        if wanted != done.keep_float32:
-            raise ArgumentError(
-                f"{ours}: {where} was already prepared by auto_mixed_precision keeping "
-                f"{list(done.keep_float32)} in float32, and keep_float32 asks for "
-                f"{list(wanted)}; leave keep_float32 out to train it as it is, or give a "
-                "fresh float32 model (or model_init=)"
-            )
-    return True
-
-
-def _level(done: Applied) -> str:
-    return f"{done.level} (amp_level, with float32 masters)" if done.o3_masters else done.level
+    return not needs_preparation(
+        model,
+        policy,
+        level,
+        where=ours,
+        keep_float32=keep_float32,
+        subject=where,
+        takes_amp_level=False,
+    )
 
 
 def pass_on_masters(model: nn.Module | None, optimizer: torch.optim.Optimizer) -> None:

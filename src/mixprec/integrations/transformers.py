@@ -38,6 +38,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.optimization import GreedyLR
 
 from mixprec._errors import ArgumentError, MisuseError
+from mixprec.checkpoint._model import master_tensors
 from mixprec.integrations._hf_prepare import is_prepared_as, note_optimizer, pass_on_masters
 from mixprec.levels import KeepEntry, auto_mixed_precision, keep_list, resolve_level
 from mixprec.optim import LossScaleOptimizer
@@ -282,14 +283,13 @@ class MixprecTrainer(Trainer):
     def _float32_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The model's state dict with each 16-bit weight's float32 master in its place (a
         tied weight's names all get the same master); ``None`` without masters."""
-        optimizer, model = self._mixprec_optimizer, self.model
-        pairs = optimizer.master_weights() if optimizer is not None else []
-        if not pairs or model is None:
+        model = self.model
+        masters = {} if model is None else master_tensors(model, self._mixprec_optimizer)
+        if not masters or model is None:
             return None
-        by_id = {id(half): master.detach() for half, master in pairs}
-        named = model.named_parameters(remove_duplicate=False)
-        masters = {name: by_id[id(p)] for name, p in named if id(p) in by_id}
-        return {key: masters.get(key, value) for key, value in model.state_dict().items()}
+        # Every key, on the model's device: save_pretrained drops tied duplicates itself.
+        state = model.state_dict()
+        return {key: masters[key].detach() if key in masters else state[key] for key in state}
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # Training logs ("loss" every logging_steps, "train_loss" in the final metrics, which

@@ -23,9 +23,10 @@ from mixprec._calling import call
 from mixprec._compile import CompileOption, compile_options, compile_step
 from mixprec._errors import ArgumentError
 from mixprec._plan_apply import PlanLike
-from mixprec.levels import Applied, applied, auto_mixed_precision, resolve_level
+from mixprec._prepare_once import needs_preparation
+from mixprec.levels import auto_mixed_precision
 from mixprec.optim import LossScaleOptimizer, StepResult
-from mixprec.policy import PolicyLike, get_policy
+from mixprec.policy import PolicyLike
 from mixprec.scaling import LossScaler
 from mixprec.train.metrics import LossFn, get_loss
 from mixprec.train.optimizers import get_optimizer
@@ -222,28 +223,12 @@ def build_train_step(
             # Built before the model is prepared, as a user builds one: over float32 weights.
             optimizer = get_optimizer(optimizer, model.parameters())
         check_optimizer_covers(model, optimizer)  # before the model changes
-    done = applied(model)
-    if done is None and plan is not None:
+    asked = f"level={level!r}" if amp_level is None else f"amp_level={amp_level!r}"
+    where = "plan=" if plan is not None else f"build_train_step(policy={policy!r}, {asked})"
+    # A model prepared already (by the user, an earlier step) is used as it is when it has
+    # what is asked; policy=None and level="auto" ask nothing of it.
+    if needs_preparation(model, policy, level, where=where, amp_level=amp_level, plan=plan):
         auto_mixed_precision(model, policy, level, amp_level=amp_level, plan=plan)
-    elif done is None:
-        auto_mixed_precision(model, policy, level, amp_level=amp_level)
-    elif plan is not None and done.plan != plan:
-        raise ArgumentError(
-            "plan=: the model was already prepared "
-            + ("with another plan" if done.plan is not None else f"with policy {done.policy.name}")
-            + "; build the model again and give the plan once"
-        )
-    elif (
-        (policy is not None and get_policy(policy) != done.policy)
-        or (level != "auto" and resolve_level(level, done.policy) != done.level)
-        or (amp_level is not None and not _same_amp_level(amp_level, done))
-    ):
-        asked = f"level={level!r}" if amp_level is None else f"amp_level={amp_level!r}"
-        raise ArgumentError(
-            f"the model was already prepared with policy {done.policy.name}, level "
-            f"{done.level}; build_train_step(policy={policy!r}, {asked}) cannot change "
-            "that: build the model again, or leave policy=None and level='auto'"
-        )
     if not isinstance(optimizer, LossScaleOptimizer):
         optimizer = LossScaleOptimizer(
             optimizer, loss_scaler, max_grad_norm, accumulation_steps, trace_overflow
@@ -270,13 +255,6 @@ def _held_parameters(optimizer: Any) -> set[int] | None:
     if not optimizers or not all(plain):
         return None
     return {id(p) for o in optimizers for group in o.param_groups for p in group["params"]}
-
-
-def _same_amp_level(amp_level: str, done: Applied) -> bool:
-    """Whether MindSpore's ``amp_level`` names the level the model was prepared with (its
-    O3 is the one with float32 masters)."""
-    key = amp_level.strip().upper() if isinstance(amp_level, str) else None
-    return key == done.level and (key != "O3" or done.o3_masters)
 
 
 def check_optimizer_covers(model: nn.Module, optimizer: Any) -> None:

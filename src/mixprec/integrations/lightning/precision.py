@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 from mixprec._errors import ArgumentError, MisuseError
+from mixprec._prepare_once import needs_preparation
 from mixprec.casting import Float32Functions, cast_floating
 from mixprec.integrations.lightning._lightning import LightningOptimizer
 from mixprec.keep import KeepEntry, keep_list
-from mixprec.levels import applied, auto_mixed_precision, resolve_level
+from mixprec.levels import auto_mixed_precision, resolve_level
 from mixprec.optim import LossScaleOptimizer, StepResult, needs_scaling
 from mixprec.policy import Policy, PolicyLike, get_policy
 from mixprec.scaling import DynamicLossScaler, LossScaler, NoOpLossScaler
@@ -167,16 +168,13 @@ class _MixprecPlugin:
         """``auto_mixed_precision(module, policy, level, keep_float32)``, once per model.
 
         Lightning calls this at every ``fit``/``validate``/``test``; a model already prepared
-        the same way is left as it is."""
-        done = applied(module)
-        if done is None:
-            auto_mixed_precision(module, self.policy, self.level, keep_float32=self.keep_float32)
-        elif done.policy != self.policy or done.level != self.level:
-            raise ArgumentError(
-                f"{type(self).__name__}(policy={self.policy.name!r}, level={self.level!r}): "
-                f"the model was already prepared with policy {done.policy.name!r}, level "
-                f"{done.level!r}; build it again, or use a plugin with the same options"
-            )
+        the same way is left as it is, one prepared otherwise is refused (``needs_preparation``)."""
+        ours = f"{type(self).__name__}(policy={self.policy.name!r}, level={self.level!r})"
+        keep = self.keep_float32
+        if needs_preparation(
+            module, self.policy, self.level, where=ours, keep_float32=keep, takes_amp_level=False
+        ):
+            auto_mixed_precision(module, self.policy, self.level, keep_float32=keep)
         self._module = weakref.ref(module)
         if self._scaler is None:
             # mixprec's one rule for the default: float16 math (from the policy, or a
