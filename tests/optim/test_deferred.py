@@ -221,3 +221,49 @@ def test_the_trainer_logs_plain_bools_for_steps_decided_on_the_device(monkeypatc
     assert [b["applied"] for b in logs] == [True] * 3 and logs[-1]["global_step"] == 3
     assert len(added) == 2  # steps 2 and 3 were decided on the device (1 built the state)
     assert trainer.optimizer._book.deferred.pending == []
+
+
+def test_flags_summed_over_devices_still_skip(monkeypatch):
+    """unscale_grads_ adds the flags of several devices (2.0 with two); the fused kernels
+    skip only on exactly 1, so the flag is clamped before it reaches them."""
+    from mixprec.optim import loss_scale_optimizer
+
+    monkeypatch.setattr(deferred, "ON_HOST", True)
+    real = loss_scale_optimizer.agree_found_inf
+    monkeypatch.setattr(loss_scale_optimizer, "agree_found_inf", lambda t: real(t) * 2)
+    host_opt, _, host_state = _train("bf16-O2-adamw")
+    assert host_opt.loss_scaler.state.skipped_steps == 1
+    monkeypatch.setattr(deferred, "ON_HOST", False)
+    monkeypatch.setattr(loss_scale_optimizer, "agree_found_inf", real)
+    _, _, reference = _train("bf16-O2-adamw")
+    assert same_state(host_state, reference)  # the NaN of step 4 reached nothing
+
+
+def test_a_step_without_gradients_counts_after_the_unread_ones(monkeypatch):
+    monkeypatch.setattr(deferred, "ON_HOST", True)
+    opt, _, _ = _train("bf16-O2-adamw", steps=3, nan_at=(2,))
+    assert len(opt._book.deferred.pending) == 2
+    opt.zero_grad()
+    opt.backward(loss_of(_model_of(opt)))
+    opt.zero_grad(set_to_none=True)  # no gradient left: nothing to apply
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert not opt.step().applied
+    assert opt._book.deferred.pending == []
+    assert opt._loss_scaler.state.last_overflow_step == 2 and opt._loss_scaler.state.steps == 3
+
+
+def _model_of(opt):
+    from mixprec.trace import model_of
+
+    return model_of(opt._weights.half)
+
+
+def test_a_flag_works_where_a_bool_does(monkeypatch):
+    monkeypatch.setattr(deferred, "ON_HOST", True)
+    _, results, _ = _train("bf16-O2-adamw", steps=5, nan_at=(3,))
+    applied = [r.applied for r in results]
+    assert sum(applied) == 4 and applied[3] + 1 == 1 and 1 + applied[3] == 1
+    assert float(applied[3]) == 0.0 and int(results[3].found_inf) == 1
+    assert torch.tensor([bool(applied[1]), bool(applied[3])]).tolist() == [True, False]
+    assert [1, 2][applied[3]] == 1

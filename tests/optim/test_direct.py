@@ -214,3 +214,38 @@ def test_a_hyperparameter_changed_between_steps_is_taken_as_torch_takes_it(
     # Momentum switched off: that step is torch's, the next ones use lists without buffers.
     rebuilt = [False, True, True, False, True, True]
     assert answers == (rebuilt if key == "momentum" else [False] + [True] * 5)
+
+
+def _swap_first_two(i, model, opt):
+    if i == 2:
+        params = opt.param_groups[0]["params"]
+        params[0], params[1] = params[1], params[0]  # the same list object, reordered
+
+
+def _clear_state(i, model, opt):
+    if i == 2:
+        opt.optimizer.state.clear()  # the same state object, emptied: torch starts afresh
+
+
+def _replace_moment(i, model, opt):
+    if i == 2:
+        state = opt.optimizer.state[opt.param_groups[0]["params"][0]]
+        state["exp_avg"] = torch.ones_like(state["exp_avg"])
+
+
+def _replace_group(i, model, opt):
+    if i == 2:
+        opt.optimizer.param_groups[1] = {**opt.optimizer.param_groups[1], "lr": 0.5}
+
+
+@pytest.mark.parametrize("change", [_swap_first_two, _clear_state, _replace_moment, _replace_group])
+def test_parameters_state_or_groups_replaced_in_place_are_seen(change, monkeypatch):
+    """Cached lists must follow what torch's own step would read: a parameter reordered in
+    its group's list (stepped with another's moments, the kernel wrote out of bounds), a
+    state emptied or a moment replaced, a group dict replaced."""
+    factory = _OPTIMIZERS["adamw"]
+    direct, answers = _run(factory, 5, monkeypatch, direct=True, between=change)
+    reference, _ = _run(factory, 5, monkeypatch, direct=False, between=change)
+    assert same_state(direct, reference)
+    assert answers[2] is False  # torch's step where the change was made
+    assert answers[-1] is True  # and direct again once the lists are rebuilt

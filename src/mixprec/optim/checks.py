@@ -23,6 +23,7 @@ import torch
 
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError, MisuseError
+from mixprec._warn import caller_stacklevel
 from mixprec.casting import POLICY_ATTR
 from mixprec.optim.fused import needs_scaling
 from mixprec.optim.masters import MasterWeights, needs_master
@@ -125,8 +126,9 @@ def _observe(health: ScalerHealth, result: StepResult, scaler: LossScaler) -> No
         scaler.state, bool(result.found_inf), result.overflow, scale_floor(scaler)
     )
     if message:
-        # _observe <- watch_health <- step (or apply_gradients) <- the caller's line.
-        warnings.warn(message, UserWarning, stacklevel=4)
+        # At the caller's line: step() or apply_gradients(), or the read of a StepResult
+        # that told it of steps decided on the device (optim.deferred).
+        warnings.warn(message, UserWarning, stacklevel=caller_stacklevel())
 
 
 # torch's lazy form of torch.compiler.disable: dynamo is imported at the first call (under

@@ -98,7 +98,8 @@ def _tail(opt: LossScaleOptimizer, found_inf: torch.Tensor, scale: float) -> Ste
         weights.versions = weights.half_versions()
     opt._book.micro = 0
     opt._book.found_inf = None
-    flag = opt._book.deferred.add(found_inf)  # type: ignore[union-attr]
+    # A copy: under CUDA graphs the step's output buffer is overwritten by the next replay.
+    flag = opt._book.deferred.add(found_inf.clone())  # type: ignore[union-attr]
     return StepResult(applied=~flag, found_inf=flag, scale=scale)
 
 

@@ -19,7 +19,7 @@ gradient, or state it has not seen (``load_state_dict`` replaces it).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -30,9 +30,15 @@ __all__ = ["FusedStep"]
 _ADAM = (torch.optim.Adam, torch.optim.AdamW)
 _SGD = torch.optim.SGD
 
-# One group's cached lists: (group dict, its params list object, that list's length,
-# the state lists the kernel takes).
-_Cached = tuple[dict[str, Any], list[torch.Tensor], int, list[list[torch.Tensor]]]
+# One group's cache: (group dict, its parameters, the state keys the kernel takes, each
+# parameter's state dict, the state lists the kernel takes, one per key).
+_Cached = tuple[
+    dict[str, Any],
+    tuple[torch.Tensor, ...],
+    tuple[str, ...],
+    list[dict[str, Any]],
+    list[list[torch.Tensor]],
+]
 
 
 class FusedStep:
@@ -57,7 +63,7 @@ class FusedStep:
         if grads is None:
             return False
         with torch.no_grad():
-            for (group, params, _, lists), g in zip(self._cached, grads, strict=True):
+            for (group, params, _, _, lists), g in zip(self._cached, grads, strict=True):
                 if params:
                     self._call(group, params, g, lists, found_inf)
         return True
@@ -72,18 +78,22 @@ class FusedStep:
             or inner._optimizer_step_post_hooks
             or not no_other_global_hooks()
             or torch.autograd.profiler._is_profiler_enabled
+            # Set by a GradScaler for torch's own step to read (adam.py, sgd.py).
+            or getattr(inner, "grad_scale", None) is not None
+            or getattr(inner, "found_inf", None) is not None
         ):
             return None
         stale = self._state is not inner.state or len(self._cached) != len(inner.param_groups)
         if stale and not self._build():
             return None
         grads = []
-        for group, params, n, lists in self._cached:
+        for j, (group, params, keys, states, lists) in enumerate(self._cached):
             if (
-                group["params"] is not params
-                or len(params) != n
+                inner.param_groups[j] is not group
                 or not self._plain(group)
                 or len(lists) != self._lists_needed(group)  # amsgrad or momentum switched
+                or not _same(group["params"], params)  # a parameter replaced or reordered
+                or not self._same_state(params, keys, states, lists)
             ):
                 self._state = None  # rebuilt (or refused) next time
                 return None
@@ -92,7 +102,7 @@ class FusedStep:
             g = [p.grad for p in params]
             if any(t is None for t in g):
                 return None
-            grads.append(g)
+            grads.append(cast(list[torch.Tensor], g))
         return grads
 
     def _plain(self, group: dict[str, Any]) -> bool:
@@ -107,6 +117,24 @@ class FusedStep:
         if self._kind is _SGD:
             return True
         return not group.get("capturable") and all(isinstance(b, float) for b in group["betas"])
+
+    def _same_state(
+        self,
+        params: tuple[torch.Tensor, ...],
+        keys: tuple[str, ...],
+        states: list[dict[str, Any]],
+        lists: list[list[torch.Tensor]],
+    ) -> bool:
+        """Every parameter's state is the dict, and holds the tensors, the lists were built
+        from (``state.clear()``, ``state[p]["exp_avg"] = t`` replace them)."""
+        state = self.inner.state
+        for i, p in enumerate(params if keys else ()):
+            now = state.get(p)
+            if now is not states[i] or any(
+                now.get(key) is not lst[i] for key, lst in zip(keys, lists, strict=True)
+            ):
+                return False
+        return True
 
     def _lists_needed(self, group: dict[str, Any]) -> int:
         if self._kind is _SGD:
@@ -131,28 +159,32 @@ class FusedStep:
             )
             if self._kind is _SGD and not group["momentum"]:
                 keys = ()  # SGD without momentum keeps no state
-            states = [inner.state.get(p) for p in params] if keys else []
-            if any(not s for s in states):
+            found = [inner.state.get(p) for p in params] if keys else []
+            if any(not s for s in found):
                 return False
-            lists = [[s.get(k) for s in states] for k in keys]  # type: ignore[union-attr]
-            if any(not isinstance(t, torch.Tensor) for lst in lists for t in lst):
+            states: list[dict[str, Any]] = found  # type: ignore[assignment]
+            got = [[s.get(k) for s in states] for k in keys]
+            if any(not isinstance(t, torch.Tensor) for lst in got for t in lst):
                 return False
+            lists = cast(list[list[torch.Tensor]], got)
             if self._kind is not _SGD and any(
                 t.device != p.device for t, p in zip(lists[2], params, strict=True)
             ):
                 return False
-            cached.append((group, params, len(params), lists))
+            cached.append((group, tuple(params), keys, states, lists))
         self._cached, self._state = cached, inner.state
         return True
 
     def _call(
         self,
         group: dict[str, Any],
-        params: list[torch.Tensor],
+        params: tuple[torch.Tensor, ...],
         grads: list[torch.Tensor],
         lists: list[list[torch.Tensor]],
         found_inf: torch.Tensor | None,
     ) -> None:
+        if found_inf is not None and found_inf.device != params[0].device:
+            found_inf = found_inf.to(params[0].device)  # groups on other devices
         if self._kind is _SGD and not group.get("fused"):
             # torch's SGD without momentum: param.add_(grad, alpha=-lr), per parameter.
             torch._foreach_add_(params, grads, alpha=-group["lr"])
@@ -201,3 +233,7 @@ class FusedStep:
 # functional form is torch.compiler.disable'd): the checks above read hooks and
 # identities that would be guards, and the kernels are single calls either way.
 _step_eagerly = torch._disable_dynamo(FusedStep._step)  # type: ignore[attr-defined]
+
+
+def _same(now: list[torch.Tensor], then: tuple[torch.Tensor, ...]) -> bool:
+    return len(now) == len(then) and all(a is b for a, b in zip(now, then, strict=True))

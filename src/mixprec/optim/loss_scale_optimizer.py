@@ -289,14 +289,18 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
         # One process only: under torch.distributed a rank may hold no gradient and still
         # has to join the collective below.
         if self._book.no_grads and not is_distributed():
+            self._read_device_steps()  # earlier steps decided on the device count first
             return no_gradients(self._book, self._loss_scaler.get_scale())
         flags = [self._book.found_inf.reshape(1).float()]  # type: ignore[union-attr]
         if self._weights.checked:
             flags.append((~self._book.weights_finite).reshape(1).to(flags[0]))
         agreed = agree_found_inf(flags[0] if len(flags) == 1 else torch.cat(flags))
         scale = self._loss_scaler.get_scale()
-        if on_device(self) and self._book.fused[0].step(found_inf=agreed.reshape(())):
-            return device_tail(self, agreed.reshape(()), scale)
+        if on_device(self):  # one flag: no float16 weights are checked on this path
+            # Flags of several devices are summed: the fused kernels skip on exactly 1.
+            found = agreed.reshape(()).clamp(max=1.0)
+            if self._book.fused[0].step(found_inf=found):
+                return device_tail(self, found, scale)
         self._read_device_steps()  # earlier steps decided on the device count first
         norm = None
         if self.max_grad_norm is not None:

@@ -47,6 +47,17 @@ class DeviceFlag:
     def __int__(self) -> int:
         return int(bool(self))
 
+    def __index__(self) -> int:
+        return int(bool(self))
+
+    def __float__(self) -> float:
+        return float(bool(self))
+
+    def __add__(self, other: object) -> object:
+        return int(bool(self)) + other  # type: ignore[operator]
+
+    __radd__ = __add__
+
     def __invert__(self) -> DeviceFlag:
         return DeviceFlag(self._cell, not self._negated)
 
