@@ -193,9 +193,8 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
         return self._loss_scaler
 
     def _read_device_steps(self) -> None:
-        deferred = self._book.deferred
-        if deferred is not None and deferred.pending:
-            deferred.fold()
+        if self._book.deferred is not None:
+            self._book.deferred.fold()  # at once when nothing is pending
 
     def _folded(self, found_inf: bool) -> None:
         """One step decided on the device, now read: count it and watch the health."""
