@@ -445,6 +445,18 @@ def test_a_model_prepared_otherwise_is_refused_and_the_same_way_is_kept() -> Non
         MixprecPrecision("mixed_float16", level="O2", keep_float32=["0", "2"]).convert_module(model)
 
 
+def test_the_same_plugin_reuses_its_module_after_lightning_swaps_layers() -> None:
+    """DDP's sync_batchnorm swaps BatchNorm for SyncBatchNorm before fit's convert_module
+    only: validate, then fit, must not refuse the module the plugin itself prepared."""
+    plugin = MixprecPrecision("mixed_bfloat16", level="O3", keep_float32=[nn.BatchNorm1d])
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    assert plugin.convert_module(model) is model  # validate: prepared here
+    assert model[1].weight.dtype == torch.float32 and model[0].weight.dtype == torch.bfloat16
+    swapped = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # what DDP's setup does
+    assert plugin.convert_module(swapped) is swapped  # fit: the same preparation, kept
+    assert swapped[0].weight.dtype == torch.bfloat16
+
+
 def test_a_checkpoint_of_another_level_is_refused() -> None:
     saved = MixprecPrecision("mixed_bfloat16", level="O2")
     saved.convert_module(_mlp(0))

@@ -171,7 +171,10 @@ class _MixprecPlugin:
         the same way is left as it is, one prepared otherwise is refused (``needs_preparation``)."""
         ours = f"{type(self).__name__}(policy={self.policy.name!r}, level={self.level!r})"
         keep = self.keep_float32
-        if needs_preparation(
+        # Prepared by this plugin already: its own arguments, whatever Lightning swapped in
+        # since (DDP's sync_batchnorm replaces BatchNorm layers before fit's call only).
+        ours_before = self._module is not None and self._module() is module
+        if not ours_before and needs_preparation(
             module, self.policy, self.level, where=ours, keep_float32=keep, takes_amp_level=False
         ):
             auto_mixed_precision(module, self.policy, self.level, keep_float32=keep)
