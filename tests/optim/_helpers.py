@@ -65,3 +65,15 @@ def aten_ops(step) -> Counter[str]:
         if e.name.startswith("aten::")
         and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
     )
+
+
+def step_ops_against_plain(opt, model, plain_opt, plain) -> tuple[Counter[str], Counter[str]]:
+    """The outermost aten ops of ``opt.step`` and of the plain optimizer's step, on their
+    second step (the first creates the optimizer state), each after its own backward."""
+    for _ in range(2):
+        plain_opt.zero_grad()
+        loss_of(plain).backward()
+        opt.zero_grad()
+        opt.backward(loss_of(model))
+        ours, theirs = aten_ops(opt.step), aten_ops(plain_opt.step)
+    return ours, theirs

@@ -12,7 +12,13 @@ from torch import nn
 import mixprec as mp
 from mixprec.scaling import finite
 from tests.conftest import classification_data, make_mlp
-from tests.optim._helpers import aten_ops, loss_of, prepared, same_state, snapshot
+from tests.optim._helpers import (
+    loss_of,
+    prepared,
+    same_state,
+    snapshot,
+    step_ops_against_plain,
+)
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -191,12 +197,7 @@ def test_float32_step_adds_only_the_finiteness_check(level):
     opt = mp.LossScaleOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
     )
-    for _ in range(2):  # the first steps create the momentum buffers
-        sgd.zero_grad()
-        loss_of(plain).backward()
-        opt.zero_grad()
-        opt.backward(loss_of(model))
-        ours, theirs = aten_ops(opt.step), aten_ops(sgd.step)
+    ours, theirs = step_ops_against_plain(opt, model, sgd, plain)
     grads = len(list(model.parameters()))
     extra = ours - theirs
     assert set(extra) <= {"aten::sum", "aten::item", "aten::_local_scalar_dense"}

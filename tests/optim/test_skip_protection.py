@@ -13,7 +13,7 @@ from torch import nn
 
 import mixprec as mp
 from tests.conftest import make_mlp
-from tests.optim._helpers import aten_ops, loss_of, same_state
+from tests.optim._helpers import loss_of, same_state, step_ops_against_plain
 
 _OPTIMIZERS = {
     "adamw-fused": lambda params: torch.optim.AdamW(params, lr=0.01, fused=True),
@@ -80,12 +80,7 @@ def test_default_bfloat16_step_is_plain_training_plus_two_copies_and_the_check()
     model = mp.auto_mixed_precision(copy.deepcopy(plain), "mixed_bfloat16", "O2")
     theirs_opt = torch.optim.AdamW(plain.parameters(), lr=0.01, fused=True)
     opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01, fused=True))
-    for _ in range(2):  # the first step creates the moments
-        theirs_opt.zero_grad()
-        loss_of(plain).backward()
-        opt.zero_grad()
-        opt.backward(loss_of(model))
-        ours, theirs = aten_ops(opt.step), aten_ops(theirs_opt.step)
+    ours, theirs = step_ops_against_plain(opt, model, theirs_opt, plain)
     grads = len(list(model.parameters()))
     extra = ours - theirs
     assert not theirs - ours

@@ -91,11 +91,7 @@ def _tail(opt: LossScaleOptimizer, found_inf: torch.Tensor, scale: float) -> Ste
     """After the kernels (which skipped on the device where ``found_inf`` is set): the
     masters back into the 16-bit weights (unchanged on a skipped step, so the copy writes
     the same values), the step kept unread, the result as device flags."""
-    weights = opt._weights
-    if weights.half:
-        with torch.no_grad():
-            torch._foreach_copy_(weights.half, weights.masters)
-        weights.versions = weights.half_versions()
+    opt._weights.copy_back()
     opt._book.micro = 0
     opt._book.found_inf = None
     # A copy: under CUDA graphs the step's output buffer is overwritten by the next replay.

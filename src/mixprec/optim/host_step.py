@@ -70,9 +70,7 @@ def host_step(opt: LossScaleOptimizer) -> StepResult | None:
             if not fused.step():
                 inner.step()
         if weights.half:
-            with torch.no_grad():
-                torch._foreach_copy_(weights.half, weights.masters)
-            weights.versions = weights.half_versions()
+            weights.copy_back()
     opt._loss_scaler.update(overflow)
     opt._book.micro = 0
     return StepResult(applied=not overflow, found_inf=overflow, scale=1.0)

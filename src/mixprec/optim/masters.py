@@ -111,13 +111,20 @@ class MasterWeights:
                         m.copy_(p)
             self.versions = versions
 
-    def load(self, masters: list[torch.Tensor]) -> None:
-        """Take saved masters (checked against these) and copy them into the weights."""
-        with torch.no_grad():
-            if masters:
-                torch._foreach_copy_(self.masters, list(masters))
+    def copy_back(self) -> None:
+        """The masters into the 16-bit weights (one multi-tensor copy), whose versions are
+        then this object's own writes, not external ones."""
+        if self.half:
+            with torch.no_grad():
                 torch._foreach_copy_(self.half, self.masters)
         self.versions = self.half_versions()
+
+    def load(self, masters: list[torch.Tensor]) -> None:
+        """Take saved masters (checked against these) and copy them into the weights."""
+        if masters:
+            with torch.no_grad():
+                torch._foreach_copy_(self.masters, list(masters))
+        self.copy_back()
 
     def broadcast(self, src: int) -> None:
         """Make every rank's masters (and so 16-bit weights) those of rank ``src``."""
@@ -128,9 +135,7 @@ class MasterWeights:
         with torch.no_grad():
             for master in self.masters:
                 dist.broadcast(master, src)
-            if self.half:
-                torch._foreach_copy_(self.half, self.masters)
-        self.versions = self.half_versions()
+        self.copy_back()
 
     # -- gradients --------------------------------------------------------------------------
 
