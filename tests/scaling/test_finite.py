@@ -78,3 +78,27 @@ def test_the_cpu_check_flag_is_float32_whatever_the_default_dtype():
         assert found.dtype == torch.float32 and found.item() == 0.0
     finally:
         torch.set_default_dtype(before)
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_groups_the_amp_kernel_refuses_are_checked_and_unscaled_as_it_would(
+    monkeypatch, dtype, bad
+):
+    # CUDA's amp kernel refuses bfloat16 (an O3 model's gradients): the two-kernel fallback
+    # must flag and unscale exactly as the kernel does, run here on CPU against it.
+    def grads():
+        g = torch.Generator().manual_seed(0)
+        out = [torch.randn(5, 3, generator=g).to(dtype), torch.randn(7, generator=g).to(dtype)]
+        if bad is not None:
+            out[1][2] = bad
+        return out
+
+    kernel, fallback = grads(), grads()
+    found_kernel = unscale_grads_(kernel, 1 / 96, device="cpu")
+    monkeypatch.setattr(finite_module, "amp_kernel_takes", lambda device, dtype: False)
+    found_fallback = unscale_grads_(fallback, 1 / 96, device="cpu")
+    assert found_fallback.dtype == torch.float32 and found_fallback.dim() == 0
+    assert found_fallback.item() == found_kernel.item() == (0.0 if bad is None else 1.0)
+    for a, b in zip(fallback, kernel, strict=True):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())  # the same rounding, bit for bit

@@ -58,7 +58,7 @@ def unscale_grads_(
                     inv[device] = torch.ones((), dtype=torch.float32, device=device) * inv_scale
                 else:
                     inv[device] = torch.full((), inv_scale, dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found[device], inv[device])
+            _check_and_unscale(tensors, found[device], inv[device])
     if not found:
         return torch.zeros((), dtype=torch.float32, device=device)
     flags = list(found.values())
@@ -66,6 +66,29 @@ def unscale_grads_(
     for other in flags[1:]:
         total = total + other.to(total.device, non_blocking=True)
     return total
+
+
+#: The dtypes CUDA's ``_amp_foreach_non_finite_check_and_unscale_`` takes (its CPU kernel
+#: also takes bfloat16).
+_AMP_KERNEL_DTYPES = (torch.float16, torch.float32, torch.float64)
+
+
+def amp_kernel_takes(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's amp check-and-unscale kernel takes tensors of ``dtype`` on ``device``."""
+    return device.type == "cpu" or dtype in _AMP_KERNEL_DTYPES
+
+
+def _check_and_unscale(tensors: list[torch.Tensor], found: torch.Tensor, inv: torch.Tensor) -> None:
+    """Torch's amp kernel where it takes the group; else the same in two multi-tensor kernels:
+    bfloat16 gradients on CUDA (an O3 model's) would raise ``NotImplementedError``. The
+    inf-norm of a tensor is inf or NaN exactly when one of its values is."""
+    if amp_kernel_takes(tensors[0].device, tensors[0].dtype):
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv)
+        return
+    norms = torch._foreach_norm(tensors, float("inf"))
+    seen = torch.stack(norms).isfinite().all().logical_not()
+    found.copy_(torch.maximum(found, seen.to(found.dtype)))  # 1.0 as the kernel sets it
+    torch._foreach_mul_(tensors, inv)  # in float32, as the kernel multiplies
 
 
 def checks_on_host(tensors: Sequence[torch.Tensor]) -> bool:
