@@ -196,9 +196,18 @@ class Region:
     plain: bool = False
 
 
+#: Device types with autocast, filled by ``_autocast_available``'s first eager call for each.
+#: A lookup, not the probe: dynamo before torch 2.13 cannot trace
+#: ``torch._C._is_autocast_available`` and broke every region's graph on it.
+_AUTOCAST_DEVICES: dict[str, bool] = {"cpu": True, "cuda": True}
+
+
 def _autocast_available(device_type: str) -> bool:
-    probe = getattr(torch.amp, "is_autocast_available", None)
-    return bool(probe(device_type)) if probe else device_type in ("cpu", "cuda")
+    known = _AUTOCAST_DEVICES.get(device_type)
+    if known is None:
+        probe = getattr(torch.amp, "is_autocast_available", None)
+        known = _AUTOCAST_DEVICES[device_type] = bool(probe(device_type)) if probe else False
+    return known
 
 
 def first_floating(value: Any) -> torch.Tensor | None:
