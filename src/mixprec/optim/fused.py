@@ -56,7 +56,13 @@ def _fuse(inner: torch.optim.Optimizer, group: dict[str, Any]) -> None:
         type(inner) not in _FUSABLE
         # Plain SGD (no momentum) is one add per parameter: torch's loop is faster than the
         # fused kernel on CPU (141 against 158 us a step for the MLP's 0.67 M, one thread).
-        or (type(inner) is torch.optim.SGD and not group.get("momentum"))
+        # On CUDA the fused kernel is one launch, and it skips on the device (``deferred``):
+        # unfused, every step read found_inf on the host, a synchronisation.
+        or (
+            type(inner) is torch.optim.SGD
+            and not group.get("momentum")
+            and any(p.device.type == "cpu" for p in group["params"])
+        )
         or inner.state
         or group.get("fused", False) is not None
         or group.get("foreach") is not None
