@@ -282,7 +282,13 @@ def test_one_step_against_float32_and_bfloat16_controls():
     assert 3 * _rel(grad16, grad32) < _rel(grad8, grad32) < 0.2
 
 
-@pytest.mark.parametrize("recipe", ["mixed_float8", "mixed_float8_rowwise_with_gw_hp"])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "mixed_float8",
+        pytest.param("mixed_float8_rowwise_with_gw_hp", marks=pytest.mark.float8_rowwise),
+    ],
+)
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_levels_train_with_float32_float8_weights(level, recipe):
     model = mp.auto_mixed_precision(lm(), recipe, level=level, float8=SMALL)
@@ -350,6 +356,7 @@ def _train(model: nn.Module, opt: mp.LossScaleOptimizer, batches: list[torch.Ten
         opt.step()
 
 
+@pytest.mark.float8_rowwise
 def test_checkpoint_holds_float32_weights_and_the_recipe(tmp_path):
     model = mp.auto_mixed_precision(lm(), "mixed_float8_rowwise", float8=SMALL)
     opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))

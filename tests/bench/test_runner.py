@@ -189,6 +189,7 @@ def test_float32_checked_is_an_opt_in_baseline_that_trains_as_float32():
 # (--small: one block at d=64), one step timed, and at most one compiled float8 graph.
 
 
+@pytest.mark.float8_rowwise
 def test_float8_modes_convert_the_lm_blocks_and_report_them(capsys):
     pytest.importorskip("torchao")
     modes = ["float32", "O2-bf16", *bench.FLOAT8_MODES]

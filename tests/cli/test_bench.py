@@ -14,8 +14,9 @@ from mixprec import cli
 def test_bench_float8_mode_says_what_it_converted_and_that_cpu_emulates_it(capsys):
     pytest.importorskip("torchao")
     # torchao's size thresholds convert none of the small MLP's layers: a fast float8 run.
-    # --policy adds the policy's mode beside float32 and O2-bf16.
-    assert cli.main(["bench", "mlp-b64", "--small", "--policy", "mixed_float8",
+    # --policy adds the policy's mode beside float32 and O2-bf16. On CPU (not auto's CUDA,
+    # on a machine with a GPU): the note is about CPU emulation.
+    assert cli.main(["bench", "mlp-b64", "--small", "--device", "cpu", "--policy", "mixed_float8",
                      "--float8-min-features", "torchao", "--no-memory", "--repeats", "1",
                      "--steps", "1", "--min-round-ms", "0"]) == 0  # fmt: skip
     out = capsys.readouterr().out

@@ -82,6 +82,7 @@ def test_tensorwise_names_the_layer_behind_the_outliers(tensorwise):
     assert any("'mixed_float8_rowwise' may keep them in float8" in a for a in report.advice)
 
 
+@pytest.mark.float8_rowwise
 @pytest.mark.parametrize("policy", ["mixed_float8_rowwise", "mixed_float8_rowwise_with_gw_hp"])
 def test_rowwise_recipes_confine_the_outliers_to_their_rows(policy):
     """Measured: embed's underflow 3% per row (the two sentinel rows' values), under the 5%
@@ -335,6 +336,7 @@ class Keyed(nn.Module):
         return self.inner(batch["x"])
 
 
+@pytest.mark.float8_rowwise
 def test_mp_diagnose_dispatches_float8_policies():
     x, y = readings(64, 0)
     report = mp.diagnose(sensors(), x, y, F.mse_loss, "mixed_float8_rowwise", float8=SMALL)
