@@ -241,7 +241,7 @@ def test_upcast_16bit_stores_16_bit_tensors_in_float32_and_says_what():
 def test_regions_ask_torch_which_devices_have_autocast_once_outside_the_graph(monkeypatch):
     # Dynamo before torch 2.13 cannot trace torch's autocast probe (a C builtin): a region
     # that called it each forward broke every compiled graph there (seen on torch 2.11).
-    from mixprec import casting
+    from mixprec import _device
 
     calls: list[str] = []
 
@@ -250,9 +250,9 @@ def test_regions_ask_torch_which_devices_have_autocast_once_outside_the_graph(mo
         return device_type == "xpu"
 
     monkeypatch.setattr(torch.amp, "is_autocast_available", probe)
-    monkeypatch.setattr(casting, "_AUTOCAST_DEVICES", {"cpu": True, "cuda": True})
+    monkeypatch.setattr(_device, "AUTOCAST_DEVICES", {"cpu": True, "cuda": True})
     model = mp.auto_mixed_precision(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), "mixed_bfloat16")
     torch.compile(model, fullgraph=True, backend="eager")(torch.randn(2, 4)).sum().backward()
     assert calls == []  # CPU and CUDA are known without asking
-    assert casting._autocast_available("xpu") and not casting._autocast_available("mps")
-    assert casting._autocast_available("xpu") and calls == ["xpu", "mps"]  # then remembered
+    assert _device.autocast_available("xpu") and not _device.autocast_available("mps")
+    assert _device.autocast_available("xpu") and calls == ["xpu", "mps"]  # then remembered

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from mixprec._device import autocast_available
 from mixprec._dtypes import HALF_DTYPES, parse_dtype
 from mixprec._errors import ArgumentError
 from mixprec._output_sources import remember_source
@@ -196,20 +197,6 @@ class Region:
     plain: bool = False
 
 
-#: Device types with autocast, filled by ``_autocast_available``'s first eager call for each.
-#: A lookup, not the probe: dynamo before torch 2.13 cannot trace
-#: ``torch._C._is_autocast_available`` and broke every region's graph on it.
-_AUTOCAST_DEVICES: dict[str, bool] = {"cpu": True, "cuda": True}
-
-
-def _autocast_available(device_type: str) -> bool:
-    known = _AUTOCAST_DEVICES.get(device_type)
-    if known is None:
-        probe = getattr(torch.amp, "is_autocast_available", None)
-        known = _AUTOCAST_DEVICES[device_type] = bool(probe(device_type)) if probe else False
-    return known
-
-
 def first_floating(value: Any) -> torch.Tensor | None:
     """The first floating-point tensor in ``value`` (tuples, lists, dict values), or None."""
     if isinstance(value, torch.Tensor):
@@ -289,7 +276,7 @@ class _RegionForward:
                 saves = keep_16bit_sources(given, args)
         autocast: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         mode: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        if _autocast_available(device_type):
+        if autocast_available(device_type):
             if compute == torch.float32:
                 autocast = torch.autocast(device_type, enabled=False)
             else:
