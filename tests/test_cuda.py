@@ -15,6 +15,7 @@ from torch import nn
 import mixprec as mp
 from mixprec.optim.step_result import DeviceFlag
 from tests.conftest import classification_data, make_mlp
+from tests.optim._helpers import same_state
 
 pytestmark = [
     pytest.mark.cuda,
@@ -44,16 +45,6 @@ def _state(model: nn.Module, opt: mp.LossScaleOptimizer) -> tuple:
         [m.detach().clone() for m in opt.master_params()],
         copy.deepcopy([o.state_dict()["state"] for o in opt.optimizers]),
     )
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if torch.is_tensor(a):
-        return torch.equal(a, b)
-    return a == b
 
 
 def _prepared(name: str, policy: str = "mixed_bfloat16", level: str = "O2"):
@@ -97,13 +88,13 @@ def test_a_nan_gradient_reaches_no_weight_and_no_optimizer_state(name):
     next(model.parameters()).grad.view(-1)[0] = float("nan")
     before = _state(model, opt)
     result = opt.step()
-    assert _same(_state(model, opt), before)  # tolerance 0
+    assert same_state(_state(model, opt), before)  # tolerance 0
     assert result.skipped and bool(result.found_inf)
     assert opt.loss_scaler.state.skipped_steps == 1
     opt.zero_grad()
     opt.backward(_loss(model, data))
     assert opt.step().applied  # and the next step trains again
-    assert not _same(_state(model, opt), before)
+    assert not same_state(_state(model, opt), before)
 
 
 def test_an_o3_model_with_bfloat16_gradients_skips_a_nan_step():
@@ -120,7 +111,7 @@ def test_an_o3_model_with_bfloat16_gradients_skips_a_nan_step():
     next(model.parameters()).grad.view(-1)[0] = float("nan")
     before = _state(model, opt)
     assert opt.step().skipped
-    assert _same(_state(model, opt), before)
+    assert same_state(_state(model, opt), before)
 
 
 def test_the_device_path_trains_bit_for_bit_as_the_host_step(monkeypatch):
@@ -141,7 +132,7 @@ def test_the_device_path_trains_bit_for_bit_as_the_host_step(monkeypatch):
         return _state(model, opt), opt.loss_scaler.state
 
     (state, counters), (host_state, host_counters) = run(True), run(False)
-    assert _same(state, host_state)
+    assert same_state(state, host_state)
     assert counters == host_counters and counters.skipped_steps == 1
 
 
@@ -226,13 +217,13 @@ def test_a_checkpoint_saved_on_cuda_loads_bit_for_bit(tmp_path):
     path = mp.save_checkpoint(tmp_path / "ckpt.safetensors", model, opt)
     model2, opt2 = _prepared("adamw")
     mp.load_checkpoint(path, model2, opt2)
-    assert _same(_state(model2, opt2), _state(model, opt))
+    assert same_state(_state(model2, opt2), _state(model, opt))
     assert next(model2.parameters()).is_cuda and next(opt2.master_params()).is_cuda
     for o, m in ((opt, model), (opt2, model2)):
         o.zero_grad()
         o.backward(_loss(m, data))
         o.step()
-    assert _same(_state(model2, opt2), _state(model, opt))
+    assert same_state(_state(model2, opt2), _state(model, opt))
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
