@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 
@@ -540,3 +541,56 @@ def test_torchaos_harmless_import_noise_is_dropped():
     assert "Failed to load" not in out
     assert "register_constant" not in out
     assert "is an Enum subclass" not in out
+
+
+@pytest.fixture
+def cpu_float8_kernel(monkeypatch):
+    """``torch._scaled_mm`` refusing what a CPU's kernel refuses: ``"rowwise"`` scales
+    (torch 2.11) or ``"all"`` (oneDNN limited to AVX2), with their errors' words."""
+    from mixprec import float8
+
+    real = torch._scaled_mm
+
+    def refusing(what):
+        def scaled_mm(a, b, scale_a=None, scale_b=None, **kwargs):
+            if what == "all":
+                raise RuntimeError("could not create a primitive descriptor for the matmul")
+            if scale_a.numel() != 1 or scale_b.numel() != 1:
+                raise RuntimeError("Now _scaled_mm only supports per-tensor scaling for CPU")
+            return real(a, b, scale_a=scale_a, scale_b=scale_b, **kwargs)
+
+        monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+        float8.cpu_kernel_error.cache_clear()
+
+    yield refusing
+    float8.cpu_kernel_error.cache_clear()
+
+
+def test_a_recipe_this_cpu_cannot_run_is_said_when_preparing(cpu_float8_kernel):
+    # Training would fail in torch's words ("INTERNAL ASSERT FAILED ... per-tensor scaling"):
+    # preparing on CPU says so first, at the user's line, and what to do instead.
+    cpu_float8_kernel("rowwise")
+    with pytest.warns(UserWarning) as seen:
+        mp.auto_mixed_precision(lm(), "mixed_float8_rowwise", float8=SMALL)
+    assert len(seen) == 1 and seen[0].filename == __file__
+    assert str(seen[0].message) == (
+        "policy='mixed_float8_rowwise': float8 matmuls with rowwise scales cannot run on this "
+        f"CPU with torch {torch.__version__} (torch._scaled_mm: Now _scaled_mm only supports "
+        "per-tensor scaling for CPU), so training this model on the CPU will fail. Move it "
+        "to a CUDA GPU with float8 matrix units (compute capability >= 8.9) before preparing "
+        "it, or use 'mixed_float8' or 'mixed_bfloat16'."
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # tensorwise runs here: nothing to say
+        mp.auto_mixed_precision(lm(), "mixed_float8", float8=SMALL)
+
+
+def test_without_any_cpu_float8_kernel_only_bfloat16_is_suggested(cpu_float8_kernel):
+    cpu_float8_kernel("all")
+    with pytest.warns(UserWarning, match=r"or use 'mixed_bfloat16'\.$") as seen:
+        mp.auto_mixed_precision(lm(), "mixed_float8", float8=SMALL)
+    assert "primitive descriptor" in str(seen[0].message)
+    assert "'mixed_float8' or" not in str(seen[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no layer converted: no float8 matmul to fail
+        mp.auto_mixed_precision(lm(), "mixed_float8")  # torchao's thresholds: none here

@@ -42,6 +42,7 @@ is bfloat16, which has float32's exponent range.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import logging
@@ -56,6 +57,7 @@ from torch import nn
 
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
+from mixprec._warn import warn_at_caller
 from mixprec.casting import Region, set_region
 from mixprec.policy import parse_float8_recipe
 
@@ -261,6 +263,39 @@ def _refusal(
     return None
 
 
+@functools.cache
+def cpu_kernel_error(rowwise: bool) -> str | None:
+    """None when this CPU's ``torch._scaled_mm`` runs (per-tensor scales, or per row and
+    column with ``rowwise``), else the first line of its error: oneDNN has no float8 matmul
+    below AVX512, and torch 2.11's CPU kernel takes per-tensor scales only."""
+    a = torch.ones(ALIGNMENT, ALIGNMENT).to(torch.float8_e4m3fn)
+    one = torch.ones((), dtype=torch.float32)
+    rows, cols = (torch.ones(ALIGNMENT, 1), torch.ones(1, ALIGNMENT)) if rowwise else (one, one)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=rows, scale_b=cols, out_dtype=torch.bfloat16)
+    except RuntimeError as error:
+        return str(error).strip().splitlines()[0][:160]
+    return None
+
+
+def _warn_cpu(model: nn.Module, recipe: str, policy_name: str) -> None:
+    """A model prepared on CPU whose recipe this CPU's float8 matmul cannot run: said now,
+    as training it here fails in torch with an internal message; moved to a GPU with float8
+    matrix units it trains."""
+    if not any(p.device.type == "cpu" for p in model.parameters()):
+        return
+    error = cpu_kernel_error(rowwise=recipe != "tensorwise")
+    if error is None:
+        return
+    other = "" if recipe == "tensorwise" or cpu_kernel_error(False) else "'mixed_float8' or "
+    warn_at_caller(
+        f"policy={policy_name!r}: float8 matmuls with {recipe} scales cannot run on this "
+        f"CPU with torch {torch.__version__} (torch._scaled_mm: {error}), so training this "
+        "model on the CPU will fail. Move it to a CUDA GPU with float8 matrix units (compute "
+        f"capability >= 8.9) before preparing it, or use {other}'mixed_bfloat16'."
+    )
+
+
 def _check_device(model: nn.Module, policy_name: str) -> None:
     """float8 matmuls need float8 matrix units on CUDA (sm_89+); the CPU emulates them."""
     for param in model.parameters():
@@ -331,6 +366,9 @@ def convert_to_float8(
             choices[name] = Float8Choice(True, recipe, forward_dtype, f"float8 {recipe}, {k}->{n}")
         else:
             choices[name] = Float8Choice(False, recipe, "", why)
+
+    if any(c.converted for c in choices.values()):
+        _warn_cpu(model, recipe, policy_name)
 
     def chosen(module: nn.Module, fqn: str) -> bool:
         found = choices.get(fqn)
