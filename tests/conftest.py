@@ -128,14 +128,9 @@ def float8_matmul_runs_here(rowwise: bool = False) -> str | None:
     """None when ``torch._scaled_mm`` runs on this CPU, else its error's first line: oneDNN
     has no float8 matmul below AVX512 (an AVX2-only CPU), so float8 training cannot run.
     ``rowwise``: with a scale per row and column, which torch 2.11's CPU kernel refuses."""
-    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
-    one = torch.ones((), dtype=torch.float32)
-    rows, cols = (torch.ones(16, 1), torch.ones(1, 16)) if rowwise else (one, one)
-    try:
-        torch._scaled_mm(a, a.t(), scale_a=rows, scale_b=cols, out_dtype=torch.bfloat16)
-    except RuntimeError as error:
-        return str(error).splitlines()[0][:120]
-    return None
+    from mixprec.float8 import cpu_kernel_error
+
+    return cpu_kernel_error(rowwise)
 
 
 #: Tests about a float8 kernel this CPU lacks still run here: they check how it is refused.

@@ -115,23 +115,26 @@ def test_an_o3_model_with_bfloat16_gradients_skips_a_nan_step():
 
 
 def test_the_device_path_trains_bit_for_bit_as_the_host_step(monkeypatch):
-    from mixprec.optim import deferred
+    from mixprec.optim import loss_scale_optimizer
 
     def run(device_path: bool):
         model, opt = _prepared("adamw")
-        if not device_path:
-            monkeypatch.setattr(deferred, "on_device", lambda opt: False)
+        if not device_path:  # where the step asks, not where on_device is defined
+            monkeypatch.setattr(loss_scale_optimizer, "on_device", lambda opt: False)
         data = _data()
+        kinds = []
         for i in range(6):
             opt.zero_grad()
             opt.backward(_loss(model, data))
             if i == 3:
                 next(model.parameters()).grad.view(-1)[0] = float("inf")
-            opt.step()
+            kinds.append(type(opt.step().found_inf))
         monkeypatch.undo()
-        return _state(model, opt), opt.loss_scaler.state
+        return _state(model, opt), opt.loss_scaler.state, kinds
 
-    (state, counters), (host_state, host_counters) = run(True), run(False)
+    (state, counters, kinds), (host_state, host_counters, host_kinds) = run(True), run(False)
+    # The first step is torch's own (it builds the state); then the device's, or the host's.
+    assert kinds == [bool] + [DeviceFlag] * 5 and host_kinds == [bool] * 6
     assert same_state(state, host_state)
     assert counters == host_counters and counters.skipped_steps == 1
 

@@ -560,6 +560,7 @@ def cpu_float8_kernel(monkeypatch):
             return real(a, b, scale_a=scale_a, scale_b=scale_b, **kwargs)
 
         monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU-only machine
         float8.cpu_kernel_error.cache_clear()
 
     yield refusing
@@ -583,6 +584,40 @@ def test_a_recipe_this_cpu_cannot_run_is_said_when_preparing(cpu_float8_kernel):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # tensorwise runs here: nothing to say
         mp.auto_mixed_precision(lm(), "mixed_float8", float8=SMALL)
+
+
+def test_nothing_is_said_where_the_model_may_be_bound_for_a_gpu(cpu_float8_kernel, monkeypatch):
+    # Lightning prepares on the CPU and moves the model after; a machine with CUDA is no
+    # place to tell its user that the CPU cannot train it.
+    cpu_float8_kernel("rowwise")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp.auto_mixed_precision(lm(), "mixed_float8_rowwise", float8=SMALL)
+
+
+def test_the_cpu_float8_probe_runs_on_the_cpu_in_float32_whatever_the_defaults(monkeypatch):
+    from mixprec import float8
+
+    seen = []
+    real = torch._scaled_mm
+
+    def scaled_mm(a, b, scale_a=None, scale_b=None, **kwargs):
+        seen.append((a.device.type, scale_a.device.type, scale_a.dtype))
+        return real(a, b, scale_a=scale_a, scale_b=scale_b, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    before = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)  # float64 scales are a ValueError in torch
+        with torch.device("meta"):
+            for rowwise in (False, True):
+                float8.cpu_kernel_error.cache_clear()
+                float8.cpu_kernel_error(rowwise)
+    finally:
+        torch.set_default_dtype(before)
+        float8.cpu_kernel_error.cache_clear()
+    assert seen == [("cpu", "cpu", torch.float32)] * 2
 
 
 def test_without_any_cpu_float8_kernel_only_bfloat16_is_suggested(cpu_float8_kernel):

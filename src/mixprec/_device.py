@@ -14,16 +14,32 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
-#: Device types with autocast, filled by ``autocast_available``'s first eager call for each.
+def _ask_torch(device_type: str) -> bool:
+    probe = getattr(torch.amp, "is_autocast_available", None)  # torch >= 2.4 has it
+    if probe is None:
+        return device_type in ("cpu", "cuda")
+    try:
+        return bool(probe(device_type))
+    except RuntimeError:  # a device type this torch does not know
+        return False
+
+
+#: Device types with autocast, asked of torch at import for every type it names (so that
+#: nothing is asked inside compiled code), and for any other type at its first eager use.
 #: A lookup, not the probe: dynamo before torch 2.13 cannot trace
 #: ``torch._C._is_autocast_available`` and broke every region's graph on it.
-AUTOCAST_DEVICES: dict[str, bool] = {"cpu": True, "cuda": True}
+AUTOCAST_DEVICES: dict[str, bool] = {
+    name: _ask_torch(name)
+    for name in (
+        "cpu", "cuda", "xpu", "mps", "hpu", "xla", "mtia", "ipu",
+        torch._C._get_privateuse1_backend_name(),
+    )
+}  # fmt: skip
 
 
 def autocast_available(device_type: str) -> bool:
     """Whether ``torch.autocast`` works on ``device_type``, asked of torch once per type."""
     known = AUTOCAST_DEVICES.get(device_type)
     if known is None:
-        probe = getattr(torch.amp, "is_autocast_available", None)
-        known = AUTOCAST_DEVICES[device_type] = bool(probe(device_type)) if probe else False
+        known = AUTOCAST_DEVICES[device_type] = _ask_torch(device_type)
     return known

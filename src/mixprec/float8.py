@@ -268,21 +268,28 @@ def cpu_kernel_error(rowwise: bool) -> str | None:
     """None when this CPU's ``torch._scaled_mm`` runs (per-tensor scales, or per row and
     column with ``rowwise``), else the first line of its error: oneDNN has no float8 matmul
     below AVX512, and torch 2.11's CPU kernel takes per-tensor scales only."""
-    a = torch.ones(ALIGNMENT, ALIGNMENT).to(torch.float8_e4m3fn)
-    one = torch.ones((), dtype=torch.float32)
-    rows, cols = (torch.ones(ALIGNMENT, 1), torch.ones(1, ALIGNMENT)) if rowwise else (one, one)
+
+    # On the CPU in float32 whatever the defaults (set_default_device/dtype, a meta scope):
+    # torch refuses float64 scales with a ValueError, and an answer is cached for good.
+    def ones(*shape: int) -> torch.Tensor:
+        return torch.ones(shape, device="cpu", dtype=torch.float32)
+
+    a = ones(ALIGNMENT, ALIGNMENT).to(torch.float8_e4m3fn)
+    rows, cols = (ones(ALIGNMENT, 1), ones(1, ALIGNMENT)) if rowwise else (ones(), ones())
     try:
         torch._scaled_mm(a, a.t(), scale_a=rows, scale_b=cols, out_dtype=torch.bfloat16)
-    except RuntimeError as error:
+    except (RuntimeError, ValueError, TypeError) as error:
         return str(error).strip().splitlines()[0][:160]
     return None
 
 
-def _warn_cpu(model: nn.Module, recipe: str, policy_name: str) -> None:
-    """A model prepared on CPU whose recipe this CPU's float8 matmul cannot run: said now,
-    as training it here fails in torch with an internal message; moved to a GPU with float8
-    matrix units it trains."""
-    if not any(p.device.type == "cpu" for p in model.parameters()):
+def _warn_cpu(layers: list[nn.Module], recipe: str, policy_name: str) -> None:
+    """Converted ``layers`` on the CPU whose recipe this CPU's float8 matmul cannot run:
+    said now, as training them here fails in torch with an internal message. Not where CUDA
+    is present: the model is then most likely bound for the GPU (Lightning prepares it on
+    the CPU and moves it after)."""
+    on_cpu = any(p.device.type == "cpu" for layer in layers for p in layer.parameters())
+    if not on_cpu or torch.cuda.is_available():
         return
     error = cpu_kernel_error(rowwise=recipe != "tensorwise")
     if error is None:
@@ -367,15 +374,15 @@ def convert_to_float8(
         else:
             choices[name] = Float8Choice(False, recipe, "", why)
 
-    if any(c.converted for c in choices.values()):
-        _warn_cpu(model, recipe, policy_name)
+    named = dict(model.named_modules())
+    _warn_cpu([named[n] for n, c in choices.items() if c.converted], recipe, policy_name)
 
     def chosen(module: nn.Module, fqn: str) -> bool:
         found = choices.get(fqn)
         return found is not None and found.converted
 
     ao.convert_to_float8_training(model, module_filter_fn=chosen, config=config)
-    named = dict(model.named_modules())
+    named = dict(model.named_modules())  # the converted modules are new objects
     for name, choice in choices.items():
         module = named[name]
         setattr(module, FLOAT8_ATTR, choice)

@@ -90,6 +90,7 @@ def test_groups_the_amp_kernel_refuses_are_checked_and_unscaled_as_it_would(
     def grads():
         g = torch.Generator().manual_seed(0)
         out = [torch.randn(5, 3, generator=g).to(dtype), torch.randn(7, generator=g).to(dtype)]
+        out.append(torch.empty(0, dtype=dtype))  # an FSDP2 shard can be empty
         if bad is not None:
             out[1][2] = bad
         return out
