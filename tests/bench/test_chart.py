@@ -12,7 +12,7 @@ def result(mode: str, speedup: float) -> bench.ModeResult:
 def test_chart_lists_each_mode_once_in_a_colour_of_its_own():
     """Issue 15: float32 was a bar and the baseline line (two legend entries), and the
     eleventh mode took the first one's colour (matplotlib's cycle has ten)."""
-    modes = bench.with_compiled(list(bench.ALL_MODES))  # all 32: the most a chart can have
+    modes = bench.with_compiled(list(bench.ALL_MODES))  # all 34: the most a chart can have
     all_results = {w: [result(m, 1.0 if m == "float32" else 1.5 + i / 10)
                        for i, m in enumerate(modes)]
                    for w in ("mlp-b64", "lm-d512")}  # fmt: skip
@@ -22,7 +22,7 @@ def test_chart_lists_each_mode_once_in_a_colour_of_its_own():
     assert len(labels) == len(set(labels)) == len(modes)
     assert sorted(lb for lb in labels if lb.startswith("float32")) == [
         "float32 (baseline, 1.0)", "float32+compile", "float32-checked",
-        "float32-checked+compile"]  # fmt: skip
+        "float32-checked+compile", "float32-tf32", "float32-tf32+compile"]  # fmt: skip
     colours = [tuple(c.patches[0].get_facecolor()) for c in ax.containers]
     assert len(colours) == len(set(colours)) == len(modes) - 1  # float32 is the line
     for container in ax.containers:  # a mode keeps its colour in every workload

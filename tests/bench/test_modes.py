@@ -157,3 +157,28 @@ def test_with_compiled_adds_each_compiled_mode_once():
     mode twice, in two rows."""
     assert bench.with_compiled(["O2-bf16", "O2-bf16+compile", "auto"]) == [
         "O2-bf16", "O2-bf16+compile", "auto", "auto+compile"]  # fmt: skip
+
+
+def test_float32_tf32_turns_tf32_on_around_its_own_steps_only():
+    # The bench runs with TF32 off (a true float32 baseline); float32-tf32 turns it on for
+    # its own steps, which interleave with the other modes' rounds, and back off after.
+    seen: list[tuple[bool, bool]] = []
+
+    def loss_fn(out, target):
+        seen.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
+        return F.cross_entropy(out, target)
+
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
+    work = bench.Workload("tf32", lambda: torch.nn.Linear(8, 3), (x, y), loss_fn, 4)
+    assert "float32-tf32" not in bench.MODES and bench.check_mode("float32-tf32+compile")
+    with bench_modes.tf32(False):
+        losses = {}
+        for mode in ("float32-tf32", "float32"):
+            step = bench.build_step(mode, work, torch.device("cpu"))
+            losses[mode] = [step().item() for _ in range(2)]
+            assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (
+                False,
+                False,
+            )
+    assert seen == [(True, True)] * 2 + [(False, False)] * 2
+    assert losses["float32-tf32"] == losses["float32"]  # TF32 changes nothing on a CPU

@@ -7,7 +7,8 @@ runs compiled, with the ``+compile`` suffix (``COMPILED``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -57,8 +58,10 @@ FLOAT8_MODES: dict[str, str] = {
 
 #: Opt-in baselines, not in ``MODES``. ``float32-checked``: float32 that skips a step whose
 #: gradients hold inf/NaN, checked by hand with ``all_finite``; what skipping costs in any
-#: loop, and all that ``LossScaleOptimizer`` adds to float32 training.
-BASELINE_MODES: tuple[str, ...] = ("float32-checked",)
+#: loop, and all that ``LossScaleOptimizer`` adds to float32 training. ``float32-tf32``:
+#: float32 with TF32 matmuls and convolutions (CUDA's tensor cores; ``float32`` turns TF32
+#: off for a true float32 baseline), what a GPU user gets without 16-bit.
+BASELINE_MODES: tuple[str, ...] = ("float32-checked", "float32-tf32")
 
 #: Every mode ``build_step`` accepts, each also with the ``+compile`` suffix.
 ALL_MODES: tuple[str, ...] = (*MODES, *FLOAT8_MODES, *BASELINE_MODES)
@@ -87,6 +90,8 @@ MODE_HELP: dict[str, str] = {
     "O2-fp8-rowwise_with_gw_hp": "the same, rowwise with high-precision weight gradients "
     "(mixed_float8_rowwise_with_gw_hp)",
     "float32-checked": "float32 that skips a step whose gradients hold inf/NaN (all_finite)",
+    "float32-tf32": "float32 weights, TF32 matmuls and convolutions (CUDA; elsewhere the same "
+    "as float32)",
 }
 
 #: The plain ``torch.autocast`` loop a mode of each 16-bit matmul dtype is compared with
@@ -188,6 +193,23 @@ def _matmul_dtype(mode: str) -> str:
     return {"bf16": "bfloat16", "fp16": "float16"}.get(base.rpartition("-")[2], "float32")
 
 
+def uses_tf32(mode: str) -> bool:
+    """Whether ``mode`` runs its float32 matmuls in TF32 (its MFU is against TF32's peak)."""
+    return mode.removesuffix(COMPILED) == "float32-tf32"
+
+
+@contextlib.contextmanager
+def tf32(enabled: bool) -> Iterator[None]:
+    """TF32 matmuls and convolutions on or off (CUDA reads these; other devices ignore
+    them), restored after."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 def _sync(device: torch.device) -> None:
     """Wait until ``device`` has run the work queued so far (CUDA runs asynchronously)."""
     if device.type == "cuda":
@@ -245,7 +267,7 @@ def build_step(
         def backward_step(loss: torch.Tensor) -> None:
             if float32:
                 loss.backward()
-                if base == "float32" or bool(all_finite(p.grad for p in params)):
+                if base != "float32-checked" or bool(all_finite(p.grad for p in params)):
                     opt.step()
                 return
             scaler.scale(loss).backward()
@@ -295,10 +317,15 @@ def build_step(
     # kept past that (the last one is read after the other modes ran) is copied out.
     copy_loss = mode.endswith(COMPILED)
 
+    # The bench runs every mode with TF32 off (``runner._true_float32``); this one turns it
+    # on around its own steps only, as the modes' rounds interleave.
+    tf32_on = uses_tf32(mode)
+
     def step() -> torch.Tensor:
-        zero_grad()
-        loss = forward_loss()
-        backward_step(loss)
+        with tf32(True) if tf32_on else contextlib.nullcontext():
+            zero_grad()
+            loss = forward_loss()
+            backward_step(loss)
         return loss.detach().clone() if copy_loss else loss.detach()
 
     step.level = level  # type: ignore[attr-defined]

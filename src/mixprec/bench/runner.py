@@ -32,6 +32,8 @@ from mixprec.bench.modes import (
     check_compile_mode,
     check_mode,
     require_float8,
+    tf32,
+    uses_tf32,
 )
 from mixprec.bench.workloads import get_workload
 from mixprec.float8 import Float8Options
@@ -40,10 +42,10 @@ from mixprec.float8 import Float8Options
 #: sheets (SXM parts; float32 without TF32, as ``run`` measures it). float8 modes are
 #: measured against the bfloat16 peak (see ``_matmul_dtype``).
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bfloat16": 989.4, "float16": 989.4, "float32": 66.9},
-    "H100": {"bfloat16": 989.4, "float16": 989.4, "float32": 66.9},
-    "A100": {"bfloat16": 312.0, "float16": 312.0, "float32": 19.5},
-    "L4": {"bfloat16": 121.0, "float16": 121.0, "float32": 30.3},
+    "H200": {"bfloat16": 989.4, "float16": 989.4, "tfloat32": 494.7, "float32": 66.9},
+    "H100": {"bfloat16": 989.4, "float16": 989.4, "tfloat32": 494.7, "float32": 66.9},
+    "A100": {"bfloat16": 312.0, "float16": 312.0, "tfloat32": 156.0, "float32": 19.5},
+    "L4": {"bfloat16": 121.0, "float16": 121.0, "tfloat32": 60.0, "float32": 30.3},
 }
 
 #: ``run``'s progress callback: called once per unit of work done (``run_units`` counts
@@ -88,12 +90,8 @@ def _true_float32(device: torch.device) -> Iterator[None]:
     if device.type != "cuda":
         yield
         return
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
+    with tf32(False):
         yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 @dataclass
@@ -205,7 +203,7 @@ def run(
             vs_peer = statistics.median(_ratios(times, peer, mode))
         converted, linears = getattr(built[mode], "float8", None) or (None, None)
         tflops = work.flops / ms / 1e9 if work.flops else None
-        peak = peak_tflops(dev, _matmul_dtype(mode))
+        peak = peak_tflops(dev, "tfloat32" if uses_tf32(mode) else _matmul_dtype(mode))
         results.append(
             ModeResult(
                 mode=mode,
