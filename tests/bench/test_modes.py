@@ -164,8 +164,14 @@ def test_float32_tf32_turns_tf32_on_around_its_own_steps_only():
     # its own steps, which interleave with the other modes' rounds, and back off after.
     seen: list[tuple[bool, bool]] = []
 
+    def flags():
+        matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
+        if hasattr(matmul, "fp32_precision"):  # torch 2.9+
+            return (matmul.fp32_precision == "tf32", conv.fp32_precision == "tf32")
+        return (matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+
     def loss_fn(out, target):
-        seen.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
+        seen.append(flags())
         return F.cross_entropy(out, target)
 
     x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 0])
@@ -176,9 +182,21 @@ def test_float32_tf32_turns_tf32_on_around_its_own_steps_only():
         for mode in ("float32-tf32", "float32"):
             step = bench.build_step(mode, work, torch.device("cpu"))
             losses[mode] = [step().item() for _ in range(2)]
-            assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (
-                False,
-                False,
-            )
+            assert flags() == (False, False)
     assert seen == [(True, True)] * 2 + [(False, False)] * 2
     assert losses["float32-tf32"] == losses["float32"]  # TF32 changes nothing on a CPU
+
+
+def test_tf32_works_after_torchs_newer_precision_api_was_used():
+    # Once fp32_precision is set, torch refuses reads of the older allow_tf32 flags.
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip(f"torch {torch.__version__} has no fp32_precision API")
+    saved = matmul.fp32_precision
+    matmul.fp32_precision = "ieee"
+    try:
+        with bench_modes.tf32(True):
+            assert matmul.fp32_precision == "tf32"
+        assert matmul.fp32_precision == "ieee"
+    finally:
+        matmul.fp32_precision = saved

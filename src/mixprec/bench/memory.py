@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from mixprec._device import resolve_device
-from mixprec.bench.modes import _sync, build_step, check_mode, require_float8
+from mixprec.bench.modes import _sync, build_step, check_mode, require_float8, tf32
 from mixprec.bench.workloads import get_workload
 from mixprec.float8 import Float8Options
 
@@ -72,7 +72,8 @@ def _peak_memory(args: MemoryArgs) -> float | None:
         if peak is not None:
             return peak
     memory = PeakMemory(device)
-    train()
+    with tf32(False):  # float32 as the timed rounds run it (float32-tf32 turns it on itself)
+        train()
     return memory.mb()
 
 

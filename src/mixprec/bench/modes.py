@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -201,13 +202,24 @@ def uses_tf32(mode: str) -> bool:
 @contextlib.contextmanager
 def tf32(enabled: bool) -> Iterator[None]:
     """TF32 matmuls and convolutions on or off (CUDA reads these; other devices ignore
-    them), restored after."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    them), restored after. Through ``fp32_precision`` where torch has it (2.9+): once a
+    user has set that, reading the older ``allow_tf32`` flags raises."""
+    matmul = torch.backends.cuda.matmul
+    conv: Any = getattr(torch.backends.cudnn, "conv", None)
+    if hasattr(matmul, "fp32_precision") and hasattr(conv, "fp32_precision"):
+        saved = matmul.fp32_precision, conv.fp32_precision
+        matmul.fp32_precision = conv.fp32_precision = "tf32" if enabled else "ieee"
+        try:
+            yield
+        finally:
+            matmul.fp32_precision, conv.fp32_precision = saved
+        return
+    legacy = matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = legacy
 
 
 def _sync(device: torch.device) -> None:

@@ -175,7 +175,7 @@ def to_json(
             "bf16": bf16_support(device),
             "device_description": device_description(device),
             "threads": torch.get_num_threads(),
-            "float32_matmul": "IEEE float32 (TF32 off)",
+            "float32_matmul": "IEEE float32 (TF32 off), but TF32 in float32-tf32",
             "outputs_16bit": outputs_16bit,
             "notes": notes(modes, device),
             "results": {w: [asdict(r) for r in rs] for w, rs in all_results.items()},

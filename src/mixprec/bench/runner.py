@@ -173,18 +173,18 @@ def run(
                          compile_mode=compile_mode, float8=float8)
         for mode in modes
     }  # fmt: skip
-    with _true_float32(dev):
+    no_gain: dict[str, str] = {}
+    matmuls: dict[str, float] = {}
+    with _true_float32(dev):  # the profiles behind the reasons too: float32 as timed
         times, last, first = _time_modes(
             built, repeats, steps, warmup, dev, min_round_ms, progress=progress
         )
-    ratios = {m: _ratios(times, "float32", m) for m in modes}
-    speedups = {m: statistics.median(r) for m, r in ratios.items()}
-    ms_per_step = {m: statistics.median(t) for m, t in times.items()}
-    no_gain: dict[str, str] = {}
-    matmuls: dict[str, float] = {}
-    if explain:
-        no_gain, matmuls = reasons(built, ms_per_step, speedups, dev)
-        progress("matmul profiles" if matmuls else "no matmul profile needed")
+        ratios = {m: _ratios(times, "float32", m) for m in modes}
+        speedups = {m: statistics.median(r) for m, r in ratios.items()}
+        ms_per_step = {m: statistics.median(t) for m, t in times.items()}
+        if explain:
+            no_gain, matmuls = reasons(built, ms_per_step, speedups, dev)
+            progress("matmul profiles" if matmuls else "no matmul profile needed")
     peaks: dict[str, float | None] = dict.fromkeys(modes)
     if memory:
         ctx = multiprocessing.get_context("spawn")

@@ -219,9 +219,9 @@ def run(args: argparse.Namespace) -> int:
                 print(bench.table(w, results[w]), end="\n\n", flush=True)
     print("ms/step: median over interleaved rounds; vs f32: median of each round's float32 "
           "ms / mode ms (higher is faster); peak MB: tensor memory of the mode's training "
-          "alone in a fresh process (allocator peak); on CUDA float32 runs without TF32; "
-          "MFU: model TFLOP/s over the GPU's data-sheet peak for the mode's matmul dtype "
-          "(bfloat16 for fp8 modes)")  # fmt: skip
+          "alone in a fresh process (allocator peak); on CUDA float32 runs without TF32 "
+          "(float32-tf32 with it); MFU: model TFLOP/s over the GPU's data-sheet peak for the "
+          "mode's matmul dtype (bfloat16 for fp8 modes, TF32 for float32-tf32)")  # fmt: skip
     if any(r.vs_autocast is not None for rs in results.values() for r in rs):
         print("vs autocast: the same against plain torch.autocast in the mode's 16-bit dtype, "
               "run the same way (eager, or +compile): bf16 with a plain optimizer step and no "
