@@ -95,7 +95,7 @@ def _tail(opt: LossScaleOptimizer, found_inf: torch.Tensor, scale: float) -> Ste
     opt._book.micro = 0
     opt._book.found_inf = None
     # A copy: under CUDA graphs the step's output buffer is overwritten by the next replay.
-    flag = opt._book.deferred.add(found_inf.clone())  # type: ignore[union-attr]
+    flag = opt._book.deferred.add(found_inf.clone())
     return StepResult(applied=~flag, found_inf=flag, scale=scale)
 
 

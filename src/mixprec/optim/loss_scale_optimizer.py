@@ -53,6 +53,7 @@ class _Bookkeeping:
     ``torch.compile(opt.step)`` dynamo drops attribute writes on the ``Optimizer`` itself
     (torch 2.13; a write before the first graph break is lost), not on other objects."""
 
+    deferred: Deferred  # steps decided on the device, not yet read
     micro: int = 0  # backward passes since the last update
     fresh: bool = False  # a backward happened since the last step()
     found_inf: torch.Tensor | None = None  # set by unscale_()
@@ -65,7 +66,6 @@ class _Bookkeeping:
     said_no_grads: bool = False  # the no-gradient step was warned about (once)
     # The inner optimizers' steps as direct fused-kernel calls (host_step uses them).
     fused: list[FusedStep] = field(default_factory=list)
-    deferred: Deferred | None = None  # steps decided on the device, not yet read
 
 
 class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
@@ -138,8 +138,9 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
         self._loss_scaler = loss_scaler or (
             DynamicLossScaler() if needs_scaling(model_params) else NoOpLossScaler()
         )
-        self._book = _Bookkeeping(fused=[FusedStep(inner) for inner in self.optimizers])
-        self._book.deferred = Deferred(self._folded)
+        self._book = _Bookkeeping(
+            Deferred(self._folded), fused=[FusedStep(inner) for inner in self.optimizers]
+        )
         self._decide_host_path()
         self.health: ScalerHealth | None = ScalerHealth()
         self._tracer = _make_tracer(trace_overflow, model_params)
@@ -193,8 +194,7 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
         return self._loss_scaler
 
     def _read_device_steps(self) -> None:
-        if self._book.deferred is not None:
-            self._book.deferred.fold()  # at once when nothing is pending
+        self._book.deferred.fold()  # at once when nothing is pending
 
     def _folded(self, found_inf: bool) -> None:
         """One step decided on the device, now read: count it and watch the health."""

@@ -42,8 +42,7 @@ class StateDictMethods:
         Take it between steps: gradients accumulated mid-way are not part of it."""
         if self._managed_by is None:
             refuse_accelerate_wrapper(sys._getframe(1))
-        if self._book.deferred is not None:  # steps decided on the device, counted first
-            self._book.deferred.fold()
+        self._book.deferred.fold()  # steps decided on the device, counted first
         return {
             "optimizers": [inner.state_dict() for inner in self.optimizers],
             "master_weights": [m.detach() for m in self._weights.masters],
@@ -53,8 +52,7 @@ class StateDictMethods:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_state_dict(state_dict, self._weights.masters, self.optimizers)
-        if self._book.deferred is not None:  # unread steps count now, not into the load
-            self._book.deferred.fold()
+        self._book.deferred.fold()  # unread steps count now, not into the load
         # The scaler's state is checked on a copy first, so that a bad one changes nothing.
         copy.deepcopy(self._loss_scaler).load_state_dict(state_dict["loss_scaler"])
         for inner, inner_state in zip(self.optimizers, state_dict["optimizers"], strict=True):
