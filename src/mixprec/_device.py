@@ -15,11 +15,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def _ask_torch(device_type: str) -> bool:
-    probe = getattr(torch.amp, "is_autocast_available", None)  # torch >= 2.4 has it
-    if probe is None:
-        return device_type in ("cpu", "cuda")
     try:
-        return bool(probe(device_type))
+        return bool(torch.amp.is_autocast_available(device_type))  # torch >= 2.4
     except RuntimeError:  # a device type this torch does not know
         return False
 

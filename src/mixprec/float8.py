@@ -288,8 +288,9 @@ def _warn_cpu(layers: list[nn.Module], recipe: str, policy_name: str) -> None:
     said now, as training them here fails in torch with an internal message. Not where CUDA
     is present: the model is then most likely bound for the GPU (Lightning prepares it on
     the CPU and moves it after)."""
-    on_cpu = any(p.device.type == "cpu" for layer in layers for p in layer.parameters())
-    if not on_cpu or torch.cuda.is_available():
+    if torch.cuda.is_available():
+        return
+    if not any(p.device.type == "cpu" for layer in layers for p in layer.parameters()):
         return
     error = cpu_kernel_error(rowwise=recipe != "tensorwise")
     if error is None:
@@ -374,8 +375,7 @@ def convert_to_float8(
         else:
             choices[name] = Float8Choice(False, recipe, "", why)
 
-    named = dict(model.named_modules())
-    _warn_cpu([named[n] for n, c in choices.items() if c.converted], recipe, policy_name)
+    _warn_cpu([m for n, m in linears if choices[n].converted], recipe, policy_name)
 
     def chosen(module: nn.Module, fqn: str) -> bool:
         found = choices.get(fqn)

@@ -329,7 +329,7 @@ def build_step(
     # kept past that (the last one is read after the other modes ran) is copied out.
     copy_loss = mode.endswith(COMPILED)
 
-    # The bench runs every mode with TF32 off (``runner._true_float32``); this one turns it
+    # The bench runs every mode with TF32 off (``runner.run``); this one turns it
     # on around its own steps only, as the modes' rounds interleave.
     tf32_on = uses_tf32(mode)
 

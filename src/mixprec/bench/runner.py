@@ -8,12 +8,11 @@ ratios are against float32, and against plain ``torch.autocast`` in the mode's 1
 
 from __future__ import annotations
 
-import contextlib
 import math
 import multiprocessing
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -81,17 +80,6 @@ def peak_tflops(device: torch.device, kind: str) -> float | None:
         if fragment in name:
             return peaks.get(kind)
     return None
-
-
-@contextlib.contextmanager
-def _true_float32(device: torch.device) -> Iterator[None]:
-    """On CUDA, float32 matmuls and convolutions without TF32 (which rounds their inputs
-    to 10 mantissa bits), for a true float32 baseline; the settings are restored after."""
-    if device.type != "cuda":
-        yield
-        return
-    with tf32(False):
-        yield
 
 
 @dataclass
@@ -175,7 +163,9 @@ def run(
     }  # fmt: skip
     no_gain: dict[str, str] = {}
     matmuls: dict[str, float] = {}
-    with _true_float32(dev):  # the profiles behind the reasons too: float32 as timed
+    # float32 without TF32 (which rounds matmul inputs to 10 mantissa bits on CUDA), for a
+    # true float32 baseline; the profiles behind the reasons too, float32 as timed.
+    with tf32(False):
         times, last, first = _time_modes(
             built, repeats, steps, warmup, dev, min_round_ms, progress=progress
         )

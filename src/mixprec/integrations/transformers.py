@@ -284,8 +284,10 @@ class MixprecTrainer(Trainer):
         """The model's state dict with each 16-bit weight's float32 master in its place (a
         tied weight's names all get the same master); ``None`` without masters."""
         model = self.model
-        masters = {} if model is None else master_tensors(model, self._mixprec_optimizer)
-        if not masters or model is None:
+        if model is None:
+            return None
+        masters = master_tensors(model, self._mixprec_optimizer)
+        if not masters:
             return None
         # Every key, on the model's device: save_pretrained drops tied duplicates itself.
         state = model.state_dict()

@@ -85,14 +85,9 @@ def _check_and_unscale(tensors: list[torch.Tensor], found: torch.Tensor, inv: to
     if amp_kernel_takes(tensors[0].device, tensors[0].dtype):
         torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv)
         return
-    # The inf-norm refuses an empty tensor (an FSDP2 shard, a sparse gradient with no
-    # values), which the kernel skips.
-    filled = [t for t in tensors if t.numel()]
-    if filled:
-        norms = torch._foreach_norm(filled, float("inf"))
-        seen = torch.stack(norms).isfinite().all().logical_not()
-        found.copy_(torch.maximum(found, seen.to(found.dtype)))  # 1.0 as the kernel sets it
-        torch._foreach_mul_(filled, inv)  # in float32, as the kernel multiplies
+    seen = all_finite(tensors).logical_not()  # empty tensors left out, as the kernel skips
+    found.copy_(torch.maximum(found, seen.to(found.device, found.dtype)))  # 1.0, as the kernel
+    torch._foreach_mul_(tensors, inv)  # in float32, as the kernel multiplies
 
 
 def checks_on_host(tensors: Sequence[torch.Tensor]) -> bool:
