@@ -60,6 +60,8 @@ def test_bf16_support_says_whether_and_why_bfloat16_is_fast_here(monkeypatch):
     monkeypatch.setattr(_hardware, "_cpu_flags", set)
     onednn = Hardware("cpu", True, False, "CPU (oneDNN bf16 support reported)")
     monkeypatch.setattr(_hardware, "probe_hardware", lambda: onednn)
+    # What cpu_fast asks: oneDNN's answer as stated, not this CPU's (no on AVX2 only).
+    monkeypatch.setattr(_hardware, "probe_cpu", lambda: onednn)
     assert bench.bf16_support("cpu") == "fast bf16 (oneDNN bf16 support reported)"
     # The CPU of a CUDA machine: its own flags, not the GPU's.
     h100 = Hardware("cuda", True, True, "CUDA H100 (sm_90)")

@@ -258,6 +258,7 @@ class Compiled(nn.Module):
         self._orig_mod = model
 
 
+@pytest.mark.float8
 def test_the_eager_mode_warning_points_at_this_line_for_both_doctors():
     """``diagnose`` hands a float8 policy to ``diagnose_float8``: one mixprec frame more
     between the warning and the user's call than a direct call has."""
