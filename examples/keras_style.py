@@ -74,7 +74,7 @@ def run(policy: str, data: Any, args: argparse.Namespace) -> dict[str, Any]:
         verbose=args.verbose,
     )
     scores = trainer.evaluate(x_test, y_test, batch_size=256)
-    logits_dtype, output_dtype = output_dtypes(model, x_test[:4])
+    logits_dtype, output_dtype = output_dtypes(model, x_test[:4].to(trainer.device))
     print(f"logits dtype: {logits_dtype}, softmax output dtype: {output_dtype}")
     print(f"Test loss: {scores['loss']:.4f}  Test accuracy: {scores['accuracy']:.4f}")
     ms = history.history["ms_per_step"]

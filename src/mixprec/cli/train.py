@@ -51,6 +51,7 @@ from mixprec.float8 import layer_counts
 from mixprec.levels import applied, auto_mixed_precision, resolve_level
 from mixprec.policy import Policy
 from mixprec.train import Trainer
+from mixprec.train.batches import to_device
 
 HELP = "train a model in mixed precision and compare it with float32"
 EPILOG = SPEC_HELP  # what --model and --data module:function must name
@@ -147,8 +148,10 @@ def run_training(config: dict[str, Any]) -> dict[str, Any]:
     parts = memory_parts(model, trainer.optimizer)
     matmul = None
     if not probe:
-        x1, y1 = x_train[: config["batch_size"]], y_train[: config["batch_size"]]
-        matmul = matmul_ms(lambda: trainer.step(x1, y1))
+        # On the trainer's device (a GPU where there is one), timed there.
+        size, device = config["batch_size"], trainer.device
+        x1, y1 = to_device(x_train[:size], device), to_device(y_train[:size], device)
+        matmul = matmul_ms(lambda: trainer.step(x1, y1), device=str(device))
     return {
         "label": config["label"],
         "policy": done.policy.name if done else config["policy"],
