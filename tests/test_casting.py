@@ -177,6 +177,43 @@ def test_output_containers_keep_their_types():
     assert out.ids.dtype == torch.int64
 
 
+def test_a_dict_dataclass_output_is_rebuilt_from_its_fields_in_one_graph():
+    """transformers' ModelOutput is an OrderedDict and a dataclass whose unset fields are
+    None and absent from the dict: rebuilt through its constructor, it keeps its type, its
+    keys and its None fields, and the cast traces whole-graph (torch 2.11's dynamo broke the
+    graph on copy.copy, and on dataclasses.is_dataclass(None))."""
+    from collections import OrderedDict
+    from dataclasses import dataclass
+
+    @dataclass
+    class Output(OrderedDict):
+        logits: torch.Tensor | None = None
+        loss: torch.Tensor | None = None
+        steps: int = 0
+
+        def __post_init__(self) -> None:
+            for name in ("logits", "loss", "steps"):
+                if getattr(self, name) is not None:
+                    self[name] = getattr(self, name)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return Output(logits=self.lin(x), steps=2)
+
+    mp.auto_mixed_precision(model := Model(), "mixed_bfloat16", "O2")
+    out = model(torch.randn(2, 3))
+    assert type(out) is Output and list(out) == ["logits", "steps"]
+    assert out.logits.dtype == torch.float32 and out["logits"] is out.logits
+    assert out.loss is None and out.steps == 2
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(torch.randn(2, 3))
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+
+
 def test_region_recorded():
     m = mp.to_float(nn.Linear(2, 2), "float16")
     region = get_region(m)

@@ -62,6 +62,9 @@ def _cast(value: T, dtype: torch.dtype, link: bool) -> T:
                 remember_source(cast, value)
             return cast  # type: ignore[return-value]
         return value  # type: ignore[return-value]
+    # Leaves first: dynamo (torch 2.11) cannot trace is_dataclass's hasattr on NoneType.
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
     if isinstance(value, tuple):
         items = [_cast(v, dtype, link) for v in value]
         if hasattr(value, "_fields"):  # named tuple
@@ -71,6 +74,17 @@ def _cast(value: T, dtype: torch.dtype, link: bool) -> T:
         return tuple(items)  # type: ignore[return-value]
     if isinstance(value, list):
         return type(value)(_cast(v, dtype, link) for v in value)  # type: ignore[return-value]
+    # A dataclass before a dict (transformers' ModelOutput is both): rebuilt from its fields,
+    # which dynamo traces; copy.copy it does not (torch 2.11: a graph break).
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {
+            f.name: _cast(getattr(value, f.name), dtype, link)
+            for f in dataclasses.fields(value)
+            if f.init
+        }
+        # What dataclasses.replace does, as a plain call: a model's forward builds its
+        # ModelOutput the same way, so every torch version traces it.
+        return type(value)(**changes)
     if isinstance(value, dict):
         if type(value) is dict:
             return {k: _cast(v, dtype, link) for k, v in value.items()}  # type: ignore[return-value]
@@ -78,13 +92,6 @@ def _cast(value: T, dtype: torch.dtype, link: bool) -> T:
         for k, v in value.items():
             out[k] = _cast(v, dtype, link)
         return out
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {
-            f.name: _cast(getattr(value, f.name), dtype, link)
-            for f in dataclasses.fields(value)
-            if f.init
-        }
-        return dataclasses.replace(value, **changes)  # type: ignore[type-var]
     return value
 
 
