@@ -5,7 +5,6 @@ is compared with a single process on the same global batch."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from torch import nn
 
 import mixprec as mp
 from mixprec import distributed as mpd
-from tests.conftest import classification_data, make_mlp
+from tests.conftest import classification_data, make_mlp, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_dist_worker.py")
@@ -25,8 +24,9 @@ WORKER = Path(__file__).with_name("_dist_worker.py")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+    env = subprocess_env(torchrun=True)
+    # --standalone: a free port, so concurrent runs on one machine do not collide.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(WORKER), str(out)]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -177,6 +177,22 @@ def test_batch_must_divide_and_backend_must_exist(monkeypatch):
         if torch.cuda.is_available():
             pytest.skip("NCCL may be available")
         mpd.init_from_env(backend="nccl")
+
+
+def test_more_nccl_ranks_than_gpus_is_a_clear_error(monkeypatch):
+    # torchrun --nproc_per_node=2 on a one-GPU machine: rank 1 would set a device CUDA has not.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(mpd.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(mpd.dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RuntimeError) as raised:
+        mpd.init_from_env(backend="nccl")
+    assert str(raised.value) == (
+        "backend='nccl': LOCAL_RANK=1 needs a GPU of its own, and this machine has 1; start at "
+        "most 1 processes per node (torchrun --nproc_per_node), or hide the GPUs "
+        "(CUDA_VISIBLE_DEVICES=) to run every rank on the CPU with gloo"
+    )
 
 
 def test_fsdp_policy_mapping():
