@@ -25,9 +25,13 @@ _FUSABLE: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
 )
 
-# Not 16-bit parameters (O3): torch 2.12-2.13's fused CPU SGD skips the vectorised part of
-# float16/bfloat16 updates (pytorch/pytorch#191763); pure float16 SGD diverged with it.
-_FUSED_DTYPES = (torch.float32, torch.float64)
+# 16-bit parameters (O3) only on CUDA: torch 2.12-2.13's fused CPU SGD skips the vectorised
+# part of float16/bfloat16 updates (pytorch/pytorch#191763); pure float16 SGD diverged with
+# it. Unfused on CUDA, an O3 step could not skip on the device and read found_inf each step.
+_FUSED_DTYPES = {
+    "cpu": (torch.float32, torch.float64),
+    "cuda": (torch.float32, torch.float64, torch.float16, torch.bfloat16),
+}
 
 
 def needs_scaling(params: list[torch.Tensor]) -> bool:
@@ -69,7 +73,7 @@ def _fuse(inner: torch.optim.Optimizer, group: dict[str, Any]) -> None:
         or group.get("differentiable")
         or group.get("capturable")
         or not all(
-            p.device.type in ("cpu", "cuda") and p.dtype in _FUSED_DTYPES and not is_dtensor(p)
+            p.dtype in _FUSED_DTYPES.get(p.device.type, ()) and not is_dtensor(p)
             for p in group["params"]
         )
     ):
