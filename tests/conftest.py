@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,21 @@ def _reset_global_policy():
     mp.set_global_policy(None)
     yield
     mp.set_global_policy(None)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def subprocess_env(torchrun: bool = False) -> dict[str, str]:
+    """The environment of a test's child process: the repository importable ahead of what
+    ``PYTHONPATH`` already holds (a source checkout there stays importable). ``torchrun``:
+    one thread a rank and the GPUs hidden, as these tests run two ranks on gloo and the CPU
+    (under NCCL each rank needs a GPU of its own)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    if torchrun:
+        env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    return env
 
 
 def make_mlp(seed: int = 0, d_in: int = 32, hidden: int = 64, classes: int = 10) -> nn.Module:

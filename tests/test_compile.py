@@ -31,6 +31,21 @@ needs_inductor = pytest.mark.skipif(
 )
 
 
+# torch 2.13 replays the eager step bit for bit. torch 2.11's compiled step (backend "eager"
+# too) moved some weights by their last bit (an H200 box, 2026-11-26); 2.12 was not tried.
+# A doubled or missed unscale moves them by the loss scale's factor, far outside rtol 1e-5.
+_TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+_BITWISE = _TORCH >= (2, 13)
+
+
+def assert_same_weights(eager: list[torch.Tensor], compiled: list[torch.Tensor]) -> None:
+    for a, b in zip(eager, compiled, strict=True):
+        if _BITWISE:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-8)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
@@ -344,10 +359,14 @@ def test_compiled_optimizer_step_matches_eager_bit_for_bit():
     compiled, compiled_weights = run(True)
     assert compiled == eager == [(True, 65536.0), (False, 65536.0), (True, 32768.0),
                                  (True, 32768.0)]  # fmt: skip
-    assert all(torch.equal(a, b) for a, b in zip(eager_weights, compiled_weights, strict=True))
+    assert_same_weights(eager_weights, compiled_weights)
 
 
 @needs_inductor
+@pytest.mark.skipif(
+    _TORCH < (2, 13),
+    reason="torch 2.11's dynamo guards on the float scale's value: a recompile per new scale",
+)
 def test_compiled_optimizer_step_does_not_recompile_per_loss_scale():
     """The loss scale is a graph input of the compiled step's unscale, not a constant: the
     first scale change compiles once more (dynamo makes the scale dynamic), later back-offs
@@ -413,7 +432,7 @@ def test_compiled_optimizer_step_keeps_its_bookkeeping(level, accumulation):
     assert compiled == eager
     applied = {1: [True, False, True, True], 2: [False, True, False, False, False, True]}
     assert [a for _, a, _ in eager] == applied[accumulation]
-    assert all(torch.equal(a, b) for a, b in zip(eager_weights, compiled_weights, strict=True))
+    assert_same_weights(eager_weights, compiled_weights)
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -443,7 +462,7 @@ def test_compiled_grad_scaler_step_matches_eager(fused):
     eager, eager_weights = run(False)
     compiled, compiled_weights = run(True)
     assert compiled == eager == [2048.0, 1024.0, 2048.0, 4096.0]
-    assert all(torch.equal(a, b) for a, b in zip(eager_weights, compiled_weights, strict=True))
+    assert_same_weights(eager_weights, compiled_weights)
 
 
 class _Chatty(nn.Module):

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -29,6 +28,7 @@ import torch
 
 import mixprec as mp
 from mixprec.cli import main as cli_main
+from tests.conftest import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -240,7 +240,7 @@ def test_torchrun_blocks_are_found() -> None:
 def test_torchrun_block_runs_on_two_processes(block: Block, tmp_path: Path) -> None:
     script = tmp_path / "block.py"
     script.write_text("\n" * block.line + block.code, encoding="utf-8")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = subprocess_env(torchrun=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(script)]  # fmt: skip
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 import torch.distributed as dist
 
 import mixprec as mp
+from tests.conftest import subprocess_env
 
 pytest.importorskip("sklearn")
 
@@ -137,7 +137,7 @@ def test_recsys_embeddings_one_process() -> None:
     not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed gloo"
 )
 def test_recsys_embeddings_under_torchrun() -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = subprocess_env(torchrun=True)
     # --standalone: a free port, so concurrent runs on one machine do not collide.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(EXAMPLES / "recsys_embeddings.py"), *RECSYS_ARGS]  # fmt: skip

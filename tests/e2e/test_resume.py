@@ -4,7 +4,6 @@ saves under SIGKILL."""
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
@@ -15,13 +14,14 @@ from pathlib import Path
 import torch
 
 import mixprec as mp
+from tests.conftest import subprocess_env
 
 WORKER = Path(__file__).with_name("_resume_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def worker(*args: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = subprocess_env()
     subprocess.run([sys.executable, str(WORKER), *args], check=True, env=env, timeout=300)
 
 
@@ -84,7 +84,7 @@ def test_sigkill_while_saving_leaves_old_or_new_checkpoint(tmp_path):
         model.bias.fill_(0)
     mp.save_checkpoint(path, model, trainer_state={"i": 0})
     rng = random.Random(0)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = subprocess_env()
     last = 0
     kills = 0
     while kills < 10:  # each kill costs a fresh interpreter importing torch (~3 s)
