@@ -13,6 +13,8 @@ from torch import nn
 
 import mixprec as mp
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 @pytest.fixture(autouse=True)
 def _reset_global_policy():
@@ -20,9 +22,6 @@ def _reset_global_policy():
     mp.set_global_policy(None)
     yield
     mp.set_global_policy(None)
-
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def subprocess_env(torchrun: bool = False) -> dict[str, str]:

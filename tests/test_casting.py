@@ -180,8 +180,9 @@ def test_output_containers_keep_their_types():
 def test_a_dict_dataclass_output_is_rebuilt_from_its_fields_in_one_graph():
     """transformers' ModelOutput is an OrderedDict and a dataclass whose unset fields are
     None and absent from the dict: rebuilt through its constructor, it keeps its type, its
-    keys and its None fields, and the cast traces whole-graph (torch 2.11's dynamo broke the
-    graph on copy.copy, and on dataclasses.is_dataclass(None))."""
+    keys (one set after construction too) and its None fields, and the cast traces
+    whole-graph (torch 2.11's dynamo broke the graph on copy.copy, and on
+    dataclasses.is_dataclass(None))."""
     from collections import OrderedDict
     from dataclasses import dataclass
 
@@ -202,12 +203,15 @@ def test_a_dict_dataclass_output_is_rebuilt_from_its_fields_in_one_graph():
             self.lin = nn.Linear(3, 3)
 
         def forward(self, x):
-            return Output(logits=self.lin(x), steps=2)
+            out = Output(logits=self.lin(x), steps=2)
+            out["router"] = self.lin(x) * 2  # a key that is not a field
+            return out
 
     mp.auto_mixed_precision(model := Model(), "mixed_bfloat16", "O2")
     out = model(torch.randn(2, 3))
-    assert type(out) is Output and list(out) == ["logits", "steps"]
+    assert type(out) is Output and list(out) == ["logits", "steps", "router"]
     assert out.logits.dtype == torch.float32 and out["logits"] is out.logits
+    assert out["router"].dtype == torch.float32
     assert out.loss is None and out.steps == 2
     torch._dynamo.reset()
     explained = torch._dynamo.explain(model)(torch.randn(2, 3))

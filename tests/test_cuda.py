@@ -47,10 +47,10 @@ def _state(model: nn.Module, opt: mp.LossScaleOptimizer) -> tuple:
     )
 
 
-def _prepared(name: str, policy: str = "mixed_bfloat16", level: str = "O2", **kw):
+def _prepared(name: str, policy: str = "mixed_bfloat16", level: str = "O2"):
     torch.manual_seed(0)
     model = mp.auto_mixed_precision(make_mlp().cuda(), policy, level)
-    opt = mp.LossScaleOptimizer(_OPTIMIZERS[name](model.parameters()), **kw)
+    opt = mp.LossScaleOptimizer(_OPTIMIZERS[name](model.parameters()))
     return model, opt
 
 

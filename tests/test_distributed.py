@@ -17,7 +17,6 @@ import mixprec as mp
 from mixprec import distributed as mpd
 from tests.conftest import classification_data, make_mlp, subprocess_env
 
-ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_dist_worker.py")
 
 
@@ -189,9 +188,9 @@ def test_more_nccl_ranks_than_gpus_is_a_clear_error(monkeypatch):
     with pytest.raises(RuntimeError) as raised:
         mpd.init_from_env(backend="nccl")
     assert str(raised.value) == (
-        "backend='nccl': LOCAL_RANK=1 needs a GPU of its own, and this machine has 1; start at "
-        "most 1 processes per node (torchrun --nproc_per_node), or hide the GPUs "
-        "(CUDA_VISIBLE_DEVICES=) to run every rank on the CPU with gloo"
+        "backend='nccl': LOCAL_RANK=1 needs a GPU of its own, and this process sees 1; start "
+        "at most 1 per node (torchrun --nproc_per_node), or run every rank on the CPU with "
+        "backend='gloo' (or with the GPUs hidden, CUDA_VISIBLE_DEVICES=, and backend='auto')"
     )
 
 

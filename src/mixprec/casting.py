@@ -63,7 +63,7 @@ def _cast(value: T, dtype: torch.dtype, link: bool) -> T:
             return cast  # type: ignore[return-value]
         return value  # type: ignore[return-value]
     # Leaves first: dynamo (torch 2.11) cannot trace is_dataclass's hasattr on NoneType.
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if value is None or isinstance(value, (int, float, str)):
         return value
     if isinstance(value, tuple):
         items = [_cast(v, dtype, link) for v in value]
@@ -74,17 +74,18 @@ def _cast(value: T, dtype: torch.dtype, link: bool) -> T:
         return tuple(items)  # type: ignore[return-value]
     if isinstance(value, list):
         return type(value)(_cast(v, dtype, link) for v in value)  # type: ignore[return-value]
-    # A dataclass before a dict (transformers' ModelOutput is both): rebuilt from its fields,
-    # which dynamo traces; copy.copy it does not (torch 2.11: a graph break).
+    # A dataclass before a dict (transformers' ModelOutput is both): rebuilt by its
+    # constructor, as dataclasses.replace does and as a model's forward builds it, which
+    # dynamo traces; copy.copy it does not (torch 2.11: a graph break).
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {
-            f.name: _cast(getattr(value, f.name), dtype, link)
-            for f in dataclasses.fields(value)
-            if f.init
-        }
-        # What dataclasses.replace does, as a plain call: a model's forward builds its
-        # ModelOutput the same way, so every torch version traces it.
-        return type(value)(**changes)
+        fields = [f.name for f in dataclasses.fields(value) if f.init]
+        changes = {name: _cast(getattr(value, name), dtype, link) for name in fields}
+        rebuilt: Any = type(value)(**changes)
+        if isinstance(value, dict):  # keys set after construction are not fields
+            for k, v in value.items():
+                if k not in changes:
+                    rebuilt[k] = _cast(v, dtype, link)
+        return rebuilt  # type: ignore[no-any-return]
     if isinstance(value, dict):
         if type(value) is dict:
             return {k: _cast(v, dtype, link) for k, v in value.items()}  # type: ignore[return-value]

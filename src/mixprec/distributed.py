@@ -83,14 +83,15 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> bool:
         raise RuntimeError(
             f"backend={backend!r} is not available here; available: {', '.join(valid)}"
         )
-    local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
-    if backend == "nccl" and local_rank >= gpus:  # else CUDA's bare "invalid device ordinal"
-        raise RuntimeError(
-            f"backend='nccl': LOCAL_RANK={local_rank} needs a GPU of its own, and this machine "
-            f"has {gpus}; start at most {gpus} processes per node (torchrun --nproc_per_node), "
-            "or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run every rank on the CPU with gloo"
-        )
     if backend == "nccl":
+        local_rank, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local_rank >= gpus:  # else CUDA's bare "invalid device ordinal"
+            raise RuntimeError(
+                f"backend='nccl': LOCAL_RANK={local_rank} needs a GPU of its own, and this "
+                f"process sees {gpus}; start at most {gpus} per node (torchrun "
+                "--nproc_per_node), or run every rank on the CPU with backend='gloo' (or "
+                "with the GPUs hidden, CUDA_VISIBLE_DEVICES=, and backend='auto')"
+            )
         torch.cuda.set_device(local_rank)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return True

@@ -17,7 +17,6 @@ import mixprec as mp
 from tests.conftest import subprocess_env
 
 WORKER = Path(__file__).with_name("_resume_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def worker(*args: str) -> None:

@@ -28,7 +28,7 @@ _FUSABLE: tuple[type[torch.optim.Optimizer], ...] = (
 # 16-bit parameters (O3) only on CUDA: torch 2.12-2.13's fused CPU SGD skips the vectorised
 # part of float16/bfloat16 updates (pytorch/pytorch#191763); pure float16 SGD diverged with
 # it. Unfused on CUDA, an O3 step could not skip on the device and read found_inf each step.
-_FUSED_DTYPES = {
+_FUSED_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
     "cpu": (torch.float32, torch.float64),
     "cuda": (torch.float32, torch.float64, torch.float16, torch.bfloat16),
 }
