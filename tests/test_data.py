@@ -263,6 +263,18 @@ def test_validate_nan_and_inf():
         validate_classification(x, torch.zeros(6, dtype=torch.int64))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_finite_values_whose_sum_overflows_pass(dtype):
+    # The check sums first (one read); a sum that overflows on finite values (two near the
+    # dtype's largest, or float16 past 65504) is not a NaN/inf in the data.
+    big = torch.finfo(dtype).max
+    x = torch.full((4, 2), big, dtype=dtype)
+    validate_classification(x, torch.zeros(4, dtype=torch.int64))
+    x[3, 1] = float("-inf")
+    with pytest.raises(ValueError, match=r"x has 1 non-finite value\(s\).*first is in sample 3"):
+        validate_classification(x, torch.zeros(4, dtype=torch.int64))
+
+
 def test_validate_float_labels():
     with pytest.raises(ValueError, match=r"labels must have an integer dtype, got torch.float32"):
         validate_classification(torch.zeros(3, 2), torch.tensor([0.0, 1.0, 2.0]))

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from mixprec._errors import ArgumentError
+from mixprec.scaling.finite import finite_on_cpu
 
 __all__ = [
     "check_finite",
@@ -180,6 +181,10 @@ def check_finite(t: torch.Tensor, arg: str, name: str = "data") -> None:
     """Raise ``ValueError`` naming how many values of ``t`` (``arg``: "x", "y") are NaN or
     inf and the first sample holding one; integer tensors pass."""
     if not (t.is_floating_point() or t.is_complex()):
+        return
+    # One read and no mask where the values are finite: 1.5 against 88 ms for 19200 MNIST
+    # images on 2 threads, paid by every fit() call. Counting comes only after a NaN/inf.
+    if t.is_floating_point() and t.device.type == "cpu" and finite_on_cpu([t]):
         return
     bad = ~torch.isfinite(t)
     count = int(bad.sum())
