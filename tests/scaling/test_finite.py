@@ -103,3 +103,20 @@ def test_groups_the_amp_kernel_refuses_are_checked_and_unscaled_as_it_would(
     assert found_fallback.item() == found_kernel.item() == (0.0 if bad is None else 1.0)
     for a, b in zip(fallback, kernel, strict=True):
         assert torch.equal(a.nan_to_num(), b.nan_to_num())  # the same rounding, bit for bit
+
+
+def test_the_fallback_at_scale_one_flags_without_writing(monkeypatch):
+    # bfloat16 on CUDA at scale 1 (O3's): the check alone, no multiply by 1 over every
+    # gradient. Run on CPU with the host read and the amp kernel both ruled out.
+    grads = [torch.randn(5, 3).bfloat16(), torch.randn(7).bfloat16()]
+    grads[1][2] = float("inf")
+    monkeypatch.setattr(finite_module, "checks_on_host", lambda tensors: False)
+    monkeypatch.setattr(finite_module, "amp_kernel_takes", lambda device, dtype: False)
+    multiplied = []
+    monkeypatch.setattr(torch, "_foreach_mul_", lambda *args: multiplied.append(args))
+    before = [g.clone() for g in grads]
+    assert unscale_grads_(grads, 1.0, device="cpu").item() == 1.0
+    assert unscale_grads_(grads[:1], 1.0, device="cpu").item() == 0.0
+    assert multiplied == [] and all(torch.equal(a, b) for a, b in zip(grads, before, strict=True))
+    unscale_grads_(grads, 0.5, device="cpu")
+    assert len(multiplied) == 1  # any other scale still multiplies

@@ -48,6 +48,8 @@ def unscale_grads_(
         return torch.tensor(0.0 if finite_on_cpu(tensors) else 1.0, dtype=torch.float32)
     found: dict[torch.device, torch.Tensor] = {}
     inv: dict[torch.device, torch.Tensor] = {}
+    # Eager, a scale of 1 (bfloat16) needs no multiply where it is a kernel of its own.
+    multiply = torch.compiler.is_compiling() or inv_scale != 1.0
     with torch.no_grad():
         for (device, _), tensors in groups.items():
             if device not in found:
@@ -58,7 +60,7 @@ def unscale_grads_(
                     inv[device] = torch.ones((), dtype=torch.float32, device=device) * inv_scale
                 else:
                     inv[device] = torch.full((), inv_scale, dtype=torch.float32, device=device)
-            _check_and_unscale(tensors, found[device], inv[device])
+            _check_and_unscale(tensors, found[device], inv[device], multiply)
     if not found:
         return torch.zeros((), dtype=torch.float32, device=device)
     flags = list(found.values())
@@ -78,16 +80,20 @@ def amp_kernel_takes(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" or dtype in _AMP_KERNEL_DTYPES
 
 
-def _check_and_unscale(tensors: list[torch.Tensor], found: torch.Tensor, inv: torch.Tensor) -> None:
-    """Torch's amp kernel where it takes the group; else the same in two multi-tensor kernels:
-    bfloat16 gradients on CUDA (an O3 model's) would raise ``NotImplementedError``. The
-    inf-norm of a tensor is inf or NaN exactly when one of its values is."""
+def _check_and_unscale(
+    tensors: list[torch.Tensor], found: torch.Tensor, inv: torch.Tensor, multiply: bool
+) -> None:
+    """Torch's amp kernel where it takes the group; else the same in two multi-tensor kernels
+    (the second left out when ``multiply`` is False, at scale 1): bfloat16 gradients on CUDA
+    (an O3 model's) would raise ``NotImplementedError``. The inf-norm of a tensor is inf or
+    NaN exactly when one of its values is."""
     if amp_kernel_takes(tensors[0].device, tensors[0].dtype):
         torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv)
         return
     seen = all_finite(tensors).logical_not()  # empty tensors left out, as the kernel skips
     found.copy_(torch.maximum(found, seen.to(found.device, found.dtype)))  # 1.0, as the kernel
-    torch._foreach_mul_(tensors, inv)  # in float32, as the kernel multiplies
+    if multiply:
+        torch._foreach_mul_(tensors, inv)  # in float32, as the kernel multiplies
 
 
 def checks_on_host(tensors: Sequence[torch.Tensor]) -> bool:
