@@ -13,6 +13,7 @@ from torch import nn
 
 import mixprec as mp
 from mixprec import distributed as mpd
+from mixprec.float8 import cpu_kernel_error
 from tests.conftest import classification_data, make_mlp
 
 CE = nn.functional.cross_entropy
@@ -196,12 +197,6 @@ def recommender(out: Path, rank: int) -> None:
                out / f"recsys-{rank}.pt")  # fmt: skip
 
 
-def _float8_runs_here() -> bool:
-    from mixprec.float8 import cpu_kernel_error
-
-    return cpu_kernel_error(rowwise=False) is None
-
-
 def main(out: str) -> None:
     assert mpd.init_from_env(timeout_s=120)
     rank = mpd.rank()
@@ -219,7 +214,8 @@ def main(out: str) -> None:
         recommender(path, rank)
         # The float8 extra, where this CPU has a float8 matmul (none below AVX512: the
         # float8 test is then skipped, with the reason, by conftest).
-        if importlib.util.find_spec("torchao") is not None and _float8_runs_here():
+        torchao = importlib.util.find_spec("torchao") is not None
+        if torchao and cpu_kernel_error(rowwise=False) is None:
             float8_losses(path, rank, "ddp")
             float8_losses(path, rank, "fsdp")
     finally:

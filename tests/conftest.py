@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import mixprec as mp
+from mixprec.float8 import cpu_kernel_error
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -140,15 +141,6 @@ def mixed_losses(model: nn.Module, batches, policy: str, level: str, lr: float =
     return train(model, step, batches), results, model, opt
 
 
-def float8_matmul_runs_here(rowwise: bool = False) -> str | None:
-    """None when ``torch._scaled_mm`` runs on this CPU, else its error's first line: oneDNN
-    has no float8 matmul below AVX512 (an AVX2-only CPU), so float8 training cannot run.
-    ``rowwise``: with a scale per row and column, which torch 2.11's CPU kernel refuses."""
-    from mixprec.float8 import cpu_kernel_error
-
-    return cpu_kernel_error(rowwise)
-
-
 #: Tests about a float8 kernel this CPU lacks still run here: they check how it is refused.
 _RUN_WITHOUT_FLOAT8 = ("test_float8_on_cpu_is_left_out_and_says_why",)
 
@@ -164,10 +156,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         and i.name not in _RUN_WITHOUT_FLOAT8
         and not i.nodeid.startswith("tests/test_structure.py")  # reads float8.py, runs none
     ]
-    why = float8_matmul_runs_here() if float8 else None
+    why = cpu_kernel_error(rowwise=False) if float8 else None
     if why is None:
         rowwise = [i for i in items if i.get_closest_marker("float8_rowwise") is not None]
-        why = float8_matmul_runs_here(rowwise=True) if rowwise else None
+        why = cpu_kernel_error(rowwise=True) if rowwise else None
         if why is not None:
             reason = f"no rowwise float8 matmul on this CPU: torch._scaled_mm: {why}"
             for item in rowwise:

@@ -34,8 +34,7 @@ needs_inductor = pytest.mark.skipif(
 # torch 2.13 replays the eager step bit for bit. torch 2.11's compiled step (backend "eager"
 # too) moved some weights by their last bit (an H200 box, 2026-11-26); 2.12 was not tried.
 # A doubled or missed unscale moves them by the loss scale's factor, far outside rtol 1e-5.
-_TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-_BITWISE = _TORCH >= (2, 13)
+_BITWISE = torch.__version__ >= (2, 13)
 
 
 def assert_same_weights(eager: list[torch.Tensor], compiled: list[torch.Tensor]) -> None:
@@ -364,7 +363,7 @@ def test_compiled_optimizer_step_matches_eager_bit_for_bit():
 
 @needs_inductor
 @pytest.mark.skipif(
-    _TORCH < (2, 13),
+    torch.__version__ < (2, 13),
     reason="torch 2.11's dynamo guards on the float scale's value: a recompile per new scale",
 )
 def test_compiled_optimizer_step_does_not_recompile_per_loss_scale():

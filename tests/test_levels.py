@@ -6,7 +6,6 @@ import copy
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,10 +18,9 @@ import mixprec as mp
 import mixprec.policy
 from mixprec import levels
 from mixprec.levels import Applied, applied, resolve_level
-from tests.conftest import make_mlp, make_transformer
+from tests.conftest import ROOT, make_mlp, make_transformer
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def storage(model):

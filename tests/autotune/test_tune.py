@@ -13,7 +13,7 @@ from torch import nn
 import mixprec as mp
 from mixprec._errors import ArgumentError
 from mixprec.autotune import check as check_module
-from tests.conftest import float8_matmul_runs_here
+from mixprec.float8 import cpu_kernel_error
 
 F = nn.functional
 
@@ -127,15 +127,12 @@ def test_float8_on_cpu_is_left_out_and_says_why():
     timer = CostTimer({"float32": 1.0, "bfloat16": 0.5, "float8": 40.0})
     plan = tune(mlp(), candidates=("float32", "bfloat16", "float8"), timer=timer)
     assert "float8" not in plan.dtypes.values()
-    if _scaled_mm_runs_here():  # timed: the reference kernel is far slower than float32
+    # Timed where the kernel runs: the reference kernel is far slower than float32.
+    if cpu_kernel_error(rowwise=False) is None:
         assert "reference kernel" in plan.left_out["float8"]
         assert "on 16 of its input rows" in plan.left_out["float8"]
     else:  # no float8 kernel at all (oneDNN limited to AVX2): left out with torch's error
         assert plan.left_out["float8"].startswith("fails on this machine: ")
-
-
-def _scaled_mm_runs_here() -> bool:
-    return float8_matmul_runs_here() is None
 
 
 def test_a_candidate_with_no_kernel_here_is_left_out_not_raised():

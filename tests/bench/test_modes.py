@@ -166,7 +166,7 @@ def test_float32_tf32_turns_tf32_on_around_its_own_steps_only():
 
     def flags():
         matmul, conv = torch.backends.cuda.matmul, torch.backends.cudnn.conv
-        if hasattr(matmul, "fp32_precision"):  # torch 2.9+
+        if hasattr(matmul, "fp32_precision") and hasattr(conv, "fp32_precision"):  # 2.9+
             return (matmul.fp32_precision == "tf32", conv.fp32_precision == "tf32")
         return (matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
 

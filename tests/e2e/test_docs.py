@@ -28,9 +28,8 @@ import torch
 
 import mixprec as mp
 from mixprec.cli import main as cli_main
-from tests.conftest import subprocess_env
+from tests.conftest import ROOT, subprocess_env
 
-ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 PYTHON = {"python", "py"}

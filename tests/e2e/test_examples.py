@@ -7,7 +7,6 @@ import itertools
 import math
 import subprocess
 import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -15,11 +14,10 @@ import pytest
 import torch.distributed as dist
 
 import mixprec as mp
-from tests.conftest import subprocess_env
+from tests.conftest import ROOT, subprocess_env
 
 pytest.importorskip("sklearn")
 
-ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 
