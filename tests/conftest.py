@@ -141,30 +141,16 @@ def mixed_losses(model: nn.Module, batches, policy: str, level: str, lr: float =
     return train(model, step, batches), results, model, opt
 
 
-#: Tests about a float8 kernel this CPU lacks still run here: they check how it is refused.
-_RUN_WITHOUT_FLOAT8 = ("test_float8_on_cpu_is_left_out_and_says_why",)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip the float8 tests, with the reason, on a CPU where float8 matmuls cannot run (they
-    run on CPU tensors, on a machine with a GPU too), and the ``float8_rowwise`` ones where
-    only per-tensor scales can."""
-    float8 = [
-        i
-        for i in items
-        if ("float8" in i.nodeid or i.get_closest_marker("float8") is not None)
-        and i.name not in _RUN_WITHOUT_FLOAT8
-        and not i.nodeid.startswith("tests/test_structure.py")  # reads float8.py, runs none
-    ]
-    why = cpu_kernel_error(rowwise=False) if float8 else None
-    if why is None:
-        rowwise = [i for i in items if i.get_closest_marker("float8_rowwise") is not None]
-        why = cpu_kernel_error(rowwise=True) if rowwise else None
+    """Skip, with torch's reason, the tests marked ``float8`` (they run float8 matmuls on CPU
+    tensors, on a machine with a GPU too) where this CPU has no float8 matmul, and those
+    marked ``float8_rowwise`` also where it takes per-tensor scales only."""
+    rowwise = [i for i in items if i.get_closest_marker("float8_rowwise") is not None]
+    tensorwise = [i for i in items if i.get_closest_marker("float8") is not None] + rowwise
+    for marked, kind in ((tensorwise, "float8"), (rowwise, "rowwise float8")):
+        why = cpu_kernel_error(rowwise=marked is rowwise) if marked else None
         if why is not None:
-            reason = f"no rowwise float8 matmul on this CPU: torch._scaled_mm: {why}"
-            for item in rowwise:
-                item.add_marker(pytest.mark.skip(reason=reason))
-        return
-    skip = pytest.mark.skip(reason=f"no float8 matmul on this CPU: torch._scaled_mm: {why}")
-    for item in float8:
-        item.add_marker(skip)
+            skip = pytest.mark.skip(reason=f"no {kind} matmul on this CPU: torch._scaled_mm: {why}")
+            for item in marked:
+                item.add_marker(skip)
+            return

@@ -118,6 +118,7 @@ def single_process_float8(level: str) -> list[float]:
 
 
 @pytest.mark.parametrize(("kind", "level"), [("ddp", "O2"), ("fsdp", "O1")])
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_float8_under_ddp_and_fsdp2_matches_one_process(runs, kind, level):
     """Issue 16 item 6. FSDP2 gathers the weights in float8 (torchao's float8 all-gather,
     which runs on gloo). Each rank scales its own half batch, so the losses differ from one

@@ -133,6 +133,7 @@ class Mixed(nn.Module):
         return self.head(self.keep(h))
 
 
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_only_eligible_linears_are_converted_and_describe_says_why():
     model = mp.auto_mixed_precision(
         Mixed(), "mixed_float8", keep_bfloat16=["keep"], float8=Float8Options(min_features=32)
@@ -258,6 +259,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_one_step_against_float32_and_bfloat16_controls():
     """float8 really runs, and its error against float32 is bounded.
 
@@ -291,6 +293,7 @@ def test_one_step_against_float32_and_bfloat16_controls():
     ],
 )
 @pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_levels_train_with_float32_float8_weights(level, recipe):
     model = mp.auto_mixed_precision(lm(), recipe, level=level, float8=SMALL)
     opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
@@ -310,6 +313,7 @@ def test_levels_train_with_float32_float8_weights(level, recipe):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_train_step_with_accumulation_and_clipping():
     model = mp.auto_mixed_precision(lm(), "mixed_float8", float8=SMALL)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -321,6 +325,7 @@ def test_train_step_with_accumulation_and_clipping():
     assert all(r.grad_norm is not None and r.grad_norm > 0 for r in results[1::2])
 
 
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_trainer_takes_a_prepared_float8_model():
     model = mp.auto_mixed_precision(lm(), "mixed_float8", float8=SMALL)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -341,6 +346,7 @@ def test_without_torchao_the_error_says_how_to_install(monkeypatch):
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_compiles_whole_graph(level):
     model = mp.auto_mixed_precision(lm(), "mixed_float8", level=level, float8=SMALL)
     explained = torch._dynamo.explain(model)(tokens(n=2))
@@ -389,6 +395,7 @@ def test_checkpoint_holds_float32_weights_and_the_recipe(tmp_path):
     assert torch.equal(back.blocks[0].qkv.weight, bf16.blocks[0].qkv.weight.float())
 
 
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_resume_is_bitwise(tmp_path):
     batches = [tokens(seed=s) for s in range(4)]
 
@@ -413,6 +420,7 @@ def test_resume_is_bitwise(tmp_path):
 # -- accuracy ----------------------------------------------------------------------------------
 
 
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_lm_loss_within_tolerance_of_mixed_bfloat16():
     """A small causal LM on a Markov-chain token task, mixed_float8 (tensorwise) against
     mixed_bfloat16 from the same initialisation and batches.
@@ -464,6 +472,7 @@ def _float8_matmul_gflops() -> float:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_main_job_digits_mlp_in_float8_within_a_point_of_float32():
     """Issue 16's accuracy target, on the main job's model, data and schedule (`mixprec
     train --policy mixed_float8`: 20 epochs of the digits MLP at width 512). Measured on seed
@@ -495,6 +504,7 @@ def test_main_job_digits_mlp_in_float8_within_a_point_of_float32():
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_float8_all_gather_weights_save_and_load(tmp_path, level):
     # Review: torchao's all-gather weight wrapper has no storage of its own; saving raised.
     options = Float8Options(min_features=16, fsdp_float8_all_gather=True)
@@ -567,6 +577,7 @@ def cpu_float8_kernel(monkeypatch):
     float8.cpu_kernel_error.cache_clear()
 
 
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_a_recipe_this_cpu_cannot_run_is_said_when_preparing(cpu_float8_kernel):
     # Training would fail in torch's words ("INTERNAL ASSERT FAILED ... per-tensor scaling"):
     # preparing on CPU says so first, at the user's line, and what to do instead.

@@ -139,6 +139,7 @@ def test_mindspore_o3_upcasts_for_its_float32_masters():
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_mixed_float8_keeps_float32_weights_in_float8_layers_of_a_16_bit_model(dtype):
     model = net().to(dtype)
     small = mp.Float8Options(min_features=16)

@@ -152,6 +152,7 @@ def test_a_candidate_with_no_kernel_here_is_left_out_not_raised():
     assert set(plan.dtypes.values()) <= {"float32", "bfloat16"}
 
 
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_float8_probe_on_cpu_takes_16_rows_of_the_smallest_layer():
     pytest.importorskip("torchao")
     seen = []

@@ -107,6 +107,7 @@ def test_auto_never_picks_float8():
     assert mp.Policy("auto").float8_recipe is None
 
 
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_one_compiled_float8_mode_runs_and_trains_as_eager(monkeypatch):
     """The bench's wiring of O2-fp8+compile: the compiled forward and loss, the layers
     converted, compile time apart. AOTAutograd's graphs run eagerly (``aot_eager``) to keep

@@ -44,6 +44,7 @@ def _one_thread():
         yield
 
 
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_tensorwise_names_the_layer_behind_the_outliers(tensorwise):
     """Measured (init seeds 0-2): embed's input 17-18% flushed and 82-83% subnormal (99.6%
     underflow); fc1 and fc2 at most 0.03%; errors against bfloat16 on the healthy layers
@@ -84,6 +85,7 @@ def test_tensorwise_names_the_layer_behind_the_outliers(tensorwise):
 
 @pytest.mark.float8_rowwise
 @pytest.mark.parametrize("policy", ["mixed_float8_rowwise", "mixed_float8_rowwise_with_gw_hp"])
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_rowwise_recipes_confine_the_outliers_to_their_rows(policy):
     """Measured: embed's underflow 3% per row (the two sentinel rows' values), under the 5%
     limit; training confirms it (40 steps, seeds 0-2: rowwise - bfloat16 = 0.0003-0.0008,
@@ -126,6 +128,7 @@ def _held_out_loss(
         return F.mse_loss(model(held_x), held_y).item()
 
 
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_keeping_the_recommended_layers_closes_the_loss_gap(tensorwise):
     """The issue's criterion: three runs from the same init on the same batches, 40 AdamW
     steps; held-out MSE.
@@ -155,6 +158,7 @@ class TwoWays(nn.Module):
         return self.head(F.gelu(self.a(x)))
 
 
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_a_healthy_model_at_o1_and_a_layer_the_batch_never_calls():
     torch.manual_seed(0)
     model = TwoWays()
@@ -173,6 +177,7 @@ def test_a_healthy_model_at_o1_and_a_layer_the_batch_never_calls():
     assert report.not_run == [] and [r.name for r in report.layers] == ["a"]
 
 
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_both_passes_draw_the_same_dropout_mask_and_the_rng_is_left_as_it_was():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), nn.Dropout(0.5), nn.Linear(32, 16))
@@ -251,6 +256,7 @@ def test_a_batch_the_model_cannot_take_is_refused_in_one_line():
         diagnose_float8(sensors(), x, y[:, :15], F.mse_loss, float8=SMALL)
 
 
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_an_empty_batch_and_a_loss_that_is_not_one_value_are_refused():
     x, y = readings(16, seed=0)
     with pytest.raises(ValueError, match=r"^diagnose_float8: the batch is empty: inputs has "
@@ -273,6 +279,7 @@ def test_an_empty_batch_and_a_loss_that_is_not_one_value_are_refused():
             diagnose_float8(sensors(), x, y, loss_fn, float8=SMALL)
 
 
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_a_failure_the_float32_model_does_not_share_is_not_blamed_on_the_batch():
     x, y = readings(16, seed=0)
     calls = []
@@ -293,6 +300,7 @@ def test_a_failure_the_float32_model_does_not_share_is_not_blamed_on_the_batch()
     [(torch.bfloat16, "auto"), (torch.float16, "O3")],
     ids=["bfloat16-auto", "float16-O3"],
 )
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_a_16_bit_model_is_diagnosed_as_its_float32_upcast_with_one_warning(dtype, level):
     """As ``mp.diagnose`` does (test_diagnose's test of the same name): the report is that of
     a float32 model holding the same rounded weights (exactly, tolerance 0), at every level
@@ -348,6 +356,7 @@ def test_mp_diagnose_dispatches_float8_policies():
         mp.diagnose(sensors(), x, y, F.mse_loss, "mixed_float16", keep_bfloat16=["fc1"])
 
 
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_cli_doctor_with_a_float8_policy(tmp_path, capsys):
     from mixprec import cli
 

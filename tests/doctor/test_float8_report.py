@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("torchao")
 
 
+@pytest.mark.float8  # runs float8 matmuls on the CPU
 def test_report_text_and_json(tensorwise):
     text = str(tensorwise)
     lines = text.splitlines()
