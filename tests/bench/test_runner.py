@@ -34,6 +34,9 @@ def test_every_mode_runs_and_reports_well_formed_numbers(workload):
             assert r.level == ("-" if baseline else expected[r.mode.split("-")[0]])
         if workload == "lm-d512":
             assert r.tokens_per_s is not None and r.tokens_per_s > 0
+        # On CPU each mode's rounds count their page faults and kernel time (bench.faults).
+        assert r.page_faults is not None and r.page_faults >= 0, r.mode
+        assert r.system_ms is not None and r.system_ms >= 0, r.mode
     # Accuracy is not traded: mixed modes with float32 masters end where float32 does
     # (bfloat16 rounding over three SGD steps: 2 warm-up, 1 timed; measured below 0.005).
     for r in results:

@@ -11,6 +11,7 @@ import torch
 
 from mixprec._device import resolve_device
 from mixprec._hardware import cpu_16bit_units, cpu_fast, cpu_model, cpuinfo_field, probe_hardware
+from mixprec.bench.faults import fault_lines
 from mixprec.bench.modes import COMPILED, _matmul_dtype, is_float8_mode
 from mixprec.bench.runner import ModeResult
 
@@ -19,7 +20,8 @@ def table(workload: str, results: list[ModeResult]) -> str:
     """The results as a text table; ``vs autocast`` where a mode's autocast peer ran;
     float8 modes add their converted Linear layers (``fp8``: converted/all) and, below,
     their speed against ``O2-bf16`` run the same way. Below those, one line for each mode
-    that buys little over float32, with the measured reason (``ModeResult.no_gain``)."""
+    that buys little over float32, with the measured reason (``ModeResult.no_gain``); then
+    compiled modes slower than eager, and modes that spend much of a step in page faults."""
     header = f"{'mode':<34} {'level':<5}"
     float8 = any(r.float8_layers is not None for r in results)
     if float8:
@@ -61,6 +63,7 @@ def table(workload: str, results: list[ModeResult]) -> str:
             )
     lines += [f"{workload} {r.mode}: {r.no_gain}" for r in results if r.no_gain]
     lines += slower_compiled(workload, results)
+    lines += fault_lines(workload, results)
     return "\n".join(lines)
 
 

@@ -19,6 +19,7 @@ import torch
 
 from mixprec._device import resolve_device
 from mixprec.bench.explain import reasons
+from mixprec.bench.faults import FaultMeter
 from mixprec.bench.memory import MemoryArgs, _peak_memory
 from mixprec.bench.modes import (
     COMPILED,
@@ -110,6 +111,10 @@ class ModeResult:
     no_gain: str | None = None
     #: ...and the ms a step in matmuls and convolutions of each mode profiled for it.
     matmul_ms: float | None = None
+    #: On CPU: the median minor page faults and system (kernel) ms a step over the rounds,
+    #: where the allocator hands freed memory back to the OS (``bench.faults``).
+    page_faults: float | None = None
+    system_ms: float | None = None
 
 
 def run(
@@ -165,9 +170,10 @@ def run(
     matmuls: dict[str, float] = {}
     # float32 without TF32 (which rounds matmul inputs to 10 mantissa bits on CUDA), for a
     # true float32 baseline; the profiles behind the reasons too, float32 as timed.
+    meters = {m: FaultMeter() for m in modes} if dev.type == "cpu" else {}
     with tf32(False):
         times, last, first = _time_modes(
-            built, repeats, steps, warmup, dev, min_round_ms, progress=progress
+            built, repeats, steps, warmup, dev, min_round_ms, progress=progress, meters=meters
         )
         ratios = {m: _ratios(times, "float32", m) for m in modes}
         speedups = {m: statistics.median(r) for m, r in ratios.items()}
@@ -194,6 +200,7 @@ def run(
         converted, linears = getattr(built[mode], "float8", None) or (None, None)
         tflops = work.flops / ms / 1e9 if work.flops else None
         peak = peak_tflops(dev, "tfloat32" if uses_tf32(mode) else _matmul_dtype(mode))
+        faults, system_ms = meters[mode].per_step() if mode in meters else (None, None)
         results.append(
             ModeResult(
                 mode=mode,
@@ -215,6 +222,8 @@ def run(
                 vs_autocast=vs_peer,
                 no_gain=no_gain.get(mode),
                 matmul_ms=matmuls.get(mode),
+                page_faults=faults,
+                system_ms=system_ms,
             )
         )
     return results
@@ -234,10 +243,12 @@ def _time_modes(
     dev: torch.device,
     min_round_ms: float,
     progress: Progress = _quiet,
+    meters: dict[str, FaultMeter] | None = None,
 ) -> tuple[dict[str, list[float]], dict[str, torch.Tensor], dict[str, float]]:
     """Per mode: the ms/step of each round, the loss of the last step, and the ms of the
     first step (which compiles, for compiled modes). ``progress`` after each mode's warm-up
-    and each mode's round."""
+    and each mode's round. Each mode in ``meters`` counts its rounds' page faults."""
+    meters = meters or {}
     last: dict[str, torch.Tensor] = {}
     first: dict[str, float] = {}
     fastest = float("inf")
@@ -260,11 +271,16 @@ def _time_modes(
         # Every other round backwards: no mode always follows the same one (whose cache
         # and allocator state it would inherit).
         for mode, step in order if r % 2 == 0 else order[::-1]:
+            meter = meters.get(mode)
             _sync(dev)
+            if meter is not None:
+                meter.start()
             start = time.perf_counter()
             for _ in range(steps):
                 last[mode] = step()
             _sync(dev)
             times[mode].append(1000 * (time.perf_counter() - start) / steps)
+            if meter is not None:
+                meter.stop(steps)
             progress(f"{mode}: round {r + 1}/{repeats}")
     return times, last, first
