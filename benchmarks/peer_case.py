@@ -1,11 +1,15 @@
 """One side of the case-by-case comparison in docs/benchmarks.md, in a process of its own.
 
-Trains one case with mixprec's default (``default``: ``auto_mixed_precision`` +
-``LossScaleOptimizer``) or with plain ``torch.autocast(bfloat16)`` and an ordinary
-optimizer step (``autocast``), and prints the median ms a step over 5 blocks after 10
-warm-up steps, and the minor page faults a step.
-Run the two sides in turn, each in a fresh process, so that neither inherits the other's
-allocator state (docs/benchmarks.md, "Page faults on CPU")::
+Trains one case and prints the median ms a step over 5 blocks after 10 warm-up steps, and
+the median page faults a step. The sides:
+
+- ``default``: mixprec's default, ``auto_mixed_precision`` + ``LossScaleOptimizer``;
+- ``autocast``: plain ``torch.autocast(bfloat16)`` and an ordinary optimizer step;
+- ``o1``: mixprec at level O1 in bfloat16 (float32 weights, as under autocast);
+- ``bf16``: the model cast to bfloat16 and stepped by the plain optimizer, without mixprec.
+
+Run the sides in turn, each in a fresh process, so that none inherits another's allocator
+state (docs/benchmarks.md, "Page faults on CPU")::
 
     python benchmarks/peer_case.py default mlp8192-adamw
     python benchmarks/peer_case.py autocast mlp8192-adamw
@@ -14,7 +18,6 @@ allocator state (docs/benchmarks.md, "Page faults on CPU")::
 from __future__ import annotations
 
 import argparse
-import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -24,7 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec as mp
+from mixprec.bench.faults import FaultMeter
 
+SIDES = ("default", "autocast", "o1", "bf16")
 CASES = ("mlp64-sgd", "mlp64-adamw", "mlp8192-adamw", "cnn-sgd")
 
 
@@ -44,16 +49,23 @@ def build(case: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     return model, torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
 
 
-def make_step(side: str, case: str, compiled: bool) -> Callable[[], None]:
+def make_step(
+    side: str, case: str, compiled: bool = False, keep_grad_buffers: bool = False
+) -> tuple[Callable[[], None], nn.Module]:
+    """The side's training step on the case, and its model."""
     model, x, y = build(case)
+    if side == "bf16":
+        model = model.bfloat16()
     opt: torch.optim.Optimizer
     if case.endswith("sgd"):
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    if side == "default":
-        model = mp.auto_mixed_precision(model, policy="auto")
-        lso = mp.LossScaleOptimizer(opt)
+    if side in ("default", "o1"):
+        level = "O1" if side == "o1" else "auto"
+        policy = "mixed_bfloat16" if side == "o1" else "auto"
+        model = mp.auto_mixed_precision(model, policy=policy, level=level)
+        lso = mp.LossScaleOptimizer(opt, keep_grad_buffers=keep_grad_buffers)
     forward = torch.compile(model) if compiled else model
 
     def mixprec_step() -> None:
@@ -68,37 +80,48 @@ def make_step(side: str, case: str, compiled: bool) -> Callable[[], None]:
         opt.step()
         opt.zero_grad()
 
-    return mixprec_step if side == "default" else autocast_step
+    def bf16_step() -> None:
+        F.cross_entropy(forward(x.bfloat16()).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    steps = {"default": mixprec_step, "o1": mixprec_step, "autocast": autocast_step}
+    return steps.get(side, bf16_step), model
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("side", choices=("default", "autocast"))
+    parser.add_argument("side", choices=SIDES)
     parser.add_argument("case", choices=CASES)
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument(
+        "--keep-grad-buffers", action="store_true",
+        help="LossScaleOptimizer(keep_grad_buffers=True), for default and o1",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=0, help="timed steps (default: by case)")
     parser.add_argument("--out", help="append the median ms a step to this file")
     args = parser.parse_args()
-    step = make_step(args.side, args.case, args.compile)
+    step, _ = make_step(args.side, args.case, args.compile, args.keep_grad_buffers)
     steps = args.steps or (60 if args.case.startswith("mlp8192") else 600)
     block = max(steps // 5, 1)
     for _ in range(10):
         step()
-    times, faults = [], []
+    times, meter = [], FaultMeter()
     for _ in range(5):
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        meter.start()
         start = time.perf_counter()
         for _ in range(block):
             step()
         times.append(1000 * (time.perf_counter() - start) / block)
-        faults.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / block)
+        meter.stop(block)
     ms = statistics.median(times)
+    faults, _ = meter.per_step()
     if args.out:
         with open(args.out, "a") as f:
             f.write(f"{ms:.3f}\n")
     mode = "compiled" if args.compile else "eager"
-    print(f"{args.side} {args.case} {mode}: {ms:.2f} ms a step, "
-          f"{statistics.median(faults):.0f} page faults a step")  # fmt: skip
+    counted = f"{faults:.0f}" if faults is not None else "-"
+    print(f"{args.side} {args.case} {mode}: {ms:.2f} ms a step, {counted} page faults a step")
 
 
 if __name__ == "__main__":

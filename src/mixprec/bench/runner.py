@@ -111,10 +111,10 @@ class ModeResult:
     no_gain: str | None = None
     #: ...and the ms a step in matmuls and convolutions of each mode profiled for it.
     matmul_ms: float | None = None
-    #: On CPU: the median minor page faults and system (kernel) ms a step over the rounds,
-    #: where the allocator hands freed memory back to the OS (``bench.faults``).
+    #: On CPU (not Windows), medians over the rounds: the minor page faults a step, and the
+    #: share of the step's CPU time spent in the kernel (``bench.faults``); None elsewhere.
     page_faults: float | None = None
-    system_ms: float | None = None
+    kernel_share: float | None = None
 
 
 def run(
@@ -200,7 +200,7 @@ def run(
         converted, linears = getattr(built[mode], "float8", None) or (None, None)
         tflops = work.flops / ms / 1e9 if work.flops else None
         peak = peak_tflops(dev, "tfloat32" if uses_tf32(mode) else _matmul_dtype(mode))
-        faults, system_ms = meters[mode].per_step() if mode in meters else (None, None)
+        faults, kernel_share = meters[mode].per_step() if mode in meters else (None, None)
         results.append(
             ModeResult(
                 mode=mode,
@@ -223,7 +223,7 @@ def run(
                 no_gain=no_gain.get(mode),
                 matmul_ms=matmuls.get(mode),
                 page_faults=faults,
-                system_ms=system_ms,
+                kernel_share=kernel_share,
             )
         )
     return results
