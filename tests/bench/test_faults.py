@@ -12,7 +12,14 @@ import sys
 import pytest
 import torch
 
-from mixprec.bench.faults import FAULT_SHARE, KEEP_HEAP_ENV, MIN_FAULTS, FaultMeter, fault_lines
+from mixprec.bench.faults import (
+    FAULT_SHARE,
+    KEEP_HEAP_ENV,
+    MIN_FAULTS,
+    FaultMeter,
+    allocator,
+    fault_lines,
+)
 from mixprec.bench.report import table
 from mixprec.bench.runner import ModeResult
 
@@ -80,3 +87,39 @@ def test_many_faults_and_a_share_in_the_kernel_get_a_line():
     text = table("mlp-b8192", results)
     assert text.splitlines()[-1] == lines[0]
     assert text.count("page faults a step") == 1
+
+
+GLIBC_MAPS = "7f00-7f10 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
+ADVICE = 'see docs/benchmarks.md, "Page faults on CPU"'
+
+
+@pytest.mark.parametrize(
+    ("environ", "expected"),
+    [
+        ({}, "glibc malloc with its defaults: it may hand freed memory back to the OS, and a "
+             f"large CPU step then faults it in again each step ({ADVICE})"),
+        (dict(pair.split("=") for pair in KEEP_HEAP_ENV.split()),
+         "glibc malloc, heap kept (trim and mmap thresholds set)"),
+        ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1073741824:"
+                            "glibc.malloc.mmap_threshold=1073741824"},
+         "glibc malloc, heap kept (trim and mmap thresholds set)"),
+        # One of the two alone does not keep the heap (the trim threshold alone measured
+        # more faults than neither): said, not taken for kept.
+        ({"MALLOC_TRIM_THRESHOLD_": "1073741824"},
+         "glibc malloc with MALLOC_TRIM_THRESHOLD_ set but not MALLOC_MMAP_THRESHOLD_: it "
+         "still hands freed memory back or maps large blocks afresh, and faults them in again "
+         f"each step; set both ({ADVICE})"),
+        ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1073741824"},
+         "glibc malloc with MALLOC_MMAP_THRESHOLD_ set but not MALLOC_TRIM_THRESHOLD_: it "
+         "still hands freed memory back or maps large blocks afresh, and faults them in again "
+         f"each step; set both ({ADVICE})"),
+    ],
+)  # fmt: skip
+def test_allocator_says_whether_glibc_keeps_its_heap(environ, expected):
+    assert allocator(environ, maps=GLIBC_MAPS, libc="glibc") == expected
+
+
+def test_allocator_names_a_preloaded_allocator_and_other_platforms():
+    maps = GLIBC_MAPS + "7f20-7f30 r-xp 0 08:01 2 /usr/lib/libjemalloc.so.2\n"
+    assert allocator({}, maps=maps, libc="glibc") == "jemalloc (preloaded)"
+    assert allocator({}, maps="", libc="") == "the platform's malloc"

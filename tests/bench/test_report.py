@@ -93,6 +93,10 @@ def test_the_device_is_named_with_its_16_bit_units_and_threads(monkeypatch):
     data = json.loads(bench.to_json({}, device="cpu"))
     assert data["device_description"] == bench.device_description("cpu")
     assert data["threads"] == 1 and data["bf16"].startswith("no fast bf16")
+    # The allocator, whose page faults the CPU figures include (bench.faults).
+    from mixprec.bench.faults import allocator
+
+    assert data["allocator"] == allocator()
 
 
 @pytest.mark.parametrize(

@@ -12,16 +12,26 @@ CPU").
 from __future__ import annotations
 
 import mmap
+import os
+import platform
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from mixprec.bench.runner import ModeResult
 
-__all__ = ["FAULT_SHARE", "KEEP_HEAP_ENV", "MIN_FAULTS", "FaultMeter", "fault_lines"]
+__all__ = [
+    "FAULT_SHARE",
+    "KEEP_HEAP_ENV",
+    "MIN_FAULTS",
+    "FaultMeter",
+    "allocator",
+    "fault_lines",
+]
 
 #: A mode whose step spends this share of its CPU time (user + system, every thread) in
 #: the kernel, and takes at least ``MIN_FAULTS`` page faults a step, gets a line.
@@ -88,3 +98,45 @@ def fault_lines(workload: str, results: Sequence[ModeResult]) -> list[str]:
             "in the environment (glibc), or jemalloc/tcmalloc; see docs/benchmarks.md"
         )
     return lines
+
+
+# Each keeps the heap only with the other: the trim threshold alone turns glibc's dynamic
+# mmap threshold off at 128 KiB, so every large block is a fresh mmap; the mmap threshold
+# alone leaves the heap trimmed (docs/benchmarks.md, "Page faults on CPU").
+_KEEP_VARS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
+_KEEP_TUNABLES = ("glibc.malloc.trim_threshold", "glibc.malloc.mmap_threshold")
+
+
+def allocator(
+    environ: Mapping[str, str] | None = None,
+    maps: str | None = None,
+    libc: str | None = None,
+) -> str:
+    """Which C allocator serves this process's CPU tensors, and whether it keeps freed
+    memory (``mixprec info``, the bench's JSON). ``environ``, ``maps`` (the text of
+    /proc/self/maps) and ``libc`` default to this process's."""
+    env = os.environ if environ is None else environ
+    if maps is None:
+        path = Path("/proc/self/maps")
+        maps = path.read_text() if path.exists() else ""
+    for name in ("jemalloc", "tcmalloc", "mimalloc"):
+        if f"lib{name}" in maps:
+            return f"{name} (preloaded)"
+    if (platform.libc_ver()[0] if libc is None else libc) != "glibc":
+        return "the platform's malloc"
+    tunables = env.get("GLIBC_TUNABLES", "")
+    set_ = [v for v, t in zip(_KEEP_VARS, _KEEP_TUNABLES, strict=True) if v in env or t in tunables]
+    if len(set_) == 2:
+        return "glibc malloc, heap kept (trim and mmap thresholds set)"
+    advice = 'see docs/benchmarks.md, "Page faults on CPU"'
+    if set_:
+        other = next(v for v in _KEEP_VARS if v not in set_)
+        return (
+            f"glibc malloc with {set_[0]} set but not {other}: it still hands freed memory "
+            f"back or maps large blocks afresh, and faults them in again each step; set both "
+            f"({advice})"
+        )
+    return (
+        "glibc malloc with its defaults: it may hand freed memory back to the OS, and a "
+        f"large CPU step then faults it in again each step ({advice})"
+    )

@@ -11,7 +11,7 @@ import torch
 
 from mixprec._device import resolve_device
 from mixprec._hardware import cpu_16bit_units, cpu_fast, cpu_model, cpuinfo_field, probe_hardware
-from mixprec.bench.faults import fault_lines
+from mixprec.bench.faults import allocator, fault_lines
 from mixprec.bench.modes import COMPILED, _matmul_dtype, is_float8_mode
 from mixprec.bench.runner import ModeResult
 
@@ -178,6 +178,7 @@ def to_json(
             "bf16": bf16_support(device),
             "device_description": device_description(device),
             "threads": torch.get_num_threads(),
+            "allocator": allocator(),
             "float32_matmul": "IEEE float32 (TF32 off), but TF32 in float32-tf32",
             "outputs_16bit": outputs_16bit,
             "notes": notes(modes, device),

@@ -8,6 +8,7 @@ import torch
 
 from mixprec._hardware import probe_hardware
 from mixprec._version import __version__
+from mixprec.bench.faults import allocator
 from mixprec.levels import resolve_level
 from mixprec.policy import Policy
 
@@ -19,7 +20,8 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
 
 
 def run(_: argparse.Namespace) -> int:
-    """Print the versions, the hardware probe, and the ``auto`` policy and level with why."""
+    """Print the versions, the hardware probe, the ``auto`` policy and level with why, and
+    the C allocator (whether it keeps freed memory: page faults on CPU)."""
     hw = probe_hardware()
     policy = Policy("auto")
     print(f"mixprec {__version__}, torch {torch.__version__}")
@@ -27,4 +29,5 @@ def run(_: argparse.Namespace) -> int:
     print(f"auto policy: {policy.name} ({policy})")
     print(f"  because: {policy.reason}")
     print(f"auto level for it: {resolve_level('auto', policy)}")
+    print(f"allocator: {allocator()}")
     return 0
