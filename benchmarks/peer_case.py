@@ -85,8 +85,9 @@ def make_step(
         opt.step()
         opt.zero_grad()
 
-    steps = {"default": mixprec_step, "o1": mixprec_step, "autocast": autocast_step}
-    return steps.get(side, bf16_step), model
+    steps = {"default": mixprec_step, "o1": mixprec_step, "autocast": autocast_step,
+             "bf16": bf16_step}  # fmt: skip
+    return steps[side], model
 
 
 def main() -> None:
@@ -101,6 +102,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0, help="timed steps (default: by case)")
     parser.add_argument("--out", help="append the median ms a step to this file")
     args = parser.parse_args()
+    if args.keep_grad_buffers and args.side not in ("default", "o1"):
+        parser.error(f"--keep-grad-buffers is for the default and o1 sides, not {args.side}")
     step, _ = make_step(args.side, args.case, args.compile, args.keep_grad_buffers)
     steps = args.steps or (60 if args.case.startswith("mlp8192") else 600)
     block = max(steps // 5, 1)

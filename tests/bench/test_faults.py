@@ -5,8 +5,6 @@ only where a step takes many and spends a notable share of its CPU time in the k
 from __future__ import annotations
 
 import mmap
-import os
-import platform
 import sys
 
 import pytest
@@ -42,10 +40,8 @@ def _faults_a_step(step, steps: int = 4) -> float:
 
 
 @pytest.mark.skipif(
-    sys.platform == "win32"
-    or platform.libc_ver()[0] != "glibc"
-    or "MALLOC_MMAP_THRESHOLD_" in os.environ,
-    reason="needs glibc's malloc with its default mmap threshold",
+    sys.platform == "win32" or not allocator().startswith("glibc malloc with its defaults"),
+    reason="needs glibc's malloc with its defaults (a fresh mmap for a 64 MiB block)",
 )
 def test_meter_counts_fresh_memory_and_not_reused_memory():
     kept = torch.empty(FRESH_BYTES, dtype=torch.uint8)
@@ -89,8 +85,17 @@ def test_many_faults_and_a_share_in_the_kernel_get_a_line():
     assert text.count("page faults a step") == 1
 
 
-GLIBC_MAPS = "7f00-7f10 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
 ADVICE = 'see docs/benchmarks.md, "Page faults on CPU"'
+KEPT = "glibc malloc, heap kept (freed blocks below 1024 MiB stay)"
+GIB = "1073741824"
+
+
+def _not_kept(trim: str, mmap_at: str) -> str:
+    return (
+        f"glibc malloc with trim threshold {trim}, mmap threshold {mmap_at}: it still hands "
+        "freed memory back or maps large blocks afresh, and faults them in again each step; "
+        f"set both to 1073741824 ({ADVICE})"
+    )
 
 
 @pytest.mark.parametrize(
@@ -98,28 +103,34 @@ ADVICE = 'see docs/benchmarks.md, "Page faults on CPU"'
     [
         ({}, "glibc malloc with its defaults: it may hand freed memory back to the OS, and a "
              f"large CPU step then faults it in again each step ({ADVICE})"),
-        (dict(pair.split("=") for pair in KEEP_HEAP_ENV.split()),
-         "glibc malloc, heap kept (trim and mmap thresholds set)"),
-        ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1073741824:"
-                            "glibc.malloc.mmap_threshold=1073741824"},
-         "glibc malloc, heap kept (trim and mmap thresholds set)"),
-        # One of the two alone does not keep the heap (the trim threshold alone measured
-        # more faults than neither): said, not taken for kept.
-        ({"MALLOC_TRIM_THRESHOLD_": "1073741824"},
-         "glibc malloc with MALLOC_TRIM_THRESHOLD_ set but not MALLOC_MMAP_THRESHOLD_: it "
-         "still hands freed memory back or maps large blocks afresh, and faults them in again "
-         f"each step; set both ({ADVICE})"),
-        ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1073741824"},
-         "glibc malloc with MALLOC_MMAP_THRESHOLD_ set but not MALLOC_TRIM_THRESHOLD_: it "
-         "still hands freed memory back or maps large blocks afresh, and faults them in again "
-         f"each step; set both ({ADVICE})"),
+        (dict(pair.split("=") for pair in KEEP_HEAP_ENV.split()), KEPT),
+        ({"GLIBC_TUNABLES": f"glibc.malloc.trim_threshold=0x40000000:"
+                            f"glibc.malloc.mmap_threshold={GIB}"}, KEPT),
+        # No mmap at all keeps the heap as a high mmap threshold does.
+        ({"MALLOC_TRIM_THRESHOLD_": GIB, "MALLOC_MMAP_MAX_": "0"}, KEPT),
+        # One of the two alone does not keep the heap: the trim threshold alone turns the
+        # dynamic mmap threshold off, the mmap threshold alone leaves the heap trimmed.
+        ({"MALLOC_TRIM_THRESHOLD_": GIB}, _not_kept(GIB, "unset")),
+        ({"GLIBC_TUNABLES": f"glibc.malloc.mmap_threshold={GIB}"}, _not_kept("unset", GIB)),
+        # Set, but to values that keep nothing: said, not taken for kept.
+        ({"MALLOC_TRIM_THRESHOLD_": "0", "MALLOC_MMAP_THRESHOLD_": GIB}, _not_kept("0", GIB)),
+        ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0:glibc.malloc.mmap_threshold=0"},
+         _not_kept("0", "0")),
     ],
 )  # fmt: skip
 def test_allocator_says_whether_glibc_keeps_its_heap(environ, expected):
-    assert allocator(environ, maps=GLIBC_MAPS, libc="glibc") == expected
+    assert allocator(environ, libc="glibc") == expected
 
 
-def test_allocator_names_a_preloaded_allocator_and_other_platforms():
-    maps = GLIBC_MAPS + "7f20-7f30 r-xp 0 08:01 2 /usr/lib/libjemalloc.so.2\n"
-    assert allocator({}, maps=maps, libc="glibc") == "jemalloc (preloaded)"
-    assert allocator({}, maps="", libc="") == "the platform's malloc"
+def test_allocator_names_a_preloaded_allocator_and_other_platforms(tmp_path):
+    lib = tmp_path / "libjemalloc.so.2"
+    lib.write_bytes(b"")
+    assert allocator({"LD_PRELOAD": str(lib)}, libc="glibc") == "jemalloc (preloaded)"
+    assert allocator({"LD_PRELOAD": "libtcmalloc_minimal.so.4"}, libc="glibc") == (
+        "tcmalloc_minimal (preloaded)"
+    )
+    # A path ld.so cannot load, or a library that is not an allocator, is not named.
+    missing = {"LD_PRELOAD": str(tmp_path / "libmimalloc.so")}
+    assert allocator(missing, libc="glibc").startswith("glibc malloc with its defaults")
+    assert allocator({"LD_PRELOAD": "libfoo.so"}, libc="glibc").startswith("glibc malloc")
+    assert allocator({}, libc="") == "the platform's malloc"

@@ -55,3 +55,12 @@ def test_a_case_it_does_not_have_is_refused(peer_case, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         peer_case.main()
     assert "invalid choice: 'lm'" in capsys.readouterr().err
+
+
+def test_keep_grad_buffers_is_refused_for_a_side_without_mixprec(peer_case, monkeypatch, capsys):
+    argv = ["peer_case.py", "autocast", "mlp64-sgd", "--keep-grad-buffers"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit):
+        peer_case.main()
+    err = capsys.readouterr().err
+    assert "--keep-grad-buffers is for the default and o1 sides, not autocast" in err

@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 import platform
+import re
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
@@ -102,41 +103,67 @@ def fault_lines(workload: str, results: Sequence[ModeResult]) -> list[str]:
 
 # Each keeps the heap only with the other: the trim threshold alone turns glibc's dynamic
 # mmap threshold off at 128 KiB, so every large block is a fresh mmap; the mmap threshold
-# alone leaves the heap trimmed (docs/benchmarks.md, "Page faults on CPU").
-_KEEP_VARS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_")
-_KEEP_TUNABLES = ("glibc.malloc.trim_threshold", "glibc.malloc.mmap_threshold")
+# alone leaves the heap trimmed. Below 32 MiB (the dynamic threshold's ceiling) a set value
+# is no better than the defaults.
+_MALLOC_VARS = {
+    "trim_threshold": "MALLOC_TRIM_THRESHOLD_",
+    "mmap_threshold": "MALLOC_MMAP_THRESHOLD_",
+    "mmap_max": "MALLOC_MMAP_MAX_",
+}
+_LEAST = 32 << 20
+_PRELOADED = re.compile(r"lib(jemalloc|tcmalloc|tcmalloc_minimal|mimalloc)\b")
 
 
-def allocator(
-    environ: Mapping[str, str] | None = None,
-    maps: str | None = None,
-    libc: str | None = None,
-) -> str:
+def _int(text: str | None) -> int | None:
+    try:
+        return None if text is None else int(text, 0)
+    except ValueError:
+        return None
+
+
+def _malloc_settings(env: Mapping[str, str]) -> dict[str, int | None]:
+    """glibc's trim threshold, mmap threshold and mmap_max as set by the ``MALLOC_*_``
+    variables or ``GLIBC_TUNABLES``; None where unset. (Where both set one, glibc takes
+    whichever comes first in the environment; this reads the tunable.)"""
+    settings = {key: _int(env.get(var)) for key, var in _MALLOC_VARS.items()}
+    for item in env.get("GLIBC_TUNABLES", "").split(":"):
+        name, _, value = item.partition("=")
+        key = name.removeprefix("glibc.malloc.")
+        if name.startswith("glibc.malloc.") and key in settings:
+            settings[key] = _int(value)
+    return settings
+
+
+def allocator(environ: Mapping[str, str] | None = None, libc: str | None = None) -> str:
     """Which C allocator serves this process's CPU tensors, and whether it keeps freed
-    memory (``mixprec info``, the bench's JSON). ``environ``, ``maps`` (the text of
-    /proc/self/maps) and ``libc`` default to this process's."""
+    memory (``mixprec info``, the bench's JSON), from ``environ`` (``os.environ``) and
+    ``libc`` (this process's). malloc reads its variables once, at start-up: set later in
+    the process (a notebook's ``os.environ[...] = ...``), they are reported but not used."""
     env = os.environ if environ is None else environ
-    if maps is None:
-        path = Path("/proc/self/maps")
-        maps = path.read_text() if path.exists() else ""
-    for name in ("jemalloc", "tcmalloc", "mimalloc"):
-        if f"lib{name}" in maps:
-            return f"{name} (preloaded)"
+    for entry in env.get("LD_PRELOAD", "").replace(":", " ").split():
+        match = _PRELOADED.match(Path(entry).name)
+        if match and ("/" not in entry or Path(entry).exists()):  # ld.so skips a missing path
+            return f"{match.group(1)} (preloaded)"
     if (platform.libc_ver()[0] if libc is None else libc) != "glibc":
         return "the platform's malloc"
-    tunables = env.get("GLIBC_TUNABLES", "")
-    set_ = [v for v, t in zip(_KEEP_VARS, _KEEP_TUNABLES, strict=True) if v in env or t in tunables]
-    if len(set_) == 2:
-        return "glibc malloc, heap kept (trim and mmap thresholds set)"
+    s = _malloc_settings(env)
+    trim, mmap_at, mmap_max = s["trim_threshold"], s["mmap_threshold"], s["mmap_max"]
     advice = 'see docs/benchmarks.md, "Page faults on CPU"'
-    if set_:
-        other = next(v for v in _KEEP_VARS if v not in set_)
+    if trim is None and mmap_at is None and mmap_max is None:
         return (
-            f"glibc malloc with {set_[0]} set but not {other}: it still hands freed memory "
-            f"back or maps large blocks afresh, and faults them in again each step; set both "
-            f"({advice})"
+            "glibc malloc with its defaults: it may hand freed memory back to the OS, and a "
+            f"large CPU step then faults it in again each step ({advice})"
         )
+    no_mmap = mmap_max == 0
+    if trim is not None and trim >= _LEAST and (no_mmap or (mmap_at or 0) >= _LEAST):
+        kept = trim if no_mmap else min(trim, mmap_at or 0)
+        return f"glibc malloc, heap kept (freed blocks below {kept / 2**20:.0f} MiB stay)"
+
+    def shown(value: int | None) -> str:
+        return "unset" if value is None else f"{value}"
+
     return (
-        "glibc malloc with its defaults: it may hand freed memory back to the OS, and a "
-        f"large CPU step then faults it in again each step ({advice})"
+        f"glibc malloc with trim threshold {shown(trim)}, mmap threshold {shown(mmap_at)}: "
+        "it still hands freed memory back or maps large blocks afresh, and faults them in "
+        f"again each step; set both to 1073741824 ({advice})"
     )
