@@ -16,9 +16,8 @@ from mixprec.bench.faults import (
     MIN_FAULTS,
     FaultMeter,
     allocator,
-    fault_lines,
 )
-from mixprec.bench.report import table
+from mixprec.bench.report import fault_lines, table
 from mixprec.bench.runner import ModeResult
 
 # 64 MiB: above glibc's largest dynamic mmap threshold (32 MiB), so each allocation is a

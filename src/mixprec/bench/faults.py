@@ -4,26 +4,22 @@ glibc's malloc returns the top of its heap to the OS once more than its trim thr
 lies free there, and serves large blocks with fresh ``mmap`` s; a step that frees its
 activations at its end may then fault every page of them in again in the next one.
 Whether the heap is trimmed depends on where the last live block lies, so two loops with
-the same kernels can differ by it. ``mixprec bench`` counts the faults per mode on CPU and
-says so where they take a notable share of the step (docs/benchmarks.md, "Page faults on
-CPU").
+the same kernels can differ by it. ``mixprec bench`` counts the faults per mode on CPU
+(``FaultMeter``), and ``report.fault_lines`` says so where they take a notable share of
+the step (docs/benchmarks.md, "Page faults on CPU"). ``allocator`` says which allocator a
+process has and whether it keeps freed memory.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import platform
 import re
 import statistics
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from mixprec.bench.runner import ModeResult
 
 __all__ = [
     "FAULT_SHARE",
@@ -31,7 +27,6 @@ __all__ = [
     "MIN_FAULTS",
     "FaultMeter",
     "allocator",
-    "fault_lines",
 ]
 
 #: A mode whose step spends this share of its CPU time (user + system, every thread) in
@@ -80,25 +75,6 @@ class FaultMeter:
         if not self.faults:
             return None, None
         return statistics.median(self.faults), statistics.median(self.kernel_shares)
-
-
-def fault_lines(workload: str, results: Sequence[ModeResult]) -> list[str]:
-    """One line for each mode whose step takes ``MIN_FAULTS`` page faults or more and
-    spends ``FAULT_SHARE`` or more of its CPU time in the kernel, with how to keep the
-    heap. The MiB assume one base page a fault (transparent huge pages map more)."""
-    lines = []
-    for r in results:
-        faults, share = r.page_faults, r.kernel_share
-        if faults is None or share is None or faults < MIN_FAULTS or share < FAULT_SHARE:
-            continue
-        mib = faults * mmap.PAGESIZE / 2**20
-        lines.append(
-            f"{workload} {r.mode}: {faults:.0f} page faults a step (at least {mib:.0f} MiB "
-            f"taken from the OS again), {share:.0%} of its CPU time in the kernel: the C "
-            f"allocator hands freed memory back after each step. Keep it: {KEEP_HEAP_ENV} "
-            "in the environment (glibc), or jemalloc/tcmalloc; see docs/benchmarks.md"
-        )
-    return lines
 
 
 # Each keeps the heap only with the other: the trim threshold alone turns glibc's dynamic

@@ -4,6 +4,7 @@ notes on what the figures of this device do not measure."""
 from __future__ import annotations
 
 import json
+import mmap
 from collections.abc import Sequence
 from dataclasses import asdict, fields
 
@@ -11,7 +12,7 @@ import torch
 
 from mixprec._device import resolve_device
 from mixprec._hardware import cpu_16bit_units, cpu_fast, cpu_model, cpuinfo_field, probe_hardware
-from mixprec.bench.faults import allocator, fault_lines
+from mixprec.bench.faults import FAULT_SHARE, KEEP_HEAP_ENV, MIN_FAULTS, allocator
 from mixprec.bench.modes import COMPILED, _matmul_dtype, is_float8_mode
 from mixprec.bench.runner import ModeResult
 
@@ -86,6 +87,25 @@ def slower_compiled(workload: str, results: list[ModeResult]) -> list[str]:
                 f"vs {twin.ms_per_step:.2f} ms a step, {twin.ms_per_step / r.ms_per_step:.2f}x): "
                 "train this workload eagerly on this machine (compile=False)"
             )
+    return lines
+
+
+def fault_lines(workload: str, results: Sequence[ModeResult]) -> list[str]:
+    """One line for each mode whose step takes ``MIN_FAULTS`` page faults or more and
+    spends ``FAULT_SHARE`` or more of its CPU time in the kernel, with how to keep the
+    heap. The MiB assume one base page a fault (transparent huge pages map more)."""
+    lines = []
+    for r in results:
+        faults, share = r.page_faults, r.kernel_share
+        if faults is None or share is None or faults < MIN_FAULTS or share < FAULT_SHARE:
+            continue
+        mib = faults * mmap.PAGESIZE / 2**20
+        lines.append(
+            f"{workload} {r.mode}: {faults:.0f} page faults a step (at least {mib:.0f} MiB "
+            f"taken from the OS again), {share:.0%} of its CPU time in the kernel: the C "
+            f"allocator hands freed memory back after each step. Keep it: {KEEP_HEAP_ENV} "
+            "in the environment (glibc), or jemalloc/tcmalloc; see docs/benchmarks.md"
+        )
     return lines
 
 
