@@ -28,32 +28,54 @@ from torch import nn
 
 import mixprec as mp
 from mixprec.bench.faults import FaultMeter
+from mixprec.bench.workloads import get_workload
 
 SIDES = ("default", "autocast", "o1", "bf16")
-CASES = ("mlp64-sgd", "mlp64-adamw", "mlp8192-adamw", "cnn-sgd")
+CASES = ("mlp64-sgd", "mlp64-adamw", "mlp8192-adamw", "cnn-sgd", "lm-adamw")
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def build(case: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+def build(case: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Loss]:
+    """The case's model, batch, targets and loss."""
     torch.manual_seed(0)
     if case.startswith("mlp"):
         batch = 8192 if case.startswith("mlp8192") else 64
         model: nn.Module = nn.Sequential(
             nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
         )
-        return model, torch.randn(batch, 784), torch.randint(0, 10, (batch,))
+        return model, torch.randn(batch, 784), torch.randint(0, 10, (batch,)), F.cross_entropy
+    if case.startswith("lm"):
+        # mixprec bench's lm-d512: 4 pre-norm blocks, d=512, 8 x 256 tokens, vocabulary 8192.
+        work = get_workload("lm-d512")
+        return work.make_model(), *work.batch, work.loss_fn
     model = nn.Sequential(
         nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
         nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
         nn.Flatten(), nn.Linear(64 * 8 * 8, 10),
     )  # fmt: skip
-    return model, torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))
+    return model, torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,)), F.cross_entropy
+
+
+def _plain_lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy as a plain loop writes it (``F.cross_entropy``)."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 
 
 def make_step(
-    side: str, case: str, compiled: bool = False, keep_grad_buffers: bool = False
+    side: str,
+    case: str,
+    compiled: bool = False,
+    keep_grad_buffers: bool = False,
+    output_bf16: bool = False,
+    plain_loss: bool = False,
 ) -> tuple[Callable[[], None], nn.Module]:
-    """The side's training step on the case, and its model."""
-    model, x, y = build(case)
+    """The side's training step on the case, and its model. ``output_bf16``: mixprec's
+    model returns bfloat16 (its policy's output dtype); ``plain_loss``: the LM's loss is
+    ``F.cross_entropy`` instead of mixprec's ``lm_loss``, which reads 16-bit logits in
+    float32 a chunk at a time."""
+    model, x, y, loss_fn = build(case)
+    if plain_loss:
+        loss_fn = _plain_lm_loss
     if side == "bf16":
         model = model.bfloat16()
     opt: torch.optim.Optimizer
@@ -63,25 +85,28 @@ def make_step(
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     if side in ("default", "o1"):
         level = "O1" if side == "o1" else "auto"
-        policy = "mixed_bfloat16" if side == "o1" else "auto"
+        policy: str | mp.Policy = "mixed_bfloat16" if side == "o1" else "auto"
+        if output_bf16:
+            policy = mp.Policy("params=float32,compute=bfloat16,output=bfloat16")
         model = mp.auto_mixed_precision(model, policy=policy, level=level)
         lso = mp.LossScaleOptimizer(opt, keep_grad_buffers=keep_grad_buffers)
     forward = torch.compile(model) if compiled else model
 
     def mixprec_step() -> None:
-        lso.backward(F.cross_entropy(forward(x), y))
+        lso.backward(loss_fn(forward(x), y))
         lso.step()
         lso.zero_grad()
 
     def autocast_step() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = F.cross_entropy(forward(x), y)
+            loss = loss_fn(forward(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
 
     def bf16_step() -> None:
-        F.cross_entropy(forward(x.bfloat16()).float(), y).backward()
+        inputs = x if x.dtype == torch.long else x.bfloat16()
+        loss_fn(forward(inputs).float(), y).backward()
         opt.step()
         opt.zero_grad()
 
@@ -99,13 +124,28 @@ def main() -> None:
         "--keep-grad-buffers", action="store_true",
         help="LossScaleOptimizer(keep_grad_buffers=True), for default and o1",
     )  # fmt: skip
+    parser.add_argument(
+        "--output-bf16", action="store_true",
+        help="mixprec's model returns bfloat16 (policy output=bfloat16), for default and o1",
+    )  # fmt: skip
+    parser.add_argument(
+        "--plain-loss", action="store_true",
+        help="lm-adamw: F.cross_entropy instead of mixprec's lm_loss",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=0, help="timed steps (default: by case)")
     parser.add_argument("--out", help="append the median ms a step to this file")
     args = parser.parse_args()
-    if args.keep_grad_buffers and args.side not in ("default", "o1"):
-        parser.error(f"--keep-grad-buffers is for the default and o1 sides, not {args.side}")
-    step, _ = make_step(args.side, args.case, args.compile, args.keep_grad_buffers)
-    steps = args.steps or (60 if args.case.startswith("mlp8192") else 600)
+    for flag in ("keep_grad_buffers", "output_bf16"):
+        if getattr(args, flag) and args.side not in ("default", "o1"):
+            option = "--" + flag.replace("_", "-")
+            parser.error(f"{option} is for the default and o1 sides, not {args.side}")
+    if args.plain_loss and args.case != "lm-adamw":
+        parser.error(f"--plain-loss is for lm-adamw, not {args.case}")
+    step, _ = make_step(
+        args.side, args.case, args.compile, args.keep_grad_buffers, args.output_bf16,
+        args.plain_loss,
+    )  # fmt: skip
+    steps = args.steps or {"mlp8192-adamw": 60, "lm-adamw": 20}.get(args.case, 600)
     block = max(steps // 5, 1)
     for _ in range(10):
         step()

@@ -34,6 +34,19 @@ def test_every_side_of_every_case_trains(peer_case, side, case):
     assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
 
 
+def test_the_lm_case_is_the_bench_lm_d512(peer_case):
+    # Not trained here: its bfloat16 steps take seconds where bfloat16 is emulated.
+    from mixprec.bench.workloads import get_workload
+
+    model, x, y, loss_fn = peer_case.build("lm-adamw")
+    work = get_workload("lm-d512")
+    bench_model = work.make_model()
+    assert [p.shape for p in model.parameters()] == [p.shape for p in bench_model.parameters()]
+    assert torch.equal(x, work.batch[0]) and torch.equal(y, work.batch[1])
+    logits = torch.randn(8, 256, 8192)
+    assert torch.equal(loss_fn(logits, y), work.loss_fn(logits, y))
+
+
 def test_a_run_prints_and_appends_its_figures(peer_case, monkeypatch, tmp_path, capsys):
     out = tmp_path / "ms.txt"
     argv = ["peer_case.py", "default", "mlp64-adamw", "--steps", "5", "--out", str(out)]
@@ -57,10 +70,33 @@ def test_a_case_it_does_not_have_is_refused(peer_case, monkeypatch, capsys):
     assert "invalid choice: 'lm'" in capsys.readouterr().err
 
 
-def test_keep_grad_buffers_is_refused_for_a_side_without_mixprec(peer_case, monkeypatch, capsys):
-    argv = ["peer_case.py", "autocast", "mlp64-sgd", "--keep-grad-buffers"]
-    monkeypatch.setattr(sys, "argv", argv)
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["autocast", "mlp64-sgd", "--keep-grad-buffers"],
+         "--keep-grad-buffers is for the default and o1 sides, not autocast"),
+        (["bf16", "mlp64-sgd", "--output-bf16"],
+         "--output-bf16 is for the default and o1 sides, not bf16"),
+        (["autocast", "mlp64-sgd", "--plain-loss"], "--plain-loss is for lm-adamw, not mlp64-sgd"),
+    ],
+)  # fmt: skip
+def test_an_option_for_another_side_or_case_is_refused(peer_case, monkeypatch, capsys, argv, error):
+    monkeypatch.setattr(sys, "argv", ["peer_case.py", *argv])
     with pytest.raises(SystemExit):
         peer_case.main()
-    err = capsys.readouterr().err
-    assert "--keep-grad-buffers is for the default and o1 sides, not autocast" in err
+    assert error in capsys.readouterr().err
+
+
+def test_the_plain_lm_loss_is_next_token_cross_entropy(peer_case):
+    logits, tokens = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+    expected = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(8, 11), tokens[:, 1:].reshape(8)
+    )
+    assert torch.equal(peer_case._plain_lm_loss(logits, tokens), expected)
+
+
+def test_bfloat16_outputs_come_back_in_bfloat16(peer_case):
+    _, model = peer_case.make_step("default", "mlp64-sgd", output_bf16=True)
+    assert model(torch.randn(3, 784)).dtype == torch.bfloat16
+    _, model = peer_case.make_step("default", "mlp64-sgd")
+    assert model(torch.randn(3, 784)).dtype == torch.float32
