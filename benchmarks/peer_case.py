@@ -57,8 +57,12 @@ def build(case: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Loss]:
 
 
 def _plain_lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy as a plain loop writes it (``F.cross_entropy``)."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    """Next-token cross-entropy as a plain loop writes it (``F.cross_entropy``), in float32:
+    CPU autocast computes it so; outside autocast, 16-bit logits are widened here."""
+    flat = logits[:, :-1].flatten(0, 1)
+    if not torch.is_autocast_enabled("cpu"):
+        flat = flat.float()
+    return F.cross_entropy(flat, tokens[:, 1:].flatten())
 
 
 def make_step(
@@ -105,7 +109,7 @@ def make_step(
         opt.zero_grad()
 
     def bf16_step() -> None:
-        inputs = x if x.dtype == torch.long else x.bfloat16()
+        inputs = x.bfloat16() if x.is_floating_point() else x  # token ids stay integers
         loss_fn(forward(inputs).float(), y).backward()
         opt.step()
         opt.zero_grad()

@@ -87,16 +87,40 @@ def test_an_option_for_another_side_or_case_is_refused(peer_case, monkeypatch, c
     assert error in capsys.readouterr().err
 
 
-def test_the_plain_lm_loss_is_next_token_cross_entropy(peer_case):
+@pytest.mark.parametrize(
+    ("side", "options"),
+    [("default", {}), ("default", {"output_bf16": True}), ("o1", {}), ("bf16", {}),
+     ("autocast", {}), ("autocast", {"plain_loss": True}), ("default", {"plain_loss": True})],
+)  # fmt: skip
+def test_the_lm_case_trains_on_every_side(peer_case, monkeypatch, side, options):
+    # The bench's small LM (d=64, one layer): the same code path, steps fast enough to run
+    # where bfloat16 is emulated.
+    from mixprec.bench.workloads import get_workload
+
+    monkeypatch.setattr(peer_case, "get_workload", lambda name: get_workload(name, small=True))
+    step, model = peer_case.make_step(side, "lm-adamw", **options)
+    before = [p.detach().clone() for p in model.parameters()]
+    step()
+    step()
+    after = list(model.parameters())
+    assert all(torch.isfinite(p).all() for p in after)
+    assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+def test_the_plain_lm_loss_is_mixprecs_next_token_loss(peer_case):
+    # The same targets (token i+1 at position i) and the same positions (the last ignored);
+    # 16-bit logits outside autocast are read in float32.
+    from mixprec.models import lm_loss
+
     logits, tokens = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
-    expected = torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(8, 11), tokens[:, 1:].reshape(8)
-    )
-    assert torch.equal(peer_case._plain_lm_loss(logits, tokens), expected)
+    torch.testing.assert_close(peer_case._plain_lm_loss(logits, tokens), lm_loss(logits, tokens))
+    half = peer_case._plain_lm_loss(logits.bfloat16(), tokens)
+    assert half.dtype == torch.float32
 
 
-def test_bfloat16_outputs_come_back_in_bfloat16(peer_case):
-    _, model = peer_case.make_step("default", "mlp64-sgd", output_bf16=True)
+@pytest.mark.parametrize("side", ["default", "o1"])
+def test_bfloat16_outputs_come_back_in_bfloat16(peer_case, side):
+    _, model = peer_case.make_step(side, "mlp64-sgd", output_bf16=True)
     assert model(torch.randn(3, 784)).dtype == torch.bfloat16
-    _, model = peer_case.make_step("default", "mlp64-sgd")
+    _, model = peer_case.make_step(side, "mlp64-sgd")
     assert model(torch.randn(3, 784)).dtype == torch.float32
