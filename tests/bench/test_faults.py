@@ -93,7 +93,7 @@ def _not_kept(trim: str, mmap_at: str) -> str:
     return (
         f"glibc malloc with trim threshold {trim}, mmap threshold {mmap_at}: it still hands "
         "freed memory back or maps large blocks afresh, and faults them in again each step; "
-        f"set both to 1073741824 ({ADVICE})"
+        f"set both: {KEEP_HEAP_ENV} ({ADVICE})"
     )
 
 

@@ -134,12 +134,9 @@ def allocator(environ: Mapping[str, str] | None = None, libc: str | None = None)
     if trim is not None and trim >= _LEAST and (no_mmap or (mmap_at or 0) >= _LEAST):
         kept = trim if no_mmap else min(trim, mmap_at or 0)
         return f"glibc malloc, heap kept (freed blocks below {kept / 2**20:.0f} MiB stay)"
-
-    def shown(value: int | None) -> str:
-        return "unset" if value is None else f"{value}"
-
+    trim_s, mmap_s = ("unset" if v is None else str(v) for v in (trim, mmap_at))
     return (
-        f"glibc malloc with trim threshold {shown(trim)}, mmap threshold {shown(mmap_at)}: "
-        "it still hands freed memory back or maps large blocks afresh, and faults them in "
-        f"again each step; set both to 1073741824 ({advice})"
+        f"glibc malloc with trim threshold {trim_s}, mmap threshold {mmap_s}: it still hands "
+        "freed memory back or maps large blocks afresh, and faults them in again each step; "
+        f"set both: {KEEP_HEAP_ENV} ({advice})"
     )
