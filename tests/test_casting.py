@@ -11,12 +11,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 import mixprec as mp
+from mixprec._float32_copies import remember_float32
 from mixprec.casting import (
     Float32Functions,
     cast_floating,
     get_region,
     needs_float32_functions,
-    remember_float32,
     upcast_16bit,
 )
 
@@ -153,12 +153,13 @@ def test_float32_function_output_feeds_a_16_bit_batchnorm_at_o3():
 
 def test_output_containers_keep_their_types():
     from collections import OrderedDict
-    from dataclasses import dataclass
+    from dataclasses import dataclass, field
 
     @dataclass
     class Out:
         logits: torch.Tensor
         ids: torch.Tensor
+        aux: torch.Tensor | None = field(default=None, init=False)  # set after construction
 
     class Many(nn.Module):
         def __init__(self) -> None:
@@ -167,7 +168,9 @@ def test_output_containers_keep_their_types():
 
         def forward(self, x):
             h = self.lin(x)
-            return OrderedDict(h=h), torch.max(h, dim=1), Out(h, torch.arange(2))
+            out = Out(h, torch.arange(2))
+            out.aux = h.sum()
+            return OrderedDict(h=h), torch.max(h, dim=1), out
 
     mp.auto_mixed_precision(model := Many(), "mixed_bfloat16", "O2")
     ordered, maximum, out = model(torch.randn(2, 3))
@@ -175,6 +178,7 @@ def test_output_containers_keep_their_types():
     assert maximum.values.dtype == torch.float32 and maximum.indices.dtype == torch.int64
     assert isinstance(out, Out) and out.logits.dtype == torch.float32
     assert out.ids.dtype == torch.int64
+    assert out.aux is not None and out.aux.dtype == torch.float32 and out.aux.requires_grad
 
 
 def test_a_dict_dataclass_output_is_rebuilt_from_its_fields_in_one_graph():
@@ -255,9 +259,9 @@ def test_upcast_16bit_stores_16_bit_tensors_in_float32_and_says_what():
     model[1].to(torch.float16)
     model[3].double()
     bias = model[2].bias
-    bias.data = bias.data.bfloat16()
-    bias.grad = torch.ones(6, dtype=torch.bfloat16)
     exact = torch.full((6,), 0.1)
+    bias.data = exact.bfloat16()  # the copy is current: it rounds to the weight
+    bias.grad = torch.ones(6, dtype=torch.bfloat16)
     remember_float32(bias, exact)
     params = [id(p) for p in model.parameters()]
     done = upcast_16bit(model)

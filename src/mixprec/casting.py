@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from mixprec._device import autocast_available
 from mixprec._dtypes import HALF_DTYPES, parse_dtype
 from mixprec._errors import ArgumentError
+from mixprec._float32_copies import FP32_COPY_ATTR, _Float32Copy, take_float32_copy
 from mixprec._output_sources import remember_source
 from mixprec._upcast_saves import keep_16bit_sources
 
@@ -34,7 +35,6 @@ T = TypeVar("T")
 M = TypeVar("M", bound=nn.Module)
 
 # Attribute names mixprec sets on parameters and modules.
-FP32_COPY_ATTR = "_mixprec_fp32"  # _Float32Copy of a parameter stored in 16 bits
 LEVEL_ATTR = "_mixprec_level"  # level the parameter's model was prepared with
 MASTERS_ATTR = "_mixprec_masters"  # O3 parameter that still gets a float32 master (MindSpore)
 COMPUTE_ATTR = "_mixprec_compute"  # dtype the parameter's math runs in (to_float)
@@ -78,9 +78,12 @@ def _cast(value: T, dtype: torch.dtype, link: bool) -> T:
     # constructor, as dataclasses.replace does and as a model's forward builds it, which
     # dynamo traces; copy.copy it does not (torch 2.11: a graph break).
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = [f.name for f in dataclasses.fields(value) if f.init]
-        changes = {name: _cast(getattr(value, name), dtype, link) for name in fields}
+        fields = dataclasses.fields(value)
+        changes = {f.name: _cast(getattr(value, f.name), dtype, link) for f in fields if f.init}
         rebuilt: Any = type(value)(**changes)
+        for f in fields:  # init=False fields (an auxiliary loss set after construction)
+            if not f.init and hasattr(value, f.name):
+                object.__setattr__(rebuilt, f.name, _cast(getattr(value, f.name), dtype, link))
         if isinstance(value, dict):  # keys set after construction are not fields
             for k, v in value.items():
                 if k not in changes:
@@ -329,29 +332,6 @@ def clear_region(module: nn.Module) -> None:
 def get_region(module: nn.Module) -> Region | None:
     region = getattr(module, REGION_ATTR, None)
     return region if isinstance(region, Region) else None
-
-
-@dataclasses.dataclass
-class _Float32Copy:
-    """The float32 values of a parameter before it went to 16 bits, and the parameter's
-    version counter then: a later in-place write (``load_state_dict``) makes it stale."""
-
-    values: torch.Tensor
-    version: int = -1
-
-
-def take_float32_copy(param: torch.Tensor) -> torch.Tensor | None:
-    """Remove and return the float32 values kept for ``param`` if they are still current."""
-    kept = param.__dict__.pop(FP32_COPY_ATTR, None)
-    if not isinstance(kept, _Float32Copy) or kept.version != param._version:
-        return None
-    return kept.values.to(param.device)
-
-
-def remember_float32(param: torch.Tensor, values: torch.Tensor) -> None:
-    """Keep ``values`` (float32) as the current float32 copy of the 16-bit ``param``."""
-    record = _Float32Copy(values.detach().float(), version=param._version)
-    setattr(param, FP32_COPY_ATTR, record)
 
 
 def store_as(

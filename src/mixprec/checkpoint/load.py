@@ -18,7 +18,7 @@ from torch import nn
 
 from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import shown
-from mixprec.casting import remember_float32
+from mixprec._float32_copies import remember_float32
 from mixprec.checkpoint._conversion import (
     _check_on_range,
     _convert,

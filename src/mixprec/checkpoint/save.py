@@ -39,6 +39,13 @@ def save_checkpoint(
     ``load_checkpoint`` refuses."""
     target = Path(path)
     _check_target(target)
+    pending = optimizer.pending_micro_steps if isinstance(optimizer, LossScaleOptimizer) else 0
+    if pending:
+        raise ArgumentError(
+            f"save_checkpoint: the optimizer is {pending} of {optimizer.accumulation_steps} "  # type: ignore[union-attr]
+            "micro-batches into an accumulation group, whose gradients a checkpoint does not "
+            "hold: a resume would apply a partial group. Save after the step() that applies it"
+        )
     tensors, aliases, master_names = _model_tensors(model, optimizer)
     optim_state: Any = None
     if optimizer is not None:

@@ -6,8 +6,8 @@ Trainer for evaluation, ``model_init`` returning the same model, a new Trainer a
 level is used as it is; only a conflicting preparation is refused.
 
 A new Trainer's ``LossScaleOptimizer`` takes its float32 masters from the values kept for
-each 16-bit weight (``casting.take_float32_copy``). Those kept at preparation are taken by the
-first optimizer and are stale once it steps. So before a later Trainer wraps its optimizer,
+each 16-bit weight (``_float32_copies.take_float32_copy``). Those kept at preparation are
+taken by the first optimizer and are stale once it steps. So before a later Trainer wraps its optimizer,
 the latest masters of the same model (those of the last ``LossScaleOptimizer`` built over it)
 are kept again for each 16-bit weight they still round to; a weight written since
 (``load_state_dict``, another optimizer) starts from its current value.
@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from mixprec._errors import ArgumentError
+from mixprec._float32_copies import remember_float32
 from mixprec._prepare_once import needs_preparation
-from mixprec.casting import remember_float32
 from mixprec.keep import KeepEntry
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import Policy

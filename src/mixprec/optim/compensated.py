@@ -67,21 +67,17 @@ class CompensatedAdamW(torch.optim.Optimizer):
             raise ArgumentError(f"betas={betas!r} are invalid; each must be in [0, 1)")
         if not eps > 0:
             raise ArgumentError(f"eps={eps!r} is invalid; it must be > 0")
-        if compensation not in ("kahan", "stochastic", "none"):
-            raise ArgumentError(
-                f"compensation={compensation!r} is invalid; valid: 'kahan', 'stochastic', 'none'"
-            )
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
                     "compensation": compensation}  # fmt: skip
-        super().__init__(params, defaults)
+        super().__init__(params, defaults)  # each group is checked by add_param_group
         self.generator = generator
-        for group in self.param_groups:
-            for p in group["params"]:
-                if compensation == "stochastic" and p.dtype == torch.float16:
-                    raise ArgumentError(
-                        "compensation='stochastic' rounds to bfloat16; a float16 parameter "
-                        "needs compensation='kahan'"
-                    )
+        # torch's load_state_dict casts floating state to the parameter's dtype: the
+        # moments of a 16-bit weight would come back 16-bit.
+        self.register_load_state_dict_post_hook(_moments_in_float32)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        _check_group(self.param_groups[-1], len(self.param_groups) - 1)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -141,3 +137,26 @@ class CompensatedAdamW(torch.optim.Optimizer):
                 p.copy_(stochastic_round(w + u, self.generator))
             else:
                 p.copy_((w + u).to(p.dtype))
+
+
+def _check_group(group: dict[str, Any], index: int) -> None:
+    """A group's ``compensation`` (the constructor's, or the group's own) is one of the
+    three, and ``"stochastic"`` (which rounds to bfloat16) holds no float16 weight."""
+    compensation = group["compensation"]
+    if compensation not in ("kahan", "stochastic", "none"):
+        raise ArgumentError(
+            f"compensation={compensation!r} is invalid (param_groups[{index}]); valid: "
+            "'kahan', 'stochastic', 'none'"
+        )
+    if compensation == "stochastic" and any(p.dtype == torch.float16 for p in group["params"]):
+        raise ArgumentError(
+            f"compensation='stochastic' rounds to bfloat16 (param_groups[{index}]); a float16 "
+            "parameter needs compensation='kahan'"
+        )
+
+
+def _moments_in_float32(optimizer: torch.optim.Optimizer) -> None:
+    for state in optimizer.state.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in state:
+                state[key] = state[key].float()

@@ -83,6 +83,7 @@ def on_device(opt: LossScaleOptimizer) -> bool:
         and opt._tracer is None
         and not weights.checked
         and not weights.saw_sparse
+        and not opt._book.post_hooks  # they run on applied steps only, known on the host
         and (not weights.on_host or ON_HOST or torch.compiler.is_compiling())
     )
 

@@ -107,7 +107,8 @@ class KerasMethods:
                 )
             has_master, pos = slot
             target = weights.masters[pos] if has_master else var
-            target.grad = grad.detach().to(target.dtype)
+            # A copy even in the same dtype: clipping then works on it, not on the caller's.
+            target.grad = grad.detach().to(target.dtype, copy=True)
         self._book.micro = self.accumulation_steps
         self._book.fresh = False
         grads = weights.step_grads()

@@ -10,16 +10,19 @@ step, then either apply the inner optimizer and copy the masters back into the 1
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from mixprec._dist import agree_found_inf, is_distributed, is_dtensor
-from mixprec._errors import ArgumentError, MisuseError, shown
+from mixprec._errors import ArgumentError, MisuseError
 from mixprec._save_guard import guard_saves
+from mixprec.optim.arguments import checked_arguments, make_tracer
 from mixprec.optim.checks import SetupCheck, no_gradients, watch_health
 from mixprec.optim.deferred import Deferred, device_tail, on_device
 from mixprec.optim.direct import FusedStep
@@ -28,6 +31,7 @@ from mixprec.optim.host_step import host_step
 from mixprec.optim.keras_api import KerasMethods, keras_scaler
 from mixprec.optim.masters import MasterWeights, warn_if_eps_vanishes
 from mixprec.optim.state_dict import StateDictMethods
+from mixprec.optim.state_view import StateView
 from mixprec.optim.step_result import StepResult
 from mixprec.scaling import (
     DynamicLossScaler,
@@ -37,7 +41,7 @@ from mixprec.scaling import (
     all_finite,
 )
 from mixprec.scaling.health import ScalerHealth
-from mixprec.trace import OverflowTracer, model_of
+from mixprec.trace import model_of
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -57,6 +61,9 @@ class _Bookkeeping:
     micro: int = 0  # backward passes since the last update
     fresh: bool = False  # a backward happened since the last step()
     found_inf: torch.Tensor | None = None  # set by unscale_()
+    # register_step_post_hook's hooks, run after the copy-back of an applied step.
+    # An OrderedDict: RemovableHandle holds a weak reference, which a dict does not take.
+    post_hooks: OrderedDict[int, Callable[..., Any]] = field(default_factory=OrderedDict)
     # Whether the float16 weights were finite after the last applied update; see _finish.
     weights_finite: torch.Tensor = field(default_factory=lambda: torch.ones((), dtype=torch.bool))
     no_grads: bool = False  # set by unscale_(): no parameter had a gradient
@@ -113,9 +120,11 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
         # torch.optim.Optimizer.__init__ is not called: groups and state are the inner ones.
         if initial_scale is not None or dynamic_growth_steps is not None:
             loss_scaler = keras_scaler(loss_scaler, initial_scale, dynamic_growth_steps)
-        self.optimizers: list[torch.optim.Optimizer] = _checked_arguments(
+        self.optimizers: list[torch.optim.Optimizer] = checked_arguments(
             optimizer, loss_scaler, max_grad_norm, accumulation_steps
         )
+        if any(isinstance(inner, LossScaleOptimizer) for inner in self.optimizers):
+            raise ArgumentError("optimizer is already a LossScaleOptimizer; wrap the inner one")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.accumulation_steps = accumulation_steps
         self._weights = MasterWeights()
@@ -143,7 +152,7 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
         )
         self._decide_host_path()
         self.health: ScalerHealth | None = ScalerHealth()
-        self._tracer = _make_tracer(trace_overflow, model_params)
+        self._tracer = make_tracer(trace_overflow, model_params)
         model = model_of(model_params) if self._weights.half else None
         if model is not None:  # a framework save that takes the model alone loses the masters
             guard_saves(model)
@@ -178,14 +187,19 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
         return [g for inner in self.optimizers for g in inner.param_groups]
 
     @property
-    def state(self) -> Any:  # type: ignore[override]
-        if len(self.optimizers) == 1:
-            return self.optimizers[0].state
-        return {k: v for inner in self.optimizers for k, v in inner.state.items()}
+    def state(self) -> StateView:  # type: ignore[override]
+        """Per-parameter state of the inner optimizers, by model parameter (a 16-bit
+        weight finds its master's) or by master."""
+        return StateView(self.optimizers, self._weights)
 
     @property
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self.optimizer.defaults
+
+    @property
+    def pending_micro_steps(self) -> int:
+        """Backward passes accumulated toward the next update: 0 between steps."""
+        return self._book.micro if self._book.micro < self.accumulation_steps else 0
 
     @property
     def loss_scaler(self) -> LossScaler:
@@ -210,7 +224,9 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
         self._weights.broadcast(src)
 
     def master_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(16-bit model parameter, its float32 master)`` pairs."""
+        """``(16-bit model parameter, its float32 master)`` pairs; a weight written since
+        the last step (``model.load_state_dict``) has replaced its master first."""
+        self._weights.follow_external_writes()
         return list(zip(self._weights.half, self._weights.masters, strict=True))
 
     def master_params(self) -> Iterator[torch.Tensor]:
@@ -272,11 +288,19 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
         self._book.fresh = False
         if self._book.micro < self.accumulation_steps:
             return StepResult(False, False, self._loss_scaler.get_scale(), accumulating=True)
-        result = host_step(self) if self._book.found_inf is None else None
-        if result is None:
-            if self._book.found_inf is None:
-                self._unscale()
-            result = self._finish()
+        try:
+            result = host_step(self) if self._book.found_inf is None else None
+            if result is None:
+                if self._book.found_inf is None:
+                    self._unscale()
+                result = self._finish()
+        except BaseException:
+            # A step that raised (a float16 weight past 65504, the scaler's
+            # max_consecutive_skips, Ctrl-C) must not leave its unscaled gradients to the
+            # next step, which would apply them instead of its own.
+            self._book.micro = 0
+            self._book.found_inf = None
+            raise
         watch_health(self.health, result, self._loss_scaler)
         return result
 
@@ -333,6 +357,7 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
                 with torch.no_grad():
                     torch._foreach_copy_(self._weights.half, self._weights.masters)
                 self._weights.versions = self._weights.half_versions()
+            self._run_post_hooks()
             if self._weights.checked:
                 self._book.weights_finite = all_finite(self._weights.checked)
         self._loss_scaler.update(overflow)
@@ -352,9 +377,18 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
         """Runs before the (first) inner optimizer's step, that is, only on applied steps."""
         return self.optimizer.register_step_pre_hook(hook)
 
-    def register_step_post_hook(self, hook: Any) -> Any:
-        """Runs after the (first) inner optimizer's step, that is, only on applied steps."""
-        return self.optimizer.register_step_post_hook(hook)
+    def register_step_post_hook(self, hook: Any) -> RemovableHandle:
+        """``hook(opt, args, kwargs)`` runs after each applied step, once the masters are
+        copied back: it sees the updated 16-bit weights, and what it writes into them (a
+        max-norm constraint) stays. Skipped steps do not run it; a step decided on the
+        device is then decided on the host."""
+        handle = RemovableHandle(self._book.post_hooks)
+        self._book.post_hooks[handle.id] = hook
+        return handle
+
+    def _run_post_hooks(self) -> None:
+        for hook in list(self._book.post_hooks.values()):
+            hook(self, (), {})
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -368,59 +402,3 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
             f"loss_scaler={self._loss_scaler!r}, masters={len(self._weights.masters)}, "
             f"max_grad_norm={self.max_grad_norm}, accumulation_steps={self.accumulation_steps})"
         )
-
-
-def _checked_arguments(
-    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-    loss_scaler: LossScaler | None,
-    max_grad_norm: float | None,
-    accumulation_steps: int,
-) -> list[torch.optim.Optimizer]:
-    """The inner optimizers as a list, once every constructor argument is valid."""
-    optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer
-    if not isinstance(optimizers, (list, tuple)) or not optimizers:
-        raise ArgumentError(
-            "optimizer must be a torch.optim.Optimizer or a non-empty list of them, got "
-            f"{type(optimizer).__name__}"
-        )
-    for inner in optimizers:
-        if isinstance(inner, LossScaleOptimizer):
-            raise ArgumentError("optimizer is already a LossScaleOptimizer; wrap the inner one")
-        if not isinstance(inner, torch.optim.Optimizer):
-            raise ArgumentError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(inner).__name__}"
-            )
-    if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
-        raise ArgumentError(
-            "loss_scaler must be a NoOpLossScaler, StaticLossScaler or DynamicLossScaler, "
-            f"got {type(loss_scaler).__name__}"
-        )
-    if max_grad_norm is not None and (
-        isinstance(max_grad_norm, bool)
-        or not isinstance(max_grad_norm, (int, float))
-        or not 0 < max_grad_norm < torch.finfo(torch.float64).max  # 10**400 too
-    ):
-        raise ArgumentError(
-            f"max_grad_norm={shown(max_grad_norm)} is invalid; use a finite number > 0 or None"
-        )
-    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int):
-        raise ArgumentError(f"accumulation_steps must be an int, got {accumulation_steps!r}")
-    if accumulation_steps < 1:
-        raise ArgumentError(
-            f"accumulation_steps={accumulation_steps!r} is invalid; it must be >= 1"
-        )
-    return list(optimizers)
-
-
-def _make_tracer(
-    trace_overflow: bool | nn.Module, params: list[torch.Tensor]
-) -> OverflowTracer | None:
-    if trace_overflow is False:
-        return None  # no hooks at all: tracing off costs nothing
-    model = trace_overflow if isinstance(trace_overflow, nn.Module) else model_of(params)
-    if model is None or (trace_overflow is not True and not isinstance(trace_overflow, nn.Module)):
-        raise ArgumentError(
-            f"trace_overflow={trace_overflow!r}: pass the model (trace_overflow=model) "
-            "unless it was prepared with auto_mixed_precision"
-        )
-    return OverflowTracer(model)

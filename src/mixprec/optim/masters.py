@@ -17,9 +17,9 @@ import torch
 from mixprec._dist import is_dtensor
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
+from mixprec._float32_copies import take_float32_copy
 from mixprec._plain_optimizers import needs_master
 from mixprec._warn import warn_at_caller
-from mixprec.casting import take_float32_copy
 from mixprec.scaling import all_finite
 from mixprec.trace import model_of
 
@@ -60,8 +60,17 @@ class MasterWeights:
         """Swap 16-bit parameters for float32 masters in a param group's list, and note
         every 16-bit weight's version."""
         adopted = []
+        master_ids = {id(m) for m in self.masters}
         for j, p in enumerate(params):
             _check_param(p, f"{where}['params'][{j}]")
+            if id(p) in self.index or id(p) in master_ids:
+                # torch refuses this within one optimizer; here the first would be swapped
+                # for its master before torch's check, and two masters would train it.
+                raise ArgumentError(
+                    f"{where}['params'][{j}] (shape {tuple(p.shape)}, {p.dtype}) is already "
+                    "a parameter of this LossScaleOptimizer; a parameter may appear in one "
+                    "param group of one inner optimizer only"
+                )
             if p.dtype == torch.float16:
                 self.checked.append(_local(p))
             if needs_master(p):

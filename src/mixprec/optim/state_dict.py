@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mixprec._errors import ArgumentError
+from mixprec._warn import warn_at_caller
 from mixprec.optim.checks import refuse_accelerate_wrapper
 from mixprec.optim.masters import MasterWeights
 from mixprec.scaling import LossScaler
@@ -35,6 +36,7 @@ class StateDictMethods:
     _managed_by: str | None = None
     _loss_scaler: LossScaler
     _weights: MasterWeights
+    accumulation_steps: int
 
     def state_dict(self) -> dict[str, Any]:
         """Inner optimizer state, float32 master weights and the loss scaler's state.
@@ -43,6 +45,16 @@ class StateDictMethods:
         if self._managed_by is None:
             refuse_accelerate_wrapper(sys._getframe(1))
         self._book.deferred.fold()  # steps decided on the device, counted first
+        # A weight written since the last step (a pretrained load) is saved, not the master
+        # it is about to replace.
+        self._weights.follow_external_writes()
+        if 0 < self._book.micro < self.accumulation_steps:
+            warn_at_caller(
+                f"state_dict() taken {self._book.micro} of {self.accumulation_steps} "
+                "micro-batches into an accumulation group: the gradients accumulated so far "
+                "are not part of it, and a resume from it would apply a partial group. Take "
+                "it after the step() that applies the group."
+            )
         return {
             "optimizers": [inner.state_dict() for inner in self.optimizers],
             "master_weights": [m.detach() for m in self._weights.masters],
@@ -98,6 +110,12 @@ def check_state_dict(
             )
     _same_count("master weights", saved, masters)
     _same_count("inner optimizers", inner_states, optimizers)
+    micro = state_dict.get("micro_steps", 0)
+    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 0:
+        raise ArgumentError(
+            f"load_state_dict: 'micro_steps'={micro!r} is invalid; it must be an int >= 0 "
+            "(the backward passes accumulated toward the next update)"
+        )
     for i, (one, master) in enumerate(zip(saved, masters, strict=True)):
         if one.shape != master.shape:
             raise ArgumentError(

@@ -1,0 +1,42 @@
+"""The float32 values a parameter had before ``auto_mixed_precision`` stored it in 16 bits,
+kept on the parameter until its optimizer takes them as the master's starting values (or
+``to_float``/``upcast_16bit`` takes them back), so that no master starts from rounded values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+__all__ = ["FP32_COPY_ATTR", "remember_float32", "take_float32_copy"]
+
+FP32_COPY_ATTR = "_mixprec_fp32"  # _Float32Copy of a parameter stored in 16 bits
+
+
+@dataclasses.dataclass
+class _Float32Copy:
+    """The float32 values of a parameter before it went to 16 bits, and the parameter's
+    version counter then: a later in-place write (``load_state_dict``) makes it stale."""
+
+    values: torch.Tensor
+    version: int = -1
+
+
+def take_float32_copy(param: torch.Tensor) -> torch.Tensor | None:
+    """Remove and return the float32 values kept for ``param`` if they are still current."""
+    kept = param.__dict__.pop(FP32_COPY_ATTR, None)
+    if not isinstance(kept, _Float32Copy) or kept.version != param._version:
+        return None
+    values = kept.values.to(param.device)
+    # A write through ``param.data`` (Hugging Face's weight init) leaves the version as it
+    # was: the copy is current only if it still rounds to the weight. Once, not per step.
+    if not torch.equal(values.to(param.dtype), param.detach()):
+        return None
+    return values
+
+
+def remember_float32(param: torch.Tensor, values: torch.Tensor) -> None:
+    """Keep ``values`` (float32) as the current float32 copy of the 16-bit ``param``."""
+    record = _Float32Copy(values.detach().float(), version=param._version)
+    setattr(param, FP32_COPY_ATTR, record)

@@ -1,0 +1,217 @@
+"""What the optimizer's user does around the step, outside it: weights written before a
+save, ``opt.state[weight]``, step hooks, a parameter given twice, a step that raised, a
+checkpoint taken mid-accumulation. None of it may lose a master or a state silently."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec as mp
+from mixprec.optim.compensated import CompensatedAdamW
+
+
+def _o2(policy: str = "mixed_bfloat16", seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return mp.auto_mixed_precision(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), policy, "O2")
+
+
+def _train(model: nn.Module, opt: mp.LossScaleOptimizer, steps: int = 1) -> None:
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    for _ in range(steps):
+        opt.zero_grad()
+        opt.backward(F.cross_entropy(model(x), y))
+        opt.step()
+
+
+def test_a_weight_written_before_a_save_is_what_the_checkpoint_holds(tmp_path):
+    """Pretrained weights loaded into the model after the optimizer was built, then saved
+    at once: the checkpoint holds them, not the masters they are about to replace."""
+    model = _o2()
+    opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters()))
+    _train(model, opt)
+    pretrained = {k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()}
+    model.load_state_dict(pretrained)
+    masters = opt.state_dict()["master_weights"]
+    assert all(torch.equal(m, torch.full_like(m, 0.5)) for m in masters)
+    assert all(torch.equal(m, torch.full_like(m, 0.5)) for _, m in opt.master_weights())
+    mp.save_checkpoint(tmp_path / "c.safetensors", model, opt)
+    fresh = _o2(seed=1)
+    opt2 = mp.LossScaleOptimizer(torch.optim.AdamW(fresh.parameters()))
+    mp.load_checkpoint(tmp_path / "c.safetensors", fresh, opt2)
+    assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in fresh.parameters())
+
+
+def test_a_write_through_data_before_the_optimizer_is_its_master():
+    """Hugging Face's init writes ``weight.data`` after preparation (no version bump): the
+    kept float32 copy no longer rounds to the weight, so the master starts from the weight."""
+    model = _o2()
+    with torch.no_grad():
+        model[0].weight.data.fill_(0.25)
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+    master = dict((id(p), m) for p, m in opt.master_weights())[id(model[0].weight)]
+    assert torch.equal(master, torch.full_like(master, 0.25))
+    _train(model, opt)
+    assert torch.equal(model[0].weight, torch.full_like(model[0].weight, 0.25))
+
+
+def test_state_is_found_by_the_model_weight_and_never_inserted_under_it():
+    model = _o2()
+    opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters()))
+    _train(model, opt)
+    w = model[0].weight
+    master = dict((id(p), m) for p, m in opt.master_weights())[id(w)]
+    assert opt.state[w] is opt.optimizer.state[master]
+    assert opt.state[w]["exp_avg"].dtype == torch.float32 and w in opt.state
+    opt.state_dict()  # a lookup left nothing under the 16-bit weight (a KeyError here)
+    assert len(opt.state) == 4
+    with pytest.raises(KeyError, match=r"tensor of shape \(3,\)' is not a parameter"):
+        opt.state[torch.zeros(3)]
+    assert torch.zeros(3) not in opt.state
+
+
+def test_state_of_several_inner_optimizers_is_written_where_they_read_it():
+    model = _o2()
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.9)
+    second = torch.optim.SGD(model[1].parameters(), lr=0.1, momentum=0.9)
+    opt = mp.LossScaleOptimizer([first, second])
+    _train(model, opt)
+    bias = model[1].bias
+    opt.state[bias]["momentum_buffer"].zero_()
+    master = dict((id(p), m) for p, m in opt.master_weights())[id(bias)]
+    assert torch.count_nonzero(second.state[master]["momentum_buffer"]) == 0
+
+
+def test_a_step_post_hook_sees_and_keeps_its_writes_to_the_updated_weights():
+    """A Keras-style constraint (clamp after each update) written into the 16-bit weights
+    stays: the hook runs after the copy-back, on applied steps only."""
+    model = _o2()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=1.0))
+    seen: list[torch.Tensor] = []
+
+    def constrain(optimizer, args, kwargs):
+        assert optimizer is opt
+        seen.append(model[0].weight.detach().clone())
+        with torch.no_grad():
+            model[0].weight.clamp_(-0.01, 0.01)
+
+    handle = opt.register_step_post_hook(constrain)
+    before = model[0].weight.detach().clone()
+    _train(model, opt)
+    assert not torch.equal(seen[0], before)  # the updated weights
+    assert model[0].weight.abs().max() <= 0.0101
+    _train(model, opt)  # the master followed the clamp: the next step starts from it
+    assert len(seen) == 2 and seen[1].abs().max() <= 1.01 + 0.0101
+    opt.zero_grad()
+    opt.backward(model(torch.full((2, 4), float("nan"))).float().sum())
+    assert not opt.step().applied and len(seen) == 2  # a skipped step runs no hook
+    handle.remove()
+    _train(model, opt)
+    assert len(seen) == 2
+
+
+def test_a_parameter_given_twice_is_refused():
+    model = _o2()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"param_group\['params'\]\[0\] \(shape \(4, 4\), "
+                       r"torch.bfloat16\) is already a parameter"):  # fmt: skip
+        opt.add_param_group({"params": [model[0].weight]})
+    with pytest.raises(ValueError, match="is already a parameter"):
+        mp.LossScaleOptimizer(
+            [torch.optim.SGD([model[0].weight], lr=0.1), torch.optim.SGD([model[0].weight])]
+        )
+
+
+def test_a_step_that_raised_leaves_nothing_to_the_next():
+    """A float16 weight pushed past 65504 raises; the user repairs the weight and goes on
+    at lr 0: the next step applies its own (zero-lr) update, not the raising step's."""
+    lin = nn.Linear(2, 1)
+    lin.bias.data.fill_(65000.0)
+    model = mp.auto_mixed_precision(nn.Sequential(lin), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0), loss_scaler=mp.StaticLossScaler(1.0)
+    )
+    opt.zero_grad()
+    opt.backward(-model(torch.zeros(4, 2)).float().mean() * 1000)
+    assert opt.step().applied
+    opt.zero_grad()
+    opt.backward(model(torch.zeros(4, 2)).float().mean())
+    with pytest.raises(FloatingPointError):
+        opt.step()
+    with torch.no_grad():
+        model[0].bias.fill_(1.0)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    opt.zero_grad()
+    opt.backward(model(torch.zeros(4, 2)).float().mean())
+    assert opt.step().applied
+    assert model[0].bias.item() == 1.0
+
+
+def test_mid_accumulation_state_warns_and_a_checkpoint_is_refused(tmp_path):
+    model = _o2()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=4)
+    opt.zero_grad()
+    opt.backward(model(torch.randn(2, 4)).float().sum())
+    assert opt.step().accumulating and opt.pending_micro_steps == 1
+    with pytest.warns(UserWarning, match="taken 1 of 4 micro-batches into an accumulation"):
+        opt.state_dict()
+    with pytest.raises(ValueError, match="is 1 of 4 micro-batches into an accumulation group"):
+        mp.save_checkpoint(tmp_path / "c.safetensors", model, opt)
+    assert not (tmp_path / "c.safetensors").exists()
+    for _ in range(3):
+        opt.backward(model(torch.randn(2, 4)).float().sum())
+        opt.step()
+    assert opt.pending_micro_steps == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp.save_checkpoint(tmp_path / "c.safetensors", model, opt)
+
+
+def test_a_negative_micro_step_count_is_refused():
+    model = _o2()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    state = opt.state_dict()
+    state["micro_steps"] = -7
+    with pytest.raises(ValueError, match=r"'micro_steps'=-7 is invalid; it must be an int >= 0"):
+        opt.load_state_dict(state)
+
+
+def test_apply_gradients_clips_its_own_copy_not_the_callers():
+    model = _o2()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), max_grad_norm=1.0)
+    grads = [torch.full(p.shape, 10.0) for p in model.parameters()]
+    result = opt.apply_gradients(zip(grads, model.parameters(), strict=True))
+    assert result.grad_norm > 1.0
+    assert all(torch.equal(g, torch.full_like(g, 10.0)) for g in grads)
+
+
+def test_compensated_adamw_resumes_with_float32_moments():
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(8).bfloat16())
+    opt = CompensatedAdamW([w], lr=1e-2)
+    w.grad = torch.ones(8, dtype=torch.bfloat16)
+    opt.step()
+    state = copy.deepcopy(opt.state_dict())  # torch's load shares same-dtype tensors
+    w2 = nn.Parameter(w.detach().clone())
+    opt2 = CompensatedAdamW([w2], lr=1e-2)
+    opt2.load_state_dict(state)
+    assert {opt2.state[w2][k].dtype for k in ("exp_avg", "exp_avg_sq")} == {torch.float32}
+    for p, o in ((w, opt), (w2, opt2)):
+        p.grad = torch.ones(8, dtype=torch.bfloat16)
+        o.step()
+    assert torch.equal(w, w2)
+
+
+def test_compensated_adamw_checks_every_groups_compensation():
+    with pytest.raises(ValueError, match=r"compensation='kahn' is invalid \(param_groups\[0\]\)"):
+        CompensatedAdamW([{"params": [nn.Parameter(torch.ones(2))], "compensation": "kahn"}])
+    opt = CompensatedAdamW([nn.Parameter(torch.ones(2))])
+    half = nn.Parameter(torch.ones(2, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"rounds to bfloat16 \(param_groups\[1\]\)"):
+        opt.add_param_group({"params": [half], "compensation": "stochastic"})
