@@ -49,7 +49,7 @@ def test_order_and_content_of_logs():
     assert kinds == ["train_begin"] + ["epoch_begin", "batch_end", "batch_end", "epoch_end"] * 2 + [
         "train_end"
     ]
-    assert rec.events[0][1] == {"epochs": 2, "steps": 2}
+    assert rec.events[0][1] == {"epochs": 2, "steps": 2, "initial_epoch": 0}
     batch = rec.events[2][2]
     assert set(batch) == {"epoch", "loss", "applied", "found_inf", "loss_scale", "step_ms",
                           "size", "global_step", "overflow"}  # fmt: skip

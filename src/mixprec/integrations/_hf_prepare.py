@@ -7,10 +7,11 @@ level is used as it is; only a conflicting preparation is refused.
 
 A new Trainer's ``LossScaleOptimizer`` takes its float32 masters from the values kept for
 each 16-bit weight (``_float32_copies.take_float32_copy``). Those kept at preparation are
-taken by the first optimizer and are stale once it steps. So before a later Trainer wraps its optimizer,
-the latest masters of the same model (those of the last ``LossScaleOptimizer`` built over it)
-are kept again for each 16-bit weight they still round to; a weight written since
-(``load_state_dict``, another optimizer) starts from its current value.
+taken by the first optimizer and are stale once it steps. So before a later Trainer wraps
+its optimizer, the latest masters of the same model (those of the last
+``LossScaleOptimizer`` built over it) are kept again for each 16-bit weight they still
+round to; a weight written since (``load_state_dict``, another optimizer) starts from its
+current value.
 """
 
 from __future__ import annotations

@@ -23,11 +23,34 @@ def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (predicted == target).float().mean()
 
 
+def same_shape(
+    output: torch.Tensor, target: torch.Tensor, what: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``output`` and ``target`` of one shape, for a loss or metric that compares them
+    element by element: as Keras does, a trailing dimension of 1 on one side (a model with
+    one output, ``(N, 1)``, and targets ``(N,)``) is squeezed. Any other difference is a
+    ``ValueError``: broadcasting would compare every output with every target."""
+    if output.shape != target.shape:
+        if output.dim() == target.dim() + 1 and output.shape[-1] == 1:
+            output = output.squeeze(-1)
+        elif target.dim() == output.dim() + 1 and target.shape[-1] == 1:
+            target = target.squeeze(-1)
+        if output.shape != target.shape:
+            raise ValueError(
+                f"{what}: the model's output has shape {tuple(output.shape)} and the targets "
+                f"{tuple(target.shape)}; it compares them element by element, so they must "
+                "have one shape (up to a trailing dimension of 1)"
+            )
+    return output, target
+
+
 def mae(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    output, target = same_shape(output, target, "metric 'mae'")
     return (output.float() - target.float()).abs().mean()
 
 
 def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    output, target = same_shape(output, target, "metric 'mse'")
     return (output.float() - target.float()).pow(2).mean()
 
 
@@ -35,15 +58,24 @@ METRICS: dict[str, Metric] = {"accuracy": accuracy, "acc": accuracy, "mae": mae,
 
 
 def _bce_with_logits(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    output, target = same_shape(output, target, "loss 'binary_crossentropy'")
     return F.binary_cross_entropy_with_logits(output, target.to(output.dtype))
+
+
+def _mse_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(*same_shape(output, target, "loss 'mse'"))
+
+
+def _l1_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.l1_loss(*same_shape(output, target, "loss 'mae'"))
 
 
 LOSSES: dict[str, LossFn] = {
     "cross_entropy": F.cross_entropy,
     "sparse_categorical_crossentropy": F.cross_entropy,  # the Keras name
-    "mse": F.mse_loss,
-    "mean_squared_error": F.mse_loss,
-    "mae": F.l1_loss,
+    "mse": _mse_loss,
+    "mean_squared_error": _mse_loss,
+    "mae": _l1_loss,
     "binary_crossentropy": _bce_with_logits,
 }
 

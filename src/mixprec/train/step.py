@@ -176,8 +176,7 @@ def apply_partial_group(optimizer: LossScaleOptimizer) -> StepResult:
     master), so the update is the mean over the ``k`` micro-steps, as a full group's is
     over its own. Clipping, the finiteness check and the loss scale's update then run as on
     any step."""
-    # The optimizer's own count, this backward included (its state_dict's public view of it).
-    taken = int(optimizer.state_dict().get("micro_steps", 0))
+    taken = optimizer.pending_micro_steps  # this backward included; 0 for a full group
     group = optimizer.accumulation_steps
     if not 0 < taken < group:
         return optimizer.step()

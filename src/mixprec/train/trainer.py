@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
 import os
-import statistics
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -26,16 +24,16 @@ from mixprec._compile import CompileOption, compile_options
 from mixprec._device import resolve_device
 from mixprec._errors import ArgumentError
 from mixprec._plan_apply import PlanLike
-from mixprec.checkpoint import load_checkpoint
 from mixprec.levels import applied
 from mixprec.optim import StepResult
 from mixprec.policy import PolicyLike
 from mixprec.scaling import LossScaler
 from mixprec.scaling.health import ScalerHealth, scale_floor
 from mixprec.trace import Overflow, OverflowTracer
-from mixprec.train import batches
+from mixprec.train import batches, resume
 from mixprec.train.batches import Batch, as_tensor, to_device
 from mixprec.train.callbacks import Callback, CallbackList, History, Logs, ProgressBar
+from mixprec.train.meter import EpochMeter
 from mixprec.train.metrics import LossFn, Metric, get_loss, get_metric
 from mixprec.train.step import build_train_step, model_output
 from mixprec.train.warn import warn
@@ -51,61 +49,6 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.train(was_training)
-
-
-class _EpochMeter:
-    """The sums behind an epoch's logs: loss, metrics, samples, skipped steps, step times."""
-
-    def __init__(self, metrics: dict[str, Metric]) -> None:
-        self.metrics = metrics
-        self.loss_sum, self.samples, self.skipped = 0.0, 0, 0
-        # Metric sums stay device tensors: reading them per batch would add host syncs to
-        # the step; they are read once, at the end of the epoch.
-        self.metric_sums: dict[str, torch.Tensor | float] = dict.fromkeys(metrics, 0.0)
-        self.times: list[float] = []
-        self.start = time.perf_counter()
-
-    def add(
-        self,
-        result: StepResult,
-        loss: float,
-        elapsed: float,
-        output: torch.Tensor | None,
-        targets: torch.Tensor,
-    ) -> None:
-        """Count one step: its loss and metrics weighted by its samples, and its time
-        (an accumulation micro-step's is not a step's time)."""
-        size = len(targets)
-        if not result.accumulating:
-            self.times.append(elapsed)
-        self.skipped += int(result.found_inf)
-        self.loss_sum += loss * size
-        self.samples += size
-        if output is not None:
-            with torch.no_grad():
-                for name, fn in self.metrics.items():
-                    self.metric_sums[name] = (
-                        self.metric_sums[name] + fn(output.float(), targets) * size
-                    )
-
-    def logs(self, loss_scale: float) -> Logs:
-        """The epoch's means over every rank's samples."""
-        if self.samples == 0:
-            raise ValueError("the training data produced no batches")
-        sums = distributed.all_reduce_sum(
-            [self.loss_sum, self.samples, *(float(v) for v in self.metric_sums.values())]
-        )
-        loss_sum, samples = sums[0], int(sums[1])
-        metric_sums = dict(zip(self.metric_sums, sums[2:], strict=True))
-        total = time.perf_counter() - self.start
-        return {
-            "loss": loss_sum / samples,
-            **{name: value / samples for name, value in metric_sums.items()},
-            "ms_per_step": 1000 * statistics.median(self.times) if self.times else float("nan"),
-            "samples_per_s": samples / total,
-            "loss_scale": loss_scale,
-            "skipped_steps": self.skipped,
-        }
 
 
 class _HealthWatch:
@@ -210,8 +153,10 @@ class Trainer:
             )
         self.global_step = 0  # applied optimizer steps
         self.stop_training = False
-        self._epoch, self._step_in_epoch = 0, 0
+        self._epoch, self._step_in_epoch, self._epoch_done = 0, 0, False
         self._epoch_rng = torch.get_rng_state()
+        self._meter: EpochMeter | None = None  # the running epoch's
+        self._callbacks: dict[str, Callback] = {}  # this fit's, by key (resume.keyed)
 
     @property
     def policy(self) -> Any:
@@ -248,9 +193,17 @@ class Trainer:
         Keras does. ``resume_from`` loads a checkpoint written by ``ModelCheckpoint`` or
         ``save_checkpoint(..., trainer_state=trainer.resume_state())`` and continues where it
         stopped, up to ``epochs`` in all, with the same batches and random numbers as an
-        uninterrupted run. Returns the ``History`` of the epochs run now."""
+        uninterrupted run: the batch order, the epoch's sums so far and the callbacks'
+        state (``Callback.state_dict``). Returns the ``History`` of the epochs run now.
+        ``validation_data`` overrides ``validation_split``, as in Keras (said in a warning)."""
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
             raise ArgumentError(f"epochs={epochs!r} is invalid; it must be an int >= 0")
+        if validation_data is not None and validation_split:
+            warn(
+                f"fit: validation_split={validation_split!r} is ignored: validation_data is "
+                "given, and overrides it (as in Keras); every sample of x trains"
+            )
+            validation_split = 0.0
         x, y, held_out = batches.split_validation(x, y, validation_split)
         validation_data = held_out if held_out is not None else validation_data
         self._validate(x, y)
@@ -258,32 +211,34 @@ class Trainer:
             self._validate(*validation_data)
         batches.check_ranks_agree(x, y, batch_size, epochs, validation_data)
         epoch_batches, steps, _ = batches.epoch_batches(x, y, batch_size, shuffle)
-        start_epoch, skip, replay = 0, 0, None
+        point = resume.ResumePoint(self.global_step, 0)
         if resume_from is not None:
-            start_epoch, skip, replay = self._resume(resume_from, steps)
+            point = resume.read(resume_from, self.model, self.optimizer, steps)
+            self.global_step = point.global_step
 
         history = History()
         extra = [ProgressBar()] if verbose else []
         chosen = [history, *extra, *callbacks]
+        self._callbacks = resume.keyed(chosen)
         if not distributed.is_main_process():  # bars, logs and checkpoints on rank 0 only
             chosen = [cb for cb in chosen if not getattr(cb, "rank_zero_only", False)]
         cbs = CallbackList(chosen)
         cbs.set_trainer(self)
         self.stop_training = False
-        cbs.on_train_begin({"epochs": epochs, "steps": steps})
-        for epoch in range(start_epoch, epochs):
+        cbs.on_train_begin({"epochs": epochs, "steps": steps, "initial_epoch": point.epoch})
+        if resume_from is not None:
+            resume.restore_callbacks(self._callbacks, chosen, point.callbacks)
+        for epoch in range(point.epoch, epochs):
             cbs.on_epoch_begin(epoch, {"steps": steps})
-            if replay is not None:  # the interrupted epoch: same order, then same RNG stream
-                now = torch.get_rng_state()
-                torch.set_rng_state(replay)
-                self._epoch_rng = replay
-                epoch_data: Iterable[Batch] = itertools.islice(epoch_batches(), skip, None)
-                torch.set_rng_state(now)
-                replay = None
+            skip, meter = 0, None
+            if point.replay is not None:  # the interrupted epoch: its order, its sums
+                self._epoch_rng = point.replay
+                epoch_data = resume.replay_epoch(epoch_batches, point.replay, point.skip)
+                skip, meter, point.replay = point.skip, point.meter, None
             else:
                 self._epoch_rng = torch.get_rng_state()
-                epoch_data, skip = epoch_batches(), 0
-            logs = self._run_epoch(epoch, epoch_data, cbs, first_step=skip)
+                epoch_data = iter(epoch_batches())
+            logs = self._run_epoch(epoch, epoch_data, cbs, skip, meter)
             if validation_data is not None:
                 val = self.evaluate(*validation_data, batch_size=batch_size)
                 logs.update({f"val_{k}": v for k, v in val.items()})
@@ -293,25 +248,19 @@ class Trainer:
         cbs.on_train_end({})
         return history
 
-    def _resume(
-        self, path: str | os.PathLike[str], steps: int
-    ) -> tuple[int, int, torch.Tensor | None]:
-        """Load a checkpoint; where to go on: the epoch, the batches done in it, and the RNG
-        state its order was drawn from (``None``: start the epoch afresh)."""
-        state = load_checkpoint(path, self.model, self.optimizer, restore_rng=True).trainer_state
-        self.global_step = int(state.get("global_step", 0))
-        start_epoch, skip = int(state.get("epoch", 0)), int(state.get("step_in_epoch", 0))
-        replay = state.get("epoch_rng")
-        if replay is None or (steps and skip >= steps):  # saved at the end of an epoch
-            return start_epoch + (skip > 0), 0, None
-        return start_epoch, skip, replay
-
     def _run_epoch(
-        self, epoch: int, epoch_data: Iterable[Batch], cbs: Callback, first_step: int = 0
+        self,
+        epoch: int,
+        epoch_data: Iterable[Batch],
+        cbs: Callback,
+        first_step: int = 0,
+        sums: dict[str, Any] | None = None,
     ) -> Logs:
         self.model.train()
-        self._epoch = epoch
-        meter = _EpochMeter(self.metrics)
+        self._epoch, self._step_in_epoch, self._epoch_done = epoch, first_step, False
+        meter = self._meter = EpochMeter(self.metrics)
+        if sums is not None:  # a resumed epoch: its logs cover the batches before too
+            meter.load_state_dict(sums)
         # With accumulation, the epoch's last batch applies the group it ends (read ahead).
         marked = (
             batches.mark_last(epoch_data)
@@ -364,6 +313,7 @@ class Trainer:
             # A tracer left for a next step: no hooks outlive the epoch, also when a
             # step raises (the scaler's max_consecutive_skips, Ctrl-C, a callback).
             self._watch.culprit(None)
+        self._epoch_done = True  # from here a checkpoint resumes in the next epoch
         return meter.logs(self.optimizer.loss_scaler.get_scale())
 
     # -- evaluate / predict -----------------------------------------------------------------
@@ -378,6 +328,8 @@ class Trainer:
         with torch.no_grad(), _eval_mode(self.model):
             for batch in epoch_batches():
                 xb, yb = to_device(batch[0], self.device), to_device(batch[1], self.device)
+                if batches.is_empty(yb):  # its mean loss is NaN: no samples to count
+                    continue
                 output = model_output(call(self.model, xb)).float()
                 size = len(yb)
                 sums["loss"] += float(self.loss_fn(output, yb)) * size
@@ -391,6 +343,8 @@ class Trainer:
 
     def predict(self, x: Any, batch_size: int = 32) -> torch.Tensor:
         """The model's outputs in float32, on the CPU, for tensors/arrays or batches."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ArgumentError(f"batch_size={batch_size!r} is invalid; it must be an int >= 1")
         outputs = []
         if isinstance(x, torch.Tensor) or batches.is_array(x) or not isinstance(x, Iterable):
             chunks: Iterable[Any] = as_tensor(x, "x").split(batch_size)
@@ -414,13 +368,18 @@ class Trainer:
     # -- state ------------------------------------------------------------------------------
 
     def resume_state(self) -> dict[str, Any]:
-        """Where training stands: applied steps, epoch, batches done in it, and the RNG
-        state the epoch's order was drawn from (for ``fit(resume_from=...)``)."""
+        """Where training stands, for ``fit(resume_from=...)``: applied steps, epoch,
+        batches done in it and whether it ended, the RNG state its order was drawn from,
+        its sums so far, and the state of this ``fit``'s callbacks."""
+        running = self._meter is not None and not self._epoch_done
         return {
             "global_step": self.global_step,
             "epoch": self._epoch,
             "step_in_epoch": self._step_in_epoch,
+            "epoch_done": self._epoch_done,
             "epoch_rng": self._epoch_rng,
+            "meter": self._meter.state_dict() if running else None,  # type: ignore[union-attr]
+            "callbacks": resume.callback_states(self._callbacks),
         }
 
     def state_dict(self) -> dict[str, Any]:

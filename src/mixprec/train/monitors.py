@@ -1,0 +1,183 @@
+"""Callbacks that watch an epoch log: ``EarlyStopping`` and ``ModelCheckpoint``. What they
+have seen (the best value, the epochs without improvement) is part of the checkpoints, so
+that a resumed ``fit`` neither stops late nor overwrites ``best.safetensors`` with a worse
+model."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from mixprec._errors import ArgumentError
+from mixprec.checkpoint import save_checkpoint, temporary_files
+from mixprec.train.callbacks import Callback, Logs
+
+__all__ = ["EarlyStopping", "ModelCheckpoint"]
+
+
+def _better(mode: str, current: float, best: float, min_delta: float = 0.0) -> bool:
+    return current < best - min_delta if mode == "min" else current > best + min_delta
+
+
+def _mode_for(monitor: str, mode: str) -> str:
+    if mode not in ("auto", "min", "max"):
+        raise ArgumentError(f"mode={mode!r} is invalid; valid: 'auto', 'min', 'max'")
+    if mode != "auto":
+        return mode
+    return "max" if "acc" in monitor else "min"
+
+
+def _monitored(callback: str, monitor: str, logs: Logs) -> float:
+    if monitor not in logs:
+        raise KeyError(
+            f"{callback} monitor={monitor!r} is not in the epoch logs; available: {', '.join(logs)}"
+        )
+    return float(logs[monitor])
+
+
+def _count(name: str, value: Any, least: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ArgumentError(
+            f"{name}={value!r} is invalid; it must be an int >= {least}"
+            + (" or None" if optional else "")
+        )
+
+
+class EarlyStopping(Callback):
+    """Stop when ``monitor`` has not improved by ``min_delta`` for ``patience`` epochs."""
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        min_delta: float = 0.0,
+        patience: int = 0,
+        mode: str = "auto",
+        restore_best_weights: bool = False,
+    ) -> None:
+        if not isinstance(monitor, str):
+            raise ArgumentError(f"monitor={monitor!r} is invalid; it must be an epoch log's name")
+        _count("patience", patience, 0)
+        if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)):
+            raise ArgumentError(f"min_delta={min_delta!r} is invalid; it must be a number")
+        self.monitor = monitor
+        self.min_delta = abs(min_delta)
+        self.patience = patience
+        self.mode = _mode_for(monitor, mode)
+        self.restore_best_weights = restore_best_weights
+        self.stopped_epoch: int | None = None
+
+    def on_train_begin(self, logs: Logs) -> None:
+        self._wait = 0
+        self._best = math.inf if self.mode == "min" else -math.inf
+        self._best_state: dict[str, Any] | None = None
+        self.stopped_epoch = None
+
+    def on_epoch_end(self, epoch: int, logs: Logs) -> None:
+        current = _monitored("EarlyStopping", self.monitor, logs)
+        if _better(self.mode, current, self._best, self.min_delta):
+            self._best, self._wait = current, 0
+            if self.restore_best_weights:
+                self._best_state = self.attached.state_dict()
+            return
+        self._wait += 1
+        if self._wait >= self.patience:  # as Keras: patience=1 stops at the first miss
+            self.stopped_epoch = epoch
+            self.attached.stop_training = True
+            if self.restore_best_weights and self._best_state is not None:
+                self.attached.load_state_dict(self._best_state)
+
+    def state_dict(self) -> dict[str, Any]:
+        # The best weights too, where they are to be restored: a checkpoint then holds the
+        # model twice.
+        return {"wait": self._wait, "best": self._best, "best_state": self._best_state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._wait, self._best = int(state["wait"]), float(state["best"])
+        self._best_state = state["best_state"] if self.restore_best_weights else None
+
+
+class ModelCheckpoint(Callback):
+    """Save a checkpoint (``save_checkpoint``: model, optimizer with float32 masters and
+    loss scaler, where training stands, the callbacks' state, RNG states) every
+    ``every_n_epochs`` epochs or ``every_n_steps`` applied steps; keep the last
+    ``keep_last``; with ``monitor``, also keep ``best.safetensors`` by that epoch log.
+    ``fit(resume_from=path)`` continues."""
+
+    rank_zero_only = True  # under torchrun, only rank 0 prints and writes
+    writes_checkpoints = True  # after the other callbacks: it saves their state
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str],
+        every_n_epochs: int | None = 1,
+        every_n_steps: int | None = None,
+        keep_last: int = 3,
+        monitor: str | None = None,
+        mode: str = "auto",
+    ) -> None:
+        _count("every_n_epochs", every_n_epochs, 1, optional=True)
+        _count("every_n_steps", every_n_steps, 1, optional=True)
+        _count("keep_last", keep_last, 1)
+        if every_n_epochs is None and every_n_steps is None and monitor is None:
+            raise ArgumentError(
+                "ModelCheckpoint would never save: every_n_epochs, every_n_steps and monitor "
+                "are all None; give at least one"
+            )
+        self.dirpath = Path(dirpath)
+        self.every_n_epochs = every_n_epochs
+        self.every_n_steps = every_n_steps
+        self.keep_last = keep_last
+        self.monitor = monitor
+        self.mode = _mode_for(monitor or "", mode)
+        self.saved: list[Path] = []
+        self.best: float | None = None
+
+    def on_train_begin(self, logs: Logs) -> None:
+        self.dirpath.mkdir(parents=True, exist_ok=True)
+        # A save killed mid-write leaves its temporary file: nothing else will remove it.
+        for stale in temporary_files(self.dirpath):
+            stale.unlink(missing_ok=True)
+        # keep_last counts the checkpoints of earlier runs in this folder too (a restart).
+        if not self.saved:
+            earlier = [*self.dirpath.glob("step-*.safetensors")]
+            earlier += self.dirpath.glob("epoch-*.safetensors")
+            self.saved = sorted(earlier, key=lambda p: (p.stat().st_mtime_ns, p.name))
+
+    def _write(self, path: Path) -> None:
+        trainer = self.attached
+        save_checkpoint(path, trainer.model, trainer.optimizer, trainer.resume_state())
+
+    def _save(self, name: str) -> None:
+        path = self.dirpath / name
+        self._write(path)
+        if path in self.saved:
+            self.saved.remove(path)
+        self.saved.append(path)
+        while len(self.saved) > self.keep_last:
+            self.saved.pop(0).unlink(missing_ok=True)
+
+    def on_train_batch_end(self, step: int, logs: Logs) -> None:
+        n = self.every_n_steps
+        if n and logs["applied"] and logs["global_step"] % n == 0:
+            self._save(f"step-{logs['global_step']:08d}.safetensors")
+
+    def on_epoch_end(self, epoch: int, logs: Logs) -> None:
+        if self.monitor is not None:
+            current = _monitored("ModelCheckpoint", self.monitor, logs)
+            if self.best is None or _better(self.mode, current, self.best):
+                # Noted before the saves below, so that they hold it.
+                self.best = current
+                self._write(self.dirpath / "best.safetensors")
+        n = self.every_n_epochs
+        if n and (epoch + 1) % n == 0:
+            self._save(f"epoch-{epoch + 1:04d}.safetensors")
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return None if self.monitor is None else {"best": self.best}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best = None if state["best"] is None else float(state["best"])

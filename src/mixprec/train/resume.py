@@ -1,0 +1,123 @@
+"""Where a resumed ``fit`` starts, and what it restores besides the weights, the optimizer
+and the RNG: the epoch's batch order, the epoch's sums so far (``EpochMeter``) and the
+callbacks' state (``Callback.state_dict``).
+
+A checkpoint says whether its epoch had ended (``epoch_done``): one saved on an epoch's
+last batch, before the epoch's end ran, resumes into that end (validation, ``on_epoch_end``)
+rather than past it, also for a loader whose length is unknown.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.checkpoint import load_checkpoint
+from mixprec.train.callbacks import Callback
+from mixprec.train.warn import warn
+
+__all__ = ["ResumePoint", "callback_states", "keyed", "read", "replay_epoch", "restore_callbacks"]
+
+
+@dataclass
+class ResumePoint:
+    """Where to go on: ``epoch``, the batches of it already done (``skip``), the RNG state
+    its order was drawn from (``replay``; ``None``: start ``epoch`` afresh), its sums so far
+    (``meter``) and the callbacks' states by key (``keyed``)."""
+
+    global_step: int
+    epoch: int
+    skip: int = 0
+    replay: torch.Tensor | None = None
+    meter: dict[str, Any] | None = None
+    callbacks: dict[str, Any] = field(default_factory=dict)
+
+
+def read(
+    path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer, steps: int
+) -> ResumePoint:
+    """Load a checkpoint into ``model`` and ``optimizer`` (RNG states too) and say where its
+    run stood; ``steps``: batches per epoch (0 where a loader has no length)."""
+    state = load_checkpoint(path, model, optimizer, restore_rng=True).trainer_state
+    global_step = int(state.get("global_step", 0))
+    epoch, skip = int(state.get("epoch", 0)), int(state.get("step_in_epoch", 0))
+    replay, callbacks = state.get("epoch_rng"), dict(state.get("callbacks") or {})
+    done = state.get("epoch_done")
+    if done is None:  # written before checkpoints said so: inferred from the counts
+        done = replay is not None and bool(steps) and skip >= steps
+    if done:
+        return ResumePoint(global_step, epoch + 1, callbacks=callbacks)
+    if replay is None:
+        return ResumePoint(global_step, epoch + (skip > 0), callbacks=callbacks)
+    return ResumePoint(global_step, epoch, skip, replay, state.get("meter"), callbacks)
+
+
+def replay_epoch(
+    epoch_batches: Callable[[], Iterable[Any]], rng: torch.Tensor, skip: int
+) -> Iterator[Any]:
+    """The interrupted epoch's batches after the first ``skip``, in the same order.
+
+    The order is drawn with the RNG at ``rng``, as it was: a shuffling ``DataLoader`` draws
+    its seed when its first batch is asked for, not at ``iter()``, so the batches already
+    done are drawn here too, under that RNG. The RNG is then put back as the checkpoint
+    left it, so that what comes next (dropout, augmentations) draws as it did."""
+    now = torch.get_rng_state()
+    torch.set_rng_state(rng)
+    try:
+        batches = iter(epoch_batches())
+        for _ in range(skip):
+            if next(batches, _END) is _END:
+                break
+    finally:
+        torch.set_rng_state(now)
+    return batches
+
+
+_END = object()
+
+
+def keyed(callbacks: Sequence[Callback]) -> dict[str, Callback]:
+    """Callbacks by key: the class name, with ``#2``, ``#3``... for later ones of a class."""
+    keys: dict[str, Callback] = {}
+    for cb in callbacks:
+        name = type(cb).__qualname__
+        key, n = name, 1
+        while key in keys:
+            n += 1
+            key = f"{name}#{n}"
+        keys[key] = cb
+    return keys
+
+
+def callback_states(callbacks: dict[str, Callback]) -> dict[str, Any]:
+    """What each callback with state returns from ``state_dict``, by key."""
+    states = {key: cb.state_dict() for key, cb in callbacks.items()}
+    return {key: state for key, state in states.items() if state is not None}
+
+
+def restore_callbacks(
+    callbacks: dict[str, Callback], active: Sequence[Callback], saved: dict[str, Any]
+) -> None:
+    """Give each active callback its saved state; say which state has no callback to take
+    it, and which callback with state starts afresh."""
+    for key, state in saved.items():
+        cb = callbacks.get(key)
+        if cb is None:
+            warn(
+                f"resume: the checkpoint holds the state of a {key} callback, and this fit() "
+                "has none: that state is not restored"
+            )
+        elif cb in active:
+            cb.load_state_dict(state)
+    for key, cb in callbacks.items():
+        if key not in saved and cb in active and cb.state_dict() is not None:
+            warn(
+                f"resume: the checkpoint holds no state for the {key} callback (it was not "
+                "given when the checkpoint was saved, or mixprec then saved none): it starts "
+                "afresh"
+            )

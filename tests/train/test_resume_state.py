@@ -1,0 +1,277 @@
+"""A resumed ``fit`` goes on as if never stopped: the batch order of a shuffling loader, the
+callbacks' state (schedulers, EMA, best values, CSV rows, TensorBoard steps), the epoch's
+end when the checkpoint came on its last batch. And the Trainer's smaller promises: the
+validation data it was given, empty batches, shapes, arguments."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+import mixprec as mp
+
+
+class Interrupt(mp.Callback):
+    """Stops the run (as a crash would) after applied step ``after``."""
+
+    def __init__(self, after: int) -> None:
+        self.after = after
+
+    def on_train_batch_end(self, step, logs):
+        if logs["applied"] and logs["global_step"] == self.after:
+            raise KeyboardInterrupt
+
+
+class EpochEnds(mp.Callback):
+    def __init__(self) -> None:
+        self.epochs: list[int] = []
+
+    def on_epoch_end(self, epoch, logs):
+        self.epochs.append(epoch)
+
+
+def data(n: int = 64):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def trainer(policy: str = "float32", lr: float = 0.1) -> mp.Trainer:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    return mp.Trainer(model, "cross_entropy", opt, policy=policy, device="cpu", metrics=())
+
+
+def weights(t: mp.Trainer) -> torch.Tensor:
+    return torch.cat([p.detach().float().flatten() for p in t.model.parameters()])
+
+
+def interrupted_then_resumed(tmp_path, make_callbacks, fit_args, after: int):
+    """(uninterrupted trainer and callbacks, resumed trainer and callbacks): the same run
+    twice, the second stopped after step ``after`` (checkpointed there) and resumed.
+    ``make_callbacks(trainer)`` gives a run's callbacks; ``fit_args()`` its data."""
+
+    def run(resume=None, extra=()):
+        t = trainer()
+        cbs = make_callbacks(t)
+        t.fit(*fit_args(), callbacks=[*cbs, *extra], verbose=0, resume_from=resume)
+        return t, cbs
+
+    torch.manual_seed(123)
+    full = run()
+    torch.manual_seed(123)
+    saver = mp.ModelCheckpoint(tmp_path, every_n_epochs=None, every_n_steps=after)
+    with pytest.raises(KeyboardInterrupt):
+        run(extra=[saver, Interrupt(after)])
+    torch.manual_seed(999)  # a fresh process would not share the RNG: the checkpoint sets it
+    resumed = run(resume=tmp_path / f"step-{after:08d}.safetensors", extra=[saver])
+    return full, resumed
+
+
+def test_a_shuffling_dataloader_resumes_in_the_same_order(tmp_path):
+    x, y = data()
+
+    def fit_args():
+        return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True), None, 32, 2
+
+    (full, _), (resumed, _) = interrupted_then_resumed(tmp_path, lambda t: [], fit_args, 5)
+    assert torch.equal(weights(full), weights(resumed))
+
+
+def test_scheduler_and_ema_resume_exactly(tmp_path):
+    x, y = data()
+
+    def callbacks(t):
+        sched = torch.optim.lr_scheduler.StepLR(t.optimizer.optimizer, 2, 0.5)
+        return [mp.LearningRateScheduler(sched), mp.EMA(0.9)]
+
+    (full, full_cbs), (resumed, resumed_cbs) = interrupted_then_resumed(
+        tmp_path, callbacks, lambda: (x, y, 8, 2), 5
+    )
+    assert torch.equal(weights(full), weights(resumed))
+    assert full.optimizer.param_groups[0]["lr"] == resumed.optimizer.param_groups[0]["lr"]
+    assert full_cbs[0].scheduler.last_epoch == resumed_cbs[0].scheduler.last_epoch == 16
+    assert all(
+        torch.equal(a, b) for a, b in zip(full_cbs[1].shadow, resumed_cbs[1].shadow, strict=True)
+    )
+    assert full_cbs[1].updates == resumed_cbs[1].updates == 16
+
+
+def test_the_resumed_epochs_loss_covers_the_batches_before_the_checkpoint(tmp_path):
+    x, y = data()
+    torch.manual_seed(123)
+    full = trainer().fit(x, y, batch_size=8, epochs=1, verbose=0)
+    torch.manual_seed(123)
+    saver = mp.ModelCheckpoint(tmp_path, every_n_epochs=None, every_n_steps=3)
+    with pytest.raises(KeyboardInterrupt):
+        trainer().fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[saver, Interrupt(3)])
+    resumed = trainer().fit(x, y, batch_size=8, epochs=1, verbose=0,
+                            resume_from=tmp_path / "step-00000003.safetensors")  # fmt: skip
+    assert resumed.history["loss"][0] == pytest.approx(full.history["loss"][0], rel=1e-6)
+
+
+def test_best_values_and_csv_rows_survive_a_resume(tmp_path):
+    x, y = data()
+    xv, yv = data(16)
+
+    def run(epochs, resume=None, interrupt=None):
+        t = trainer(lr=0.5)
+        ckpt = mp.ModelCheckpoint(tmp_path / "ckpt", monitor="val_loss")
+        stop = mp.EarlyStopping("val_loss", patience=2)
+        log = mp.CSVLogger(tmp_path / "log.csv")
+        cbs = [ckpt, stop, log] + ([interrupt] if interrupt else [])
+        t.fit(x, y, batch_size=16, epochs=epochs, validation_data=(xv, yv), callbacks=cbs,
+              verbose=0, resume_from=resume)  # fmt: skip
+        return ckpt, stop
+
+    torch.manual_seed(123)
+    ckpt, stop = run(3)
+    best, wait = ckpt.best, stop._wait
+    assert best is not None
+    best_file = (tmp_path / "ckpt" / "best.safetensors").read_bytes()
+    torch.manual_seed(123)
+    resumed_ckpt, resumed_stop = run(3, resume=tmp_path / "ckpt" / "epoch-0003.safetensors")
+    # Epoch 3 is done: nothing more runs, and nothing is forgotten.
+    assert resumed_ckpt.best == best and resumed_stop._wait == wait
+    assert (tmp_path / "ckpt" / "best.safetensors").read_bytes() == best_file
+    rows = list(csv.reader((tmp_path / "log.csv").open()))
+    assert [r[0] for r in rows[1:]] == ["0", "1", "2"]
+    run(4, resume=tmp_path / "ckpt" / "epoch-0003.safetensors")
+    rows = list(csv.reader((tmp_path / "log.csv").open()))
+    assert [r[0] for r in rows[1:]] == ["0", "1", "2", "3"] and rows[0][0] == "epoch"
+
+
+def test_a_checkpoint_on_an_epochs_last_batch_resumes_into_that_epochs_end(tmp_path):
+    x, y = data(32)
+    saver = mp.ModelCheckpoint(tmp_path, every_n_epochs=None, every_n_steps=4)
+    with pytest.raises(KeyboardInterrupt):
+        trainer().fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[saver, Interrupt(4)])
+    ends = EpochEnds()
+    history = trainer().fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[ends],
+                            resume_from=tmp_path / "step-00000004.safetensors")  # fmt: skip
+    assert ends.epochs == [0, 1] and len(history.history["loss"]) == 2
+
+
+class Stream(IterableDataset):
+    """Batches with no length, as a streaming loader gives them."""
+
+    def __iter__(self):
+        x, y = data(32)
+        return iter(zip(x.split(8), y.split(8), strict=True))
+
+
+def test_a_loader_without_length_resumes_after_a_finished_epoch(tmp_path):
+    trainer().fit(Stream(), epochs=1, verbose=0, callbacks=[mp.ModelCheckpoint(tmp_path)])
+    ends = EpochEnds()
+    trainer().fit(Stream(), epochs=3, verbose=0, callbacks=[ends],
+                  resume_from=tmp_path / "epoch-0001.safetensors")  # fmt: skip
+    assert ends.epochs == [1, 2]
+
+
+def test_a_checkpoint_holds_callback_state_after_the_step_whatever_the_order(tmp_path):
+    """ModelCheckpoint listed first still saves the scheduler as it is after the step, and
+    a callback that raises before it still gets the step's checkpoint written."""
+    x, y = data(32)
+    t = trainer()
+    sched = torch.optim.lr_scheduler.StepLR(t.optimizer.optimizer, 1, 0.5)
+    saver = mp.ModelCheckpoint(tmp_path, every_n_epochs=None, every_n_steps=2)
+    with pytest.raises(KeyboardInterrupt):
+        t.fit(x, y, batch_size=8, epochs=1, verbose=0,
+              callbacks=[saver, mp.LearningRateScheduler(sched), Interrupt(2)])  # fmt: skip
+    loaded = mp.load_checkpoint(tmp_path / "step-00000002.safetensors", trainer().model)
+    assert loaded.trainer_state["epoch_done"] is False
+    saved = loaded.trainer_state["callbacks"]["LearningRateScheduler"]["scheduler"]
+    assert saved["last_epoch"] == 2
+
+
+def test_a_state_without_its_callback_and_a_callback_without_its_state_are_said(tmp_path):
+    x, y = data(32)
+    t = trainer()
+    sched = torch.optim.lr_scheduler.StepLR(t.optimizer.optimizer, 1, 0.5)
+    t.fit(x, y, batch_size=8, epochs=1, verbose=0,
+          callbacks=[mp.LearningRateScheduler(sched), mp.ModelCheckpoint(tmp_path)])  # fmt: skip
+    with pytest.warns(UserWarning, match=r"state of a LearningRateScheduler callback, and "
+                      r"this fit\(\) has none"):  # fmt: skip
+        trainer().fit(x, y, batch_size=8, epochs=2, verbose=0,
+                      resume_from=tmp_path / "epoch-0001.safetensors")  # fmt: skip
+    with pytest.warns(UserWarning, match="holds no state for the EMA callback"):
+        trainer().fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[mp.EMA()],
+                      resume_from=tmp_path / "epoch-0001.safetensors")  # fmt: skip
+
+
+def test_validation_data_overrides_validation_split_and_says_so():
+    x, y = data(40)
+    xv, yv = data(8)
+    seen = []
+
+    class Sizes(mp.Callback):
+        def on_train_batch_end(self, step, logs):
+            seen.append(logs["size"])
+
+    t = trainer()
+    with pytest.warns(UserWarning, match=r"validation_split=0.25 is ignored: validation_data"):
+        h = t.fit(x, y, batch_size=10, validation_split=0.25, validation_data=(xv, yv),
+                  callbacks=[Sizes()], verbose=0)  # fmt: skip
+    assert sum(seen) == 40
+    assert h.history["val_loss"][0] == pytest.approx(t.evaluate(xv, yv)["loss"], rel=1e-6)
+
+
+def test_evaluate_leaves_out_empty_batches():
+    x, y = data(16)
+    t = trainer()
+    with_empty = [(x[:8], y[:8]), (x[:0], y[:0]), (x[8:], y[8:])]
+    assert t.evaluate(with_empty) == pytest.approx(t.evaluate(x, y, batch_size=8))
+
+
+def test_regression_targets_without_the_trailing_dimension_train_as_with_it():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 4, generator=g)
+    y = x @ torch.tensor([1.0, -2.0, 0.5, 3.0])
+    results = []
+    for target in (y, y[:, None]):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        t = mp.Trainer(model, "mse", torch.optim.SGD(model.parameters(), lr=0.05),
+                       policy="float32", device="cpu", metrics=["mae"])  # fmt: skip
+        results.append(t.fit(x, target, batch_size=16, epochs=3, verbose=0).history)
+    assert results[0]["loss"] == results[1]["loss"] and results[0]["mae"] == results[1]["mae"]
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    t = mp.Trainer(model, "mse", torch.optim.SGD(model.parameters(), lr=0.05), device="cpu")
+    with pytest.raises(ValueError, match=r"loss 'mse': the model's output has shape \(16, 3\) "
+                       r"and the targets \(16,\)"):  # fmt: skip
+        t.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda d: mp.ModelCheckpoint(d, every_n_epochs=0), "every_n_epochs=0 is invalid"),
+        (lambda d: mp.ModelCheckpoint(d, every_n_epochs=1.5), "every_n_epochs=1.5 is invalid"),
+        (lambda d: mp.ModelCheckpoint(d, every_n_steps=-2), "every_n_steps=-2 is invalid"),
+        (lambda d: mp.ModelCheckpoint(d, every_n_epochs=None), "would never save"),
+        (lambda d: mp.EarlyStopping(patience=-3), "patience=-3 is invalid"),
+        (lambda d: mp.EarlyStopping(patience="2"), "patience='2' is invalid"),
+        (lambda d: mp.LearningRateScheduler(None), "scheduler=NoneType is invalid"),
+    ],
+)
+def test_callback_arguments_are_checked(tmp_path, make, message):
+    with pytest.raises(ValueError, match=message):
+        make(tmp_path)
+
+
+def test_a_misspelt_monitor_is_an_error_naming_the_logs(tmp_path):
+    x, y = data(32)
+    with pytest.raises(KeyError, match="ModelCheckpoint monitor='val_los' is not in the epoch "
+                       "logs; available: loss"):  # fmt: skip
+        trainer().fit(x, y, batch_size=8, epochs=1, verbose=0, validation_data=(x, y),
+                      callbacks=[mp.ModelCheckpoint(tmp_path, monitor="val_los")])  # fmt: skip
+
+
+def test_predict_refuses_a_batch_size_below_one():
+    with pytest.raises(ValueError, match="batch_size=0 is invalid; it must be an int >= 1"):
+        trainer().predict(torch.randn(4, 8), batch_size=0)
