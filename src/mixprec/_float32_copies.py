@@ -11,11 +11,11 @@ import torch
 
 __all__ = ["FP32_COPY_ATTR", "remember_float32", "take_float32_copy"]
 
-FP32_COPY_ATTR = "_mixprec_fp32"  # _Float32Copy of a parameter stored in 16 bits
+FP32_COPY_ATTR = "_mixprec_fp32"  # Float32Copy of a parameter stored in 16 bits
 
 
 @dataclasses.dataclass
-class _Float32Copy:
+class Float32Copy:
     """The float32 values of a parameter before it went to 16 bits, and the parameter's
     version counter then: a later in-place write (``load_state_dict``) makes it stale."""
 
@@ -26,7 +26,7 @@ class _Float32Copy:
 def take_float32_copy(param: torch.Tensor) -> torch.Tensor | None:
     """Remove and return the float32 values kept for ``param`` if they are still current."""
     kept = param.__dict__.pop(FP32_COPY_ATTR, None)
-    if not isinstance(kept, _Float32Copy) or kept.version != param._version:
+    if not isinstance(kept, Float32Copy) or kept.version != param._version:
         return None
     values = kept.values.to(param.device)
     # A write through ``param.data`` (Hugging Face's weight init) leaves the version as it
@@ -38,5 +38,5 @@ def take_float32_copy(param: torch.Tensor) -> torch.Tensor | None:
 
 def remember_float32(param: torch.Tensor, values: torch.Tensor) -> None:
     """Keep ``values`` (float32) as the current float32 copy of the 16-bit ``param``."""
-    record = _Float32Copy(values.detach().float(), version=param._version)
+    record = Float32Copy(values.detach().float(), version=param._version)
     setattr(param, FP32_COPY_ATTR, record)

@@ -27,8 +27,9 @@ from torch.overrides import TorchFunctionMode
 from mixprec._device import autocast_available
 from mixprec._dtypes import HALF_DTYPES, parse_dtype
 from mixprec._errors import ArgumentError
-from mixprec._float32_copies import FP32_COPY_ATTR, _Float32Copy, take_float32_copy
+from mixprec._float32_copies import FP32_COPY_ATTR, Float32Copy, take_float32_copy
 from mixprec._output_sources import remember_source
+from mixprec._param_tags import tag
 from mixprec._upcast_saves import keep_16bit_sources
 
 T = TypeVar("T")
@@ -351,7 +352,7 @@ def store_as(
     rounded 16-bit values, and going back to float32 restores them, as long as the
     parameter was not written to since (``take_float32_copy``).
     """
-    copies: list[tuple[nn.Parameter, _Float32Copy]] = []
+    copies: list[tuple[nn.Parameter, Float32Copy]] = []
 
     def convert(t: torch.Tensor) -> torch.Tensor:
         if not t.is_floating_point() or t.dtype == dtype:
@@ -362,7 +363,7 @@ def store_as(
                 if original is not None:
                     return original
             elif keep_float32_copy and dtype in HALF_DTYPES and t.dtype == torch.float32:
-                record = _Float32Copy(t.detach())
+                record = Float32Copy(t.detach())
                 setattr(t, FP32_COPY_ATTR, record)
                 copies.append((t, record))
         return t.to(dtype)
@@ -424,6 +425,5 @@ def to_float(module: M, dtype: str | torch.dtype) -> M:
         store_as(module, torch.float32, buffers=True)
     set_region(module, Region(compute_dtype=target, output_dtype=target, cast_inputs=True))
     # Tell LossScaleOptimizer how these weights are used (float16 math needs loss scaling).
-    for param in module.parameters():
-        setattr(param, COMPUTE_ATTR, target)
+    tag(module, {COMPUTE_ATTR: target})
     return module

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ from mixprec._dtypes import closest, dtype_name
 from mixprec._errors import ArgumentError
 from mixprec._module_kinds import FLOAT32_MODULES, MIXED_NORM_MODULES, NORM_MODULES, is_half_storage
 from mixprec._module_kinds import HALF_STORAGE_MODULES as HALF_STORAGE_MODULES  # re-exported
+from mixprec._param_tags import tag
 from mixprec._plain_optimizers import watch_plain_optimizers
 from mixprec._plan_apply import PlanLike, plan_arguments
 from mixprec._warn import warn_at_caller
@@ -311,11 +312,10 @@ def auto_mixed_precision(
     for module in kept.values():
         to_float(module, torch.float32)
 
-    for param in model.parameters():
-        setattr(param, POLICY_ATTR, resolved)
-        setattr(param, LEVEL_ATTR, lvl)
-        if o3_masters:
-            setattr(param, MASTERS_ATTR, True)
+    notes: dict[str, Any] = {POLICY_ATTR: resolved, LEVEL_ATTR: lvl}
+    if o3_masters:
+        notes[MASTERS_ATTR] = True
+    tag(model, notes)  # on the parameters, and kept by the model for its copies
     remember_model(model)
     setattr(
         model,

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mixprec._dtypes import dtype_name
+from mixprec._param_tags import keeper_of
 from mixprec.casting import first_floating
-
-MODEL_ATTR = "_mixprec_model"  # weak reference from a parameter to its prepared model
 
 
 @dataclass(frozen=True)
@@ -134,16 +134,29 @@ def _warn_off_under_compile() -> None:
     )
 
 
+# Parameter -> its prepared model, both weakly: a weak reference in the parameter's own
+# __dict__ made every prepared model unpicklable (torch.save(model)).
+_MODELS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 def remember_model(model: nn.Module) -> None:
-    """Let each parameter find its prepared model (for ``trace_overflow=True``)."""
+    """Let each parameter find its prepared model (for ``trace_overflow=True``); a
+    ``copy.deepcopy`` of the model finds its copy."""
+    _remember(model, list(model.parameters()))
+    keeper = keeper_of(model)
+    if _remember not in keeper.on_copy:
+        keeper.on_copy.append(_remember)
+
+
+def _remember(model: nn.Module, params: list[torch.Tensor]) -> None:
     ref = weakref.ref(model)
-    for param in model.parameters():
-        setattr(param, MODEL_ATTR, ref)
+    for param in params:
+        _MODELS[param] = ref
 
 
 def model_of(params: list[torch.Tensor]) -> nn.Module | None:
     for p in params:
-        ref = getattr(p, MODEL_ATTR, None)
+        ref = _MODELS.get(p)
         if ref is not None and ref() is not None:
             return ref()  # type: ignore[no-any-return]
     return None

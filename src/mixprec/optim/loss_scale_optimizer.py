@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from mixprec._dist import agree_found_inf, is_distributed, is_dtensor
 from mixprec._errors import ArgumentError, MisuseError
@@ -31,7 +30,7 @@ from mixprec.optim.host_step import host_step
 from mixprec.optim.keras_api import KerasMethods, keras_scaler
 from mixprec.optim.masters import MasterWeights, warn_if_eps_vanishes
 from mixprec.optim.state_dict import StateDictMethods
-from mixprec.optim.state_view import StateView
+from mixprec.optim.state_view import InnerViews, StepHooks
 from mixprec.optim.step_result import StepResult
 from mixprec.scaling import (
     DynamicLossScaler,
@@ -75,7 +74,9 @@ class _Bookkeeping:
     fused: list[FusedStep] = field(default_factory=list)
 
 
-class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
+class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes as views
+    KerasMethods, StateDictMethods, InnerViews, StepHooks, torch.optim.Optimizer
+):
     """Wrap ``optimizer`` for mixed precision training.
 
     16-bit parameters (made by ``auto_mixed_precision`` at O2, say) get float32 master copies
@@ -173,28 +174,6 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
         self._book.host_path = (
             weights.on_host and not weights.checked and type(self._loss_scaler) in _HOST_SCALERS
         )
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The inner optimizer (the first one, when several were given)."""
-        return self.optimizers[0]
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        """The inner optimizers' groups (the same dicts: changing ``lr`` here changes it)."""
-        if len(self.optimizers) == 1:
-            return self.optimizers[0].param_groups
-        return [g for inner in self.optimizers for g in inner.param_groups]
-
-    @property
-    def state(self) -> StateView:  # type: ignore[override]
-        """Per-parameter state of the inner optimizers, by model parameter (a 16-bit
-        weight finds its master's) or by master."""
-        return StateView(self.optimizers, self._weights)
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
 
     @property
     def pending_micro_steps(self) -> int:
@@ -370,25 +349,6 @@ class LossScaleOptimizer(KerasMethods, StateDictMethods, torch.optim.Optimizer):
             grad_norm=norm_value,
             overflow=origin,
         )
-
-    # -- checkpointing ----------------------------------------------------------------------
-
-    def register_step_pre_hook(self, hook: Any) -> Any:
-        """Runs before the (first) inner optimizer's step, that is, only on applied steps."""
-        return self.optimizer.register_step_pre_hook(hook)
-
-    def register_step_post_hook(self, hook: Any) -> RemovableHandle:
-        """``hook(opt, args, kwargs)`` runs after each applied step, once the masters are
-        copied back: it sees the updated 16-bit weights, and what it writes into them (a
-        max-norm constraint) stays. Skipped steps do not run it; a step decided on the
-        device is then decided on the host."""
-        handle = RemovableHandle(self._book.post_hooks)
-        self._book.post_hooks[handle.id] = hook
-        return handle
-
-    def _run_post_hooks(self) -> None:
-        for hook in list(self._book.post_hooks.values()):
-            hook(self, (), {})
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__.copy()

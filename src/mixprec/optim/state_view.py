@@ -1,4 +1,7 @@
-"""``StateView``: ``LossScaleOptimizer.state``, the inner optimizers' per-parameter state
+"""The inner optimizers as ``LossScaleOptimizer`` shows them (``InnerViews``: ``optimizer``,
+``param_groups``, ``state``, ``defaults``), and its step hooks (``StepHooks``).
+
+``StateView`` is ``LossScaleOptimizer.state``: the inner optimizers' per-parameter state
 reached through the model's parameters.
 
 The inner optimizers key their state by what they update: a 16-bit weight's float32
@@ -14,10 +17,11 @@ from collections.abc import Iterator, MutableMapping, Sequence
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from mixprec.optim.masters import MasterWeights
 
-__all__ = ["StateView"]
+__all__ = ["InnerViews", "StateView", "StepHooks"]
 
 
 class StateView(MutableMapping[torch.Tensor, Any]):
@@ -69,3 +73,56 @@ class StateView(MutableMapping[torch.Tensor, Any]):
 
     def __repr__(self) -> str:
         return f"StateView({len(self)} parameters with state)"
+
+
+class InnerViews:
+    """The inner optimizers, seen through the wrapper."""
+
+    optimizers: list[torch.optim.Optimizer]
+    _weights: MasterWeights
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The inner optimizer (the first one, when several were given)."""
+        return self.optimizers[0]
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizers' groups (the same dicts: changing ``lr`` here changes it)."""
+        if len(self.optimizers) == 1:
+            return self.optimizers[0].param_groups
+        return [g for inner in self.optimizers for g in inner.param_groups]
+
+    @property
+    def state(self) -> StateView:
+        """Per-parameter state of the inner optimizers, by model parameter (a 16-bit
+        weight finds its master's) or by master."""
+        return StateView(self.optimizers, self._weights)
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+
+class StepHooks:
+    """Step hooks: a pre-hook on the inner optimizer, post-hooks after the copy-back."""
+
+    optimizers: list[torch.optim.Optimizer]
+    _book: Any  # loss_scale_optimizer._Bookkeeping: its post_hooks
+
+    def register_step_pre_hook(self, hook: Any) -> Any:
+        """Runs before the (first) inner optimizer's step, that is, only on applied steps."""
+        return self.optimizers[0].register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Any) -> RemovableHandle:
+        """``hook(opt, args, kwargs)`` runs after each applied step, once the masters are
+        copied back: it sees the updated 16-bit weights, and what it writes into them (a
+        max-norm constraint) stays. Skipped steps do not run it; a step decided on the
+        device is then decided on the host."""
+        handle = RemovableHandle(self._book.post_hooks)
+        self._book.post_hooks[handle.id] = hook
+        return handle
+
+    def _run_post_hooks(self) -> None:
+        for hook in list(self._book.post_hooks.values()):
+            hook(self, (), {})

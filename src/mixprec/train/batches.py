@@ -99,12 +99,21 @@ def epoch_batches(
 
 
 def split_validation(
-    x: Any, y: Any, validation_split: float
+    x: Any, y: Any, validation_split: float, validation_data: tuple[Any, Any] | None = None
 ) -> tuple[Any, Any, tuple[Any, Any] | None]:
     """``(x, y, validation_data)``: the last ``validation_split`` of the samples held out,
-    before any shuffling (as Keras does); ``None`` for no split."""
+    before any shuffling (as Keras does); ``validation_data`` as given where there is no
+    split. Given both, ``validation_data`` overrides the split (as in Keras), said in a
+    warning."""
     if not 0.0 <= validation_split < 1.0:
         raise ArgumentError(f"validation_split={validation_split!r} is invalid; use [0, 1)")
+    if validation_data is not None:
+        if validation_split:
+            warn(
+                f"fit: validation_split={validation_split!r} is ignored: validation_data is "
+                "given, and overrides it (as in Keras); every sample of x trains"
+            )
+        return x, y, validation_data
     if validation_split and y is None:
         raise ArgumentError("validation_split needs tensors or arrays (x, y), not a loader")
     if not validation_split:
@@ -112,6 +121,18 @@ def split_validation(
     xt, yt = as_tensor(x, "x"), as_tensor(y, "y")
     cut = len(xt) - int(len(xt) * validation_split)
     return xt[:cut], yt[:cut], (xt[cut:], yt[cut:])
+
+
+def inputs_of(x: Any, batch_size: int) -> Iterable[Any]:
+    """The inputs of tensors or arrays ``x`` in batches of ``batch_size``, or of an iterable
+    of batches (``(inputs, targets)`` or inputs alone), for ``predict``."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ArgumentError(f"batch_size={batch_size!r} is invalid; it must be an int >= 1")
+    if isinstance(x, torch.Tensor) or is_array(x) or not isinstance(x, Iterable):
+        split: tuple[torch.Tensor, ...] = as_tensor(x, "x").split(batch_size)
+        return split
+    chunks = (b[0] if isinstance(b, (tuple, list)) else b for b in x)
+    return (as_tensor(c, "x") if is_array(c) else c for c in chunks)
 
 
 def rank_share(x: Any, y: Any) -> tuple[Any, Any]:

@@ -31,7 +31,7 @@ from mixprec.scaling import LossScaler
 from mixprec.scaling.health import ScalerHealth, scale_floor
 from mixprec.trace import Overflow, OverflowTracer
 from mixprec.train import batches, resume
-from mixprec.train.batches import Batch, as_tensor, to_device
+from mixprec.train.batches import Batch, to_device
 from mixprec.train.callbacks import Callback, CallbackList, History, Logs, ProgressBar
 from mixprec.train.meter import EpochMeter
 from mixprec.train.metrics import LossFn, Metric, get_loss, get_metric
@@ -198,14 +198,7 @@ class Trainer:
         ``validation_data`` overrides ``validation_split``, as in Keras (said in a warning)."""
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
             raise ArgumentError(f"epochs={epochs!r} is invalid; it must be an int >= 0")
-        if validation_data is not None and validation_split:
-            warn(
-                f"fit: validation_split={validation_split!r} is ignored: validation_data is "
-                "given, and overrides it (as in Keras); every sample of x trains"
-            )
-            validation_split = 0.0
-        x, y, held_out = batches.split_validation(x, y, validation_split)
-        validation_data = held_out if held_out is not None else validation_data
+        x, y, validation_data = batches.split_validation(x, y, validation_split, validation_data)
         self._validate(x, y)
         if validation_data is not None:
             self._validate(*validation_data)
@@ -343,16 +336,9 @@ class Trainer:
 
     def predict(self, x: Any, batch_size: int = 32) -> torch.Tensor:
         """The model's outputs in float32, on the CPU, for tensors/arrays or batches."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ArgumentError(f"batch_size={batch_size!r} is invalid; it must be an int >= 1")
         outputs = []
-        if isinstance(x, torch.Tensor) or batches.is_array(x) or not isinstance(x, Iterable):
-            chunks: Iterable[Any] = as_tensor(x, "x").split(batch_size)
-        else:
-            chunks = (b[0] if isinstance(b, (tuple, list)) else b for b in x)
-            chunks = (as_tensor(c, "x") if batches.is_array(c) else c for c in chunks)
         with torch.no_grad(), _eval_mode(self.model):
-            for chunk in chunks:
+            for chunk in batches.inputs_of(x, batch_size):
                 output = model_output(call(self.model, to_device(chunk, self.device)))
                 outputs.append(output.float().cpu())
         return torch.cat(outputs) if outputs else torch.empty(0)

@@ -1,0 +1,69 @@
+"""A prepared model's notes on its parameters (policy, level, compute dtype, O3 masters)
+survive what makes new Parameter objects: copy.deepcopy, load_state_dict(assign=True),
+torch.save/torch.load of the whole model. Without them the optimizer of a copy would drop
+float16 loss scaling, or give O3 weights float32 masters, silently."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec as mp
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def scaler_of(model: nn.Module) -> str:
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    return type(opt.loss_scaler).__name__
+
+
+def masters_of(model: nn.Module) -> int:
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    return len(opt.master_weights())
+
+
+def reloaded(model: nn.Module) -> nn.Module:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("make_copy", [copy.deepcopy, reloaded], ids=["deepcopy", "torch.save"])
+def test_a_copy_of_a_float16_model_keeps_its_loss_scaling(make_copy):
+    model = mp.auto_mixed_precision(net(), "mixed_float16", "O1")
+    twin = make_copy(model)
+    assert scaler_of(model) == scaler_of(twin) == "DynamicLossScaler"
+    assert twin(torch.randn(2, 4)).dtype == torch.float32  # its region still runs
+    island = mp.to_float(net(), torch.float16)
+    assert scaler_of(copy.deepcopy(island)) == "DynamicLossScaler"
+
+
+def test_a_copy_of_an_o3_model_gets_no_masters():
+    model = mp.auto_mixed_precision(net(), "bfloat16", "O3")
+    assert masters_of(model) == masters_of(copy.deepcopy(model)) == 0
+
+
+def test_parameters_loaded_with_assign_keep_the_notes():
+    model = mp.auto_mixed_precision(net(), "mixed_float16", "O1")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+    assert scaler_of(model) == "DynamicLossScaler"
+
+
+def test_a_copy_traces_its_own_overflows():
+    model = copy.deepcopy(mp.auto_mixed_precision(net(), "mixed_float16", "O2"))
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), trace_overflow=True)
+    opt.zero_grad()
+    opt.backward(model(torch.full((2, 4), float("inf"))).float().sum())
+    result = opt.step()
+    assert not result.applied and result.overflow is not None
+    assert "0" in str(result.overflow)  # the first Linear, by its name in the copy
