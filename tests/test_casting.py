@@ -301,3 +301,22 @@ def test_regions_ask_torch_which_devices_have_autocast_once_outside_the_graph(mo
     assert calls == []  # CPU and CUDA are known without asking
     assert _device.autocast_available("xpu") and not _device.autocast_available("mps")
     assert _device.autocast_available("xpu") and calls == ["xpu", "mps"]  # then remembered
+
+
+def test_float32_functions_keep_an_asked_dtype_and_leave_float64_alone():
+    """softmax(..., dtype=float32) inside a 16-bit region returns float32, as under plain
+    autocast; float64 arguments are not computed in float32."""
+    import torch.nn.functional as F
+
+    h = torch.randn(2, 8).bfloat16()
+    x64 = torch.tensor([1.0, 1e-12, 1e-12], dtype=torch.float64)
+    with Float32Functions():
+        assert F.softmax(h, -1, dtype=torch.float32).dtype == torch.float32
+        assert F.softmax(h, -1).dtype == torch.bfloat16
+        summed = torch.cumsum(x64, 0)
+    assert summed.dtype == torch.float64 and torch.equal(summed, torch.cumsum(x64, 0))
+
+
+def test_keep_float32_none_names_the_argument():
+    with pytest.raises(ValueError, match=r"keep_float32=None is invalid; valid: a module type"):
+        mp.auto_mixed_precision(nn.Linear(2, 2), "mixed_bfloat16", keep_float32=None)

@@ -36,8 +36,8 @@ def test_string_grammar_round_trips():
     p = mp.Policy(text)
     assert str(p) == text
     assert p == mp.Policy("mixed_bfloat16")
-    odd = mp.Policy("p=bf16, c=fp16, o=half")
-    assert (odd.param_dtype, odd.compute_dtype, odd.output_dtype) == (BF16, F16, F16)
+    odd = mp.Policy("p=fp32, c=fp16, o=half")
+    assert (odd.param_dtype, odd.compute_dtype, odd.output_dtype) == (torch.float32, F16, F16)
     assert mp.Policy(str(odd)) == odd
     assert odd.name == str(odd)  # no preset matches
 
@@ -145,3 +145,28 @@ def test_falsy_dtypes_are_refused_not_read_as_float32(value):
             mp.Policy(**{keyword: value})
     with pytest.raises(ValueError, match=r"param_dtype='' is not a known dtype"):
         mp.Policy(param_dtype="")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("params=bfloat16,compute=float16", "16-bit weights compute in their own dtype"),
+        ("params=float16,compute=float32,output=float16", "16-bit weights compute in their own"),
+        ("params=float32,compute=float32,output=bfloat16", "float32 math returns float32"),
+    ],
+)
+def test_combinations_auto_mixed_precision_cannot_honour_are_refused(text, message):
+    """They were accepted, and auto_mixed_precision then ignored part of them silently."""
+    with pytest.raises(ValueError, match=f"policy params=.*: {message}"):
+        mp.Policy(text)
+    values = [part.split("=")[1] for part in text.split(",")]
+    keywords = dict(zip(("param_dtype", "compute_dtype", "output_dtype"), values, strict=False))
+    with pytest.raises(ValueError, match=message):
+        mp.Policy(**keywords)
+
+
+def test_a_policy_of_a_policy_and_auto_in_capitals():
+    policy = mp.Policy("mixed_float16")
+    assert mp.Policy(policy) == policy
+    model = mp.auto_mixed_precision(torch.nn.Linear(2, 2), "AUTO")
+    assert mp.levels.applied(model).policy == mp.Policy("auto")

@@ -175,12 +175,15 @@ class Float32Functions(TorchFunctionMode):
         if func not in FLOAT32_FUNCTIONS:
             return func(*args, **(kwargs or {}))
         first = first_floating(args)
+        if first is not None and first.dtype == torch.float64:  # more than float32 already
+            return func(*args, **(kwargs or {}))
         given = args
         args, kwargs = cast_floating((args, kwargs or {}), torch.float32)
         saves = keep_16bit_sources(given, args)
         with saves if saves is not None else contextlib.nullcontext():
             result = func(*args, **kwargs)
-        if func in FLOAT32_LOSSES or first is None:
+        # A loss, or an output dtype the caller asked for (softmax(..., dtype=...)), stays.
+        if func in FLOAT32_LOSSES or first is None or kwargs.get("dtype") is not None:
             return result
         return cast_floating(result, first.dtype)
 

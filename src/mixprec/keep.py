@@ -17,10 +17,17 @@ __all__ = ["KeepEntry", "inside", "keep_list", "kept_modules"]
 KeepEntry = type[nn.Module] | str | nn.Module
 
 
-def keep_list(entries: KeepEntry | Iterable[KeepEntry]) -> tuple[KeepEntry, ...]:
+def keep_list(
+    entries: KeepEntry | Iterable[KeepEntry], argument: str = "keep_float32"
+) -> tuple[KeepEntry, ...]:
     """``keep_float32``-style arguments as a tuple: one entry may be given alone."""
     if isinstance(entries, (str, nn.Module, type)):
         return (entries,)
+    if not isinstance(entries, Iterable):
+        raise ArgumentError(
+            f"{argument}={entries!r} is invalid; valid: a module type, a name pattern, a "
+            "module of the model, or a list of them (() for none)"
+        )
     return tuple(entries)
 
 
@@ -28,7 +35,7 @@ def kept_modules(
     model: nn.Module, keep_float32: Iterable[KeepEntry], argument: str = "keep_float32"
 ) -> dict[str, nn.Module]:
     """Resolve ``keep_float32`` entries (types, name patterns, modules) to named modules."""
-    keep_float32 = keep_list(keep_float32)
+    keep_float32 = keep_list(keep_float32, argument)
     named = dict(model.named_modules())
     kept: dict[str, nn.Module] = {}
     for entry in keep_float32:

@@ -209,7 +209,7 @@ def auto_mixed_precision(
         level, o3_masters = key, key == "O3"
         if policy is None:
             policy = "mixed_float16"
-    if isinstance(policy, str) and policy.strip().upper() in (*LEVELS, "AUTO") and policy != "auto":
+    if isinstance(policy, str) and policy.strip().upper() in LEVELS:
         raise ArgumentError(
             f"policy={policy!r} looks like a level: auto_mixed_precision(model, policy, level); "
             f"write auto_mixed_precision(model, 'mixed_float16', level={policy!r})"

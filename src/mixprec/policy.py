@@ -102,7 +102,11 @@ class Policy:
                 raise ArgumentError(
                     f"Policy({name!r}, ...) takes either a name or dtype keywords, not both"
                 )
-            params, compute, output, reason, recipe = _parse(name)
+            if isinstance(name, Policy):  # Policy(policy): the same policy
+                params, compute, output = name._dtypes()
+                reason, recipe = name.reason, name.float8_recipe
+            else:
+                params, compute, output, reason, recipe = _parse(name)
         else:
             # `is None`, not falsiness: 0, False, "" or [] must be refused, not read as float32.
             params = parse_dtype(
@@ -114,6 +118,7 @@ class Policy:
             output = parse_dtype(
                 params if output_dtype is None else output_dtype, argument="output_dtype"
             )
+        _check_combination(params, compute, output)
         object.__setattr__(self, "param_dtype", params)
         object.__setattr__(self, "compute_dtype", compute)
         object.__setattr__(self, "output_dtype", output)
@@ -164,6 +169,24 @@ class Policy:
 
 
 _Parsed = tuple[torch.dtype, torch.dtype, torch.dtype, str | None, str | None]
+
+
+def _check_combination(params: torch.dtype, compute: torch.dtype, output: torch.dtype) -> None:
+    """Refuse what ``auto_mixed_precision`` cannot honour, rather than ignore part of it:
+    16-bit weights compute in their own dtype, and float32 math keeps float32 weights and
+    outputs."""
+    names = (dtype_name(params), dtype_name(compute), dtype_name(output))
+    given = "params={}, compute={}, output={}".format(*names)
+    if params != torch.float32 and compute != params:
+        raise ArgumentError(
+            f"policy {given}: 16-bit weights compute in their own dtype; valid: params=float32 "
+            "(float32 masters) with any compute, or params equal to compute"
+        )
+    if compute == torch.float32 and output != torch.float32:
+        raise ArgumentError(
+            f"policy {given}: float32 math returns float32; valid: output=float32, or a "
+            "16-bit compute dtype"
+        )
 
 
 def _parse(text: str) -> _Parsed:

@@ -215,3 +215,12 @@ def test_compensated_adamw_checks_every_groups_compensation():
     half = nn.Parameter(torch.ones(2, dtype=torch.float16))
     with pytest.raises(ValueError, match=r"rounds to bfloat16 \(param_groups\[1\]\)"):
         opt.add_param_group({"params": [half], "compensation": "stochastic"})
+
+
+def test_a_group_added_later_gets_the_eps_warning_too():
+    model = mp.auto_mixed_precision(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), "float16",
+                                    "O3")  # fmt: skip
+    with pytest.warns(UserWarning, match="eps=1e-08"):
+        opt = mp.LossScaleOptimizer(torch.optim.AdamW(model[0].parameters()))
+    with pytest.warns(UserWarning, match=r"param_groups\[1\].*eps=1e-08"):
+        opt.add_param_group({"params": list(model[1].parameters())})

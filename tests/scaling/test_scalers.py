@@ -244,3 +244,17 @@ def test_dynamic_refuses_a_torch_grad_scaler_state_missing_a_key():
     with pytest.raises(mp.ArgumentError) as info:
         mp.DynamicLossScaler().load_state_dict(state)
     assert str(info.value) == "load_state_dict: torch.amp.GradScaler state lacks growth_interval"
+
+
+def test_noop_scaler_keeps_scale_one():
+    """It never scales the loss, so another scale would divide every gradient by it."""
+    from mixprec.scaling import NoOpLossScaler, StaticLossScaler
+
+    scaler = NoOpLossScaler()
+    state = StaticLossScaler(1024.0).state_dict() | {"type": "NoOpLossScaler"}
+    with pytest.raises(ValueError, match=r"load_state_dict: scale=1024.0 is invalid; its scale"):
+        scaler.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"set_scale=4096.0 is invalid"):
+        scaler.set_scale(4096.0)
+    assert scaler.get_scale() == 1.0
+    scaler.load_state_dict(NoOpLossScaler().state_dict())

@@ -166,6 +166,8 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         group["params"] = self._weights.adopt(self.optimizer, params, "param_group")
         self.optimizer.add_param_group(group)
+        where = f"{type(self.optimizer).__name__} param_groups[{len(self.param_groups) - 1}]"
+        warn_if_eps_vanishes(self.optimizer.param_groups[-1], where)
         _fuse(self.optimizer, self.optimizer.param_groups[-1])
         self._decide_host_path()
 

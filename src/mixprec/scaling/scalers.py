@@ -159,6 +159,22 @@ class NoOpLossScaler(LossScaler):
     def needs_scaling(self) -> bool:
         return False
 
+    def set_scale(self, scale: float) -> None:
+        _unit("set_scale", scale)
+        super().set_scale(scale)
+
+    def _load_config(self, state_dict: dict[str, Any], scale: float) -> None:
+        # The loss is never scaled here: another scale would divide every gradient by it.
+        _unit("load_state_dict: scale", scale)
+
+
+def _unit(name: str, scale: float) -> None:
+    if scale != 1.0:
+        raise ArgumentError(
+            f"NoOpLossScaler: {name}={scale!r} is invalid; its scale is 1 (it never scales the "
+            "loss). Use StaticLossScaler or DynamicLossScaler for another scale"
+        )
+
 
 def _positive(name: str, value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
