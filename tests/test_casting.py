@@ -320,3 +320,23 @@ def test_float32_functions_keep_an_asked_dtype_and_leave_float64_alone():
 def test_keep_float32_none_names_the_argument():
     with pytest.raises(ValueError, match=r"keep_float32=None is invalid; valid: a module type"):
         mp.auto_mixed_precision(nn.Linear(2, 2), "mixed_bfloat16", keep_float32=None)
+
+
+def test_a_user_dict_output_is_cast_like_a_dict():
+    """transformers' BatchEncoding is a UserDict, not a dict."""
+    from collections import UserDict
+
+    class Encoded(UserDict):
+        pass
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return Encoded(logits=self.lin(x), ids=torch.arange(2))
+
+    out = mp.auto_mixed_precision(Model(), "mixed_bfloat16", "O2")(torch.randn(2, 3))
+    assert isinstance(out, Encoded) and out["logits"].dtype == torch.float32
+    assert out["ids"].dtype == torch.int64

@@ -15,6 +15,7 @@ import contextlib
 import copy
 import dataclasses
 import inspect
+from collections import UserDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -90,9 +91,9 @@ def _cast(value: T, dtype: torch.dtype, link: bool) -> T:
                 if k not in changes:
                     rebuilt[k] = _cast(v, dtype, link)
         return rebuilt  # type: ignore[no-any-return]
-    if isinstance(value, dict):
-        if type(value) is dict:
-            return {k: _cast(v, dtype, link) for k, v in value.items()}  # type: ignore[return-value]
+    if type(value) is dict:
+        return {k: _cast(v, dtype, link) for k, v in value.items()}  # type: ignore[attr-defined, return-value]
+    if isinstance(value, (dict, UserDict)):  # a UserDict: transformers' BatchEncoding
         out = copy.copy(value)  # keeps the subclass and its attributes
         for k, v in value.items():
             out[k] = _cast(v, dtype, link)

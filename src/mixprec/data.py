@@ -197,13 +197,18 @@ def check_finite(t: torch.Tensor, arg: str, name: str = "data") -> None:
 
 
 def validate_classification(
-    x: torch.Tensor, y: torch.Tensor, num_classes: int | None = None, name: str = "data"
+    x: torch.Tensor,
+    y: torch.Tensor,
+    num_classes: int | None = None,
+    name: str = "data",
+    ignore_index: int | None = None,
 ) -> None:
     """Raise ``ValueError`` for data that would fail or silently mis-train a classifier.
 
     Checks: same number of samples in x and y, at least one sample, finite floating
     features, integer labels, labels in ``0..num_classes-1`` (only ``>= 0`` when
-    ``num_classes`` is None).
+    ``num_classes`` is None) or equal to ``ignore_index`` (the loss's: -100 for
+    ``F.cross_entropy``), which the loss leaves out.
     """
     for arg, t in (("x", x), ("y", y)):
         if not isinstance(t, torch.Tensor):
@@ -224,6 +229,9 @@ def validate_classification(
     valid = f"0..{num_classes - 1}" if num_classes is not None else ">= 0"
     flat = y.reshape(-1)
     out = flat < 0 if num_classes is None else (flat < 0) | (flat >= num_classes)
+    if ignore_index is not None:
+        out &= flat != ignore_index
+        valid += f", or {ignore_index} (ignored by the loss)"
     if bool(out.any()):
         i = int(out.nonzero()[0, 0])
         raise ValueError(

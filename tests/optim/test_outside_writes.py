@@ -224,3 +224,22 @@ def test_a_group_added_later_gets_the_eps_warning_too():
         opt = mp.LossScaleOptimizer(torch.optim.AdamW(model[0].parameters()))
     with pytest.warns(UserWarning, match=r"param_groups\[1\].*eps=1e-08"):
         opt.add_param_group({"params": list(model[1].parameters())})
+
+
+def test_a_state_one_inner_optimizer_refuses_loads_into_none():
+    model = mp.auto_mixed_precision(nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4)),
+                                    "mixed_bfloat16", "O2")  # fmt: skip
+    emb, dense = mp.split_embedding_parameters(model)
+
+    def build(lr):
+        return mp.LossScaleOptimizer([torch.optim.SGD(emb, lr=lr), torch.optim.SGD(dense, lr=lr)])
+
+    state = build(0.5).state_dict()
+    state["optimizers"][1]["param_groups"].append(
+        dict(state["optimizers"][1]["param_groups"][0], params=[99])
+    )
+    target = build(0.1)
+    with pytest.raises(ValueError, match=r"inner optimizer 1 \(SGD\) has param groups of sizes "
+                       r"\[2\]; the state's are \[2, 1\]"):  # fmt: skip
+        target.load_state_dict(state)
+    assert [g["lr"] for g in target.param_groups] == [0.1, 0.1]

@@ -146,3 +146,19 @@ def test_an_empty_last_batch_does_not_keep_the_group_from_being_applied():
     with pytest.warns(UserWarning, match=r"batch 3 is empty"):
         t.fit(batches, epochs=1, verbose=0)
     assert t.global_step == 1
+
+
+def test_cross_entropy_labels_may_be_its_ignore_index():
+    """F.cross_entropy leaves labels of -100 out (padding); other labels out of range are
+    still refused, with -100 named among the valid ones."""
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    y[5] = -100
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    t = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 0.1))
+    history = t.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert torch.isfinite(torch.tensor(history.history["loss"])).all()
+    y[6] = 7
+    with pytest.raises(ValueError, match=r"label 7 at index 6 is out of range; valid labels are "
+                       r"0\.\.2, or -100 \(ignored by the loss\)"):  # fmt: skip
+        t.fit(x, y, batch_size=8, epochs=1, verbose=0)

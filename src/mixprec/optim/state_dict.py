@@ -110,6 +110,17 @@ def check_state_dict(
             )
     _same_count("master weights", saved, masters)
     _same_count("inner optimizers", inner_states, optimizers)
+    # What torch's own load_state_dict refuses, checked for every inner optimizer before
+    # any is loaded: a later one's refusal would leave the earlier ones loaded.
+    for k, (inner, state) in enumerate(zip(optimizers, inner_states, strict=True)):
+        groups = state.get("param_groups")
+        ours = [len(g["params"]) for g in inner.param_groups]
+        theirs = [len(g.get("params", ())) for g in groups] if isinstance(groups, list) else None
+        if theirs != ours:
+            raise ArgumentError(
+                f"load_state_dict: inner optimizer {k} ({type(inner).__name__}) has param "
+                f"groups of sizes {ours}; the state's are {theirs}"
+            )
     micro = state_dict.get("micro_steps", 0)
     if isinstance(micro, bool) or not isinstance(micro, int) or micro < 0:
         raise ArgumentError(

@@ -181,7 +181,8 @@ def validate(x: Any, y: Any, loss_fn: LossFn, count_classes: Callable[[torch.Ten
     if cross_entropy and len(xt) > 0:
         classes = count_classes(xt[:2])
     if cross_entropy or not yt.is_floating_point():
-        validate_classification(xt, yt, classes)
+        # F.cross_entropy leaves out labels of -100 (its ignore_index), as padding.
+        validate_classification(xt, yt, classes, ignore_index=-100 if cross_entropy else None)
         return
     # Float targets (regression, binary cross-entropy): an inf or NaN target trains the
     # model to inf as surely as an inf feature does.
