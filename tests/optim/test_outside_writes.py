@@ -243,3 +243,27 @@ def test_a_state_one_inner_optimizer_refuses_loads_into_none():
                        r"\[2\]; the state's are \[2, 1\]"):  # fmt: skip
         target.load_state_dict(state)
     assert [g["lr"] for g in target.param_groups] == [0.1, 0.1]
+
+
+def test_clipping_the_16bit_gradients_after_unscale_is_said():
+    """The torch.amp habit, unscale_() then clip_grad_norm_(model.parameters()), clips
+    gradients step() does not apply (the masters' are): said at the user's line. Clipping
+    master_params() is what works, and is not said."""
+    model = _o2()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(2, 4)
+    opt.zero_grad()
+    opt.backward(model(x).float().sum())
+    opt.unscale_()
+    nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    with pytest.warns(UserWarning, match=r"changed after unscale_\(\) .* clip opt.master_params"
+                      ) as seen:  # fmt: skip
+        opt.step()
+    assert [w.filename for w in seen] == [__file__]
+    opt.zero_grad()
+    opt.backward(model(x).float().sum())
+    opt.unscale_()
+    nn.utils.clip_grad_norm_(list(opt.master_params()), 0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()

@@ -23,7 +23,7 @@ import torch
 
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError, MisuseError
-from mixprec._warn import caller_stacklevel
+from mixprec._warn import caller_stacklevel, warn_at_caller
 from mixprec.casting import POLICY_ATTR
 from mixprec.optim.fused import needs_scaling
 from mixprec.optim.masters import MasterWeights, needs_master
@@ -148,4 +148,23 @@ def refuse_accelerate_wrapper(caller: FrameType | None) -> None:
             "gradients. Prepare only the model and the data, step the LossScaleOptimizer "
             "yourself (max_grad_norm= clips), and save it with "
             "accelerator.register_for_checkpointing(optimizer)"
+        )
+
+
+def grad_versions(params: list[torch.Tensor]) -> list[int]:
+    """The version counters of the parameters' gradients (-1 for none)."""
+    return [-1 if p.grad is None else p.grad._version for p in params]
+
+
+def say_if_half_grads_changed(then: list[int], half: list[torch.Tensor]) -> None:
+    """After ``unscale_()`` the gradients ``step()`` applies are the masters'
+    (``master_params()``); a change to the 16-bit weights' own gradients since (the
+    ``torch.amp`` habit ``clip_grad_norm_(model.parameters(), ...)``) changes nothing, and
+    is said at the caller's line."""
+    if then != grad_versions(half):
+        warn_at_caller(
+            "the 16-bit weights' gradients changed after unscale_() (clip_grad_norm_("
+            "model.parameters()) as with torch.amp?), but step() applies their float32 "
+            "masters' gradients, which did not change: clip opt.master_params() instead, "
+            "or pass LossScaleOptimizer(..., max_grad_norm=...)"
         )

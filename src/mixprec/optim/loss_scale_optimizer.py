@@ -22,7 +22,13 @@ from mixprec._dist import agree_found_inf, is_distributed, is_dtensor
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec._save_guard import guard_saves
 from mixprec.optim.arguments import checked_arguments, make_tracer
-from mixprec.optim.checks import SetupCheck, no_gradients, watch_health
+from mixprec.optim.checks import (
+    SetupCheck,
+    grad_versions,
+    no_gradients,
+    say_if_half_grads_changed,
+    watch_health,
+)
 from mixprec.optim.deferred import Deferred, device_tail, on_device
 from mixprec.optim.direct import FusedStep
 from mixprec.optim.fused import _fuse, _unfuse_sparse, needs_scaling
@@ -60,6 +66,9 @@ class _Bookkeeping:
     micro: int = 0  # backward passes since the last update
     fresh: bool = False  # a backward happened since the last step()
     found_inf: torch.Tensor | None = None  # set by unscale_()
+    # The 16-bit gradients' versions at an explicit unscale_(): changed by step(), they
+    # were clipped (or edited) where step() does not read them.
+    unscaled_versions: list[int] | None = None
     # register_step_post_hook's hooks, run after the copy-back of an applied step.
     # An OrderedDict: RemovableHandle holds a weak reference, which a dict does not take.
     post_hooks: OrderedDict[int, Callable[..., Any]] = field(default_factory=OrderedDict)
@@ -245,6 +254,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
                 f"{self.accumulation_steps} accumulation micro-batches; call it after the last"
             )
         self._unscale()
+        self._book.unscaled_versions = grad_versions(self._weights.half)
 
     def _unscale(self) -> None:
         self._weights.follow_external_writes()
@@ -269,6 +279,9 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         self._book.fresh = False
         if self._book.micro < self.accumulation_steps:
             return StepResult(False, False, self._loss_scaler.get_scale(), accumulating=True)
+        if self._book.unscaled_versions is not None:
+            say_if_half_grads_changed(self._book.unscaled_versions, self._weights.half)
+            self._book.unscaled_versions = None
         try:
             result = host_step(self) if self._book.found_inf is None else None
             if result is None:
