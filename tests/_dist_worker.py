@@ -197,12 +197,29 @@ def recommender(out: Path, rank: int) -> None:
                out / f"recsys-{rank}.pt")  # fmt: skip
 
 
+def subgroup_allreduce(out: Path, rank: int) -> None:
+    """DDP over a data-parallel subgroup of one rank each: with the float32 all-reduce the
+    gradients stay each rank's own, as without it."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0]), dist.new_group([1])]
+    grads = {}
+    for fp32 in (False, True):
+        torch.manual_seed(0)
+        model = mp.auto_mixed_precision(nn.Linear(4, 1), "mixed_bfloat16", "O2")
+        ddp = mpd.distributed_data_parallel(model, fp32_allreduce=fp32, process_group=groups[rank])
+        ddp(torch.full((2, 4), float(rank + 1))).float().sum().backward()
+        grads[fp32] = model.weight.grad.float().clone()
+    torch.save(grads, out / f"subgroup-{rank}.pt")
+
+
 def main(out: str) -> None:
     assert mpd.init_from_env(timeout_s=120)
     rank = mpd.rank()
     path = Path(out)
     try:
         overflow_agreement(path, rank)
+        subgroup_allreduce(path, rank)
         ddp_losses(path, rank, fp32_allreduce=False)
         ddp_losses(path, rank, fp32_allreduce=True)
         ddp_losses(path, rank, fp32_allreduce=False, level="O1")

@@ -167,6 +167,23 @@ def test_errors_without_a_hang():
         mpd.distributed_data_parallel(make_mlp())
 
 
+def test_the_float32_allreduce_stays_in_ddps_process_group(runs):
+    for rank, grads in enumerate(runs("subgroup")):
+        own = torch.full((1, 4), 2.0 * (rank + 1))  # its own batch's gradient, not the mean
+        assert torch.equal(grads[False], own) and torch.equal(grads[True], own)
+
+
+@pytest.mark.parametrize(("items", "ranks"), [(3, 8), (5, 2), (1, 4)])
+def test_shard_gives_every_rank_as_many_as_distributed_sampler(monkeypatch, items, ranks):
+    from torch.utils.data import DistributedSampler
+
+    monkeypatch.setattr(mpd, "world_size", lambda: ranks)
+    for r in range(ranks):
+        monkeypatch.setattr(mpd, "rank", lambda r=r: r)
+        sampler = DistributedSampler(range(items), num_replicas=ranks, rank=r, shuffle=False)
+        assert mpd.shard(torch.arange(items)).tolist() == list(sampler)
+
+
 def test_batch_must_divide_and_backend_must_exist(monkeypatch):
     monkeypatch.setattr(mpd, "world_size", lambda: 3)
     with pytest.raises(ValueError, match=r"batch_size=64 does not divide across world_size=3"):

@@ -158,7 +158,9 @@ def shard(indices: torch.Tensor, pad: bool = True) -> torch.Tensor:
         return indices
     if pad and len(indices) % size:
         extra = size - len(indices) % size
-        indices = torch.cat([indices, indices[:extra]])
+        # Repeated as often as needed: with fewer items than ranks, one copy is too short.
+        repeats = -(-extra // len(indices)) if len(indices) else 0
+        indices = torch.cat([indices, indices.repeat(repeats)[:extra]])
     return indices[rank() :: size]
 
 
@@ -168,11 +170,14 @@ def _fp32_allreduce_hook(state, bucket):  # type: ignore[no-untyped-def]
     and hand them back in their own dtype."""
     buffer = bucket.buffer()
     wide = buffer.float()
-    future = dist.all_reduce(wide, async_op=True).get_future()  # type: ignore[union-attr]
+    # ``state``: DDP's process group (registered below), which may be a data-parallel
+    # subgroup: its ranks alone sum, and its size averages.
+    future = dist.all_reduce(wide, group=state, async_op=True).get_future()  # type: ignore[union-attr]
+    ranks = dist.get_world_size(group=state)
 
     def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
         summed: torch.Tensor = fut.value()[0]
-        return summed.div_(world_size()).to(buffer.dtype)
+        return summed.div_(ranks).to(buffer.dtype)
 
     result: torch.futures.Future[torch.Tensor] = future.then(done)
     return result
@@ -200,7 +205,7 @@ def distributed_data_parallel(
     if isinstance(optimizer, LossScaleOptimizer):
         optimizer.broadcast_masters()
     if fp32_allreduce:
-        ddp.register_comm_hook(None, _fp32_allreduce_hook)
+        ddp.register_comm_hook(ddp.process_group, _fp32_allreduce_hook)
     return ddp
 
 

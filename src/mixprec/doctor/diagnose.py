@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
@@ -53,6 +54,9 @@ if TYPE_CHECKING:
 __all__ = ["diagnose"]
 
 
+# Backward passes are its measurements: under the caller's torch.no_grad() they would be
+# skipped, and the gradient figures read as zeros.
+@torch.enable_grad()
 def diagnose(
     model: nn.Module,
     inputs: Any,
@@ -97,6 +101,13 @@ def diagnose(
     bfloat16; ``float8``, ``keep_bfloat16`` and ``keep_float32`` are passed to it (and are
     float8-only: other policies diagnose the model without keeps, to find them);
     ``optimizer``, ``check_steps`` and ``headroom`` are 16-bit only."""
+    if torch.is_inference_mode_enabled():
+        raise ArgumentError(
+            "diagnose runs backward passes, which torch.inference_mode() forbids: call it "
+            "outside that block"
+        )
+    # The doctor's own copies: the caller's tensors get no gradient and no hook from it.
+    inputs, targets = tree_map_only(torch.Tensor, torch.Tensor.detach, (inputs, targets))
     if get_policy(policy).float8_recipe is not None:
         if loss_scale is not None:
             raise ArgumentError(
