@@ -50,7 +50,7 @@ def test_tampered_and_truncated_files(tmp_path):
     header_len = struct.unpack("<Q", path.read_bytes()[:8])[0]
     header = json.loads(path.read_bytes()[8 : 8 + header_len])
     meta = json.loads(header["__metadata__"]["mixprec"])
-    assert meta["format"] == "mixprec-checkpoint" and meta["format_version"] == 2
+    assert meta["format"] == "mixprec-checkpoint" and meta["format_version"] == 3
     with pytest.raises(mp.CheckpointError, match="no such checkpoint file"):
         mp.load_checkpoint(tmp_path / "absent.safetensors", make_mlp())
     with pytest.raises(mp.CheckpointError, match="holds no optimizer state"):

@@ -34,7 +34,7 @@ def _deep(levels):
         ("optimizer", {"__tensor__": "nope"}, r"'optimizer' is \{'__tensor__': 'nope'\}; valid"),
         ("optimizer", {"__dict__": [[[1], 2]]},
          r"'optimizer' is \[\[1\], 2\]; valid: a \[key, value\] pair with a scalar key"),
-        ("format_version", "1", r"'format_version' is '1'; valid: an int from 1 to 2"),
+        ("format_version", "1", r"'format_version' is '1'; valid: an int from 1 to 3"),
         ("float8", {"recipe": 5, "converted": []}, r"'float8/recipe' is 5; valid: a string"),
         ("level", ["O2"], r"'level' is \['O2'\]; valid: a string or null"),
         ("checksum", 7, r"'checksum' is 7; valid: a SHA-256 digest"),

@@ -7,7 +7,7 @@ from typing import get_args
 
 import torch
 
-from mixprec._dtypes import HALF_DTYPES, dtype_name
+from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
 from mixprec.checkpoint.format import CheckpointError, LoadReport, OnRange
 
@@ -111,7 +111,7 @@ def _convert(
                 f"{report.path}: tensor {name!r} holds {low}..{high}, beyond "
                 f"{dtype_name(target)}'s {info.min}..{info.max}"
             )
-    if target in HALF_DTYPES and value.numel():
+    if _narrows(value.dtype, target) and value.numel():
         limit = float(torch.finfo(target).max)
         if finite:  # known finite: one read, no copy of the finite values
             least, most = torch.aminmax(value)
@@ -133,3 +133,13 @@ def _convert(
                 wide = value.float() if value.dtype == torch.bfloat16 else value
                 value = wide.clamp(-limit, limit)
     return value.to(target)
+
+
+def _narrows(source: torch.dtype, target: torch.dtype) -> bool:
+    """A floating conversion to a smaller range (float64 to float32 as well as 16 bits),
+    where finite values can become inf."""
+    return (
+        source.is_floating_point
+        and target.is_floating_point
+        and torch.finfo(target).max < torch.finfo(source).max
+    )

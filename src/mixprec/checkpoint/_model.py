@@ -5,10 +5,12 @@ classes of the optimizers whose state is stored beside them."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
+from mixprec.checkpoint.format import CheckpointError
 from mixprec.optim import LossScaleOptimizer
 
 __all__ = ["master_tensors", "optimizer_classes"]
@@ -37,11 +39,16 @@ def _model_tensors(
     masters = master_tensors(model, optimizer)
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
-    seen: dict[tuple[int, int, tuple[int, ...], torch.dtype], str] = {}
+    seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
     for key, value in model.state_dict().items():
         value = _unwrapped(masters.get(key, value))
         storage = value.untyped_storage().data_ptr()
-        ident = (storage, int(value.storage_offset()), tuple(value.shape), value.dtype)
+        # The strides too: a transposed view of a weight has its storage, offset and (when
+        # square) shape, and is another tensor.
+        ident = (
+            storage, int(value.storage_offset()), tuple(value.shape), tuple(value.stride()),
+            value.dtype,
+        )  # fmt: skip
         if value.numel() and ident in seen:
             aliases[key] = seen[ident]
             continue
@@ -82,3 +89,47 @@ def optimizer_classes(optimizer: torch.optim.Optimizer) -> list[str]:
     if isinstance(optimizer, LossScaleOptimizer):
         return [type(inner).__name__ for inner in optimizer.optimizers]
     return [type(optimizer).__name__]
+
+
+def optimizer_param_names(optimizer: torch.optim.Optimizer, model: nn.Module) -> list[Any]:
+    """Per inner optimizer (one for a plain optimizer), per param group, each parameter's
+    name in ``model`` (a master's, its 16-bit weight's; "" for one the model does not
+    hold): torch maps a state to parameters by position, which these names check."""
+    names = _parameter_names(model)
+    weight_of: dict[int, torch.Tensor] = {}
+    inners = [optimizer]
+    if isinstance(optimizer, LossScaleOptimizer):
+        weight_of = {id(master): weight for weight, master in optimizer.master_weights()}
+        inners = list(optimizer.optimizers)
+    return [
+        [
+            [(names.get(id(weight_of.get(id(p), p))) or [""])[0] for p in group["params"]]
+            for group in inner.param_groups
+        ]
+        for inner in inners
+    ]
+
+
+def check_param_names(path: str, saved: Any, mine: list[Any], skipped: set[str]) -> None:
+    """Refuse an optimizer state whose parameters are not this optimizer's by name (a model
+    whose parameters were registered in another order has the same shapes and keys), or
+    one that holds state for a weight the load skipped (``strict=False``, another shape)."""
+    held = {name for inner in mine for group in inner for name in group}
+    if held & skipped:
+        raise CheckpointError(
+            f"{path}: the optimizer state holds state for {', '.join(sorted(held & skipped))}, "
+            "whose saved weights have other shapes and were not loaded: load the model alone "
+            "(optimizer=None) and start the optimizer afresh"
+        )
+    if not isinstance(saved, list) or len(saved) != len(mine):
+        return  # a checkpoint from before the names were saved: torch's checks alone
+    for i, (theirs, ours) in enumerate(zip(saved, mine, strict=True)):
+        for g, (a, b) in enumerate(zip(theirs, ours, strict=False)):
+            for j, (x, y) in enumerate(zip(a, b, strict=False)):
+                if x and y and x != y:
+                    raise CheckpointError(
+                        f"{path}: optimizer {i} param_groups[{g}] position {j} holds the "
+                        f"state of {x!r} in the checkpoint and is {y!r} here: the model's "
+                        "parameters are in another order. Build the optimizer over the "
+                        "parameters in the saved order, or load the model alone"
+                    )

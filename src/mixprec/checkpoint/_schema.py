@@ -186,6 +186,21 @@ def _check_classes(value: Any, key: str) -> None:
         )
 
 
+def _check_param_names(value: Any, key: str) -> None:
+    groups_of = value if isinstance(value, list) else None
+    if value is None:
+        return
+    if not (
+        groups_of
+        and all(isinstance(groups, list) for groups in groups_of)
+        and all(isinstance(g, list) for groups in groups_of for g in groups)
+        and all(isinstance(n, str) for groups in groups_of for g in groups for n in g)
+    ):
+        raise _BadValueError(
+            key, value, "null, or per optimizer a list of param groups, each a list of names"
+        )
+
+
 def _check_together(header: dict[str, Any], entries: Mapping[str, _Entry]) -> None:
     """Values that must agree with one another: the masters name stored model tensors; the
     optimizer's kind and classes are there exactly when its state is, one class per
@@ -202,6 +217,14 @@ def _check_together(header: dict[str, Any], entries: Mapping[str, _Entry]) -> No
         raise _BadValueError(
             "optimizer_kind", kind, "null exactly when 'optimizer' is (no optimizer state)"
         )
+    params = header.get("optimizer_params")
+    if "optimizer_params" in header and (state is None) != (params is None):
+        raise _BadValueError(
+            "optimizer_params", params, "null exactly when 'optimizer' is (no optimizer state)"
+        )
+    for i, name in enumerate(header.get("buffers", [])):
+        if f"model/{name}" not in entries and name not in aliases:
+            raise _BadValueError(f"buffers/{i}", name, "the name of a stored model tensor")
     classes = header.get("optimizer_classes")
     if "optimizer_classes" in header and (state is None) != (classes is None):
         raise _BadValueError(
@@ -248,6 +271,8 @@ def _check_header(header: dict[str, Any], entries: Mapping[str, _Entry]) -> None
         "optimizer": lambda v, k: _check_skeleton(v, k, entries),
         "optimizer_kind": _check_kind,
         "optimizer_classes": _check_classes,
+        "optimizer_params": _check_param_names,
+        "buffers": _check_names,
         "trainer_state": lambda v, k: _check_trainer_state(v, k, entries),
         "rng": lambda v, k: _check_rng(v, k, entries),
         "checksum": _check_checksum,

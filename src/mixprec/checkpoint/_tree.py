@@ -18,6 +18,11 @@ from mixprec._errors import ArgumentError
 def _flatten(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
     """Move every tensor of ``obj`` into ``tensors`` and return a JSON-able skeleton."""
     if isinstance(obj, torch.Tensor):
+        if prefix in tensors:  # {"a": {"b": x}, "a/b": y}, or the keys 1 and "1"
+            raise ArgumentError(
+                f"cannot store two tensors under one name {prefix!r} in a checkpoint: rename "
+                "a key (a key holding '/' or an int and a str that print alike)"
+            )
         tensors[prefix] = obj.detach().cpu().contiguous()
         return {"__tensor__": prefix}
     if isinstance(obj, dict):

@@ -97,8 +97,9 @@ def convert_checkpoint(
     tensors, header = read_checkpoint(source)
     weights = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
     report = _write_weights(
-        weights, dtype, on_range, header.get("aliases", {}), str(source), destination
-    )
+        weights, dtype, on_range, header.get("aliases", {}), str(source), destination,
+        set(header.get("buffers", [])),
+    )  # fmt: skip
     report.dropped = _dropped(header, parse_dtype(dtype, argument="dtype"))
     return report
 

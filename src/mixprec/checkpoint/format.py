@@ -24,8 +24,9 @@ import torch
 from mixprec._errors import shown
 
 FORMAT = "mixprec-checkpoint"
-#: 2: the checksum covers the header and the tensors; 1: the tensors only (still read).
-FORMAT_VERSION = 2
+#: 3: the header names the optimizer's parameters and the model's buffers; 2: the checksum
+#: covers the header and the tensors; 1: the tensors only. All are read.
+FORMAT_VERSION = 3
 OnRange = Literal["error", "clamp", "ignore"]
 
 #: safetensors' own limit on its JSON header; a longer one is refused before it is read.

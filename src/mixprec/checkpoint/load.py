@@ -25,7 +25,13 @@ from mixprec.checkpoint._conversion import (
     _count_non_finite,
     _raise_non_finite,
 )
-from mixprec.checkpoint._model import _buffer_names, _parameter_names, optimizer_classes
+from mixprec.checkpoint._model import (
+    _buffer_names,
+    _parameter_names,
+    check_param_names,
+    optimizer_classes,
+    optimizer_param_names,
+)
 from mixprec.checkpoint._rng import _check_rng_state, _set_rng_state
 from mixprec.checkpoint._tree import _tensor_names, _unflatten
 from mixprec.checkpoint.format import CheckpointError, LoadReport, OnRange, _cut, _is_count
@@ -82,6 +88,8 @@ def load_checkpoint(
             f"{path}: does not match the model (strict=False loads what matches)\n{details}"
         )
 
+    if strict:
+        _check_tied(path, current, saved)
     # Check and prepare everything; nothing changes before the commit below.
     skip = {k for k, _, _ in report.mismatched}
     buffers = _buffer_names(model, current)
@@ -98,7 +106,14 @@ def load_checkpoint(
             _count_non_finite(name, tensors[name], report)
     _raise_non_finite(report, on_range)
     if optimizer is not None:
-        optim_state = _optimizer_state(path, optimizer, model, saved, tensors, header)
+        mine = optimizer_param_names(optimizer, model)
+        check_param_names(str(path), header.get("optimizer_params"), mine, skip)
+        # Masters are built from the saved values, clamped as their weights were: else the
+        # optimizer's copy-back would put back the values the clamp took out.
+        clamped = {n: dtype for n, _, dtype, how in report.out_of_range if how == "clamp"}
+        masters_from = {n: _clamped(saved[n], clamped[n]) if n in clamped else saved[n]
+                        for n in saved}  # fmt: skip
+        optim_state = _optimizer_state(path, optimizer, model, masters_from, tensors, header)
     rng_state = None
     if restore_rng and header.get("rng") is not None:
         rng_state = _unflatten(header["rng"], tensors)
@@ -121,6 +136,36 @@ def load_checkpoint(
         _set_rng_state(rng_state)
     report.trainer_state = trainer_state
     return report
+
+
+def _check_tied(
+    path: str | os.PathLike[str], current: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]
+) -> None:
+    """Keys of one tensor of the model (tied weights) must hold one value in the file: a
+    checkpoint of an untied model would otherwise load both into the one tensor, the last
+    key's value winning and the other's lost without a word."""
+    keys: dict[tuple[Any, ...], list[str]] = defaultdict(list)
+    for key, value in current.items():
+        if value.numel() and key in saved:
+            storage = value.untyped_storage().data_ptr()
+            keys[(storage, value.storage_offset(), value.stride(), tuple(value.shape))].append(key)
+    for names in keys.values():
+        first = saved[names[0]]
+        differing = [n for n in names[1:] if not torch.equal(saved[n].to(first.dtype), first)]
+        if differing:
+            raise CheckpointError(
+                f"{path}: {', '.join([names[0], *differing])} are one tensor in this model "
+                "(tied) and hold different values in the checkpoint (saved untied): one would "
+                "be lost. Tie or untie the model as it was saved, or pass strict=False (the "
+                "last key's value wins)"
+            )
+
+
+def _clamped(value: torch.Tensor, dtype: str) -> torch.Tensor:
+    """``value`` saturated to ``dtype``'s range (a dtype's name), in float32 or wider."""
+    limit = float(torch.finfo(getattr(torch, dtype)).max)
+    wide = value if value.dtype in (torch.float32, torch.float64) else value.float()
+    return wide.clamp(-limit, limit)
 
 
 def _keep_float32_values(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:

@@ -14,7 +14,12 @@ from torch import nn
 from mixprec._errors import ArgumentError
 from mixprec._version import __version__
 from mixprec.checkpoint._files import _atomic_write
-from mixprec.checkpoint._model import _model_tensors, optimizer_classes
+from mixprec.checkpoint._model import (
+    _buffer_names,
+    _model_tensors,
+    optimizer_classes,
+    optimizer_param_names,
+)
 from mixprec.checkpoint._rng import _rng_state
 from mixprec.checkpoint._schema import _check_trainer_state
 from mixprec.checkpoint._tree import _flatten
@@ -66,11 +71,18 @@ def save_checkpoint(
         "float8": float8_summary(model),
         "aliases": aliases,
         "masters": master_names,
+        # Buffers, whose values are not weights (a mask of -inf): convert_checkpoint keeps them.
+        "buffers": sorted(_buffer_names(model, model.state_dict())),
         "optimizer": optim_state,
         "optimizer_kind": type(optimizer).__name__ if optimizer is not None else None,
         # The class of each optimizer whose state this is, checked when it loads. Left out
         # with no optimizer, so that a weights-only checkpoint has the keys it always had.
         **({"optimizer_classes": optimizer_classes(optimizer)} if optimizer is not None else {}),
+        **(
+            {"optimizer_params": optimizer_param_names(optimizer, model)}
+            if optimizer is not None
+            else {}
+        ),
         "trainer_state": _flatten(trainer_state or {}, "trainer", tensors),
         "rng": _flatten(_rng_state(), "rng", tensors),
     }
