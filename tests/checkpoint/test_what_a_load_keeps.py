@@ -140,3 +140,16 @@ def test_a_conversion_keeps_a_mask_buffer_of_minus_inf(tmp_path):
     mp.convert_checkpoint(path, tmp_path / "half.safetensors", torch.float16)
     out = load_file(tmp_path / "half.safetensors")
     assert out["mask"].dtype == torch.float16 and torch.isinf(out["mask"]).sum() == 3
+
+
+def test_a_replaced_checkpoint_keeps_its_files_mode(tmp_path):
+    """A private checkpoint (0600) stays private when saved over or converted in place."""
+    import os
+    import stat
+
+    path = mp.save_checkpoint(tmp_path / "c.safetensors", nn.Linear(2, 2))
+    os.chmod(path, 0o600)
+    mp.save_checkpoint(path, nn.Linear(2, 2))
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    mp.convert_checkpoint(path, path, torch.float16, in_place=True)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600

@@ -218,3 +218,24 @@ def test_train_refuses_a_bad_spec_before_any_run(argv, message, monkeypatch, cap
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("mixprec train: error: ") and message in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train", "--lr", "0"], "--lr must be a finite number > 0, got 0"),
+        (["train", "--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+        (["train", "--lr", "-1"], "--lr must be a finite number > 0, got -1"),
+        (["train", "--seed", str(2**70)], "--seed must be an int in [0, 2**63)"),
+        (["bench", "mlp-b64", "--max-batch", "nan"], "--max-batch must be a memory budget"),
+        (["bench", "mlp-b64", "--max-batch", "64", "--batch-limit", "0"],
+         "--batch-limit must be >= 1, got 0"),
+        (["bench", "mlp-b64", "--min-round-ms", "nan"], "--min-round-ms a finite number >= 0"),
+    ],
+)  # fmt: skip
+def test_nonsense_numbers_are_one_line_exit_2(argv, message, monkeypatch, capsys):
+    """They were accepted: --lr 0 trained nothing and --lr inf NaNs, both with exit 0."""
+    monkeypatch.setattr(train, "_in_subprocess", lambda config: pytest.fail("a worker started"))
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"mixprec {argv[0]}: error: ") and message in err, err

@@ -41,8 +41,13 @@ def _atomic_write(tensors: dict[str, torch.Tensor], metadata: dict[str, str], pa
                 errno.ENOSPC,
                 f"no space left on device while writing checkpoint {str(path)!r}; {left}",
             ) from err
-        # mkstemp makes the file 0600; a checkpoint gets the mode any new file would.
-        os.chmod(tmp, 0o666 & ~_umask())
+        # mkstemp makes the file 0600: a replaced file keeps its own mode (a private
+        # checkpoint stays private), a new one gets the mode any new file would.
+        try:
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+        except FileNotFoundError:
+            mode = 0o666 & ~_umask()
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -116,6 +116,8 @@ def check_model_and_data(args: argparse.Namespace) -> None:
         _name_or_spec("data", args.data, DATA)
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if not 0 <= args.seed < 2**63:
+        raise UsageError(f"--seed must be an int in [0, 2**63), got {args.seed}")
 
 
 def _name_or_spec(kind: str, value: str, names: tuple[str, ...]) -> None:

@@ -9,6 +9,7 @@ its progress; stdout holds only the results.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -163,8 +164,13 @@ def run(args: argparse.Namespace) -> int:
     _check_device(args.device)
     json_path = output_file("--json", args.json) if args.json else None
     plot_path = plot_file("--plot", args.plot) if args.plot else None
-    if args.max_batch is not None and args.max_batch <= 0:
-        raise UsageError(f"--max-batch must be a memory budget in MB > 0, got {args.max_batch:g}")
+    if args.max_batch is not None and not (math.isfinite(args.max_batch) and args.max_batch > 0):
+        raise UsageError(
+            f"--max-batch must be a memory budget in MB, a finite number > 0, got "
+            f"{args.max_batch:g}"
+        )
+    if args.batch_limit < 1:
+        raise UsageError(f"--batch-limit must be >= 1, got {args.batch_limit}")
     given = _listed_modes(args.modes)
     modes = given or list(bench.MODES)
     if args.policy is not None:
@@ -196,9 +202,10 @@ def run(args: argparse.Namespace) -> int:
     for name in ("repeats", "steps"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 0 or args.min_round_ms < 0:
+    if args.warmup < 0 or not (math.isfinite(args.min_round_ms) and args.min_round_ms >= 0):
         raise UsageError(
-            f"--warmup and --min-round-ms must be >= 0, got {args.warmup} and {args.min_round_ms}"
+            f"--warmup must be >= 0 and --min-round-ms a finite number >= 0, got "
+            f"{args.warmup} and {args.min_round_ms:g}"
         )
     if args.max_batch:
         _max_batches(args, workloads, modes, float8)

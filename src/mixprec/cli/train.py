@@ -10,6 +10,7 @@ worker whose main process is gone (even by SIGKILL) stops itself.
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -182,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
         policy_option("compare", args.compare, extra=["none"])
     if args.epochs < 1:
         raise UsageError(f"--epochs must be >= 1, got {args.epochs}")
+    if not (math.isfinite(args.lr) and args.lr > 0):  # 0 trains nothing, inf NaNs every step
+        raise UsageError(f"--lr must be a finite number > 0, got {args.lr:g}")
     # Output paths are checked before training, not found unusable after it.
     if args.save:
         output_dir("--save", args.save)
