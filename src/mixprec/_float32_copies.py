@@ -28,7 +28,10 @@ def take_float32_copy(param: torch.Tensor) -> torch.Tensor | None:
     kept = param.__dict__.pop(FP32_COPY_ATTR, None)
     if not isinstance(kept, Float32Copy) or kept.version != param._version:
         return None
-    values = kept.values.to(param.device)
+    # A copy: the kept values are a detached view of the float32 parameter as it was, which
+    # shares the parameter's version counter; a master sharing it would make every write
+    # to the master look like an external write to the weight.
+    values = kept.values.to(param.device, copy=True)
     # A write through ``param.data`` (Hugging Face's weight init) leaves the version as it
     # was: the copy is current only if it still rounds to the weight. Once, not per step.
     if not torch.equal(values.to(param.dtype), param.detach()):

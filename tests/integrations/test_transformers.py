@@ -609,3 +609,27 @@ def test_private_overrides_match_the_installed_trainer():
     assert "save_pretrained(output_dir, state_dict=state_dict" in inspect.getsource(trainer._save)
     assert "self.accelerator.backward(loss, **kwargs)" in inspect.getsource(trainer.training_step)
     assert "self.scaler.scale(loss).backward(**kwargs)" in inspect.getsource(Accelerator.backward)
+
+
+def test_the_best_model_loaded_at_the_end_keeps_its_float32_masters(tmp_path):
+    """``load_best_model_at_end``: the Trainer loads the best checkpoint's weights (the
+    float32 masters ``_save`` wrote) into the 16-bit model; the masters take them whole,
+    not their rounding, so ``save_model()`` then writes the best checkpoint's values."""
+    from safetensors.torch import load_file
+
+    args = arguments(
+        tmp_path / "run", max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="steps",
+        save_steps=2, load_best_model_at_end=True, metric_for_best_model="loss",
+    )  # fmt: skip
+    data = dataset()
+    trainer = MixprecTrainer(model=build(), args=args, train_dataset=data,
+                             eval_dataset=data[:8], policy="mixed_bfloat16")  # fmt: skip
+    trainer.train()
+    best = load_file(Path(trainer.state.best_model_checkpoint) / "model.safetensors")
+    masters = float32_values(trainer)
+    attn = "transformer.h.0.attn.c_attn.weight"
+    assert best[attn].dtype == torch.float32
+    assert not torch.equal(best[attn].bfloat16().float(), best[attn])  # digits to keep
+    for name, value in masters.items():
+        if name in best:
+            assert torch.equal(value, best[name]), name

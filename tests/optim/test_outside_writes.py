@@ -267,3 +267,53 @@ def test_clipping_the_16bit_gradients_after_unscale_is_said():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt.step()
+
+
+def test_a_new_optimizer_starts_from_the_live_masters_of_the_last_one():
+    """A second fit (Lightning runs configure_optimizers again), a later phase: the new
+    masters are the old ones while those live; once gone, their loss is said."""
+    import gc
+
+    model = _o2()
+    first = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    _train(model, first, steps=3)
+    before = {id(p): m.clone() for p, m in first.master_weights()}
+    assert any(not torch.equal(m.to(torch.bfloat16).float(), m) for m in before.values())
+    second = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    assert all(torch.equal(m, before[id(p)]) for p, m in second.master_weights())
+    del first, second
+    gc.collect()
+    with pytest.warns(UserWarning, match=r"4 16-bit weight\(s\) had float32 masters in an "
+                      r"earlier LossScaleOptimizer that is gone") as seen:  # fmt: skip
+        third = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    assert [w.filename for w in seen] == [__file__]
+    assert all(torch.equal(m, p.float()) for p, m in third.master_weights())
+
+
+def test_a_write_of_the_masters_own_rounding_keeps_their_digits():
+    """A checkpoint's 16-bit weights loaded after its masters (Fabric restores the masters
+    first when "mixprec" comes before "model"): the weights change nothing, the masters
+    keep their float32 digits. Any other write still replaces them."""
+    model = _o2()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    _train(model, opt, steps=3)
+    before = [m.clone() for _, m in opt.master_weights()]
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+    assert all(torch.equal(a, m) for a, (_, m) in zip(before, opt.master_weights(), strict=True))
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    now = dict((id(p), m) for p, m in opt.master_weights())[id(model[0].weight)]
+    assert torch.equal(now, model[0].weight.float())
+
+
+def test_a_master_does_not_share_its_weights_version_counter():
+    """The float32 values kept at preparation are a view of the float32 parameter as it
+    was; a master made from them without a copy shared the weight's version counter, so
+    every write to the master looked like an external write to the weight."""
+    model = _o2()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    weight, master = opt.master_weights()[0]
+    version = weight._version
+    with torch.no_grad():
+        master.add_(0.5)
+    assert weight._version == version

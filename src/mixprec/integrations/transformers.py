@@ -50,7 +50,7 @@ __all__ = ["MixprecTrainer"]
 
 #: Private Trainer methods overridden here. Without them the Trainer would clip and log the
 #: scaled 16-bit gradients, so their absence (another transformers version) is an error.
-_PRIVATE_OVERRIDES = ("_clip_grad_norm", "_get_grad_norm", "_save")
+_PRIVATE_OVERRIDES = ("_clip_grad_norm", "_get_grad_norm", "_load_best_model", "_save")
 _missing = [name for name in _PRIVATE_OVERRIDES if not callable(getattr(Trainer, name, None))]
 if _missing:  # pragma: no cover - depends on the installed transformers
     import transformers as _tf
@@ -279,6 +279,31 @@ class MixprecTrainer(Trainer):
                 config.save_pretrained(output_dir or self.args.output_dir)
             finally:
                 config.dtype = before
+
+    # Private override (transformers 5.23: Trainer._load_best_model(), at the end of train()
+    # with load_best_model_at_end; it loads the best checkpoint's weights into the model).
+    def _load_best_model(self) -> None:
+        super()._load_best_model()
+        # The 16-bit weights now hold the best checkpoint's rounded values, which the masters
+        # follow; the checkpoint holds the float32 masters themselves (_save): those, for
+        # every weight they round to.
+        optimizer, best = self._mixprec_optimizer, self.state.best_model_checkpoint
+        pairs = optimizer.master_weights() if optimizer is not None else []
+        saved = os.path.join(best or "", "model.safetensors")
+        if not pairs or self.model is None or not os.path.exists(saved):
+            return
+        from safetensors import safe_open
+
+        names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
+        with safe_open(saved, framework="pt") as f, torch.no_grad():
+            stored = set(f.keys())
+            for half, master in pairs:
+                name = names.get(id(half))
+                if name not in stored:
+                    continue
+                value = f.get_tensor(name).to(master.device)
+                if value.dtype == torch.float32 and torch.equal(value.to(half.dtype), half):
+                    master.copy_(value)
 
     def _float32_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The model's state dict with each 16-bit weight's float32 master in its place (a

@@ -168,3 +168,15 @@ def say_if_half_grads_changed(then: list[int], half: list[torch.Tensor]) -> None
             "masters' gradients, which did not change: clip opt.master_params() instead, "
             "or pass LossScaleOptimizer(..., max_grad_norm=...)"
         )
+
+
+def say_if_masters_lost(count: int) -> None:
+    """``count`` 16-bit weights had masters in an earlier optimizer that is gone: theirs
+    start from the rounded weights (``MasterWeights.adopt``), which is said."""
+    if count:
+        warn_at_caller(
+            f"{count} 16-bit weight(s) had float32 masters in an earlier LossScaleOptimizer "
+            "that is gone (deleted with its Trainer): their masters start from the rounded "
+            "16-bit values. Build the new optimizer while the old one lives, or resume from "
+            "a checkpoint, to keep them"
+        )

@@ -27,6 +27,7 @@ from mixprec.optim.checks import (
     grad_versions,
     no_gradients,
     say_if_half_grads_changed,
+    say_if_masters_lost,
     watch_health,
 )
 from mixprec.optim.deferred import Deferred, device_tail, on_device
@@ -147,6 +148,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             for i, group in enumerate(inner.param_groups):
                 group["params"] = self._weights.adopt(inner, group["params"], f"param_groups[{i}]")
                 warn_if_eps_vanishes(group, f"{type(inner).__name__} param_groups[{i}]")
+        say_if_masters_lost(self._weights.lost)
         for inner in self.optimizers:
             for group in inner.param_groups:
                 _fuse(inner, group)

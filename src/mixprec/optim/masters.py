@@ -10,9 +10,11 @@ they are. The weights' version counters show writes made outside the optimizer
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mixprec._dist import is_dtensor
 from mixprec._dtypes import dtype_name
@@ -24,6 +26,28 @@ from mixprec.scaling import all_finite
 from mixprec.trace import model_of
 
 __all__ = ["MasterWeights", "needs_master"]
+
+# 16-bit weight -> the float32 master of the latest LossScaleOptimizer over it, weakly: a
+# new optimizer over the same model (a second fit, a later phase of training) starts from
+# it while it lives, rather than from the rounded weight. A master that is gone is said.
+_LATEST_MASTER: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _starting_values(p: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A new master's values, and whether an earlier master of ``p`` is gone: the float32
+    values auto_mixed_precision (or a checkpoint load) kept, while current; else the live
+    master of an earlier optimizer that ``p`` still rounds from (a weight written since,
+    by a load, wins); else ``p`` itself, widened."""
+    original = take_float32_copy(p)
+    if original is not None:
+        return original, False
+    ref = _LATEST_MASTER.get(p)
+    latest = ref() if ref is not None else None
+    if latest is not None and latest.shape == p.shape and latest.device == p.device:
+        with torch.no_grad():
+            if torch.equal(latest.to(p.dtype), p.detach()):
+                return latest.detach().clone(), False
+    return p.detach().float(), ref is not None and latest is None
 
 
 class MasterWeights:
@@ -53,6 +77,7 @@ class MasterWeights:
         # once, as that costs no device synchronisation.
         self.on_host = True
         self.saw_sparse = False  # a sparse gradient was seen (fused groups then step unfused)
+        self.lost = 0  # weights whose earlier master is gone: they start from their rounding
 
     def adopt(
         self, inner: torch.optim.Optimizer, params: list[torch.Tensor], where: str
@@ -74,11 +99,10 @@ class MasterWeights:
             if p.dtype == torch.float16:
                 self.checked.append(_local(p))
             if needs_master(p):
-                # Start from the float32 values auto_mixed_precision kept, when they are
-                # still current (not after a load_state_dict into the 16-bit model).
-                original = take_float32_copy(p)
-                master = original if original is not None else p.detach().float()
+                master, lost = _starting_values(p)
+                self.lost += lost
                 master.requires_grad_(True)
+                _LATEST_MASTER[p] = weakref.ref(master)
                 state = inner.state.pop(p, None)
                 if state:
                     # Moments become float32 like the master; scalar entries (step) stay as is.
@@ -109,14 +133,16 @@ class MasterWeights:
 
     def follow_external_writes(self) -> None:
         """A 16-bit weight written outside this optimizer (``model.load_state_dict``)
-        replaces its master; otherwise the next copy-back would undo the write."""
+        replaces its master; otherwise the next copy-back would undo the write. A write of
+        the master's own rounding (a checkpoint's 16-bit weights loaded after its masters)
+        changes nothing, and the master keeps its float32 digits."""
         versions = self.half_versions()
         if versions != self.versions:
             with torch.no_grad():
                 for p, m, now, then in zip(
                     self.half, self.masters, versions, self.versions, strict=True
                 ):
-                    if now != then:
+                    if now != then and not torch.equal(m.to(p.dtype), p):
                         m.copy_(p)
             self.versions = versions
 
