@@ -139,7 +139,7 @@ def test_rounds_alternate_direction_and_the_speedup_pairs_them(monkeypatch):
         (["bench", "resnet50"], "unknown workload 'resnet50'"),
         (["bench", "mlp-b64", "--modes", "O4-bf16"], "unknown mode 'O4-bf16'"),
         (["bench", "mlp-b64", "--repeats", "0"], "--repeats must be >= 1, got 0"),
-        (["bench", "mlp-b64", "--min-round-ms", "-1"], "must be >= 0, got 2 and -1.0"),
+        (["bench", "mlp-b64", "--min-round-ms", "-1"], "finite number >= 0, got 2 and -1"),
     ],
 )
 def test_bench_errors(args, message, capsys):

@@ -44,7 +44,7 @@ def checkpoint_and_file(tmp_path):
         (["bench", "nosuchmod:fn"], "cannot import module 'nosuchmod'"),
         (["bench", "os:nosuch"], "module 'os' has no function 'nosuch'"),
         (["bench", "--device", "gpu"], "--device 'gpu' is not a device; valid: auto, cpu, cuda"),
-        (["bench", "--max-batch", "-1"], "--max-batch must be a memory budget in MB > 0, got -1"),
+        (["bench", "--max-batch", "-1"], "a finite number > 0, got -1"),
         (["bench", "--modes", "mixed_float8"], "policy 'mixed_float8' is mode 'O2-fp8'"),
         (["bench", "--float8-min-features", "0"], "an int >= 1 or 'torchao', got '0'"),
         (["bench", "--float8-min-features", "big"], "an int >= 1 or 'torchao', got 'big'"),

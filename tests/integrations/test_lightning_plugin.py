@@ -475,3 +475,84 @@ def test_plugin_pickles_before_and_after_a_run() -> None:
     _trainer(plugin, limit_train_batches=2).fit(Net(), _data())
     after = pickle.loads(pickle.dumps(plugin))
     assert after.optimizers == [] and after.loss_scaler.state == plugin.loss_scaler.state
+
+
+class _SkipsOne(Net):
+    """``training_step`` returns None at one batch (Lightning's way to skip it); records
+    whether the first layer changed after each batch."""
+
+    def __init__(self, skip_at: int) -> None:
+        super().__init__()
+        self.skip_at = skip_at
+        self.changed: list[bool] = []
+        self._last: torch.Tensor | None = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        return None if batch_idx == self.skip_at else super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        now = self.net[0].weight.detach().float().clone()
+        if self._last is not None:
+            self.changed.append(not torch.equal(now, self._last))
+        self._last = now
+
+
+@pytest.mark.parametrize(("accumulate", "skip_at"), [(1, 2), (2, 3)])
+def test_a_skipped_batch_with_clipping_steps_as_the_float32_trainer(accumulate, skip_at) -> None:
+    """Clipping on a skipped batch unscaled with no backward: a MisuseError without
+    accumulation, and with it a stale unscaled state that dropped the next window."""
+    runs = []
+    for plugin in (None, MixprecPrecision("mixed_bfloat16", level="O2")):
+        module = _SkipsOne(skip_at)
+        _trainer(plugin, gradient_clip_val=1.0, accumulate_grad_batches=accumulate).fit(
+            module, _data()
+        )
+        runs.append(module.changed)
+    float32, mixed = runs
+    if accumulate == 1:
+        assert mixed == float32
+    else:  # as Lightning's own AMP plugin, the window holding the skipped batch steps not
+        assert mixed == [c and i != skip_at - 1 for i, c in enumerate(float32)]
+        assert mixed[skip_at + 1]  # the next window steps
+
+
+class _TwoOptimizers(L.LightningModule):
+    """Manual optimization, GAN-style: backward both losses, then step both. ``overflow_at``:
+    G's loss is multiplied by inf there (an overflow in G's gradients only)."""
+
+    def __init__(self, overflow_at: int = -1) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.g, self.d = nn.Linear(16, 4), nn.Linear(16, 4)
+        self.automatic_optimization = False
+        self.overflow_at = overflow_at
+        self.d_weights: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        opt_g, opt_d = self.optimizers()
+        opt_g.zero_grad()
+        opt_d.zero_grad()
+        loss_g = nn.functional.cross_entropy(self.g(x), y)
+        if batch_idx == self.overflow_at:
+            loss_g = loss_g * math.inf
+        self.manual_backward(loss_g)
+        self.manual_backward(nn.functional.cross_entropy(self.d(x), y))
+        opt_g.step()
+        opt_d.step()
+        self.d_weights.append(self.d.weight.detach().float().clone())
+
+    def configure_optimizers(self) -> Any:
+        return (torch.optim.SGD(self.g.parameters(), lr=0.1),
+                torch.optim.SGD(self.d.parameters(), lr=0.1))  # fmt: skip
+
+
+def test_an_optimizer_stepped_after_anothers_scale_update_unscales_with_its_own_scale() -> None:
+    """G's overflow halves the shared scale at G's step; D's gradients were scaled by the
+    old scale, and D's update must be float32's, not twice it."""
+    reference = _TwoOptimizers()
+    _trainer(max_steps=4).fit(reference, _data())
+    mixed = _TwoOptimizers(overflow_at=1)
+    _trainer(MixprecPrecision("mixed_float16", level="O1"), max_steps=4).fit(mixed, _data())
+    for ours, theirs in zip(mixed.d_weights, reference.d_weights, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3)

@@ -28,6 +28,7 @@ from mixprec.checkpoint._conversion import (
 from mixprec.checkpoint._model import (
     _buffer_names,
     _parameter_names,
+    _unwrapped,
     check_param_names,
     optimizer_classes,
     optimizer_param_names,
@@ -147,7 +148,11 @@ def _check_tied(
     keys: dict[tuple[Any, ...], list[str]] = defaultdict(list)
     for key, value in current.items():
         if value.numel() and key in saved:
-            storage = value.untyped_storage().data_ptr()
+            value = _unwrapped(value)  # torchao's float8 all-gather weights wrap their tensor
+            try:
+                storage = value.untyped_storage().data_ptr()
+            except RuntimeError:  # a tensor subclass with no storage of its own
+                continue
             keys[(storage, value.storage_offset(), value.stride(), tuple(value.shape))].append(key)
     for names in keys.values():
         first = saved[names[0]]

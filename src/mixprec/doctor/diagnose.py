@@ -54,9 +54,6 @@ if TYPE_CHECKING:
 __all__ = ["diagnose"]
 
 
-# Backward passes are its measurements: under the caller's torch.no_grad() they would be
-# skipped, and the gradient figures read as zeros.
-@torch.enable_grad()
 def diagnose(
     model: nn.Module,
     inputs: Any,
@@ -108,6 +105,34 @@ def diagnose(
         )
     # The doctor's own copies: the caller's tensors get no gradient and no hook from it.
     inputs, targets = tree_map_only(torch.Tensor, torch.Tensor.detach, (inputs, targets))
+    # Backward passes are its measurements: under the caller's torch.no_grad() they would
+    # be skipped, and the gradient figures read as zeros. (A `with`, not a decorator: the
+    # warnings inside are located at the caller's line, past mixprec's frames alone.)
+    with torch.enable_grad():
+        return _diagnose(
+            model, inputs, targets, loss_fn, policy, level, loss_scale, float8=float8,
+            keep_bfloat16=keep_bfloat16, keep_float32=keep_float32, optimizer=optimizer,
+            check_steps=check_steps, headroom=headroom,
+        )  # fmt: skip
+
+
+def _diagnose(
+    model: nn.Module,
+    inputs: Any,
+    targets: Any,
+    loss_fn: Callable[..., torch.Tensor],
+    policy: PolicyLike,
+    level: str,
+    loss_scale: float | None,
+    *,
+    float8: Float8Options | None,
+    keep_bfloat16: Iterable[KeepEntry],
+    keep_float32: Iterable[KeepEntry],
+    optimizer: OptimizerLike | None,
+    check_steps: int,
+    headroom: float,
+) -> Report | Float8Report:
+    """``diagnose``'s work, with gradients on."""
     if get_policy(policy).float8_recipe is not None:
         if loss_scale is not None:
             raise ArgumentError(

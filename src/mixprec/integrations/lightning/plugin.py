@@ -109,7 +109,13 @@ class MixprecPrecision(_MixprecPlugin, Precision):  # type: ignore[misc]
             self._unscale(lso)
         # Lightning's own hook (protected, used the same way by its MixedPrecision):
         # on_before_optimizer_step, then configure_gradient_clipping on the unscaled masters.
-        self._after_closure(model, optimizer)
+        # A skipped batch (training_step returned None) steps nothing: its clipping must not
+        # unscale, or the next step would take the stale unscaled state for its own.
+        self._skipping = skip
+        try:
+            self._after_closure(model, optimizer)
+        finally:
+            self._skipping = False
         if skip:
             return closure_result
         return self._apply(lso)
@@ -122,6 +128,8 @@ class MixprecPrecision(_MixprecPlugin, Precision):  # type: ignore[misc]
     ) -> None:
         """Clip the unscaled float32 masters. In manual optimization ``self.clip_gradients``
         comes before ``opt.step()``: the gradients are unscaled here first."""
+        if getattr(self, "_skipping", False):
+            return
         lso = self._owner_of(optimizer)
         if lso is not None and clip_val > 0:
             self._unscale(lso)

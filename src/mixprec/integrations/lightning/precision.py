@@ -70,6 +70,8 @@ class _Record:
 
     skipped: bool = False  # its last step was skipped for an overflow: hold its schedulers
     unscaled: bool = False  # this step's gradients are unscaled already (by clipping)
+    # The scale its gradients were scaled by: the shared scale may move before it steps.
+    backward_scale: float | None = None
 
 
 class _MixprecPlugin:
@@ -265,6 +267,9 @@ class _MixprecPlugin:
         counts the backward. They share one scaler, so every result is the same value."""
         if not lsos:
             return self.loss_scaler.scale(tensor)
+        scale = self.loss_scaler.get_scale()
+        for lso in lsos:
+            self._records[id(lso)].backward_scale = scale
         scaled = lsos[0].get_scaled_loss(tensor)
         for other in lsos[1:]:
             other.get_scaled_loss(tensor)
@@ -285,6 +290,15 @@ class _MixprecPlugin:
                 f"not loss.backward() ({err})"
             ) from None
         record.unscaled = True
+        # Two optimizers, backward both, then step both (a GAN): the first step's scale
+        # update moved the shared scale that these gradients were not scaled by.
+        now = self.loss_scaler.get_scale()
+        if record.backward_scale is not None and record.backward_scale != now:
+            grads = [p.grad for p in lso.master_params() if p.grad is not None]
+            with torch.no_grad():
+                for grad in grads:
+                    grad.mul_(now / record.backward_scale)
+        record.backward_scale = None
 
     def _apply(self, lso: LossScaleOptimizer) -> StepResult:
         """The step (gradients already unscaled): apply or skip, update the scale."""
