@@ -153,3 +153,14 @@ def test_a_replaced_checkpoint_keeps_its_files_mode(tmp_path):
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     mp.convert_checkpoint(path, path, torch.float16, in_place=True)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+
+def test_a_torch_save_file_with_tied_or_strided_tensors_converts(tmp_path):
+    """safetensors writes neither shared memory nor views: such tensors of a torch.save
+    file are written as separate contiguous copies."""
+    weight = torch.randn(4, 3)
+    torch.save({"emb.weight": weight, "head.weight": weight, "t": weight.t()}, tmp_path / "s.pt")
+    mp.convert_checkpoint(tmp_path / "s.pt", tmp_path / "s.safetensors")
+    out = load_file(tmp_path / "s.safetensors")
+    assert torch.equal(out["emb.weight"], weight) and torch.equal(out["head.weight"], weight)
+    assert torch.equal(out["t"], weight.t())

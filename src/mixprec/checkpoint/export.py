@@ -41,11 +41,27 @@ def _write_weights(
         for name, value in weights.items()
     }
     _raise_non_finite(report, on_range)
+    out = _separate(out)
     meta = {"written_by": f"mixprec {__version__}", "dtype": dtype_name(target)}
     if aliases:
         meta["aliases"] = json.dumps(aliases)
     _atomic_write(out, meta, Path(path))
     return report
+
+
+def _separate(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors that share no memory, as safetensors writes them: a ``torch.save``
+    file's tied weights come back as one storage, and views are not contiguous."""
+    seen: set[int] = set()
+    out = {}
+    for name, value in tensors.items():
+        value = value.contiguous()
+        ptr = value.untyped_storage().data_ptr() if value.numel() else 0
+        if ptr and ptr in seen:
+            value = value.clone()
+        seen.add(ptr)
+        out[name] = value
+    return out
 
 
 def export_weights(
