@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import mixprec as mp
 from mixprec import ArgumentError, cross_entropy, losses
 
 # float32 against float32: the same arithmetic in another order (sums over 1000 classes).
@@ -148,3 +149,20 @@ def test_zero_rows_give_nan_and_an_empty_gradient_like_torch(dtype):
     assert torch.isnan(loss) and torch.isnan(F.cross_entropy(logits.float(), torch.zeros(0).long()))
     loss.backward()
     assert logits.grad is not None and logits.grad.shape == (0, 5)
+
+
+def test_the_gradient_of_the_float32_logits_themselves_through_the_documented_ways():
+    """The shortcut to the 16-bit source takes the float32 logits out of the graph;
+    retain_grad() or a clone keeps them in, as docs/trainer.md says."""
+    model = mp.models.CausalLM(vocab=64, d_model=32, n_layers=1, n_heads=2)
+    mp.auto_mixed_precision(model, "mixed_bfloat16", "O2")
+    x = torch.randint(0, 64, (2, 16))
+    logits = model(x)
+    reference = torch.autograd.grad(F.cross_entropy(logits.transpose(1, 2), x), logits)[0]
+    logits = model(x)
+    logits.retain_grad()
+    kept = torch.autograd.grad(mp.cross_entropy(logits, x), logits)[0]
+    logits = model(x)
+    cloned = torch.autograd.grad(mp.cross_entropy(logits.clone(), x), logits)[0]
+    torch.testing.assert_close(kept, reference, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(cloned, reference, rtol=1e-5, atol=1e-7)
