@@ -42,3 +42,49 @@ def test_an_input_that_requires_grad_is_left_alone():
     x.requires_grad_(True)
     mp.diagnose(model, x, y, F.cross_entropy, check_steps=0)
     assert x.grad is None and not x._backward_hooks
+
+
+class _Attention(nn.Module):
+    """A hand-written attention: its scores q @ k^T are computed in its own forward, where
+    they overflow float16 while every Linear inside stays in range."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.out = (nn.Linear(d, d) for _ in range(4))
+        self.d = d
+
+    def forward(self, x):
+        s = self.q(x) @ self.k(x).transpose(-1, -2) / self.d**0.5
+        return self.out(torch.softmax(s, -1) @ self.v(x))
+
+
+class _WithAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.attn = nn.Linear(16, 64), _Attention(64)
+        self.norm, self.head = nn.LayerNorm(64), nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.head(self.norm(self.attn(self.embed(x) * 500.0)))
+
+
+def test_a_module_whose_own_arithmetic_overflows_is_named_and_kept():
+    """Only leaves were candidates: the doctor blamed a later layer and recommended a plan
+    that left the forward non-finite."""
+    torch.manual_seed(0)
+    model = _WithAttention()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 12, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+    def loss_fn(out, t):
+        return F.cross_entropy(out.mean(1), t)
+
+    report = mp.diagnose(model, x, y, loss_fn, "mixed_float16", "O2", check_steps=0)
+    assert report.culprits()[0].name == "attn"
+    assert "attn" in report.recommended_keep_float32
+    import copy
+
+    kept = mp.auto_mixed_precision(copy.deepcopy(model), "mixed_float16", "O2",
+                                   keep_float32=report.recommended_keep_float32)  # fmt: skip
+    with torch.no_grad():
+        assert torch.isfinite(kept(x)).all()

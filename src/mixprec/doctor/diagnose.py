@@ -189,8 +189,11 @@ def _diagnose(
     limit = float(torch.finfo(compute).max)
     # Modules that compute in float32 under the policy (islands, kept modules, inside them).
     islands = {row.name for row in module_dtypes(mixed) if row.compute == "float32"}
-    leaves = {n or "(model)" for n, m in model.named_modules() if not list(m.children())}
     reports = _module_reports(ref_calls, mixed_calls, compute, float(loss_scale), islands)
+    # Where values are computed: the leaves, and a module with children whose own forward
+    # made the inf/NaN (a hand-written attention's q @ k^T), which only keeping it fixes.
+    leaves = {n or "(model)" for n, m in model.named_modules() if not list(m.children())}
+    leaves |= _own_arithmetic_origins(model, reports)
     origin = nonfinite_origin(reports, leaves)
     for rep in reports:
         score(rep, compute, limit, origin)
@@ -271,6 +274,25 @@ def _diagnose(
     )
     report.advice = advice(report, compute, half & leaves)
     return report
+
+
+def _own_arithmetic_origins(model: nn.Module, reports: list[ModuleReport]) -> set[str]:
+    """Modules with children (not the model itself, which no keep list can name) whose
+    output went inf/NaN under the policy from a finite input while no module inside them
+    started it: their own forward's arithmetic did."""
+    by_name = {r.name: r for r in reports}
+    started = {
+        r.name for r in reports if r.nonfinite_output and not r.nonfinite_input
+    }  # fmt: skip
+    found = set()
+    for name, module in model.named_modules():
+        r = by_name.get(name)
+        if not name or r is None or not list(module.children()) or r.name not in started:
+            continue
+        inside = [other for other in started if other.startswith(name + ".")]
+        if not inside:
+            found.add(name)
+    return found
 
 
 def _module_reports(
