@@ -171,6 +171,17 @@ class Policy:
 _Parsed = tuple[torch.dtype, torch.dtype, torch.dtype, str | None, str | None]
 
 
+def is_policy_text(text: str) -> bool:
+    """Whether ``text`` is a policy name or ``params=...`` string (the grammar alone: a
+    checkpoint's header records the policy its model was prepared with, which an earlier
+    mixprec may have taken in a combination ``Policy`` now refuses)."""
+    try:
+        _parse(text)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
 def _check_combination(params: torch.dtype, compute: torch.dtype, output: torch.dtype) -> None:
     """Refuse what ``auto_mixed_precision`` cannot honour, rather than ignore part of it:
     16-bit weights compute in their own dtype, and float32 math keeps float32 weights and

@@ -164,3 +164,25 @@ def test_a_torch_save_file_with_tied_or_strided_tensors_converts(tmp_path):
     out = load_file(tmp_path / "s.safetensors")
     assert torch.equal(out["emb.weight"], weight) and torch.equal(out["head.weight"], weight)
     assert torch.equal(out["t"], weight.t())
+
+
+def test_a_diverged_tied_model_still_loads_with_on_range_ignore(tmp_path):
+    """NaN != NaN: the tied check compares values NaN-aware, so the documented way to load
+    non-finite values still works for a tied model."""
+    tied = Tied(tie=True)
+    with torch.no_grad():
+        tied.emb.weight[0, 0] = float("nan")
+    path = mp.save_checkpoint(tmp_path / "nan.safetensors", tied)
+    report = mp.load_checkpoint(path, Tied(tie=True), on_range="ignore")
+    assert [name for name, *_ in report.non_finite] == ["emb.weight", "head.weight"]
+
+
+def test_a_header_policy_an_earlier_mixprec_took_still_reads():
+    """The header records the policy the model was prepared with; one whose combination
+    Policy now refuses (an earlier mixprec took it) must not make the file unreadable."""
+    from mixprec.checkpoint._schema import _check_policy
+    from mixprec.checkpoint.format import _BadValueError
+
+    _check_policy("params=float32,compute=float32,output=bfloat16", "policy")
+    with pytest.raises(_BadValueError):
+        _check_policy("params=float33", "policy")

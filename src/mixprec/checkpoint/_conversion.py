@@ -1,5 +1,6 @@
 """Dtype conversion of loaded tensors: which conversions mean something, NaN/inf counts, and
-what ``on_range`` does with values beyond a 16-bit or integer destination's range."""
+what ``on_range`` does with values beyond a narrower destination's range (16 bits, float64
+into float32, integers)."""
 
 from __future__ import annotations
 

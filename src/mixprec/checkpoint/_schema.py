@@ -23,7 +23,7 @@ from mixprec.checkpoint.format import (
     _is_count,
 )
 from mixprec.levels import LEVELS
-from mixprec.policy import Policy
+from mixprec.policy import is_policy_text
 
 _SKELETON = (
     "null, a bool, number or string, a list, or an object with one key: __tensor__ (a "
@@ -154,10 +154,8 @@ def _check_policy(value: Any, key: str) -> None:
     valid = "null or a policy string such as 'params=float32,compute=bfloat16,output=float32'"
     if value.strip().lower() == "auto":
         raise _BadValueError(key, value, valid)
-    try:
-        Policy(value)
-    except (ValueError, TypeError):
-        raise _BadValueError(key, value, valid) from None
+    if not is_policy_text(value):
+        raise _BadValueError(key, value, valid)
 
 
 def _check_level(value: Any, key: str) -> None:

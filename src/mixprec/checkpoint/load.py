@@ -60,7 +60,7 @@ def load_checkpoint(
     scales); NaN or inf in a parameter or the optimizer state (buffers are exempt: a mask
     of -inf is normal) (under
     ``on_range="error"`` and ``"clamp"``: no finite value stands in for a NaN; ``"ignore"``
-    loads them and lists them in ``LoadReport.non_finite``); a value beyond a 16-bit
+    loads them and lists them in ``LoadReport.non_finite``); a value beyond a narrower
     destination's range (``"error"``; ``"clamp"`` saturates it, ``"ignore"`` casts it to
     inf); an optimizer state saved by another optimizer class (both named); an optimizer,
     loss-scaler or (with ``restore_rng``) RNG state that does not load.
@@ -156,7 +156,7 @@ def _check_tied(
             keys[(storage, value.storage_offset(), value.stride(), tuple(value.shape))].append(key)
     for names in keys.values():
         first = saved[names[0]]
-        differing = [n for n in names[1:] if not torch.equal(saved[n].to(first.dtype), first)]
+        differing = [n for n in names[1:] if not _same_values(saved[n], first)]
         if differing:
             raise CheckpointError(
                 f"{path}: {', '.join([names[0], *differing])} are one tensor in this model "
@@ -164,6 +164,16 @@ def _check_tied(
                 "be lost. Tie or untie the model as it was saved, or pass strict=False (the "
                 "last key's value wins)"
             )
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """One value, NaN included (a diverged tied weight loads under ``on_range="ignore"``)."""
+    if a is b:
+        return True
+    a = a.to(b.dtype)
+    if not b.is_floating_point():
+        return torch.equal(a, b)
+    return a.shape == b.shape and torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True)
 
 
 def _clamped(value: torch.Tensor, dtype: str) -> torch.Tensor:

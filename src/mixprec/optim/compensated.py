@@ -71,13 +71,28 @@ class CompensatedAdamW(torch.optim.Optimizer):
                     "compensation": compensation}  # fmt: skip
         super().__init__(params, defaults)  # each group is checked by add_param_group
         self.generator = generator
-        # torch's load_state_dict casts floating state to the parameter's dtype: the
-        # moments of a 16-bit weight would come back 16-bit.
-        self.register_load_state_dict_post_hook(_moments_in_float32)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        _check_group(self.param_groups[-1], len(self.param_groups) - 1)
+        try:
+            _check_group(self.param_groups[-1], len(self.param_groups) - 1)
+        except ArgumentError:
+            self.param_groups.pop()  # refused: not kept
+            raise
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, with the float32 moments kept as saved: torch casts floating state to
+        the parameter's dtype, which would round a 16-bit weight's moments to 16 bits."""
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        moments = {
+            i: {k: v for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")}
+            for i, state in state_dict["state"].items()
+        }
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, p in zip(saved_ids, params, strict=True):
+            for key, value in moments.get(i, {}).items():
+                self.state[p][key] = value.to(p.device, torch.float32, copy=True)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -153,10 +168,3 @@ def _check_group(group: dict[str, Any], index: int) -> None:
             f"compensation='stochastic' rounds to bfloat16 (param_groups[{index}]); a float16 "
             "parameter needs compensation='kahan'"
         )
-
-
-def _moments_in_float32(optimizer: torch.optim.Optimizer) -> None:
-    for state in optimizer.state.values():
-        for key in ("exp_avg", "exp_avg_sq"):
-            if key in state:
-                state[key] = state[key].float()

@@ -55,6 +55,8 @@ _log = logging.getLogger("mixprec")
 
 # Scalers whose scale-1 unscale is the finiteness check alone (a subclass may do more).
 _HOST_SCALERS = (NoOpLossScaler, StaticLossScaler, DynamicLossScaler)
+#: The first explicit unscale_() calls whose 16-bit gradients step() checks for edits.
+UNSCALE_CHECKS = 3
 
 
 @dataclass
@@ -70,6 +72,7 @@ class _Bookkeeping:
     # The 16-bit gradients' versions at an explicit unscale_(): changed by step(), they
     # were clipped (or edited) where step() does not read them.
     unscaled_versions: list[int] | None = None
+    unscale_checks: int = 0  # explicit unscale_() calls checked so far (UNSCALE_CHECKS)
     # register_step_post_hook's hooks, run after the copy-back of an applied step.
     # An OrderedDict: RemovableHandle holds a weak reference, which a dict does not take.
     post_hooks: OrderedDict[int, Callable[..., Any]] = field(default_factory=OrderedDict)
@@ -177,7 +180,9 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         group["params"] = self._weights.adopt(self.optimizer, params, "param_group")
         self.optimizer.add_param_group(group)
-        where = f"{type(self.optimizer).__name__} param_groups[{len(self.param_groups) - 1}]"
+        where = (
+            f"{type(self.optimizer).__name__} param_groups[{len(self.optimizer.param_groups) - 1}]"
+        )
         warn_if_eps_vanishes(self.optimizer.param_groups[-1], where)
         _fuse(self.optimizer, self.optimizer.param_groups[-1])
         self._decide_host_path()
@@ -217,7 +222,8 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
 
     def master_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(16-bit model parameter, its float32 master)`` pairs; a weight written since
-        the last step (``model.load_state_dict``) has replaced its master first."""
+        the last step (``model.load_state_dict``) has replaced its master first, where it
+        is not the master's own rounding."""
         self._weights.follow_external_writes()
         return list(zip(self._weights.half, self._weights.masters, strict=True))
 
@@ -256,7 +262,9 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
                 f"{self.accumulation_steps} accumulation micro-batches; call it after the last"
             )
         self._unscale()
-        self._book.unscaled_versions = grad_versions(self._weights.half)
+        if self._book.unscale_checks < UNSCALE_CHECKS:  # the habit shows at once: no more cost
+            self._book.unscale_checks += 1
+            self._book.unscaled_versions = grad_versions(self._weights.half)
 
     def _unscale(self) -> None:
         self._weights.follow_external_writes()

@@ -78,6 +78,7 @@ class MasterWeights:
         self.on_host = True
         self.saw_sparse = False  # a sparse gradient was seen (fused groups then step unfused)
         self.lost = 0  # weights whose earlier master is gone: they start from their rounding
+        self.state_view: Any = None  # LossScaleOptimizer.state's StateView, made at first use
 
     def adopt(
         self, inner: torch.optim.Optimizer, params: list[torch.Tensor], where: str
@@ -142,8 +143,10 @@ class MasterWeights:
                 for p, m, now, then in zip(
                     self.half, self.masters, versions, self.versions, strict=True
                 ):
-                    if now != then and not torch.equal(m.to(p.dtype), p):
-                        m.copy_(p)
+                    if now != then:
+                        # Element by element, with no read on the host: where the weight is
+                        # still the master's rounding, the master keeps its digits.
+                        m.copy_(torch.where(m.to(p.dtype) == p, m, p.float()))
             self.versions = versions
 
     def copy_back(self) -> None:

@@ -32,14 +32,21 @@ class StateView(MutableMapping[torch.Tensor, Any]):
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer], weights: MasterWeights):
         self._optimizers = optimizers
         self._weights = weights
+        self._owners: dict[int, torch.optim.Optimizer] = {}  # id(key) -> its optimizer
 
     def _locate(self, param: Any) -> tuple[torch.optim.Optimizer, torch.Tensor]:
         slot = self._weights.index.get(id(param))
         key = self._weights.masters[slot[1]] if slot is not None and slot[0] else param
-        for inner in self._optimizers:
-            for group in inner.param_groups:
-                if any(p is key for p in group["params"]):
-                    return inner, key
+        if id(key) not in self._owners:  # built once (and again if the groups changed)
+            self._owners = {
+                id(p): inner
+                for inner in self._optimizers
+                for group in inner.param_groups
+                for p in group["params"]
+            }
+        inner = self._owners.get(id(key))
+        if inner is not None:
+            return inner, key
         described = (
             f"tensor of shape {tuple(param.shape)}" if isinstance(param, torch.Tensor) else param
         )
@@ -97,7 +104,9 @@ class InnerViews:
     def state(self) -> StateView:
         """Per-parameter state of the inner optimizers, by model parameter (a 16-bit
         weight finds its master's) or by master."""
-        return StateView(self.optimizers, self._weights)
+        if self._weights.state_view is None:  # one view, so that its index is built once
+            self._weights.state_view = StateView(self.optimizers, self._weights)
+        return self._weights.state_view  # type: ignore[no-any-return]
 
     @property
     def defaults(self) -> dict[str, Any]:
