@@ -144,9 +144,11 @@ class MasterWeights:
                     self.half, self.masters, versions, self.versions, strict=True
                 ):
                     if now != then:
-                        # Element by element, with no read on the host: where the weight is
-                        # still the master's rounding, the master keeps its digits.
-                        m.copy_(torch.where(m.to(p.dtype) == p, m, p.float()))
+                        # Decided on the device (no read on the host): a weight that is
+                        # still, as a whole, the master's rounding leaves the master's digits;
+                        # any other write replaces the master whole.
+                        same = (m.to(p.dtype) == p).all()
+                        m.copy_(torch.where(same, m, p.float()))
             self.versions = versions
 
     def copy_back(self) -> None:
