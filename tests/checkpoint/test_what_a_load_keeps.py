@@ -186,3 +186,18 @@ def test_a_header_policy_an_earlier_mixprec_took_still_reads():
     _check_policy("params=float32,compute=float32,output=bfloat16", "policy")
     with pytest.raises(_BadValueError):
         _check_policy("params=float33", "policy")
+
+
+def test_restore_rng_restores_numpys_global_generator_too(tmp_path):
+    """Data augmentation often draws from NumPy's global generator: a resumed run must
+    draw what the uninterrupted one drew."""
+    import numpy
+
+    model = nn.Linear(2, 2)
+    numpy.random.seed(7)
+    numpy.random.normal()  # a cached Gaussian in the state, too
+    path = mp.save_checkpoint(tmp_path / "rng.safetensors", model)
+    expected = numpy.random.rand(5)
+    numpy.random.seed(99)
+    mp.load_checkpoint(path, model, restore_rng=True)
+    assert numpy.array_equal(numpy.random.rand(5), expected)

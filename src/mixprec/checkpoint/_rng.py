@@ -7,14 +7,21 @@ import os
 import random
 from typing import Any
 
+import numpy
 import torch
 
 from mixprec.checkpoint.format import CheckpointError
 
 
 def _rng_state() -> dict[str, Any]:
-    """The torch, Python and (where CUDA is available) CUDA generators' states."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    """The torch, Python, NumPy (its global generator, which data augmentation often
+    draws from) and (where CUDA is available) CUDA generators' states."""
+    kind, keys, pos, has_gauss, cached = numpy.random.get_state(legacy=True)  # type: ignore[misc]
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (str(kind), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -35,6 +42,8 @@ def _check_rng_state(path: str | os.PathLike[str], state: dict[str, Any]) -> Non
         torch.Generator().set_state(state["torch"])
         version, internal, gauss = state["python"]
         random.Random().setstate((version, tuple(internal), gauss))
+        if "numpy" in state:
+            numpy.random.RandomState().set_state(_numpy_state(state["numpy"]))
         for i, saved in enumerate(_cuda_states(state)):
             if saved.numel() != torch.cuda.get_rng_state(i).numel():
                 raise ValueError(f"CUDA state {i} has {saved.numel()} bytes")
@@ -49,5 +58,12 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
+    if "numpy" in state:  # absent from checkpoints of earlier versions: left as it is
+        numpy.random.set_state(_numpy_state(state["numpy"]))
     for i, saved in enumerate(_cuda_states(state)):
         torch.cuda.set_rng_state(saved, i)
+
+
+def _numpy_state(saved: Any) -> tuple[Any, ...]:
+    kind, keys, pos, has_gauss, cached = saved
+    return (kind, numpy.asarray(keys, dtype=numpy.uint32), pos, has_gauss, cached)

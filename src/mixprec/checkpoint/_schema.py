@@ -31,7 +31,8 @@ _SKELETON = (
 )
 _RNG = (
     "null or {'__dict__': [['torch', <uint8 tensor>], ['python', {'__tuple__': [version, "
-    "[ints], gauss]}], optionally ['cuda', [<uint8 tensor>, ...]]]}"
+    "[ints], gauss]}], optionally ['numpy', {'__tuple__': [kind, [ints], pos, has_gauss, "
+    "cached]}] and ['cuda', [<uint8 tensor>, ...]]]}"
 )
 #: Keys of ``Trainer.resume_state()`` that ``fit(resume_from=)`` reads as counters.
 _TRAINER_COUNTERS = ("global_step", "epoch", "step_in_epoch")
@@ -91,8 +92,31 @@ def _check_rng(value: Any, key: str, entries: Mapping[str, _Entry]) -> None:
         return
     _check_skeleton(value, key, entries)
     parts = _pairs(value)
-    if parts is None or not {"torch", "python"} <= set(parts) <= {"torch", "python", "cuda"}:
+    if parts is None or not {"torch", "python"} <= set(parts) <= {
+        "torch",
+        "python",
+        "numpy",
+        "cuda",
+    }:
         raise _BadValueError(key, value, _RNG)
+    if "numpy" in parts:
+        saved = parts["numpy"]
+        items = saved.get("__tuple__") if isinstance(saved, dict) else None
+        if not (
+            isinstance(items, list)
+            and len(items) == 5
+            and items[0] == "MT19937"
+            and isinstance(items[1], list)
+            and len(items[1]) == 624
+            and all(type(v) is int and 0 <= v < 2**32 for v in items[1])
+            and all(type(v) is int for v in items[2:4])
+            and isinstance(items[4], (float, int))
+        ):
+            raise _BadValueError(
+                f"{key}/numpy",
+                saved,
+                "numpy.random.get_state(): ('MT19937', 624 ints, pos, has_gauss, cached_gaussian)",
+            )
     if not _is_rng_tensor(parts["torch"], entries):
         raise _BadValueError(f"{key}/torch", parts["torch"], "a uint8 tensor (a torch RNG state)")
     python = parts["python"]  # random.getstate(): (version, (625 ints), gauss or None)
