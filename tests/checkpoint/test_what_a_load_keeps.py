@@ -201,3 +201,13 @@ def test_restore_rng_restores_numpys_global_generator_too(tmp_path):
     numpy.random.seed(99)
     mp.load_checkpoint(path, model, restore_rng=True)
     assert numpy.array_equal(numpy.random.rand(5), expected)
+
+
+def test_a_loss_scale_optimizers_state_into_a_plain_optimizer_says_what_to_do(tmp_path):
+    model = mp.auto_mixed_precision(two_layers(), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters()))
+    path = mp.save_checkpoint(tmp_path / "lso.safetensors", model, opt)
+    target = mp.auto_mixed_precision(two_layers(), "mixed_bfloat16", "O2")
+    with pytest.raises(CheckpointError, match=r"is a LossScaleOptimizer's .* plain AdamW: wrap "
+                       r"it, mp.LossScaleOptimizer\(optimizer\)"):  # fmt: skip
+        mp.load_checkpoint(path, target, torch.optim.AdamW(target.parameters()))

@@ -69,6 +69,14 @@ def test_out_of_range_labels_from_a_loader_are_a_value_error() -> None:
     loader = DataLoader(TensorDataset(x, y), batch_size=8)
     with pytest.raises(ValueError, match=r"epoch 1, batch 4: Target 7 is out of bounds"):
         trainer.fit(loader, epochs=1, verbose=0)
+    # mp.cross_entropy's gather raises a RuntimeError rather than an IndexError.
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    chunked = mp.Trainer(model, mp.cross_entropy, torch.optim.SGD(model.parameters(), 0.1),
+                         device="cpu")  # fmt: skip
+    with pytest.raises(ValueError, match=r"epoch 1, batch 4: index 7 is out of bounds .* "
+                       r"\(class labels must be in \[0, number of classes\)"):  # fmt: skip
+        chunked.fit(loader, epochs=1, verbose=0)
 
 
 def test_rank_agreement_reads_loaders_without_a_length(monkeypatch):

@@ -205,6 +205,12 @@ def _optimizer_state(
     _check_classes(path, optimizer, header)
     state = _unflatten(header["optimizer"], tensors)
     if not isinstance(optimizer, LossScaleOptimizer):
+        if header.get("optimizer_kind") == "LossScaleOptimizer":
+            raise CheckpointError(
+                f"{path}: the optimizer state is a LossScaleOptimizer's (float32 masters, "
+                f"loss scaler) and this optimizer is a plain {type(optimizer).__name__}: wrap "
+                "it, mp.LossScaleOptimizer(optimizer), or load the model alone (optimizer=None)"
+            )
         _try_load(path, optimizer, state)
         return state
     if not isinstance(state, dict) or "optimizers" not in state:

@@ -269,9 +269,11 @@ class Trainer:
                 start = time.perf_counter()
                 try:
                     loss, result = self.step(xb, yb, flush=last)
-                except IndexError as err:
+                except (IndexError, RuntimeError) as err:
                     # A loader's labels are seen only here; tensors are checked up front
-                    # (batches.validate) with a ValueError, so a loader's get one too.
+                    # (batches.validate) with a ValueError, so a loader's get one too
+                    # (F.cross_entropy raises IndexError, a gather such as mp.cross_entropy's
+                    # RuntimeError).
                     if "out of bounds" not in str(err):
                         raise
                     raise ValueError(
