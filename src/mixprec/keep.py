@@ -17,6 +17,10 @@ __all__ = ["KeepEntry", "inside", "keep_list", "kept_modules"]
 KeepEntry = type[nn.Module] | str | nn.Module
 
 
+#: The model itself in a keep list, as the doctor names it (``named_modules`` calls it "").
+ROOT_NAME = "(model)"
+
+
 def keep_list(
     entries: KeepEntry | Iterable[KeepEntry], argument: str = "keep_float32"
 ) -> tuple[KeepEntry, ...]:
@@ -41,6 +45,8 @@ def kept_modules(
     for entry in keep_float32:
         if isinstance(entry, type) and issubclass(entry, nn.Module):
             kept.update((n, m) for n, m in named.items() if isinstance(m, entry))
+        elif entry == ROOT_NAME:  # the doctor's name for the model itself
+            kept[""] = model
         elif isinstance(entry, str):
             hits = {n: m for n, m in named.items() if n == entry or fnmatch.fnmatchcase(n, entry)}
             if not hits:

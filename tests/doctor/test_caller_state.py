@@ -88,3 +88,16 @@ def test_a_module_whose_own_arithmetic_overflows_is_named_and_kept():
                                    keep_float32=report.recommended_keep_float32)  # fmt: skip
     with torch.no_grad():
         assert torch.isfinite(kept(x)).all()
+
+
+def test_a_single_layer_models_recommendation_applies():
+    """The doctor names the model itself "(model)"; the keep list takes that name."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    x, y = torch.randn(16, 8) * 1e5, torch.randint(0, 4, (16,))
+    report = mp.diagnose(model, x, y, F.cross_entropy, "mixed_float16", check_steps=0)
+    assert report.recommended_keep_float32 == ["(model)"]
+    kept = mp.auto_mixed_precision(nn.Linear(8, 4), "mixed_float16",
+                                   keep_float32=report.recommended_keep_float32)  # fmt: skip
+    with torch.no_grad():
+        assert kept(x).dtype == torch.float32 and torch.isfinite(kept(x)).all()
