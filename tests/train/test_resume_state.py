@@ -6,6 +6,7 @@ validation data it was given, empty batches, shapes, arguments."""
 from __future__ import annotations
 
 import csv
+import math
 
 import pytest
 import torch
@@ -275,3 +276,18 @@ def test_a_misspelt_monitor_is_an_error_naming_the_logs(tmp_path):
 def test_predict_refuses_a_batch_size_below_one():
     with pytest.raises(ValueError, match="batch_size=0 is invalid; it must be an int >= 1"):
         trainer().predict(torch.randn(4, 8), batch_size=0)
+
+
+def test_a_step_whose_forward_overflowed_is_left_out_of_the_epochs_loss():
+    """Its loss is NaN and its step skipped: counted in skipped_steps, not averaged into a
+    NaN that EarlyStopping or ModelCheckpoint watching "loss" could never improve on."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(160, 32, generator=g), torch.randint(0, 10, (160,), generator=g)
+    x[7] = 1e6  # overflows float16 in the first layer: the batch holding it is skipped
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    t = mp.Trainer(model, "cross_entropy", torch.optim.Adam(model.parameters(), 1e-2),
+                   policy="mixed_float16", level="O2", device="cpu")  # fmt: skip
+    history = t.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False).history
+    assert history["skipped_steps"] == [1, 1]
+    assert all(math.isfinite(v) for v in history["loss"] + history["accuracy"])

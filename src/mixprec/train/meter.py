@@ -3,6 +3,7 @@ step times), kept across a resume so that a resumed epoch's logs cover all of it
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Any
@@ -23,6 +24,7 @@ class EpochMeter:
     def __init__(self, metrics: dict[str, Metric]) -> None:
         self.metrics = metrics
         self.loss_sum, self.samples, self.skipped = 0.0, 0, 0
+        self.counted = 0  # samples in the means: those of steps with a finite loss
         # Metric sums stay device tensors: reading them per batch would add host syncs to
         # the step; they are read once, at the end of the epoch (or at a checkpoint).
         self.metric_sums: dict[str, torch.Tensor | float] = dict.fromkeys(metrics, 0.0)
@@ -40,11 +42,16 @@ class EpochMeter:
         """Count one step: its loss and metrics weighted by its samples, and its time
         (an accumulation micro-step's is not a step's time)."""
         size = len(targets)
+        self.samples += size
         if not result.accumulating:
             self.times.append(elapsed)
         self.skipped += int(result.found_inf)
+        if not math.isfinite(loss):
+            # A forward that overflowed in 16 bits: its step was skipped (skipped_steps),
+            # and its NaN would make the epoch's loss (and what monitors it) NaN.
+            return
         self.loss_sum += loss * size
-        self.samples += size
+        self.counted += size
         if output is not None:
             with torch.no_grad():
                 for name, fn in self.metrics.items():
@@ -60,12 +67,14 @@ class EpochMeter:
             "skipped": self.skipped,
             "metric_sums": {name: float(v) for name, v in self.metric_sums.items()},
             "seconds": time.perf_counter() - self.start,
+            "counted": self.counted,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on from a checkpoint's sums; metrics it did not have start at 0."""
         self.loss_sum, self.samples = float(state["loss_sum"]), int(state["samples"])
         self.skipped = int(state["skipped"])
+        self.counted = int(state.get("counted", self.samples))
         for name, value in state["metric_sums"].items():
             if name in self.metric_sums:
                 self.metric_sums[name] = float(value)
@@ -76,14 +85,20 @@ class EpochMeter:
         if self.samples == 0:
             raise ValueError("the training data produced no batches")
         sums = distributed.all_reduce_sum(
-            [self.loss_sum, self.samples, *(float(v) for v in self.metric_sums.values())]
+            [
+                self.loss_sum,
+                self.samples,
+                self.counted,
+                *(float(v) for v in self.metric_sums.values()),
+            ]
         )
         loss_sum, samples = sums[0], int(sums[1])
-        metric_sums = dict(zip(self.metric_sums, sums[2:], strict=True))
+        counted = int(sums[2]) or math.nan  # nan: every step's loss was non-finite
+        metric_sums = dict(zip(self.metric_sums, sums[3:], strict=True))
         total = time.perf_counter() - self.start
         return {
-            "loss": loss_sum / samples,
-            **{name: value / samples for name, value in metric_sums.items()},
+            "loss": loss_sum / counted,
+            **{name: value / counted for name, value in metric_sums.items()},
             "ms_per_step": 1000 * statistics.median(self.times) if self.times else float("nan"),
             "samples_per_s": samples / total,
             "loss_scale": loss_scale,
