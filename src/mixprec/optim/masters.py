@@ -143,7 +143,9 @@ class MasterWeights:
                 for p, m, now, then in zip(
                     self.half, self.masters, versions, self.versions, strict=True
                 ):
-                    if now != then:
+                    if now != then and is_dtensor(p):
+                        m.copy_(p)  # FSDP2 shards: as written, no cross-shard reduction
+                    elif now != then:
                         # Decided on the device (no read on the host): a weight that is
                         # still, as a whole, the master's rounding leaves the master's digits;
                         # any other write replaces the master whole.
