@@ -1,5 +1,6 @@
 """What the optimizer tests share: an O2 MLP with its optimizer, a loss, a snapshot, a
-deep comparison of states, and the outermost aten ops a step runs."""
+deep comparison of states, the outermost aten ops a step runs, and a float16 weight about
+to be pushed past its range."""
 
 from __future__ import annotations
 
@@ -17,6 +18,23 @@ from tests.conftest import classification_data, make_mlp
 def prepared(policy="mixed_bfloat16", level="O2", **opt_kwargs):
     model = mp.auto_mixed_precision(make_mlp(), policy, level)
     opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), **opt_kwargs)
+    return model, opt
+
+
+def float16_bias_pushed_over(policy, level):
+    """A Linear whose float16 bias (65000) one applied step pushes up to its limit, and a
+    second backward whose step would push it past 65504: (model, opt), ready to step."""
+    lin = nn.Linear(2, 1)
+    lin.bias.data.fill_(65000.0)
+    model = mp.auto_mixed_precision(nn.Sequential(lin), policy, level)
+    opt = mp.LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0), loss_scaler=mp.StaticLossScaler(1.0)
+    )
+    opt.zero_grad()
+    opt.backward(-model(torch.zeros(4, 2)).float().mean() * 1000)
+    assert opt.step().applied
+    opt.zero_grad()
+    opt.backward(model(torch.zeros(4, 2)).float().mean())
     return model, opt
 
 

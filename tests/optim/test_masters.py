@@ -11,7 +11,7 @@ from torch import nn
 
 import mixprec as mp
 from tests.conftest import make_mlp
-from tests.optim._helpers import loss_of, prepared
+from tests.optim._helpers import float16_bias_pushed_over, loss_of, prepared
 
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -160,17 +160,7 @@ def test_update_past_float16_range_with_the_default_dynamic_scaler() -> None:
 
 
 def test_o3_float16_weight_pushed_to_inf_is_named() -> None:
-    lin = nn.Linear(2, 1)
-    lin.bias.data.fill_(65000.0)
-    model = mp.auto_mixed_precision(nn.Sequential(lin), "float16", "O3")
-    opt = mp.LossScaleOptimizer(
-        torch.optim.SGD(model.parameters(), lr=1.0), loss_scaler=mp.StaticLossScaler(1.0)
-    )
-    opt.zero_grad()
-    opt.backward(-model(torch.zeros(4, 2)).float().mean() * 1000)
-    assert opt.step().applied
-    opt.zero_grad()
-    opt.backward(model(torch.zeros(4, 2)).float().mean())
+    _, opt = float16_bias_pushed_over("float16", "O3")
     with pytest.raises(FloatingPointError, match=r"update: 0.bias \(float16\)"):
         opt.step()
 

@@ -14,6 +14,7 @@ from torch import nn
 
 import mixprec as mp
 from mixprec.optim.compensated import CompensatedAdamW
+from tests.optim._helpers import float16_bias_pushed_over
 
 
 def _o2(policy: str = "mixed_bfloat16", seed: int = 0) -> nn.Module:
@@ -130,17 +131,7 @@ def test_a_parameter_given_twice_is_refused():
 def test_a_step_that_raised_leaves_nothing_to_the_next():
     """A float16 weight pushed past 65504 raises; the user repairs the weight and goes on
     at lr 0: the next step applies its own (zero-lr) update, not the raising step's."""
-    lin = nn.Linear(2, 1)
-    lin.bias.data.fill_(65000.0)
-    model = mp.auto_mixed_precision(nn.Sequential(lin), "mixed_float16", "O2")
-    opt = mp.LossScaleOptimizer(
-        torch.optim.SGD(model.parameters(), lr=1.0), loss_scaler=mp.StaticLossScaler(1.0)
-    )
-    opt.zero_grad()
-    opt.backward(-model(torch.zeros(4, 2)).float().mean() * 1000)
-    assert opt.step().applied
-    opt.zero_grad()
-    opt.backward(model(torch.zeros(4, 2)).float().mean())
+    model, opt = float16_bias_pushed_over("mixed_float16", "O2")
     with pytest.raises(FloatingPointError):
         opt.step()
     with torch.no_grad():
