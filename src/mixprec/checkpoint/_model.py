@@ -26,6 +26,9 @@ def master_tensors(
     names = _parameter_names(model)
     masters: dict[str, torch.Tensor] = {}
     if isinstance(optimizer, LossScaleOptimizer):
+        # A weight written since the last step (pretrained weights loaded) is what is saved,
+        # not the master it is about to replace.
+        optimizer._weights.follow_external_writes()
         for param, master in optimizer.master_weights():
             for name in names.get(id(param), []):
                 masters[name] = master

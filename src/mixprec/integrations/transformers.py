@@ -39,7 +39,7 @@ from transformers.optimization import GreedyLR
 
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec.checkpoint._model import master_tensors
-from mixprec.integrations._hf_prepare import is_prepared_as, note_optimizer, pass_on_masters
+from mixprec.integrations._hf_prepare import is_prepared_as
 from mixprec.levels import KeepEntry, auto_mixed_precision, keep_list, resolve_level
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import Policy, PolicyLike, get_policy
@@ -165,10 +165,9 @@ class MixprecTrainer(Trainer):
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         optimizer = super().create_optimizer(model)
         found = _find_loss_scale_optimizer(optimizer)
-        opt_model = self.model if model is None else model
         if found is None:
-            # A model trained by an earlier Trainer: start from its latest float32 masters.
-            pass_on_masters(opt_model, optimizer)
+            # A model trained by an earlier Trainer starts from its latest float32 masters
+            # (LossScaleOptimizer finds them while that Trainer's optimizer lives).
             # The Trainer handles gradient accumulation (it divides the loss, or normalises it
             # by the batch's token count) and clipping (in _clip_grad_norm below), so the
             # wrapper only scales, skips and keeps the masters: accumulation_steps=1 and no
@@ -183,7 +182,6 @@ class MixprecTrainer(Trainer):
             found._managed_by = "MixprecTrainer"
             self.optimizer = found
         self._mixprec_optimizer = found
-        note_optimizer(opt_model, found)
         return self.optimizer  # type: ignore[return-value]  # set just above or by Trainer
 
     def create_scheduler(
@@ -288,6 +286,8 @@ class MixprecTrainer(Trainer):
         # follow; the checkpoint holds the float32 masters themselves (_save): those, for
         # every weight they round to.
         optimizer, best = self._mixprec_optimizer, self.state.best_model_checkpoint
+        if optimizer is not None:
+            optimizer._weights.follow_external_writes()  # the load into the 16-bit weights
         pairs = optimizer.master_weights() if optimizer is not None else []
         saved = os.path.join(best or "", "model.safetensors")
         if not pairs or self.model is None or not os.path.exists(saved):

@@ -71,8 +71,7 @@ def host_step(opt: LossScaleOptimizer) -> StepResult | None:
                 inner.step()
         if weights.half:
             weights.copy_back()
-        if opt._book.post_hooks:
-            opt._run_post_hooks()
+        opt._run_post_hooks()
     opt._loss_scaler.update(overflow)
     opt._book.micro = 0
     return StepResult(applied=not overflow, found_inf=overflow, scale=1.0)

@@ -194,11 +194,6 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         )
 
     @property
-    def pending_micro_steps(self) -> int:
-        """Backward passes accumulated toward the next update: 0 between steps."""
-        return self._book.micro if self._book.micro < self.accumulation_steps else 0
-
-    @property
     def loss_scaler(self) -> LossScaler:
         """The scaler, its counters up to date (steps decided on the device read first)."""
         self._read_device_steps()
@@ -221,10 +216,9 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         self._weights.broadcast(src)
 
     def master_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(16-bit model parameter, its float32 master)`` pairs; a weight written since
-        the last step (``model.load_state_dict``) has replaced its master first, where it
-        is not the master's own rounding."""
-        self._weights.follow_external_writes()
+        """``(16-bit model parameter, its float32 master)`` pairs, as the last step left
+        them (``state_dict()`` and the checkpoints first take writes made to the weights
+        since)."""
         return list(zip(self._weights.half, self._weights.masters, strict=True))
 
     def master_params(self) -> Iterator[torch.Tensor]:
@@ -361,7 +355,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
                 with torch.no_grad():
                     torch._foreach_copy_(self._weights.half, self._weights.masters)
                 self._weights.versions = self._weights.half_versions()
-            self._run_post_hooks()
+            self._run_post_hooks()  # nothing to run without hooks
             if self._weights.checked:
                 self._book.weights_finite = all_finite(self._weights.checked)
         self._loss_scaler.update(overflow)

@@ -38,6 +38,12 @@ class StateDictMethods:
     _weights: MasterWeights
     accumulation_steps: int
 
+    @property
+    def pending_micro_steps(self) -> int:
+        """Backward passes accumulated toward the next update: 0 between steps (what a
+        state or a checkpoint taken now cannot hold)."""
+        return self._book.micro if self._book.micro < self.accumulation_steps else 0
+
     def state_dict(self) -> dict[str, Any]:
         """Inner optimizer state, float32 master weights and the loss scaler's state.
 
@@ -48,7 +54,7 @@ class StateDictMethods:
         # A weight written since the last step (a pretrained load) is saved, not the master
         # it is about to replace.
         self._weights.follow_external_writes()
-        if 0 < self._book.micro < self.accumulation_steps:
+        if self.pending_micro_steps:
             warn_at_caller(
                 f"state_dict() taken {self._book.micro} of {self.accumulation_steps} "
                 "micro-batches into an accumulation group: the gradients accumulated so far "

@@ -133,5 +133,7 @@ class StepHooks:
         return handle
 
     def _run_post_hooks(self) -> None:
+        if not self._book.post_hooks:
+            return
         for hook in list(self._book.post_hooks.values()):
             hook(self, (), {})

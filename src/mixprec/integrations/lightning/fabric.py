@@ -147,9 +147,7 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
         self._refuse_double_setup(lso, stepping=True)
         self._unscale(lso)
         result = self._apply(lso)
-        # The 16-bit weights' gradients are spent (the masters' were applied). Not through
-        # master_weights(), which would also check every weight for external writes.
-        for half in lso._weights.half:
+        for half, _ in lso.master_weights():  # spent: the masters' gradients were applied
             half.grad = None
         return result
 
