@@ -36,6 +36,7 @@ from torch import nn
 
 from mixprec._dtypes import closest, dtype_name
 from mixprec._errors import ArgumentError
+from mixprec._float64 import check_float64, lower_float64
 from mixprec._module_kinds import FLOAT32_MODULES, MIXED_NORM_MODULES, NORM_MODULES, is_half_storage
 from mixprec._module_kinds import HALF_STORAGE_MODULES as HALF_STORAGE_MODULES  # re-exported
 from mixprec._param_tags import tag
@@ -85,6 +86,19 @@ def _say_auto(name: str, reason: str) -> None:
         f"no policy given and none set globally: policy='auto' chose {name} ({reason}). Pass "
         "policy= (policy='float32' keeps float32) or call mp.set_global_policy(...) to choose"
     )
+
+
+def _lower_float64(model: nn.Module, level: str) -> None:
+    """Store a float64 model's float64 tensors in float32 and say so at the user's line."""
+    params, buffers = lower_float64(model)
+    if params or buffers:
+        counts = ((params, "parameter"), (buffers, "buffer"))
+        what = " and ".join(f"{k} {noun}{'s' * (k != 1)}" for k, noun in counts if k)
+        warn_at_caller(
+            f"auto_mixed_precision: {what} of the model were float64; stored in float32, the "
+            f"widest dtype {level} keeps (digits past float32's 24 bits are rounded off). "
+            "Call model.float() first to make this explicit"
+        )
 
 
 def _upcast_16bit(model: nn.Module, level: str, masters: bool) -> None:
@@ -228,6 +242,7 @@ def auto_mixed_precision(
             "auto_mixed_precision() was already applied to this model "
             f"(level {done.level}, policy {done.policy.name}); apply it once, to a float32 model"
         )
+    check_float64(model)  # before anything changes
     if planned is not None:
         planned.preset()  # the plan's regions in its other 16-bit dtype, which the level keeps
     kept = kept_modules(model, keep_float32)
@@ -246,6 +261,7 @@ def auto_mixed_precision(
     options, recipe = float8 or Float8Options(), resolved.float8_recipe if lvl != "O0" else None
     if recipe is not None:  # refuse what the conversion would refuse before changing anything
         check_float8(model, recipe, policy_name=resolved.name, options=options)
+    _lower_float64(model, lvl)
     _upcast_16bit(model, lvl, o3_masters)  # O0-O2 and MindSpore's O3 keep float32 weights
     if recipe is not None:
         choices = convert_to_float8(
