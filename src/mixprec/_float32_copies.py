@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-__all__ = ["FP32_COPY_ATTR", "remember_float32", "take_float32_copy"]
+__all__ = ["FP32_COPY_ATTR", "current_float32_copy", "remember_float32", "take_float32_copy"]
 
 FP32_COPY_ATTR = "_mixprec_fp32"  # Float32Copy of a parameter stored in 16 bits
 
@@ -25,18 +25,23 @@ class Float32Copy:
 
 def take_float32_copy(param: torch.Tensor) -> torch.Tensor | None:
     """Remove and return the float32 values kept for ``param`` if they are still current."""
-    kept = param.__dict__.pop(FP32_COPY_ATTR, None)
-    if not isinstance(kept, Float32Copy) or kept.version != param._version:
-        return None
+    values = current_float32_copy(param)
+    param.__dict__.pop(FP32_COPY_ATTR, None)
     # A copy: the kept values are a detached view of the float32 parameter as it was, which
     # shares the parameter's version counter; a master sharing it would make every write
     # to the master look like an external write to the weight.
-    values = kept.values.to(param.device, copy=True)
+    return None if values is None else values.clone()
+
+
+def current_float32_copy(param: torch.Tensor) -> torch.Tensor | None:
+    """The float32 values kept for ``param`` (left in place) if they are still current."""
+    kept = param.__dict__.get(FP32_COPY_ATTR)
+    if not isinstance(kept, Float32Copy) or kept.version != param._version:
+        return None
     # A write through ``param.data`` (Hugging Face's weight init) leaves the version as it
     # was: the copy is current only if it still rounds to the weight. Once, not per step.
-    if not torch.equal(values.to(param.dtype), param.detach()):
-        return None
-    return values
+    values = kept.values.to(param.device)  # the model may have moved since
+    return values if torch.equal(values.to(param.dtype), param.detach()) else None
 
 
 def remember_float32(param: torch.Tensor, values: torch.Tensor) -> None:

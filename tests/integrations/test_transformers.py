@@ -444,6 +444,31 @@ def test_save_model_writes_the_float32_masters(tmp_path, save_masters):
             assert torch.equal(value, masters[name]), name
 
 
+def test_an_evaluation_only_trainer_saves_the_float32_weights_it_was_given(tmp_path):
+    """With no optimizer, ``save_model()`` wrote the bfloat16 roundings of the pretrained
+    float32 weights: the float32 values kept at preparation are written instead."""
+    model = build()
+    original = weights(model)
+    trainer = MixprecTrainer(
+        model=model,
+        args=arguments(tmp_path / "run", per_device_eval_batch_size=8),
+        eval_dataset=dataset(16),
+        policy="mixed_bfloat16",
+    )
+    assert math.isfinite(trainer.evaluate()["eval_loss"])
+    assert trainer.model.transformer.h[0].attn.c_attn.weight.dtype == torch.bfloat16
+    out = tmp_path / "final"
+    trainer.save_model(str(out))
+    from safetensors.torch import load_file
+
+    written = load_file(out / "model.safetensors")
+    for name, value in original.items():
+        if name in written:  # tied lm_head.weight is written once
+            assert written[name].dtype == torch.float32 and torch.equal(written[name], value)
+    loaded = type(trainer.model).from_pretrained(str(out))
+    assert all(torch.equal(p, original[n]) for n, p in weights(loaded).items())
+
+
 # -- refusals and bad arguments -------------------------------------------------------------
 
 

@@ -10,8 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec._dtypes import HALF_DTYPES
 from mixprec.checkpoint.format import CheckpointError
 from mixprec.optim import LossScaleOptimizer
+from mixprec.optim.masters import float32_values
 
 __all__ = ["master_tensors", "optimizer_classes"]
 
@@ -21,8 +23,10 @@ def master_tensors(
 ) -> dict[str, torch.Tensor]:
     """The float32 master of each 16-bit weight of ``model`` that ``optimizer`` (a
     ``LossScaleOptimizer``) keeps, under every state-dict key of the weight (a tied weight has
-    several, all given the same master); empty for any other optimizer or ``None``. What a
-    checkpoint and ``MixprecTrainer``'s ``save_model`` write in place of the 16-bit values."""
+    several, all given the same master); for a weight it does not cover (or with no such
+    optimizer), the float32 values the weight still rounds from (``float32_values``). What a
+    checkpoint, an export and ``MixprecTrainer``'s ``save_model`` write in place of the
+    16-bit values."""
     names = _parameter_names(model)
     masters: dict[str, torch.Tensor] = {}
     if isinstance(optimizer, LossScaleOptimizer):
@@ -32,6 +36,14 @@ def master_tensors(
         for param, master in optimizer.master_weights():
             for name in names.get(id(param), []):
                 masters[name] = master
+    # Weights no given optimizer covers (no optimizer yet, a weights-only save, frozen
+    # ones) still stand for float32 values: kept at preparation, or a live master's.
+    for param in model.parameters():
+        found = names.get(id(param), [])
+        if param.dtype in HALF_DTYPES and found and found[0] not in masters:
+            values = float32_values(param)
+            if values is not None:
+                masters.update(dict.fromkeys(found, values))
     return masters
 
 

@@ -19,13 +19,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 from mixprec._dist import is_dtensor
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
-from mixprec._float32_copies import take_float32_copy
+from mixprec._float32_copies import current_float32_copy, take_float32_copy
 from mixprec._plain_optimizers import needs_master
 from mixprec._warn import warn_at_caller
 from mixprec.scaling import all_finite
 from mixprec.trace import model_of
 
-__all__ = ["MasterWeights", "needs_master"]
+__all__ = ["MasterWeights", "float32_values", "needs_master"]
 
 # 16-bit weight -> the float32 master of the latest LossScaleOptimizer over it, weakly: a
 # new optimizer over the same model (a second fit, a later phase of training) starts from
@@ -41,13 +41,30 @@ def _starting_values(p: torch.Tensor) -> tuple[torch.Tensor, bool]:
     original = take_float32_copy(p)
     if original is not None:
         return original, False
+    latest, gone = _live_master(p)
+    if latest is not None:
+        return latest.detach().clone(), False
+    return p.detach().float(), gone
+
+
+def _live_master(p: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+    """The master of the latest ``LossScaleOptimizer`` over ``p`` while it lives and ``p``
+    still rounds from it, and whether such a master existed and is gone."""
     ref = _LATEST_MASTER.get(p)
     latest = ref() if ref is not None else None
     if latest is not None and latest.shape == p.shape and latest.device == p.device:
         with torch.no_grad():
             if torch.equal(latest.to(p.dtype), p.detach()):
-                return latest.detach().clone(), False
-    return p.detach().float(), ref is not None and latest is None
+                return latest, False
+    return None, ref is not None and latest is None
+
+
+def float32_values(p: torch.Tensor) -> torch.Tensor | None:
+    """The float32 values a 16-bit weight stands for when no optimizer is given (a
+    weights-only save, an export, an evaluation-only trainer): those kept when it went to
+    16 bits while current, else the live master it rounds from; ``None`` if neither."""
+    kept = current_float32_copy(p)
+    return kept if kept is not None else _live_master(p)[0]
 
 
 class MasterWeights:

@@ -1,0 +1,92 @@
+"""A save or export given no optimizer still writes the float32 values a 16-bit weight
+stands for: those kept when ``auto_mixed_precision`` stored it in 16 bits, or the live
+master of the optimizer training it. A weight written since, or whose optimizer is gone,
+is written as it is."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+import mixprec as mp
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+
+
+def written(tmp_path, model, how: str) -> dict[str, torch.Tensor]:
+    """What a weights-only save (``save_checkpoint`` or ``export_weights``) wrote."""
+    if how == "checkpoint":
+        tensors, _ = mp.read_checkpoint(mp.save_checkpoint(tmp_path / "c.safetensors", model))
+        return {k.removeprefix("model/"): v for k, v in tensors.items()}
+    return load_file(mp.export_weights(model, tmp_path / "e.safetensors"))
+
+
+def train(model: nn.Module, steps: int = 3) -> mp.LossScaleOptimizer:
+    opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        opt.zero_grad()
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+        opt.backward(F.cross_entropy(model(x), y))
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "export"])
+def test_a_prepared_model_with_no_optimizer_writes_its_float32_values(tmp_path, how):
+    """An evaluation-only model (or one saved before training starts) wrote its bfloat16
+    roundings: the pretrained float32 values were lost in the file."""
+    model = net()
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    mp.auto_mixed_precision(model, "mixed_bfloat16", "O2")
+    assert model[0].weight.dtype == torch.bfloat16
+    out = written(tmp_path, model, how)
+    for key, value in original.items():
+        assert out[key].dtype == torch.float32 and torch.equal(out[key], value), key
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "export"])
+def test_a_trained_model_saved_without_its_optimizer_writes_the_masters(tmp_path, how):
+    model = mp.auto_mixed_precision(net(), "mixed_bfloat16", "O2")
+    opt = train(model)
+    masters = {id(p): m for p, m in opt.master_weights()}
+    out = written(tmp_path, model, how)
+    for key, p in model.named_parameters():
+        expected = masters.get(id(p), p)
+        assert out[key].dtype == torch.float32 and torch.equal(out[key], expected), key
+    assert any(not torch.equal(m.bfloat16().float(), m) for m in masters.values())
+
+
+def test_a_weight_written_since_is_written_as_it_is_and_a_gone_master_is_not_used(tmp_path):
+    model = mp.auto_mixed_precision(net(), "mixed_bfloat16", "O2")
+    opt = train(model)
+    with torch.no_grad():
+        model[0].weight.fill_(0.5)  # a write the optimizer has not seen: it wins
+    out = written(tmp_path, model, "checkpoint")
+    assert torch.equal(out["0.weight"], torch.full((16, 8), 0.5, dtype=torch.bfloat16))
+    master = dict((id(p), m) for p, m in opt.master_weights())[id(model[2].weight)]
+    assert torch.equal(out["2.weight"], master)
+    del opt, master
+    gc.collect()
+    out = written(tmp_path, model, "checkpoint")
+    assert out["2.weight"].dtype == torch.bfloat16  # no float32 values left to write
+
+
+def test_a_load_of_a_weights_only_save_starts_the_masters_from_its_float32_values(tmp_path):
+    source = mp.auto_mixed_precision(net(), "mixed_bfloat16", "O2")
+    opt = train(source)
+    masters = [m.clone() for _, m in opt.master_weights()]
+    path = mp.save_checkpoint(tmp_path / "w.safetensors", source)
+    model = mp.auto_mixed_precision(net(), "mixed_bfloat16", "O2")
+    mp.load_checkpoint(path, model)
+    resumed = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for expected, (_, master) in zip(masters, resumed.master_weights(), strict=True):
+        assert torch.equal(master, expected)
