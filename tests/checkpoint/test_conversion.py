@@ -156,3 +156,37 @@ def test_non_finite_buffers_load_and_export_as_saved(tmp_path):
     bad = mp.save_checkpoint(tmp_path / "bad.safetensors", model)
     with pytest.raises(mp.CheckpointError, match=r"'lin.weight' \(1 NaN, 0 inf\)"):
         mp.load_checkpoint(bad, _Masked())
+
+
+def test_clamp_saturates_a_buffers_finite_values_and_keeps_its_infinities(tmp_path):
+    """A causal mask's -inf is meant: clamping it to -65504 would let masked positions
+    through. Only the finite value past float16's range is saturated."""
+    source = make_mlp()
+    source.register_buffer("mask", torch.tensor([0.0, float("-inf"), 1e6, float("inf")]))
+    path = mp.save_checkpoint(tmp_path / "mask.safetensors", source)
+    target = make_mlp()
+    target.register_buffer("mask", torch.zeros(4, dtype=torch.float16))
+    report = mp.load_checkpoint(path, target, on_range="clamp")
+    assert report.out_of_range == [("mask", 1e6, "float16", "clamp")]
+    assert target.mask.tolist() == [0.0, float("-inf"), 65504.0, float("inf")]
+
+
+@pytest.mark.parametrize("target", [torch.float16, torch.bfloat16])
+def test_values_a_narrower_dtype_flushes_to_zero_are_counted_by_tensor(tmp_path, target):
+    """float16's smallest subnormal is 6e-8, bfloat16's 9e-41: below, a value becomes 0."""
+    source = make_mlp()
+    with torch.no_grad():
+        source[0].weight[0, :3] = torch.tensor([1e-9, -2e-42, 0.0])
+        source[5].bias[0] = 3e-8  # rounds up to float16's subnormal 6e-8: kept
+    path = mp.save_checkpoint(tmp_path / "tiny.safetensors", source)
+    model = make_mlp().to(target)
+    report = mp.load_checkpoint(path, model)
+    lost = {torch.float16: 2, torch.bfloat16: 1}[target]
+    assert report.underflow == [("0.weight", lost, str(target).removeprefix("torch."))]
+    word = "values" if lost > 1 else "value"
+    assert f"  0.weight: {lost} non-zero {word} below " in str(report)
+    assert model[5].bias[0].item() != 0.0
+    out = tmp_path / "out.safetensors"
+    converted = mp.convert_checkpoint(path, out, target)
+    assert converted.underflow == report.underflow
+    assert mp.load_checkpoint(path, make_mlp()).underflow == []  # float32 holds them all

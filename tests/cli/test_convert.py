@@ -59,3 +59,23 @@ def test_convert_onto_the_input_is_refused_unless_in_place_and_says_what_it_drop
     # --in-place with another output is a plain conversion.
     assert cli.main(["convert", "ck.safetensors", "o.safetensors", "--in-place"]) == 0
     assert "in place" not in capsys.readouterr().out
+
+
+def test_convert_names_its_option_as_typed_and_counts_values_flushed_to_zero(tmp_path, capsys):
+    import torch
+
+    import mixprec as mp
+    from tests.conftest import make_mlp
+
+    model = make_mlp()
+    with torch.no_grad():
+        model[0].weight[0, :2] = 1e-9  # below float16's smallest subnormal, 6e-8
+    ckpt = mp.save_checkpoint(tmp_path / "c.safetensors", model)
+    out = tmp_path / "half.safetensors"
+    assert cli.main(["convert", str(ckpt), str(out), "--dtype", "float13"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mixprec convert: error: --dtype='float13' is not a known dtype; valid:")
+    assert not out.exists()
+    assert cli.main(["convert", str(ckpt), str(out), "--dtype", "float16"]) == 0
+    line = "  0.weight: 2 non-zero values below float16's range became 0\n"
+    assert line in capsys.readouterr().out

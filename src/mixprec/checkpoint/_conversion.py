@@ -1,6 +1,6 @@
-"""Dtype conversion of loaded tensors: which conversions mean something, NaN/inf counts, and
-what ``on_range`` does with values beyond a narrower destination's range (16 bits, float64
-into float32, integers)."""
+"""Dtype conversion of loaded tensors: which conversions mean something, NaN/inf counts, what
+``on_range`` does with values beyond a narrower destination's range (16 bits, float64 into
+float32, integers), and how many non-zero values a narrower dtype flushes to 0."""
 
 from __future__ import annotations
 
@@ -129,11 +129,23 @@ def _convert(
                     "saturate or 'ignore' to cast as is (values become inf)"
                 )
             if on_range == "clamp":
-                # In float32 for a bfloat16 source: 65504 is no bfloat16 value (it rounds to
-                # 65536, float16's inf).
-                wide = value.float() if value.dtype == torch.bfloat16 else value
-                value = wide.clamp(-limit, limit)
-    return value.to(target)
+                value = saturate(value, target)
+    converted = value.to(target)
+    if _narrows(value.dtype, target) and converted.numel():
+        # Below the target's smallest subnormal (float16: 6e-8) a value becomes 0.
+        lost = int(torch.count_nonzero((converted == 0) & (value != 0)))
+        if lost:
+            report.underflow.append((name, lost, dtype_name(target)))
+    return converted
+
+
+def saturate(value: torch.Tensor, target: torch.dtype) -> torch.Tensor:
+    """``value``'s finite values clamped to ``target``'s range, in float32 or wider (65504 is
+    no bfloat16 value: it rounds to 65536, float16's inf). inf and NaN stay: a buffer's -inf
+    mask is meant, and a parameter's are refused before this."""
+    limit = float(torch.finfo(target).max)
+    wide = value if value.dtype in (torch.float32, torch.float64) else value.float()
+    return torch.where(torch.isfinite(wide), wide.clamp(-limit, limit), wide)
 
 
 def _narrows(source: torch.dtype, target: torch.dtype) -> bool:

@@ -60,14 +60,17 @@ class _BadValueError(Exception):
 @dataclass
 class LoadReport:
     """What ``load_checkpoint`` (or ``convert_checkpoint``) did: tensors cast to another
-    dtype, values out of a 16-bit range and what ``on_range`` did with them, NaN/inf counts
-    loaded under ``on_range="ignore"``, key mismatches, the header's metadata and the
-    trainer state; for a conversion, the state it did not write."""
+    dtype, values out of a 16-bit range and what ``on_range`` did with them, non-zero values
+    that became 0 (``underflow``), NaN/inf counts loaded under ``on_range="ignore"``, key
+    mismatches, the header's metadata and the trainer state; for a conversion, the state it
+    did not write."""
 
     path: str
     converted: list[tuple[str, str, str]] = field(default_factory=list)  # name, from, to
     out_of_range: list[tuple[str, float, str, str]] = field(default_factory=list)
     non_finite: list[tuple[str, int, int]] = field(default_factory=list)  # name, NaN, inf
+    #: Tensors whose non-zero values became 0 in a narrower dtype: name, how many, dtype.
+    underflow: list[tuple[str, int, str]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
@@ -83,6 +86,7 @@ class LoadReport:
             lines.append(f"  {name}: max |value| {peak:.6g} exceeds {dtype} ({action})")
         for name, nan, inf in self.non_finite:
             lines.append(f"  {name}: {nan} NaN, {inf} inf (loaded as they are)")
+        lines += [underflow_line(*entry) for entry in self.underflow]
         lines += [f"  dropped: {what}" for what in self.dropped]
         return "\n".join(lines + self.mismatch_lines())
 
@@ -95,6 +99,11 @@ class LoadReport:
         return lines + [
             f"  shape mismatch {n}: saved {a}, model {b}" for n, a, b in self.mismatched
         ]
+
+
+def underflow_line(name: str, count: int, dtype: str) -> str:
+    """One ``LoadReport.underflow`` entry, as the report and ``mixprec convert`` print it."""
+    return f"  {name}: {count} non-zero value{'s' * (count != 1)} below {dtype}'s range became 0"
 
 
 def _checksum(tensors: Mapping[str, torch.Tensor], header: dict[str, Any] | None = None) -> str:

@@ -24,6 +24,7 @@ from mixprec.checkpoint._conversion import (
     _convert,
     _count_non_finite,
     _raise_non_finite,
+    saturate,
 )
 from mixprec.checkpoint._model import (
     _buffer_names,
@@ -111,9 +112,8 @@ def load_checkpoint(
         check_param_names(str(path), header.get("optimizer_params"), mine, skip)
         # Masters are built from the saved values, clamped as their weights were: else the
         # optimizer's copy-back would put back the values the clamp took out.
-        clamped = {n: dtype for n, _, dtype, how in report.out_of_range if how == "clamp"}
-        masters_from = {n: _clamped(saved[n], clamped[n]) if n in clamped else saved[n]
-                        for n in saved}  # fmt: skip
+        clamped = {n: getattr(torch, d) for n, _, d, how in report.out_of_range if how == "clamp"}
+        masters_from = {n: saturate(v, clamped[n]) if n in clamped else v for n, v in saved.items()}
         optim_state = _optimizer_state(path, optimizer, model, masters_from, tensors, header)
     rng_state = None
     if restore_rng and header.get("rng") is not None:
@@ -174,13 +174,6 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
     if not b.is_floating_point():
         return torch.equal(a, b)
     return a.shape == b.shape and torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True)
-
-
-def _clamped(value: torch.Tensor, dtype: str) -> torch.Tensor:
-    """``value`` saturated to ``dtype``'s range (a dtype's name), in float32 or wider."""
-    limit = float(torch.finfo(getattr(torch, dtype)).max)
-    wide = value if value.dtype in (torch.float32, torch.float64) else value.float()
-    return wide.clamp(-limit, limit)
 
 
 def _keep_float32_values(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from mixprec._dtypes import parse_dtype
 from mixprec.checkpoint import convert_checkpoint
 from mixprec.checkpoint._files import same_file
+from mixprec.checkpoint.format import underflow_line
 from mixprec.cli._common import UsageError, output_file
 
 HELP = "rewrite a checkpoint's weights as safetensors in one dtype"
@@ -33,6 +35,7 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Convert, then say what was written and which values left the dtype's range; in
     place, also what the input held that the output does not."""
+    parse_dtype(args.dtype, argument="--dtype")  # named as typed, not as the API's dtype=
     output_file("output", args.output)
     in_place = same_file(args.input, args.output)
     if in_place and not args.in_place:
@@ -56,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {name}: max |value| {peak:.6g} exceeds {dtype} ({action})")
     for name, nan, inf in report.non_finite:
         print(f"  {name}: {nan} NaN, {inf} inf (kept: --on-range ignore)")
+    for entry in report.underflow:
+        print(underflow_line(*entry))
     if in_place:
         print(f"  in place: kept the model weights ({count} tensors, now {args.dtype})")
         for what in report.dropped or ["nothing (the input held weights only)"]:
