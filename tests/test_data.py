@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from mixprec import ArgumentError
 from mixprec.data import (
+    check_finite,
     load_digits,
     load_mnist,
     synthetic_classification,
@@ -293,3 +295,36 @@ def test_digits_without_sklearn(monkeypatch):
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # makes the import fail
     with pytest.raises(ImportError, match=r"a mixprec dependency .*: pip install scikit-learn"):
         load_digits()
+
+
+def test_mnist_with_no_images_names_the_file(tmp_path):
+    arrays = tiny_mnist()
+    arrays["train_x"], arrays["train_y"] = arrays["train_x"][:0], arrays["train_y"][:0]
+    write_all(tmp_path, arrays)
+    with pytest.raises(
+        ValueError, match=r"train-images-idx3-ubyte: dims \[0, 5, 7\] hold no images"
+    ):
+        load_mnist(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: synthetic_classification(n=10.5), r"n=10\.5 is invalid; it must be an int >= 1"),
+        (lambda: synthetic_classification(classes=True), r"classes=True is invalid"),
+        (lambda: synthetic_tokens(seq_len=3.0), r"seq_len=3\.0 is invalid; it must be an int >= 1"),
+        (
+            lambda: validate_classification(torch.zeros(4, 2), torch.tensor([0, 1, 2, 1]), 2.5),
+            r"num_classes=2\.5 is invalid; it must be an int >= 1",
+        ),
+    ],
+)
+def test_sizes_that_are_not_ints_are_named(call, message):
+    with pytest.raises(ArgumentError, match=message):
+        call()
+
+
+def test_a_scalar_is_checked_for_finiteness_as_one_sample():
+    check_finite(torch.tensor(1.0), "x")
+    with pytest.raises(ValueError, match=r"x has 1 non-finite value\(s\).*sample 0"):
+        check_finite(torch.tensor(float("nan")), "x")

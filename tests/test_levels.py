@@ -96,6 +96,17 @@ def test_keep_float32_pattern():
     assert s["encoder.layers.0.linear2.weight"] == BF16
 
 
+def test_an_empty_keep_float32_entry_is_refused_not_the_whole_model():
+    """ "" is the model's own name in named_modules(): an unset setting passed as
+    keep_float32="" kept every layer in float32, without a word. "(model)" names it."""
+    with pytest.raises(mp.ArgumentError, match=r"keep_float32 entry '' matches no module name"):
+        mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2", keep_float32="")
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2", keep_float32="*")
+    assert model[0].weight.dtype == F32  # every layer, by pattern
+    whole = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2", keep_float32="(model)")
+    assert whole[0].weight.dtype == F32
+
+
 def test_to_float_before_auto_mixed_precision_is_kept():
     model = make_mlp()
     mp.to_float(model[5], torch.float32)

@@ -206,3 +206,36 @@ def test_get_model_unknown_name():
     assert "'reccomender'" in message
     assert "valid names: mlp, cnn, lm, speech, recommender" in message
     assert "closest: 'recommender'" in message
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: mlp(classes=0), r"classes=0 is invalid; it must be an int >= 1"),
+        (lambda: mlp(hidden=2.5), r"hidden=2\.5 is invalid"),
+        (lambda: mlp(input_shape=(28, 28.0)), r"input_shape=\(28, 28\.0\) is invalid"),
+        (lambda: cnn(width=0), r"width=0 is invalid"),
+        (lambda: CausalLM(n_heads=0), r"n_heads=0 is invalid; it must be an int >= 1"),
+        (lambda: CausalLM(max_len=0), r"max_len=0 is invalid"),
+        (lambda: synthetic_speech(n=2.0), r"n=2\.0 is invalid"),
+    ],
+)
+def test_sizes_are_checked_and_named(build, message):
+    from mixprec import ArgumentError
+
+    with pytest.raises(ArgumentError, match=message):
+        build()
+
+
+def test_synthetic_speech_refuses_a_time_whose_frames_cannot_hold_its_targets():
+    """time=30 passed the old check, and 8 of 64 samples had 11 frames for up to 15
+    targets after the stride-2 convolution: an infinite CTC loss."""
+    from mixprec import ArgumentError
+
+    with pytest.raises(ArgumentError, match=r"time=38 is invalid; it must be an int >= 39"):
+        synthetic_speech(time=38)
+    feats, targets, in_len, tgt_len = synthetic_speech(n=256, time=39, n_mels=12, n_tokens=7)
+    model = SpeechCTC(n_mels=12, n_tokens=7)
+    frames = model.output_lengths(in_len)
+    assert bool((frames >= tgt_len).all())
+    assert torch.isfinite(ctc_loss(model(feats), targets, frames, tgt_len))

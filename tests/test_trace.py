@@ -252,3 +252,37 @@ def test_parameters_find_their_model_while_it_lives():
     del model
     gc.collect()
     assert model_of(params) is None  # a weak reference: the model was freed
+
+
+def test_a_forward_no_backward_followed_is_dropped_at_the_next_forward():
+    """An evaluation pass with gradients on, or an abandoned batch, is no step's: its
+    records went on piling up until the next step() and were blamed for its overflow."""
+    model = nn.Sequential(identity_linear(2), HalfGain(), identity_linear(2))
+    tracer = OverflowTracer(model)
+    model(torch.tensor([[2.0, 0.5]]))  # overflows in HalfGain; no backward follows
+    for _ in range(50):
+        model(torch.tensor([[0.5, 0.5]]))
+    assert len(tracer._records) == 4  # the last forward alone: its three layers and the model
+    x = torch.tensor([[0.5, 0.5]], requires_grad=True)
+    model(x).sum().backward()
+    assert tracer.first_overflow() is None  # the old overflow is not this step's
+
+
+def test_records_of_an_accumulation_group_are_all_kept():
+    model = nn.Sequential(identity_linear(2), HalfGain())
+    tracer = OverflowTracer(model)
+    model(torch.tensor([[2.0, 0.5]], requires_grad=True)).sum().backward()  # overflows
+    model(torch.tensor([[0.5, 0.5]], requires_grad=True)).sum().backward()
+    found = tracer.first_overflow()
+    assert found is not None and found.module == "1" and found.phase == "forward"
+
+
+def test_a_record_with_no_finite_value_says_so():
+    found = Overflow("0", "Linear", "forward", "float16", 4, math.inf, -math.inf)
+    big = torch.finfo(torch.float32).max
+    from_sentinels = Overflow("0", "Linear", "forward", "float16", 4, big, -big)
+    assert str(found).endswith("4 non-finite values in float16; no finite value")
+    assert str(from_sentinels).endswith("; no finite value")
+    assert str(Overflow("0", "Linear", "forward", "float16", 1, -2.0, 3.0)).endswith(
+        "finite values in [-2, 3]"
+    )

@@ -35,3 +35,10 @@ def shown(value: object) -> str:
         return f"an int of {len(str(abs(value)))} digits"
     text = _SHORT.repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_int(name: str, value: object, minimum: int) -> None:
+    """Raise ``ArgumentError`` unless ``value`` is an int (not a bool) >= ``minimum``,
+    naming ``name``, the value received and what is valid."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ArgumentError(f"{name}={shown(value)} is invalid; it must be an int >= {minimum}")

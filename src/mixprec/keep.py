@@ -48,7 +48,13 @@ def kept_modules(
         elif entry == ROOT_NAME:  # the doctor's name for the model itself
             kept[""] = model
         elif isinstance(entry, str):
-            hits = {n: m for n, m in named.items() if n == entry or fnmatch.fnmatchcase(n, entry)}
+            # The model itself is "" in named_modules: only ROOT_NAME names it, so that an
+            # empty entry (an unset setting) cannot keep the whole model in float32.
+            hits = {
+                n: m
+                for n, m in named.items()
+                if n and (n == entry or fnmatch.fnmatchcase(n, entry))
+            }
             if not hits:
                 hint = closest(entry, [n for n in named if n])
                 raise ArgumentError(

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec._dtypes import closest
-from mixprec._errors import ArgumentError
+from mixprec._errors import ArgumentError, check_int
 from mixprec.losses import cross_entropy
 
 __all__ = [
@@ -38,10 +38,14 @@ def mlp(
     """Flatten → ``depth`` x (Linear(hidden) → ReLU) → Linear(classes), as in the Keras and
     MindSpore mixed precision guides. The input size is the product of ``input_shape``."""
     shape = (input_shape,) if isinstance(input_shape, int) else tuple(input_shape)
-    if not shape or any(d < 1 for d in shape):
+    if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape):
         raise ArgumentError(f"input_shape={input_shape!r} is invalid; dims must be ints >= 1")
-    if depth < 0:
-        raise ArgumentError(f"depth={depth!r} is invalid; it must be an int >= 0")
+    for arg, value, minimum in (
+        ("hidden", hidden, 1),
+        ("depth", depth, 0),
+        ("classes", classes, 1),
+    ):
+        check_int(arg, value, minimum)
     layers: list[nn.Module] = [nn.Flatten()]
     width = math.prod(shape)
     for _ in range(depth):
@@ -60,6 +64,8 @@ class _AddChannel(nn.Module):
 
 def cnn(in_channels: int = 1, classes: int = 10, width: int = 32) -> nn.Module:
     """Two conv + BatchNorm + ReLU + max-pool blocks, global average pool, Linear."""
+    for arg, value in (("in_channels", in_channels), ("classes", classes), ("width", width)):
+        check_int(arg, value, 1)
     return nn.Sequential(
         _AddChannel(),
         nn.Conv2d(in_channels, width, 3, padding=1),
@@ -116,6 +122,10 @@ class CausalLM(nn.Module):
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
+        for arg, value in (("vocab", vocab), ("d_model", d_model), ("n_heads", n_heads)):
+            check_int(arg, value, 1)
+        check_int("n_layers", n_layers, 0)
+        check_int("max_len", max_len, 1)
         if d_model % n_heads:
             raise ArgumentError(
                 f"d_model={d_model!r} is not divisible by n_heads={n_heads!r}; "
@@ -161,6 +171,7 @@ def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 _KERNEL, _STRIDE, _PADDING = 3, 2, 1  # SpeechCTC's convolution over time
+_MIN_TIME = 39  # synthetic_speech: (39 * 3 // 4 + 2 * 1 - 3) // 2 + 1 = 15 frames
 
 
 class SpeechCTC(nn.Module):
@@ -217,10 +228,12 @@ def synthetic_speech(
     token has a fixed random spectrum; a sample's frames spell its targets in equal
     segments, plus Gaussian noise; frames past ``input_lengths`` are zero.
     """
-    if n_tokens < 3:
-        raise ArgumentError(f"n_tokens={n_tokens!r} is invalid; it must be >= 3 (blank + 2)")
-    if time < 30:
-        raise ArgumentError(f"time={time!r} is invalid; it must be >= 30 to hold 15 tokens")
+    check_int("n", n, 1)
+    check_int("n_mels", n_mels, 1)
+    check_int("n_tokens", n_tokens, 3)  # the blank and 2 labels
+    # A sample has at least time * 3 // 4 frames, halved by the stride-2 convolution; CTC
+    # needs as many frames as targets (15 at most), or the loss is inf: time >= 39.
+    check_int("time", time, _MIN_TIME)
     g = torch.Generator().manual_seed(seed)
     spectra = torch.randn(n_tokens, n_mels, generator=g)
     target_lengths = torch.randint(5, 16, (n,), generator=g)

@@ -38,9 +38,14 @@ class Overflow:
     finite_max: float
 
     def __str__(self) -> str:
+        finite = (
+            f"finite values in [{self.finite_min:.4g}, {self.finite_max:.4g}]"
+            if self.finite_min <= self.finite_max
+            else "no finite value"
+        )
         return (
             f"{self.module} ({self.kind}) {self.phase}: {self.nonfinite} non-finite values in "
-            f"{self.dtype}; finite values in [{self.finite_min:.4g}, {self.finite_max:.4g}]"
+            f"{self.dtype}; {finite}"
         )
 
 
@@ -50,8 +55,8 @@ def _summary(t: torch.Tensor) -> torch.Tensor:
     finite = torch.isfinite(t)
     values = t.float()
     big = torch.finfo(torch.float32).max
-    low = torch.where(finite, values, big).amin() if t.numel() else torch.zeros(())
-    high = torch.where(finite, values, -big).amax() if t.numel() else torch.zeros(())
+    low = torch.where(finite, values, big).amin() if t.numel() else values.new_zeros(())
+    high = torch.where(finite, values, -big).amax() if t.numel() else values.new_zeros(())
     bad = (~finite).sum().float()
     return torch.stack([bad, low, high])
 
@@ -61,7 +66,13 @@ class OverflowTracer:
 
     def __init__(self, model: nn.Module) -> None:
         self._records: list[tuple[str, str, str, str, torch.Tensor]] = []
-        self._handles = []
+        # Where the model's latest forward began in the records, and whether a gradient
+        # arrived since: a forward that no backward followed (an evaluation pass with
+        # gradients on, an abandoned batch) is dropped at the next one, so records neither
+        # grow without bound nor blame a pass that no step came from.
+        self._forward_start: int | None = None
+        self._backward_seen = False
+        self._handles = [model.register_forward_pre_hook(self._on_model_forward)]
         for name, module in model.named_modules():
             label = name or "(model)"
             hook = self._forward_hook(label, type(module).__name__)
@@ -79,6 +90,7 @@ class OverflowTracer:
             if out.requires_grad:
 
                 def on_grad(grad: torch.Tensor) -> None:
+                    self._backward_seen = True
                     self._records.append(
                         (name, kind, "backward", dtype_name(grad.dtype), _summary(grad))
                     )
@@ -87,8 +99,16 @@ class OverflowTracer:
 
         return hook
 
+    def _on_model_forward(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+            return
+        if self._forward_start is not None and not self._backward_seen:
+            del self._records[self._forward_start :]
+        self._forward_start, self._backward_seen = len(self._records), False
+
     def clear(self) -> None:
         self._records.clear()
+        self._forward_start, self._backward_seen = None, False
 
     def first_overflow(self) -> Overflow | None:
         """The first record with a non-finite value (one host transfer), or ``None``."""

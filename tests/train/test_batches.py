@@ -170,3 +170,66 @@ def test_cross_entropy_labels_may_be_its_ignore_index():
     with pytest.raises(ValueError, match=r"label 7 at index 6 is out of range; valid labels are "
                        r"0\.\.2, or -100 \(ignored by the loss\)"):  # fmt: skip
         t.fit(x, y, batch_size=8, epochs=1, verbose=0)
+
+
+# -- what the data gives each rank and each split ---------------------------------------------
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_every_rank_gets_as_many_steps_as_it_was_told(monkeypatch, shuffle):
+    """Unshuffled, 11 samples over 2 ranks gave rank 1 five steps and rank 0 six: rank 0
+    then waited in DDP's all-reduce for good. Both are padded, as DistributedSampler does."""
+    from mixprec import distributed
+    from mixprec.train.batches import epoch_batches
+
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(distributed, "check_batch", lambda b: b // 2)
+    monkeypatch.setattr(distributed, "broadcast_", lambda t: t)
+    x, y = torch.arange(11.0).reshape(11, 1), torch.arange(11)
+    seen = []
+    for rank in (0, 1):
+        monkeypatch.setattr(distributed, "rank", lambda rank=rank: rank)
+        epoch, steps, _ = epoch_batches(x, y, batch_size=2, shuffle=shuffle)
+        torch.manual_seed(0)  # rank 0's order on both: broadcast_ is stubbed out here
+        batches = list(epoch())
+        assert len(batches) == steps == 6, rank
+        seen += [int(v) for _, yb in batches for v in yb]
+    assert sorted(set(seen)) == list(range(11)) and len(seen) == 12  # one sample repeated
+
+
+@pytest.mark.parametrize(("n", "split", "held"), [(100, 0.29, 29), (100, 0.57, 57), (100, 0.005, 1),
+                                                  (10, 0.25, 3), (400, 0.2, 80)])  # fmt: skip
+def test_validation_split_holds_out_what_keras_does(n, split, held):
+    """Keras trains on the first floor(n * (1 - split)) samples; int(n * split) held out
+    one fewer where n * split is not exact in binary (100 * 0.29 = 28.999...)."""
+    from mixprec.train.batches import split_validation
+
+    x, y = torch.randn(n, 3), torch.arange(n)
+    xt, yt, (xv, yv) = split_validation(x, y, split)
+    assert len(xv) == len(yv) == held and len(xt) == len(yt) == n - held
+    assert torch.equal(torch.cat([yt, yv]), y)  # the last samples, in order
+
+
+def test_a_split_that_leaves_one_side_empty_and_mismatched_data_are_named():
+    from mixprec.train.batches import split_validation
+
+    empty = r"validation_split=0.5 of 1 samples holds out 1 and trains on 0; each needs at"
+    with pytest.raises(mp.ArgumentError, match=empty):
+        split_validation(torch.randn(1, 3), torch.zeros(1), 0.5)
+    with pytest.raises(mp.ArgumentError, match=r"x has 100 samples but y has 90"):
+        split_validation(torch.randn(100, 3), torch.zeros(90), 0.2)
+
+
+def test_fit_on_an_array_without_y_says_y_is_missing():
+    np = pytest.importorskip("numpy")
+    with pytest.raises(mp.ArgumentError, match=r"y is missing for x, a ndarray of samples"):
+        trainer().fit(np.zeros((8, 32), dtype=np.float32), epochs=1, verbose=0)
+
+
+def test_predict_takes_nested_lists_as_fit_does():
+    t = trainer()
+    rows = torch.randn(5, 32)
+    got = t.predict(rows.tolist(), batch_size=2)
+    assert torch.allclose(got, t.predict(rows, batch_size=2), rtol=0, atol=0)
+    batches = [rows[:2], rows[2:]]  # a list of batches stays one
+    assert torch.equal(t.predict(batches), t.predict(rows))

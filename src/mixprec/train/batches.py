@@ -8,6 +8,7 @@ number of classes, the caller supplies it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -71,8 +72,11 @@ def epoch_batches(
     With ``split`` (training) under torchrun, ``batch_size`` is the global batch and
     each rank gets its share of rank 0's order."""
     if y is None:  # an iterable of (inputs, targets) batches, e.g. a DataLoader
-        if isinstance(x, torch.Tensor):
-            raise ArgumentError("fit(x, y): y is missing; pass targets or a loader of batches")
+        if isinstance(x, torch.Tensor) or is_array(x):
+            raise ArgumentError(
+                f"fit(x, y): y is missing for x, a {type(x).__name__} of samples; pass targets "
+                "or a loader of (inputs, targets) batches"
+            )
         steps = max(length(x), 0)
         # iter() now: a shuffling DataLoader draws its order from the RNG at this point.
         return (lambda: iter(x)), steps, 0
@@ -91,7 +95,9 @@ def epoch_batches(
         if split:
             # Without shuffling the order is arange on every rank: nothing to broadcast.
             order = distributed.broadcast_(order) if shuffle else order
-            order = distributed.shard(order, pad=shuffle)
+            # Padded whether shuffled or not: a rank with one step fewer than the others
+            # would leave them waiting in DDP's all-reduce for good.
+            order = distributed.shard(order, pad=True)
         return ((xt[idx], yt[idx]) for idx in order.split(local))
 
     per_rank = -(-n // distributed.world_size()) if split else n
@@ -119,7 +125,22 @@ def split_validation(
     if not validation_split:
         return x, y, None
     xt, yt = as_tensor(x, "x"), as_tensor(y, "y")
-    cut = len(xt) - int(len(xt) * validation_split)
+    if xt.dim() == 0 or yt.dim() == 0 or len(xt) != len(yt):
+        raise ArgumentError(
+            f"fit(x, y): x has {len(xt) if xt.dim() else 0} samples but y has "
+            f"{len(yt) if yt.dim() else 0}; they must have one each"
+        )
+    # Keras' rule: the first floor(n * (1 - split)) samples train (int(n * split) held out
+    # is one short where n * split is not exact in binary, e.g. 100 * 0.29).
+    n = len(xt)
+    cut = math.floor(n * (1.0 - validation_split))
+    if cut == n or cut == 0:
+        held, kept = n - cut, cut
+        raise ArgumentError(
+            f"validation_split={validation_split!r} of {n} samples holds out {held} and "
+            f"trains on {kept}; each needs at least one sample (a larger or smaller split, or "
+            "more data)"
+        )
     return xt[:cut], yt[:cut], (xt[cut:], yt[cut:])
 
 
@@ -128,11 +149,28 @@ def inputs_of(x: Any, batch_size: int) -> Iterable[Any]:
     of batches (``(inputs, targets)`` or inputs alone), for ``predict``."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ArgumentError(f"batch_size={batch_size!r} is invalid; it must be an int >= 1")
-    if isinstance(x, torch.Tensor) or is_array(x) or not isinstance(x, Iterable):
+    if (
+        isinstance(x, torch.Tensor)
+        or is_array(x)
+        or not isinstance(x, Iterable)
+        or _nested_numbers(x)
+    ):
         split: tuple[torch.Tensor, ...] = as_tensor(x, "x").split(batch_size)
         return split
     chunks = (b[0] if isinstance(b, (tuple, list)) else b for b in x)
     return (as_tensor(c, "x") if is_array(c) else c for c in chunks)
+
+
+def _nested_numbers(x: Any) -> bool:
+    """Whether ``x`` is samples as nested lists of numbers (``[[1, 2], [3, 4]]``), which
+    ``fit`` and ``evaluate`` take as one array, rather than a list of batches."""
+    if not isinstance(x, list) or not x or not isinstance(x[0], (list, int, float)):
+        return False
+    try:
+        torch.as_tensor(x)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return True
 
 
 def rank_share(x: Any, y: Any) -> tuple[Any, Any]:
