@@ -102,6 +102,40 @@ def test_global_policy_and_scope():
     assert mp.global_policy().name == "float32"
 
 
+def test_a_scope_is_its_threads_own_and_scopes_may_end_in_any_order():
+    """Two threads' scopes saw each other's policy, and A's scope ending before B's left
+    A's policy as the process-wide one for good."""
+    import threading
+
+    mp.set_global_policy("float32")
+    entered, a_exited, b_done = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, str] = {}
+
+    def thread_b() -> None:
+        entered.wait()
+        with mp.policy_scope("mixed_float16"):
+            a_exited.wait()
+            seen["b_inside"] = mp.global_policy().name
+        seen["b_after"] = mp.global_policy().name
+        b_done.set()
+
+    worker = threading.Thread(target=thread_b)
+    worker.start()
+    with mp.policy_scope("mixed_bfloat16"):
+        seen["a_inside"] = mp.global_policy().name
+        entered.set()
+    a_exited.set()
+    b_done.wait(10)
+    worker.join(10)
+    assert seen == {"a_inside": "mixed_bfloat16", "b_inside": "mixed_float16",
+                    "b_after": "float32"}  # fmt: skip
+    assert mp.global_policy().name == "float32"
+    with mp.policy_scope("mixed_bfloat16"):
+        mp.set_global_policy("mixed_float16")  # inside a scope: that scope's, undone with it
+        assert mp.global_policy().name == "mixed_float16"
+    assert mp.global_policy().name == "float32"
+
+
 @pytest.mark.parametrize(
     ("hw", "expected"),
     [

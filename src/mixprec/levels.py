@@ -65,7 +65,7 @@ from mixprec.float8 import (
 from mixprec.keep import KeepEntry as KeepEntry  # re-exported: callers import it from here
 from mixprec.keep import inside, kept_modules
 from mixprec.keep import keep_list as keep_list  # re-exported too
-from mixprec.policy import Policy, PolicyLike, get_policy, global_policy
+from mixprec.policy import UNSET, Policy, PolicyLike, get_policy, global_policy
 from mixprec.trace import remember_model
 
 M = TypeVar("M", bound=nn.Module)
@@ -76,7 +76,7 @@ _APPLIED_ATTR = "_mixprec_applied"
 
 #: The global policy until ``set_global_policy`` (or ``policy_scope``) is first called: then
 #: ``policy=None`` means ``"auto"``, the hardware's best.
-_UNSET_GLOBAL = global_policy()
+_UNSET_GLOBAL = UNSET
 
 
 @functools.lru_cache(maxsize=1)
@@ -247,10 +247,10 @@ def auto_mixed_precision(
         planned.preset()  # the plan's regions in its other 16-bit dtype, which the level keeps
     kept = kept_modules(model, keep_float32)
     bf16_kept = kept_modules(model, keep_bfloat16, "keep_bfloat16")
-    if resolved.float8_recipe is None and (bf16_kept or float8 is not None):
+    if (resolved.float8_recipe is None or lvl == "O0") and (bf16_kept or float8 is not None):
         raise ArgumentError(
-            f"keep_bfloat16= and float8= apply to float8 policies only; policy "
-            f"{resolved.name!r} has no float8 matmuls (use policy='mixed_float8')"
+            f"keep_bfloat16= and float8= apply to float8 policies only, at O1-O3; policy "
+            f"{resolved.name!r} at {lvl} has no float8 matmuls (use policy='mixed_float8')"
         )
     if float8 is not None and not isinstance(float8, Float8Options):
         raise ArgumentError(f"float8 must be a Float8Options or None, got {type(float8).__name__}")
@@ -273,6 +273,10 @@ def auto_mixed_precision(
             options=options,
         )
         converted = tuple(n for n, c in choices.items() if c.converted)
+        if float8 is not None and not converted:  # options given for nothing: say why
+            first = next(iter(choices.items()), ("", None))
+            why = f"; {first[0]!r}: {first[1].reason}" if first[1] is not None else ""
+            warn_at_caller(f"auto_mixed_precision: float8= converted no Linear layer{why}")
 
     compute = resolved.compute_dtype if lvl != "O0" else torch.float32
     output = resolved.output_dtype if lvl != "O0" else torch.float32

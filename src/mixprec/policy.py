@@ -14,6 +14,7 @@ policy name (``Trainer``, the CLI, a checkpoint's header) carries the recipe wit
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -94,7 +95,7 @@ class Policy:
         recipe: str | None = None
         if name is None and param_dtype is None and compute_dtype is None and output_dtype is None:
             # Keras 3's DTypePolicy(None): the global policy at construction time.
-            now = _GLOBAL[0]
+            now = global_policy()
             params, compute, output = now.param_dtype, now.compute_dtype, now.output_dtype
             reason, recipe = now.reason, now.float8_recipe
         elif name is not None:
@@ -289,34 +290,51 @@ def _auto() -> tuple[torch.dtype, torch.dtype, torch.dtype, str]:
 
 PolicyLike = Policy | str | None
 
-_GLOBAL: list[Policy] = [Policy("float32")]
+#: The global policy before any is set: float32 to read, and, to ``auto_mixed_precision``,
+#: "none chosen" (``policy=None`` then resolves to ``"auto"``).
+UNSET = Policy("float32")
+_GLOBAL: list[Policy] = [UNSET]
+#: The policy of the innermost ``policy_scope`` of this thread (or task), if any: a scope
+#: in one thread does not change what another sees, and scopes that end in any order
+#: across threads leave the process-wide policy as it was.
+_SCOPED: contextvars.ContextVar[Policy | None] = contextvars.ContextVar(
+    "mixprec_policy_scope", default=None
+)
 
 
 def get_policy(policy: PolicyLike = None) -> Policy:
     """A ``Policy`` from a policy, a name or string, or ``None`` (the global policy)."""
     if policy is None:
-        return _GLOBAL[0]
+        return global_policy()
     if isinstance(policy, Policy):
         return policy
     return Policy(policy)
 
 
 def global_policy() -> Policy:
-    """The policy used where none is given (``float32`` until set)."""
-    return _GLOBAL[0]
+    """The policy used where none is given: the innermost ``policy_scope``'s in this thread,
+    else the process-wide one (``float32`` until set)."""
+    scoped = _SCOPED.get()
+    return _GLOBAL[0] if scoped is None else scoped
 
 
 def set_global_policy(policy: PolicyLike) -> None:
-    """Set the process-wide default policy, as Keras' ``set_global_policy``; ``None`` resets."""
-    _GLOBAL[0] = Policy("float32") if policy is None else get_policy(policy)
+    """Set the process-wide default policy, as Keras' ``set_global_policy``; ``None`` sets
+    float32, as Keras' reset does (a choice: ``policy=None`` then means float32, not
+    ``"auto"``). Inside a ``policy_scope`` it sets that scope's policy, which ends with it."""
+    chosen = Policy("float32") if policy is None else get_policy(policy)
+    if _SCOPED.get() is not None:
+        _SCOPED.set(chosen)
+    else:
+        _GLOBAL[0] = chosen
 
 
 @contextlib.contextmanager
 def policy_scope(policy: PolicyLike) -> Iterator[Policy]:
-    """Use ``policy`` as the global policy inside a ``with`` block."""
-    previous = _GLOBAL[0]
-    set_global_policy(policy)
+    """Use ``policy`` as the global policy inside a ``with`` block, in this thread (or
+    asyncio task) only; ``None``: float32, as ``set_global_policy(None)``."""
+    token = _SCOPED.set(Policy("float32") if policy is None else get_policy(policy))
     try:
-        yield _GLOBAL[0]
+        yield global_policy()
     finally:
-        _GLOBAL[0] = previous
+        _SCOPED.reset(token)
