@@ -230,7 +230,9 @@ def test_module_filter_fn_that_takes_two_positional_arguments_is_accepted(fn):
 
 
 def test_bad_float8_arguments():
-    with pytest.raises(ValueError, match=r"apply to float8 policies only; policy 'mixed_bfloat16'"):
+    with pytest.raises(
+        ValueError, match=r"apply to float8 policies only, at O1-O3; policy 'mixed_b"
+    ):
         mp.auto_mixed_precision(lm(), "mixed_bfloat16", keep_bfloat16=["head"])
     with pytest.raises(ValueError, match=r"keep_bfloat16 entry 'haed' matches no module name"):
         mp.auto_mixed_precision(lm(), "mixed_float8", keep_bfloat16=["haed"])
@@ -642,3 +644,41 @@ def test_without_any_cpu_float8_kernel_only_bfloat16_is_suggested(cpu_float8_ker
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no layer converted: no float8 matmul to fail
         mp.auto_mixed_precision(lm(), "mixed_float8")  # torchao's thresholds: none here
+
+
+def test_min_features_beside_a_module_filter_is_refused():
+    """The filter replaces the size rule: min_features was ignored without a word."""
+    with pytest.raises(ValueError, match=r"min_features=4096 and module_filter_fn are both"):
+        Float8Options(min_features=4096, module_filter_fn=lambda m, fqn: True)
+
+
+def test_float8_arguments_at_o0_are_refused():
+    with pytest.raises(ValueError, match=r"policy 'mixed_float8' at O0 has no float8 matmuls"):
+        mp.auto_mixed_precision(lm(), "mixed_float8", "O0", float8=SMALL)
+
+
+def test_float8_options_that_convert_nothing_say_why():
+    """With explicit options every layer may be refused (sizes not multiples of 16): said."""
+    model = nn.Sequential(nn.Linear(20, 36), nn.ReLU(), nn.Linear(36, 10))
+    with pytest.warns(UserWarning, match=r"float8= converted no Linear layer; '0': "):
+        mp.auto_mixed_precision(model, "mixed_float8", float8=Float8Options(min_features=1))
+    assert not converted(model)
+
+
+def test_a_linear_shared_under_two_names_is_converted_at_both():
+    """torchao swaps by name, once: the second name kept the bfloat16 Linear, so the same
+    weights ran float8 at one call site and bfloat16 at the other."""
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.head = nn.Linear(32, 32), nn.Linear(32, 16)
+            self.b = self.a
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.b(self.a(x)))
+
+    model = mp.auto_mixed_precision(Shared(), "mixed_float8", float8=SMALL)
+    assert model.a is model.b and type(model.a).__name__ == "Float8Linear"
+    every_name = model.named_modules(remove_duplicate=False)
+    assert {n for n, m in every_name if is_float8(m)} == {"a", "b"}

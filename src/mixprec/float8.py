@@ -124,6 +124,11 @@ class Float8Options:
             )
         if fn is not None:
             _check_filter_signature(fn)
+            if n is not None:
+                raise ArgumentError(
+                    f"min_features={n!r} and module_filter_fn are both given; module_filter_fn "
+                    "replaces the size rule, so min_features would be ignored: give one"
+                )
 
 
 @dataclass(frozen=True)
@@ -366,23 +371,41 @@ def convert_to_float8(
         if isinstance(m, nn.MultiheadAttention)
         for sub in m.modules()
     }
-    choices: dict[str, Float8Choice] = {}
+    by_id: dict[int, Float8Choice] = {}
     for name, module in linears:
         why = _refusal(name, module, recipe, options, head, float32, bfloat16, attention)
         if why is None:
             k, n = module.in_features, module.out_features
-            choices[name] = Float8Choice(True, recipe, forward_dtype, f"float8 {recipe}, {k}->{n}")
+            by_id[id(module)] = Float8Choice(
+                True, recipe, forward_dtype, f"float8 {recipe}, {k}->{n}"
+            )
         else:
-            choices[name] = Float8Choice(False, recipe, "", why)
+            by_id[id(module)] = Float8Choice(False, recipe, "", why)
+    # A Linear shared under several names is chosen once and gets the same choice at each
+    # (torchao swaps by name: chosen at its first name alone, it ran float8 there only).
+    choices = {
+        n: by_id[id(m)]
+        for n, m in model.named_modules(remove_duplicate=False)
+        if n and id(m) in by_id
+    }
 
-    _warn_cpu([m for n, m in linears if choices[n].converted], recipe, policy_name)
+    _warn_cpu([m for n, m in linears if by_id[id(m)].converted], recipe, policy_name)
 
     def chosen(module: nn.Module, fqn: str) -> bool:
-        found = choices.get(fqn)
+        found = by_id.get(id(module))
         return found is not None and found.converted
 
     ao.convert_to_float8_training(model, module_filter_fn=chosen, config=config)
-    named = dict(model.named_modules())  # the converted modules are new objects
+    # The converted modules are new objects. torchao swaps a shared Linear at the first name
+    # it meets only: its other names get the same new module, so it stays one module.
+    named = dict(model.named_modules(remove_duplicate=False))
+    first = {id(m): n for n, m in linears}
+    for name in choices:
+        old = named[name]
+        if id(old) in first and chosen(old, name) and named[first[id(old)]] is not old:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, named[first[id(old)]])
+    named = dict(model.named_modules(remove_duplicate=False))
     for name, choice in choices.items():
         module = named[name]
         setattr(module, FLOAT8_ATTR, choice)
