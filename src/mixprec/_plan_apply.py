@@ -29,6 +29,7 @@ from torch import nn
 
 from mixprec._dtypes import closest
 from mixprec._errors import ArgumentError
+from mixprec._warn import warn_at_caller
 from mixprec.casting import to_float
 from mixprec.float8 import Float8Options, linear_refusal
 from mixprec.keep import keep_list
@@ -85,6 +86,28 @@ def _float8_ready(name: str, module: nn.Module) -> None:
         raise ArgumentError(f"plan gives {name!r} float8, but {reason}, which float8 needs")
 
 
+def _check_fits(plan: PlanLike, named: dict[str, nn.Module]) -> None:
+    """A plan tuned on another model may name modules this one also has: refuse an entry
+    whose module is of another kind than the one tuned (a layer inserted before it shifts
+    a Sequential's names), and an entry inside another (the outer one's region wins)."""
+    for layer in getattr(plan, "layers", ()):
+        kind, found = getattr(layer, "kind", ""), named.get(getattr(layer, "name", ""))
+        if kind and found is not None and type(found).__name__ != kind:
+            raise ArgumentError(
+                f"plan gives {layer.name!r} (a {kind} when tuned) dtype {layer.dtype!r}, but the "
+                f"model's {layer.name!r} is a {type(found).__name__}; a plan applies to the "
+                "model it was tuned for"
+            )
+    names = sorted(plan.dtypes)
+    for outer in names:
+        inner = next((n for n in names if n.startswith(outer + ".")), None)
+        if inner is not None and plan.dtypes[inner] != plan.dtypes[outer]:
+            raise ArgumentError(
+                f"plan gives {outer!r} {plan.dtypes[outer]} and {inner!r}, inside it, "
+                f"{plan.dtypes[inner]}; one would be ignored: give modules that do not nest"
+            )
+
+
 def plan_arguments(model: nn.Module, plan: PlanLike, **given: Any) -> PlanArguments:
     """The arguments ``auto_mixed_precision`` applies ``plan`` with (see the module
     docstring); ``given``: the other arguments the call received, which must be defaults."""
@@ -110,9 +133,23 @@ def plan_arguments(model: nn.Module, plan: PlanLike, **given: Any) -> PlanArgume
             )
         if dtype == "float8":
             _float8_ready(name, named[name])
+    _check_fits(plan, named)
     counts = Counter("bfloat16" if d == "float8" else d for d in dtypes.values())
     if counts["bfloat16"] + counts["float16"] == 0:
         return PlanArguments("float32", "O0", (), (), None)
+    if plan.level == "O0":
+        raise ArgumentError(
+            f"plan level O0 computes everything in float32, but the plan gives "
+            f"{counts['bfloat16'] + counts['float16']} module(s) 16-bit or float8 dtypes, "
+            "which O0 would ignore; give the plan level O1, O2 or O3"
+        )
+    check = getattr(plan, "check", None)
+    if check is not None and getattr(check, "passed", True) is False:
+        warn_at_caller(
+            f"auto_mixed_precision(plan=...): this plan failed its training check (loss "
+            f"{check.max_difference:.2g} from float32's, budget {check.budget:g}): it may "
+            "not train like float32; tune again with a larger time_budget_s"
+        )
     float8 = {n for n, d in dtypes.items() if d == "float8"}
     base = "bfloat16" if float8 or counts["bfloat16"] >= counts["float16"] else "float16"
     other = "float16" if base == "bfloat16" else "bfloat16"

@@ -100,6 +100,8 @@ def test_json_round_trip_applies_identically(tmp_path):
         (lambda d: d.update(format_version=9), r"format_version=9.*reads 1"),
         (lambda d: d.update(level="O7"), r"level='O7'.*valid: O0, O1, O2, O3"),
         (lambda d: d["check"].update(passed="yes"), r"check.passed='yes'.*true or false"),
+        (lambda d: d.update(error_budget=float("nan")), r"error_budget=nan.*finite number >= 0"),
+        (lambda d: d["layers"][0]["errors"].update(bfloat16=float("nan")), r"errors\['bfloat16'\]"),
     ],
 )  # fmt: skip
 def test_load_refuses_a_bad_document_in_one_line(tmp_path, edit, message):
@@ -180,3 +182,32 @@ def test_trainer_and_build_train_step_take_plan_and_refuse_another():
         mp.build_train_step(other, "sgd", "mse", plan=plan)
     with pytest.raises(mp.ArgumentError, match="plan"):
         mp.Trainer(tiny(), "mse", "sgd", "mixed_bfloat16", plan=plan)  # plan alone
+
+
+def test_a_plan_on_a_model_whose_layers_moved_is_refused():
+    """A Dropout inserted before the head shifts a Sequential's names: the plan's float32
+    head '4' became a ReLU's region and the real head ran in bfloat16, without a word."""
+    shifted = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Dropout(0.0),
+                            nn.ReLU(), nn.Linear(32, 4))  # fmt: skip
+    moved = r"plan gives '4' \(a Linear when tuned\) dtype 'float32', but the model's '4' is a ReLU"
+    with pytest.raises(ArgumentError, match=moved):
+        mp.auto_mixed_precision(shifted, plan=measured_plan())
+
+
+def test_plan_entries_a_level_or_an_outer_entry_would_ignore_are_refused():
+    with pytest.raises(ArgumentError, match=r"plan level O0 computes everything in float32, but"):
+        mp.auto_mixed_precision(tiny(), plan=Plan.from_dtypes({"0": "bfloat16"}, level="O0"))
+    nested = nn.Sequential(nn.Sequential(nn.Linear(16, 16), nn.ReLU()), nn.Linear(16, 4))
+    with pytest.raises(ArgumentError, match=r"plan gives '0' float32 and '0.0', inside it, "):
+        mp.auto_mixed_precision(nested, plan=Plan.from_dtypes({"0": "float32", "0.0": "bfloat16"}))
+    same = Plan.from_dtypes({"0": "bfloat16", "0.0": "bfloat16"})
+    assert mp.auto_mixed_precision(nested, plan=same)[0][0].weight.dtype == torch.bfloat16
+
+
+def test_a_plan_that_failed_its_training_check_warns_when_applied():
+    failed = TrainingCheck(3, 0.05, 0.87, False)
+    plan = Plan(measured_plan().layers, "O2", check=failed)
+    with pytest.warns(UserWarning, match=r"this plan failed its training check \(loss 0.87 from "
+                                         r"float32's, budget 0.05\)") as seen:  # fmt: skip
+        mp.auto_mixed_precision(tiny(), plan=plan)
+    assert seen[0].filename == __file__

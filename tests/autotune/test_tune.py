@@ -204,6 +204,9 @@ def test_plan_round_trips_json_and_applies_identically(tmp_path):
         ({"candidates": "bfloat16"}, r"candidates='bfloat16' is invalid; give a tuple"),
         ({"candidates": ("int8",)}, r"candidates holds 'int8'; valid dtypes: float32"),
         ({"error_budget": -1}, r"error_budget=-1 is invalid"),
+        ({"error_budget": float("nan")}, r"error_budget=nan is invalid; give a number >= 0"),
+        ({"time_budget_s": float("nan")}, r"time_budget_s=nan is invalid; .* >= 0, finite"),
+        ({"time_budget_s": float("inf")}, r"time_budget_s=inf is invalid; .* >= 0, finite"),
         ({"check_steps": 0}, r"check_steps=0 is invalid"),
     ],
 )
@@ -302,3 +305,21 @@ def test_on_cuda_each_candidate_is_timed_and_the_plan_trains_there():
     assert "CUDA" in plan.machine
     tuned = mp.auto_mixed_precision(copy.deepcopy(model), plan=plan)
     assert torch.isfinite(F.mse_loss(tuned(x).float(), y))
+
+
+def test_a_plan_whose_training_check_failed_in_the_time_left_is_returned_with_a_warning(
+    monkeypatch,
+):
+    import importlib
+
+    from mixprec.autotune import TrainingCheck
+
+    tune_module = importlib.import_module("mixprec.autotune.tune")
+
+    failed = TrainingCheck(1, 0.05, 0.87, False)
+    monkeypatch.setattr(tune_module, "training_check", lambda search, steps, deadline: failed)
+    said = r"the plan failed its training check in the time left \(loss 0.87 from float32's"
+    costs = {"float32": 1.0, "bfloat16": 0.5, "float16": 0.6, "float8": 0.4}
+    with pytest.warns(UserWarning, match=said):
+        plan = tune(mlp(), timer=CostTimer(costs))
+    assert plan.check is failed

@@ -83,8 +83,13 @@ class _Reader:
             return None
         if value == "inf":  # JSON's stand-in for an infinite error (to_json)
             return math.inf
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            kind = "a number >= 0" + (" or null" if optional else "")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)  # inf is written "inf"; NaN is no measurement
+            or value < 0
+        ):
+            kind = "a finite number >= 0" + (" or null" if optional else "")
             raise self.fail(field, value, f"expected {kind}")
         return float(value)
 

@@ -13,6 +13,7 @@ user's model, batch and machine.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,7 @@ from mixprec._compile import CompileOption, compile_options
 from mixprec._errors import ArgumentError
 from mixprec._hardware import cpu_fast, probe_cpu, probe_hardware
 from mixprec._rng import same_draws
+from mixprec._warn import warn_at_caller
 from mixprec.autotune.check import training_check
 from mixprec.autotune.measure import LayerData, isolated_run, layer_error, reference_pass
 from mixprec.autotune.plan import LayerChoice, Plan
@@ -166,9 +168,14 @@ def autotune(
     inputs, targets = batch
     check_finite_batch(inputs, targets, "autotune")
     kept_candidates = check_candidates(candidates)
-    for name, value in (("error_budget", error_budget), ("time_budget_s", time_budget_s)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ArgumentError(f"{name}={value!r} is invalid; give a number >= 0")
+    # NaN fails `>= 0`; an infinite time budget cannot be divided into shares.
+    for name, value, finite in (("error_budget", error_budget, False),
+                                ("time_budget_s", time_budget_s, True)):  # fmt: skip
+        number = not isinstance(value, bool) and isinstance(value, (int, float))
+        if not number or not value >= 0 or (finite and math.isinf(value)):
+            raise ArgumentError(
+                f"{name}={value!r} is invalid; give a number >= 0" + ", finite" * finite
+            )
     if isinstance(check_steps, bool) or not isinstance(check_steps, int) or check_steps < 1:
         raise ArgumentError(f"check_steps={check_steps!r} is invalid; give an int >= 1")
     options = compile_options(compile)
@@ -213,6 +220,12 @@ def autotune(
         search.step_times.pop("plan", None)
         if time.monotonic() < start + time_budget_s:
             search.step_times["plan"] = search.time_step(search.dtypes, search.level, "the plan")
+    if not check.passed:
+        warn_at_caller(
+            f"autotune: the plan failed its training check in the time left (loss "
+            f"{check.max_difference:.2g} from float32's, budget {check.budget:g}); it keeps "
+            f"its 16-bit layers, which may not train like float32: give a larger time_budget_s"
+        )
     machine = (probe_cpu() if device.type == "cpu" else probe_hardware()).detail
     return Plan(rows, search.level, left_out, dict(search.step_times), float(error_budget),
                 check, machine)  # fmt: skip
