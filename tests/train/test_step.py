@@ -81,6 +81,44 @@ def test_flush_applies_a_partial_group_as_its_mean():
     assert single(*batches[0], flush=True)[1].applied
 
 
+def test_a_partial_groups_rescale_is_checked_before_it_reaches_a_weight():
+    """The 4/1 rescale ran after the inf/NaN check: an O3 float16 gradient of 20000 became
+    80000, past float16's 65504, and an inf update was applied and reported finite."""
+    from mixprec.train.step import apply_partial_group
+
+    model = mp.auto_mixed_precision(nn.Linear(1, 1, bias=False), "float16", "O3")
+    opt = mp.LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1e-6),
+        loss_scaler=mp.StaticLossScaler(1.0),
+        accumulation_steps=4,
+    )
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    x = torch.full((2, 1), 40000.0, dtype=torch.float16)
+    opt.backward(model(x).float().sum())  # d/dw = 80000 / 4 per micro-step: 20000 stored
+    assert model.weight.grad.item() == 20000.0
+    result = apply_partial_group(opt)
+    assert not result.applied and result.found_inf
+    assert model.weight.item() == 1.0
+
+
+def test_build_train_step_refuses_settings_a_given_loss_scale_optimizer_would_ignore():
+    model = make_mlp()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    settings = [
+        ("max_grad_norm", 1e-3),
+        ("accumulation_steps", 4),
+        ("loss_scaler", mp.StaticLossScaler(128.0)),
+        ("trace_overflow", True),
+    ]
+    for name, value in settings:
+        said = rf"build_train_step: {name}=.* configures the LossScaleOptimizer it would build"
+        with pytest.raises(mp.ArgumentError, match=said):
+            mp.build_train_step(model, opt, "cross_entropy", **{name: value})
+    step = mp.build_train_step(model, opt, "cross_entropy", accumulation_steps=1)
+    assert step.optimizer is opt
+
+
 # -- an optimizer over another model's parameters ------------------------------------------
 
 

@@ -239,9 +239,13 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             return
         self._weights.zero_grad(set_to_none)
 
-    def unscale_(self) -> None:
+    def unscale_(self, factor: float = 1.0) -> None:
         """Unscale now (to inspect or clip ``master_params()`` grads yourself); ``step``
-        then does not unscale again."""
+        then does not unscale again. ``factor``: a further multiplier, applied in the same
+        pass, before the inf/NaN check (``train.step.apply_partial_group`` passes a partial
+        accumulation group's ``accumulation_steps / micro-steps taken``)."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ArgumentError(f"unscale_(factor={factor!r}) is invalid; give a number > 0")
         if self._book.found_inf is not None:
             raise MisuseError(
                 "LossScaleOptimizer.unscale_() has already been called since the last step()"
@@ -255,17 +259,17 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
                 f"LossScaleOptimizer.unscale_() called after {self._book.micro} of "
                 f"{self.accumulation_steps} accumulation micro-batches; call it after the last"
             )
-        self._unscale()
+        self._unscale(float(factor))
         if self._book.unscale_checks < UNSCALE_CHECKS:  # the habit shows at once: no more cost
             self._book.unscale_checks += 1
             self._book.unscaled_versions = grad_versions(self._weights.half)
 
-    def _unscale(self) -> None:
+    def _unscale(self, factor: float = 1.0) -> None:
         self._weights.follow_external_writes()
         self._weights.load_master_grads()
         grads = self._weights.step_grads()
         self._book.no_grads = not grads
-        self._book.found_inf = self._loss_scaler.unscale_(grads, self._device)
+        self._book.found_inf = self._loss_scaler.unscale_(grads, self._device, factor)
 
     # -- the step ---------------------------------------------------------------------------
 

@@ -172,21 +172,19 @@ def apply_partial_group(optimizer: LossScaleOptimizer) -> StepResult:
     ``accumulation_steps`` micro-steps were taken, after a ``backward``.
 
     Each micro-step's backward added ``grad / accumulation_steps``; a group of ``k`` is
-    rescaled by ``accumulation_steps / k`` once unscaled (a 16-bit gradient in its float32
-    master), so the update is the mean over the ``k`` micro-steps, as a full group's is
-    over its own. Clipping, the finiteness check and the loss scale's update then run as on
-    any step."""
+    rescaled by ``accumulation_steps / k`` in the unscale's pass (a 16-bit gradient in its
+    float32 master), so the update is the mean over the ``k`` micro-steps, as a full
+    group's is over its own. The finiteness check sees the rescaled gradients; clipping and
+    the loss scale's update then run as on any step."""
     taken = optimizer.pending_micro_steps  # this backward included; 0 for a full group
     group = optimizer.accumulation_steps
     if not 0 < taken < group:
         return optimizer.step()
     optimizer.accumulation_steps = taken  # a group of `taken`, for this step only
     try:
-        optimizer.unscale_()
-        with torch.no_grad():
-            for p in optimizer.master_params():
-                if p.grad is not None:
-                    p.grad.mul_(group / taken)
+        # The rescale in the unscale's own pass, before its inf/NaN check: multiplied after
+        # it, an O3 float16 gradient could overflow past the check into the weight.
+        optimizer.unscale_(factor=group / taken)
         return optimizer.step()
     finally:
         optimizer.accumulation_steps = group
@@ -217,6 +215,22 @@ def build_train_step(
     forward and the loss together (see ``TrainStep``). ``plan``: an ``mp.autotune`` plan,
     applied as ``auto_mixed_precision(model, plan=plan)`` (alone: not with policy or level)."""
     compile_options(compile)  # a bad value fails before the model is changed
+    if isinstance(optimizer, LossScaleOptimizer):
+        # They configure the LossScaleOptimizer this call would build: one built already
+        # has its own, and would silently train without clipping or accumulation asked.
+        given = (
+            ("loss_scaler", loss_scaler, None),
+            ("max_grad_norm", max_grad_norm, None),
+            ("accumulation_steps", accumulation_steps, 1),
+            ("trace_overflow", trace_overflow, False),
+        )
+        for name, value, default in given:
+            if value != default:
+                raise ArgumentError(
+                    f"build_train_step: {name}={value!r} configures the LossScaleOptimizer it "
+                    f"would build, but optimizer is one already; pass {name} to "
+                    "LossScaleOptimizer(...) instead, or give the inner optimizer"
+                )
     if isinstance(model, nn.Module):  # else auto_mixed_precision says what model must be
         if isinstance(optimizer, str):
             # Built before the model is prepared, as a user builds one: over float32 weights.
