@@ -204,3 +204,35 @@ def test_a_policy_of_a_policy_and_auto_in_capitals():
     assert mp.Policy(policy) == policy
     model = mp.auto_mixed_precision(torch.nn.Linear(2, 2), "AUTO")
     assert mp.levels.applied(model).policy == mp.Policy("auto")
+
+
+def test_a_scope_in_a_generator_closed_from_another_thread_ends():
+    """The scope's end runs in another context than its start there: it raised (a
+    contextvars token is bound to its context) and left the scope in force for good."""
+    import threading
+
+    mp.set_global_policy("float32")
+
+    def batches():
+        with mp.policy_scope("mixed_bfloat16"):
+            yield mp.global_policy().name
+            yield mp.global_policy().name
+
+    gen = batches()
+    assert next(gen) == "mixed_bfloat16"
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            gen.close()
+        except BaseException as err:  # recorded for the assertion
+            errors.append(err)
+
+    worker = threading.Thread(target=close)
+    worker.start()
+    worker.join(10)
+    assert errors == [] and mp.global_policy().name == "float32"
+    with mp.policy_scope("mixed_float16"):
+        with mp.policy_scope(None):
+            assert mp.global_policy().name == "float32"
+        assert mp.global_policy().name == "mixed_float16"

@@ -286,3 +286,15 @@ def test_a_record_with_no_finite_value_says_so():
     assert str(Overflow("0", "Linear", "forward", "float16", 1, -2.0, 3.0)).endswith(
         "finite values in [-2, 3]"
     )
+
+
+def test_a_model_called_twice_before_one_backward_keeps_both_forwards():
+    """Siamese and contrastive steps: the first call's records must survive the second."""
+    model = nn.Sequential(identity_linear(2), HalfGain(), identity_linear(2))
+    tracer = OverflowTracer(model)
+    a = model(torch.tensor([[2.0, 0.5]], requires_grad=True))  # overflows in HalfGain
+    b = model(torch.tensor([[0.5, 0.5]], requires_grad=True))
+    model(torch.tensor([[0.5, 0.5]]))  # a third forward, discarded: a and b still live
+    (a - b).pow(2).sum().backward()
+    found = tracer.first_overflow()
+    assert found is not None and (found.module, found.phase) == ("1", "forward")

@@ -92,10 +92,9 @@ def _lower_float64(model: nn.Module, level: str) -> None:
     """Store a float64 model's float64 tensors in float32 and say so at the user's line."""
     params, buffers = lower_float64(model)
     if params or buffers:
-        counts = ((params, "parameter"), (buffers, "buffer"))
-        what = " and ".join(f"{k} {noun}{'s' * (k != 1)}" for k, noun in counts if k)
         warn_at_caller(
-            f"auto_mixed_precision: {what} of the model were float64; stored in float32, the "
+            f"auto_mixed_precision: {_counted(params, buffers)} of the model were float64; "
+            "stored in float32, the "
             f"widest dtype {level} keeps (digits past float32's 24 bits are rounded off). "
             "Call model.float() first to make this explicit"
         )
@@ -121,11 +120,15 @@ def upcast_note(done: list[tuple[str, torch.dtype, bool]]) -> tuple[str, str, st
     """What ``casting.upcast_16bit`` returned, in words: ("10 parameters and 2 buffers",
     "bfloat16", " (N restored from the float32 values they were loaded from)" or "")."""
     n, restored = sum(k == "parameter" for k, _, _ in done), sum(kept for *_, kept in done)
-    counts = ((n, "parameter"), (len(done) - n, "buffer"))
-    what = " and ".join(f"{k} {noun}{'s' * (k != 1)}" for k, noun in counts if k)
     dtypes = " and ".join(sorted({dtype_name(dtype) for _, dtype, _ in done}))
     again = f" ({restored} restored from the float32 values they were loaded from)" * bool(restored)
-    return what, dtypes, again
+    return _counted(n, len(done) - n), dtypes, again
+
+
+def _counted(params: int, buffers: int) -> str:
+    """ "10 parameters and 2 buffers", "1 parameter", "2 buffers"."""
+    counts = ((params, "parameter"), (buffers, "buffer"))
+    return " and ".join(f"{k} {noun}{'s' * (k != 1)}" for k, noun in counts if k)
 
 
 @dataclass(frozen=True)
@@ -248,9 +251,10 @@ def auto_mixed_precision(
     kept = kept_modules(model, keep_float32)
     bf16_kept = kept_modules(model, keep_bfloat16, "keep_bfloat16")
     if (resolved.float8_recipe is None or lvl == "O0") and (bf16_kept or float8 is not None):
+        why = "O0 computes in float32: use O1-O3" if resolved.float8_recipe else "use mixed_float8"
         raise ArgumentError(
             f"keep_bfloat16= and float8= apply to float8 policies only, at O1-O3; policy "
-            f"{resolved.name!r} at {lvl} has no float8 matmuls (use policy='mixed_float8')"
+            f"{resolved.name!r} at {lvl} converts no layer ({why})"
         )
     if float8 is not None and not isinstance(float8, Float8Options):
         raise ArgumentError(f"float8 must be a Float8Options or None, got {type(float8).__name__}")

@@ -294,12 +294,31 @@ PolicyLike = Policy | str | None
 #: "none chosen" (``policy=None`` then resolves to ``"auto"``).
 UNSET = Policy("float32")
 _GLOBAL: list[Policy] = [UNSET]
-#: The policy of the innermost ``policy_scope`` of this thread (or task), if any: a scope
-#: in one thread does not change what another sees, and scopes that end in any order
-#: across threads leave the process-wide policy as it was.
-_SCOPED: contextvars.ContextVar[Policy | None] = contextvars.ContextVar(
+
+
+@dataclass
+class _Scope:
+    """One ``policy_scope``: its policy, the scope it is inside, and whether it is open."""
+
+    policy: Policy
+    outer: _Scope | None
+    open: bool = True
+
+
+#: The innermost ``policy_scope`` of this thread (or task), if any: a scope in one thread
+#: does not change what another sees, and scopes that end in any order across threads
+#: leave the process-wide policy as it was. A scope that ends in another context than the
+#: one it began in (a generator closed from another thread) is marked closed, and skipped.
+_SCOPED: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
     "mixprec_policy_scope", default=None
 )
+
+
+def _open_scope() -> _Scope | None:
+    scope = _SCOPED.get()
+    while scope is not None and not scope.open:
+        scope = scope.outer
+    return scope
 
 
 def get_policy(policy: PolicyLike = None) -> Policy:
@@ -314,8 +333,8 @@ def get_policy(policy: PolicyLike = None) -> Policy:
 def global_policy() -> Policy:
     """The policy used where none is given: the innermost ``policy_scope``'s in this thread,
     else the process-wide one (``float32`` until set)."""
-    scoped = _SCOPED.get()
-    return _GLOBAL[0] if scoped is None else scoped
+    scope = _open_scope()
+    return _GLOBAL[0] if scope is None else scope.policy
 
 
 def set_global_policy(policy: PolicyLike) -> None:
@@ -323,8 +342,9 @@ def set_global_policy(policy: PolicyLike) -> None:
     float32, as Keras' reset does (a choice: ``policy=None`` then means float32, not
     ``"auto"``). Inside a ``policy_scope`` it sets that scope's policy, which ends with it."""
     chosen = Policy("float32") if policy is None else get_policy(policy)
-    if _SCOPED.get() is not None:
-        _SCOPED.set(chosen)
+    scope = _open_scope()
+    if scope is not None:
+        scope.policy = chosen
     else:
         _GLOBAL[0] = chosen
 
@@ -333,8 +353,11 @@ def set_global_policy(policy: PolicyLike) -> None:
 def policy_scope(policy: PolicyLike) -> Iterator[Policy]:
     """Use ``policy`` as the global policy inside a ``with`` block, in this thread (or
     asyncio task) only; ``None``: float32, as ``set_global_policy(None)``."""
-    token = _SCOPED.set(Policy("float32") if policy is None else get_policy(policy))
+    scope = _Scope(Policy("float32") if policy is None else get_policy(policy), _open_scope())
+    token = _SCOPED.set(scope)
     try:
-        yield global_policy()
+        yield scope.policy
     finally:
-        _SCOPED.reset(token)
+        scope.open = False
+        with contextlib.suppress(ValueError):  # ended in another context: skipped as closed
+            _SCOPED.reset(token)

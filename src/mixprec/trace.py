@@ -66,17 +66,19 @@ class OverflowTracer:
 
     def __init__(self, model: nn.Module) -> None:
         self._records: list[tuple[str, str, str, str, torch.Tensor]] = []
-        # Where the model's latest forward began in the records, and whether a gradient
-        # arrived since: a forward that no backward followed (an evaluation pass with
-        # gradients on, an abandoned batch) is dropped at the next one, so records neither
-        # grow without bound nor blame a pass that no step came from.
-        self._forward_start: int | None = None
+        # The model's forwards since the last gradient arrived: where each began in the
+        # records, and its output, weakly. At the next forward, one whose output is gone
+        # with no backward (an evaluation pass with gradients on, an abandoned batch) is
+        # dropped, so records neither grow without bound nor blame a pass no step came
+        # from; one whose output lives (a model called twice before one backward) stays.
+        self._pending: list[tuple[int, weakref.ref[torch.Tensor] | None]] = []
         self._backward_seen = False
         self._handles = [model.register_forward_pre_hook(self._on_model_forward)]
         for name, module in model.named_modules():
             label = name or "(model)"
             hook = self._forward_hook(label, type(module).__name__)
             self._handles.append(module.register_forward_hook(hook))
+        self._handles.append(model.register_forward_hook(self._on_model_output))
 
     def _forward_hook(self, name: str, kind: str) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -102,13 +104,32 @@ class OverflowTracer:
     def _on_model_forward(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling() or not torch.is_grad_enabled():
             return
-        if self._forward_start is not None and not self._backward_seen:
-            del self._records[self._forward_start :]
-        self._forward_start, self._backward_seen = len(self._records), False
+        if self._backward_seen:  # the forwards so far led to a backward: all kept
+            self._pending.clear()
+        elif self._pending:
+            first = self._pending[0][0]
+            kept: list[tuple[int, weakref.ref[torch.Tensor] | None]] = []
+            records = self._records[:first]
+            for i, (start, ref) in enumerate(self._pending):
+                if ref is not None and ref() is not None:
+                    end = self._pending[i + 1][0] if i + 1 < len(self._pending) else None
+                    kept.append((len(records), ref))
+                    records += self._records[start:end]
+            self._records[:], self._pending = records, kept
+        self._backward_seen = False
+        self._pending.append((len(self._records), None))
+
+    def _on_model_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling() or not self._pending:
+            return
+        out = first_floating(output)
+        if out is not None and out.requires_grad:  # else no backward can follow it
+            self._pending[-1] = (self._pending[-1][0], weakref.ref(out))
 
     def clear(self) -> None:
         self._records.clear()
-        self._forward_start, self._backward_seen = None, False
+        self._pending.clear()
+        self._backward_seen = False
 
     def first_overflow(self) -> Overflow | None:
         """The first record with a non-finite value (one host transfer), or ``None``."""

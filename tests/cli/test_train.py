@@ -70,6 +70,16 @@ def test_train_synthetic_without_comparison(capsys):
     assert len(rows(capsys.readouterr().out)) == 1
 
 
+def test_train_a_float8_policy_at_o0_trains_in_float32(capsys):
+    """The CLI passed float8 options for every float8 policy, which O0 (no layer
+    converted) refuses: --level O0 failed with an error naming the policy it was given."""
+    assert cli.main(["train", "--hidden", "64", "--data", "synthetic", "--epochs", "1",
+                     "--policy", "mixed_float8", "--level", "O0", "--compare", "none",
+                     "--quiet", "--in-process"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "mixed_float8 (O0)" in out and len(rows(out)) == 1
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

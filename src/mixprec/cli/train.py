@@ -118,8 +118,10 @@ def run_training(config: dict[str, Any]) -> dict[str, Any]:
     )
     policy: str | None = config["policy"]
     float8_layers = None
-    if Policy(config["policy"]).float8_recipe is not None:
-        # float8 options are per model: prepare here, then hand the model over prepared.
+    chosen = Policy(config["policy"])
+    if chosen.float8_recipe is not None and resolve_level(config["level"], chosen) != "O0":
+        # float8 options are per model: prepare here, then hand the model over prepared
+        # (O0 converts no layer: the policy goes to the Trainer as any other).
         options = train_float8(config.get("float8_min_features"))
         auto_mixed_precision(model, config["policy"], config["level"], float8=options)
         converted, considered = layer_counts(model)

@@ -227,8 +227,8 @@ def build_train_step(
         for name, value, default in given:
             if value != default:
                 raise ArgumentError(
-                    f"build_train_step: {name}={value!r} configures the LossScaleOptimizer it "
-                    f"would build, but optimizer is one already; pass {name} to "
+                    f"{name}={value!r} configures the LossScaleOptimizer built around the "
+                    f"optimizer, but optimizer is a LossScaleOptimizer already; pass {name} to "
                     "LossScaleOptimizer(...) instead, or give the inner optimizer"
                 )
     if isinstance(model, nn.Module):  # else auto_mixed_precision says what model must be
