@@ -23,8 +23,8 @@ PUBLIC = [
     "cast_floating", "convert_checkpoint", "cross_entropy", "data", "describe", "diagnose",
     "diagnose_float8", "distributed", "export_weights", "get_policy", "global_policy",
     "load_checkpoint", "losses", "models", "module_dtypes", "policy_scope", "read_checkpoint",
-    "save_checkpoint", "set_global_policy", "split_embedding_parameters", "stochastic_round",
-    "to_float",
+    "release_float32_copies", "save_checkpoint", "set_global_policy",
+    "split_embedding_parameters", "stochastic_round", "to_float",
 ]  # fmt: skip
 
 

@@ -5,6 +5,7 @@ Policies, O0-O3 levels, loss scaling and master weights in one library.
 
 from mixprec import data, distributed, losses, models
 from mixprec._errors import ArgumentError, MisuseError
+from mixprec._float32_copies import release_float32_copies
 from mixprec._version import __version__
 from mixprec.autotune import Plan, autotune
 from mixprec.casting import cast_floating, to_float
@@ -114,6 +115,7 @@ __all__ = [
     "module_dtypes",
     "policy_scope",
     "read_checkpoint",
+    "release_float32_copies",
     "save_checkpoint",
     "set_global_policy",
     "split_embedding_parameters",

@@ -9,7 +9,13 @@ import dataclasses
 
 import torch
 
-__all__ = ["FP32_COPY_ATTR", "current_float32_copy", "remember_float32", "take_float32_copy"]
+__all__ = [
+    "FP32_COPY_ATTR",
+    "current_float32_copy",
+    "release_float32_copies",
+    "remember_float32",
+    "take_float32_copy",
+]
 
 FP32_COPY_ATTR = "_mixprec_fp32"  # Float32Copy of a parameter stored in 16 bits
 
@@ -48,3 +54,19 @@ def remember_float32(param: torch.Tensor, values: torch.Tensor) -> None:
     """Keep ``values`` (float32) as the current float32 copy of the 16-bit ``param``."""
     record = Float32Copy(values.detach().float(), version=param._version)
     setattr(param, FP32_COPY_ATTR, record)
+
+
+def release_float32_copies(model: torch.nn.Module) -> int:
+    """Drop the float32 values kept on ``model``'s 16-bit parameters, and return how many
+    bytes they held.
+
+    O2 keeps them until a ``LossScaleOptimizer`` starts its masters from them; a model used
+    only for inference keeps them for good: 4 bytes a parameter beside the 2 of its 16-bit
+    weight, more than the float32 model took. After this, a save with no optimizer writes
+    the 16-bit values, and masters built later start from them."""
+    released = 0
+    for param in model.parameters():
+        kept = param.__dict__.pop(FP32_COPY_ATTR, None)
+        if isinstance(kept, Float32Copy):
+            released += kept.values.numel() * kept.values.element_size()
+    return released

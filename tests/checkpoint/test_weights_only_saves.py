@@ -90,3 +90,15 @@ def test_a_load_of_a_weights_only_save_starts_the_masters_from_its_float32_value
     resumed = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
     for expected, (_, master) in zip(masters, resumed.master_weights(), strict=True):
         assert torch.equal(master, expected)
+
+
+def test_an_inference_model_can_release_its_float32_values(tmp_path):
+    """O2 keeps 4 bytes a parameter for masters no optimizer may ever build: an inference
+    model can drop them, and its saves then write what it holds."""
+    model = mp.auto_mixed_precision(net(), "mixed_bfloat16", "O2")
+    half = [p for p in model.parameters() if p.dtype == torch.bfloat16]
+    assert mp.release_float32_copies(model) == 4 * sum(p.numel() for p in half) > 0
+    assert mp.release_float32_copies(model) == 0  # nothing left
+    out = written(tmp_path, model, "checkpoint")
+    assert out["0.weight"].dtype == torch.bfloat16
+    assert torch.equal(out["0.weight"], model[0].weight.detach())
