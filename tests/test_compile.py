@@ -494,3 +494,35 @@ def test_a_models_own_graph_break_costs_no_more_than_under_autocast(level):
     torch._dynamo.reset()
     model = mp.auto_mixed_precision(_Chatty(), "mixed_bfloat16", level)
     assert torch._dynamo.explain(model)(x).graph_break_count == expected
+
+
+def test_recompile_room_compiles_every_closure_of_one_function():
+    """Closures of one function share its code object: dynamo compiled 8 versions and ran
+    the 9th eagerly, still labelled compiled (the bench's 9th +compile mode)."""
+    from torch._dynamo.utils import counters
+
+    from mixprec._compile import recompile_room
+
+    def make(i: int):
+        # Models of other structures, as the bench's modes' are: each fails the last
+        # version's guards, so each call compiles a version of its own.
+        net = nn.Sequential(*[nn.Identity() for _ in range(i + 1)])
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            return net(x) + 1
+
+        return torch.compile(step, backend="eager")
+
+    def frames_compiled(n: int) -> int:
+        torch._dynamo.reset()
+        counters.clear()
+        for i in range(n):
+            make(i)(torch.ones(2))
+        return int(counters["frames"]["ok"])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dynamo's own note on hitting its limit
+        assert frames_compiled(10) == 8  # the limit: two ran eagerly
+    with recompile_room(10):
+        assert frames_compiled(10) == 10
+    torch._dynamo.reset()

@@ -7,9 +7,10 @@ flag back to the host, which a graph cannot branch on without breaking (see docs
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 
 from mixprec._errors import ArgumentError
 
-__all__ = ["CompileOption", "compile_options", "compile_step"]
+__all__ = ["CompileOption", "compile_options", "compile_step", "recompile_room"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -60,3 +61,16 @@ def compile_step(fn: F, options: Mapping[str, Any], model: nn.Module) -> F:
             return compiled(*args, **kwargs)
 
     return with_rnns  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def recompile_room(functions: int) -> Iterator[None]:
+    """Raise dynamo's per-code-object recompile limit by ``functions`` while the block runs.
+
+    Compiled closures of one function (one per bench mode, say) share its code object, and
+    dynamo compiles at most ``recompile_limit`` (8) versions of it: past that, a call runs
+    eagerly, still timed as compiled. (``cache_size_limit`` before torch 2.6.)"""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    with config.patch(**{name: getattr(config, name) + functions}):
+        yield

@@ -201,3 +201,52 @@ def test_tf32_works_after_torchs_newer_precision_api_was_used():
         assert matmul.fp32_precision == "ieee"
     finally:
         matmul.fp32_precision = saved
+
+
+def test_auto_follows_outputs_16bit_as_the_other_modes_do():
+    """Under --outputs-16bit the headline auto row measured float32 outputs while its
+    autocast peer handed the loss bfloat16 ones."""
+    seen: list[torch.dtype] = []
+    work = bench.get_workload("mlp-b64", small=True)
+    loss_fn = work.loss_fn
+
+    def spy(out, y):
+        seen.append(out.dtype)
+        return loss_fn(out, y)
+
+    work = bench.Workload(work.name, work.make_model, work.batch, spy, work.samples)
+    bench.build_step("auto", work, torch.device("cpu"), outputs_16bit=True)()
+    auto = mp.Policy("auto")
+    assert seen == [auto.compute_dtype if auto.is_mixed else torch.float32]
+
+
+def test_cuda_timing_and_memory_name_the_device_measured(monkeypatch):
+    """On cuda:1 they synchronised and read the current device, cuda:0."""
+    from mixprec.bench import memory
+
+    calls: list[tuple[str, object]] = []
+    names = ("synchronize", "reset_peak_memory_stats", "memory_allocated", "max_memory_allocated")
+    for name in names:
+
+        def record(device=None, name=name):
+            calls.append((name, device))
+            return 0
+
+        monkeypatch.setattr(torch.cuda, name, record)
+    device = torch.device("cuda:1")
+    bench_modes._sync(device)
+    memory.PeakMemory(device).mb()
+    assert calls == [("synchronize", device), ("reset_peak_memory_stats", device),
+                     ("memory_allocated", device), ("max_memory_allocated", device)]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "bf16"),
+    [("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA L40S", 362.1),
+     ("NVIDIA L40", 181.0), ("NVIDIA L4", 121.0), ("NVIDIA H200", 989.4),
+     ("NVIDIA GeForce RTX 4090", None)],
+)  # fmt: skip
+def test_mfu_peaks_match_whole_words_of_the_gpus_name(monkeypatch, name, bf16):
+    """ "L4" matched inside "L40S" and read a third of its peak: MFU about 3x too high."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert runner.peak_tflops(torch.device("cuda"), "bfloat16") == bf16

@@ -95,7 +95,10 @@ def test_bench_shows_progress_on_stderr_and_keeps_stdout_unchanged(fake_steps, m
 def test_max_batch_shows_progress_per_mode_and_probe(monkeypatch, capsys):
     from mixprec import bench
 
-    def max_batch(workload, mode, budget, *args, progress=None):
+    compile_modes = []
+
+    def max_batch(workload, mode, budget, *args, progress=None, compile_mode=None):
+        compile_modes.append(compile_mode)
         for batch, fits in ((1, True), (2, True), (4, False)):
             progress(batch, fits)
         return 2
@@ -251,3 +254,21 @@ def test_bench_help_lists_modes_workloads_and_every_default(capsys):
         assert f" {workload} {bench.WORKLOAD_HELP[workload].split()[0]}" in lists, workload
     assert f"default: {' '.join(bench.DEFAULT_WORKLOADS)}" in lists
     assert f"module:function (default: {' '.join(bench.DEFAULT_WORKLOADS)})" in out
+
+
+def test_max_batch_passes_the_compile_mode_and_refuses_json_and_plot(monkeypatch, tmp_path, capsys):
+    """--max-batch probed every mode uncompiled whatever --compile-mode said, and returned
+    before --json and --plot were written, with exit 0."""
+    from mixprec import bench
+
+    seen = []
+    monkeypatch.setattr(bench, "max_batch", lambda *a, progress=None, compile_mode=None:
+                        seen.append(compile_mode) or 1)  # fmt: skip
+    argv = ["bench", "mlp-b64", "--small", "--modes", "O2-bf16", "--max-batch", "9",
+            "--compile", "--compile-mode", "max-autotune-no-cudagraphs"]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert set(seen) == {"max-autotune-no-cudagraphs"}
+    for extra in (["--json", str(tmp_path / "m.json")], ["--plot", str(tmp_path / "m.png")]):
+        assert cli.main([*argv, *extra]) == 2
+        assert "--json and --plot write the timing run's results" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

@@ -89,7 +89,14 @@ def test_train_a_float8_policy_at_o0_trains_in_float32(capsys):
         (["--level", "O5"], "unknown level 'O5'; valid: O0, O1, O2, O3, auto"),
         (["--compare", "fp64"], "unknown compare 'fp64'"),
         (["--epochs", "0"], "--epochs must be >= 1, got 0"),
-        (["--model", "cnn", "--data", "synthetic"], "model 'cnn' needs image data"),
+        (["--model", "cnn", "--data", "synthetic"], "--model cnn needs image data (n, H, W); --da"),
+        (
+            ["--model", "cnn", "--hidden", "7"],
+            "--hidden sets the MLP's width; --model cnn has none",
+        ),
+        (["--float8-min-features", "32"], "--float8-min-features applies to float8 policies"),
+        (["--data", "mnist:"], "--data mnist: needs the directory of MNIST's IDX files"),
+        (["--compare", "params=foo"], "--compare 'params=foo': "),
         (["--data", "mnist:/nonexistent"], "is not a directory"),
     ],
 )
@@ -180,8 +187,49 @@ def test_identical_configurations_are_not_a_speed_result(capsys):
                      "--data", "synthetic", "--epochs", "1", "--quiet", "--in-process",
                      "--policy", "float32", "--compare", "float32"]) == 0  # fmt: skip
     out = capsys.readouterr().out
-    assert "the same configuration twice: the speed column is run-to-run noise" in out
+    assert (
+        "the same math in both runs (O0 computes in float32 whatever the policy): the "
+        "speed column is run-to-run noise" in out
+    )
     assert "x the speed" not in out
+
+
+def test_a_mixed_policy_at_o0_is_not_a_mixed_precision_result(capsys):
+    """mixed_bfloat16 at O0 computes in float32: its row was read as a mixed speedup."""
+    assert cli.main(["train", "--hidden", "64", "--data", "synthetic", "--epochs", "1",
+                     "--quiet", "--in-process", "--policy", "mixed_bfloat16",
+                     "--level", "O0"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "mixed_bfloat16 (O0)" in out and "the same math in both runs" in out
+    assert "x the speed" not in out
+
+
+def test_a_run_that_diverged_says_so_and_exits_1(capsys):
+    """The epoch loss leaves out non-finite steps: a run whose weights went to inf showed
+    a finite loss, and the command exited 0."""
+    code = cli.main(["train", "--hidden", "64", "--data", "synthetic", "--epochs", "1",
+                     "--quiet", "--in-process", "--lr", "1e30"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "float32 (O0) diverged: its test loss is nan" in out
+    assert "a smaller --lr may train" in out
+
+
+def test_auto_picking_float32_beside_another_compare_policy_trains_float32(monkeypatch, capsys):
+    """With --compare bfloat16 where auto picks float32, no float32 run trained: auto's run
+    was a 4-step bfloat16 probe, and the bfloat16 run was called float32's."""
+    from mixprec import _hardware
+
+    monkeypatch.setattr(_hardware, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    _hardware.probe_hardware.cache_clear()
+    try:
+        assert cli.main(["train", "--hidden", "64", "--data", "synthetic", "--epochs", "1",
+                         "--quiet", "--in-process", "--compare", "bfloat16"]) == 0  # fmt: skip
+    finally:
+        monkeypatch.undo()
+        _hardware.probe_hardware.cache_clear()
+    out = capsys.readouterr().out
+    assert list(rows(out)) == ["bfloat16", "float32"] and "auto picks float32 here" not in out
 
 
 def test_policy_strings_of_the_library_are_accepted(capsys):
@@ -204,12 +252,12 @@ def test_plot_without_suffix_says_the_file_it_wrote(tmp_path, capsys):
     assert (tmp_path / "curves.png").stat().st_size > 0 and not target.exists()
 
 
-def test_an_error_in_the_worker_process_is_one_line_exit_2(capsys):
+def test_an_error_in_the_worker_process_is_one_line_exit_2(tmp_path, capsys):
     """Each run trains in a worker process: its error comes back as the same one line."""
-    assert cli.main(["train", "--quiet", "--model", "cnn", "--data", "synthetic",
+    assert cli.main(["train", "--quiet", "--data", f"mnist:{tmp_path}",
                      "--compare", "none", "--epochs", "1"]) == 2  # fmt: skip
     err = capsys.readouterr().err.strip()
-    assert err.startswith("mixprec train: error: model 'cnn' needs image data")
+    assert err.startswith("mixprec train: error: MNIST file not found in")
     assert len(err.splitlines()) == 1
 
 

@@ -44,3 +44,22 @@ def test_quickstart_matches_float32(policy: str, capsys: pytest.CaptureFixture[s
         # The dynamic scaler only ever multiplies a power of two by 2 or 0.5.
         assert scale > 0 and math.isfinite(scale)
         assert math.log2(scale).is_integer()
+
+
+def test_both_runs_step_the_same_fused_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LossScaleOptimizer gives the mixed run torch's fused AdamW; the baseline's plain
+    AdamW ran the per-parameter loop on CPU, and the example credited the difference to
+    the precision."""
+    import torch
+
+    made: list[torch.optim.Optimizer] = []
+    real = torch.optim.AdamW.__init__
+
+    def spy(self: torch.optim.Optimizer, *args: object, **kwargs: object) -> None:
+        real(self, *args, **kwargs)  # type: ignore[arg-type]
+        made.append(self)
+
+    monkeypatch.setattr(torch.optim.AdamW, "__init__", spy)
+    load_example().main(["--epochs", "1", "--policy", "mixed_bfloat16"])
+    assert len(made) == 2
+    assert [opt.param_groups[0]["fused"] for opt in made] == [True, True]

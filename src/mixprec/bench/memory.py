@@ -23,9 +23,9 @@ class PeakMemory:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.before: float | None = None
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-            self.before = float(torch.cuda.memory_allocated())
+        if device.type == "cuda":  # the device measured, not the current one (cuda:1)
+            torch.cuda.reset_peak_memory_stats(device)
+            self.before = float(torch.cuda.memory_allocated(device))
             return
         try:
             with open("/proc/self/clear_refs", "w") as f:
@@ -42,7 +42,7 @@ class PeakMemory:
         if self.before is None:
             return None
         if self.device.type == "cuda":
-            return (torch.cuda.max_memory_allocated() - self.before) / 2**20
+            return (torch.cuda.max_memory_allocated(self.device) - self.before) / 2**20
         return _proc_status_mb("VmHWM") - self.before
 
 
@@ -122,6 +122,7 @@ def max_batch(
     outputs_16bit: bool = False,
     float8: Float8Options | None = None,
     progress: Callable[[int, bool], None] | None = None,
+    compile_mode: str | None = None,
 ) -> int:
     """The largest batch of ``workload`` whose training step, in ``mode`` alone in a fresh
     process, peaks within ``budget_mb``: doubling, then bisection (0 if none fits).
@@ -132,8 +133,8 @@ def max_batch(
 
     def fits(batch: int) -> bool:
         with ctx.Pool(1) as pool:
-            args: MemoryArgs = (workload, mode, device, small, 1, batch, outputs_16bit, None,
-                                float8)  # fmt: skip
+            args: MemoryArgs = (workload, mode, device, small, 1, batch, outputs_16bit,
+                                compile_mode, float8)  # fmt: skip
             peak = pool.apply(_peak_memory, (args,))
         if peak is None:
             raise RuntimeError("peak memory cannot be measured on this platform")

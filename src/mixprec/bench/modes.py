@@ -225,7 +225,7 @@ def tf32(enabled: bool) -> Iterator[None]:
 def _sync(device: torch.device) -> None:
     """Wait until ``device`` has run the work queued so far (CUDA runs asynchronously)."""
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)  # the device timed, not the current one
 
 
 def build_step(
@@ -299,6 +299,9 @@ def build_step(
             converts = float8 if float8 is not None else work.float8 or Float8Options()
         elif base == "auto":
             policy = Policy("auto")  # what this machine's hardware picks, as mixprec train
+            if outputs_16bit and policy.is_mixed:  # as every other mode's, under the flag
+                policy = Policy(param_dtype="float32", compute_dtype=policy.compute_dtype,
+                                output_dtype=policy.compute_dtype)  # fmt: skip
         elif prep == "O3":
             policy = Policy(half)  # pure 16-bit: its outputs are 16-bit already
         elif outputs_16bit:

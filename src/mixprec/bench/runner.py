@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mixprec._compile import recompile_room
 from mixprec._device import resolve_device
 from mixprec.bench.explain import reasons
 from mixprec.bench.faults import FaultMeter
@@ -38,13 +39,18 @@ from mixprec.bench.modes import (
 from mixprec.bench.workloads import get_workload
 from mixprec.float8 import Float8Options
 
-#: Dense peak TFLOP/s per GPU, by name fragment and matmul dtype, from the vendors' data
-#: sheets (SXM parts; float32 without TF32, as ``run`` measures it). float8 modes are
-#: measured against the bfloat16 peak (see ``_matmul_dtype``).
+#: Dense peak TFLOP/s per GPU, by the words of its name and matmul dtype, from the vendors'
+#: data sheets (float32 without TF32, as ``run`` measures it). A name matches when all its
+#: words are words of the device's name, the most specific first ("H100 PCIe" before
+#: "H100", the SXM part); "L4" is not "L40S". float8 modes are measured against the
+#: bfloat16 peak (see ``_matmul_dtype``). Another GPU gets no MFU.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H200": {"bfloat16": 989.4, "float16": 989.4, "tfloat32": 494.7, "float32": 66.9},
+    "H100 PCIe": {"bfloat16": 756.0, "float16": 756.0, "tfloat32": 378.0, "float32": 51.2},
     "H100": {"bfloat16": 989.4, "float16": 989.4, "tfloat32": 494.7, "float32": 66.9},
     "A100": {"bfloat16": 312.0, "float16": 312.0, "tfloat32": 156.0, "float32": 19.5},
+    "L40S": {"bfloat16": 362.1, "float16": 362.1, "tfloat32": 183.0, "float32": 91.6},
+    "L40": {"bfloat16": 181.0, "float16": 181.0, "tfloat32": 90.5, "float32": 90.5},
     "L4": {"bfloat16": 121.0, "float16": 121.0, "tfloat32": 60.0, "float32": 30.3},
 }
 
@@ -76,10 +82,10 @@ def peak_tflops(device: torch.device, kind: str) -> float | None:
     """The data-sheet peak of ``device`` for ``kind`` (see ``PEAK_TFLOPS``), or None."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for fragment, peaks in PEAK_TFLOPS.items():
-        if fragment in name:
-            return peaks.get(kind)
+    words = set(torch.cuda.get_device_name(device).upper().replace("-", " ").split())
+    for name in sorted(PEAK_TFLOPS, key=lambda n: -len(n.split())):
+        if set(name.upper().split()) <= words:
+            return PEAK_TFLOPS[name].get(kind)
     return None
 
 
@@ -171,7 +177,8 @@ def run(
     # float32 without TF32 (which rounds matmul inputs to 10 mantissa bits on CUDA), for a
     # true float32 baseline; the profiles behind the reasons too, float32 as timed.
     meters = {m: FaultMeter() for m in modes} if dev.type == "cpu" else {}
-    with tf32(False):
+    # One compiled version of that code object per compiled mode, past dynamo's limit of 8.
+    with tf32(False), recompile_room(sum(m.endswith(COMPILED) for m in modes)):
         times, last, first = _time_modes(
             built, repeats, steps, warmup, dev, min_round_ms, progress=progress, meters=meters
         )

@@ -75,7 +75,7 @@ def policy_option(kind: str, value: str, extra: Sequence[str] = ()) -> None:
         try:
             Policy(value)
         except ValueError as err:
-            raise UsageError(str(err)) from None
+            raise UsageError(f"--{kind} {value!r}: {err}") from None
         return
     choice(kind, value, [*NAMES, *extra])
 

@@ -114,6 +114,13 @@ def check_model_and_data(args: argparse.Namespace) -> None:
         load_factory("--data", args.data, DATA_FACTORY)
     elif args.data not in ("digits", "synthetic") and not args.data.startswith("mnist:"):
         _name_or_spec("data", args.data, DATA)
+    elif args.data == "mnist:":  # not the current directory, searched without a word
+        raise UsageError("--data mnist: needs the directory of MNIST's IDX files: mnist:DIR")
+    if args.model == "cnn" and args.data == "synthetic":  # before any run starts
+        raise UsageError(
+            "--model cnn needs image data (n, H, W); --data synthetic is feature vectors: "
+            "give --data digits or mnist:DIR, or --model mlp"
+        )
     if args.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
     if not 0 <= args.seed < 2**63:
@@ -193,7 +200,10 @@ def build_model(
     if model == "mlp":
         return models.mlp(input_shape=tuple(x.shape[1:]), hidden=hidden, classes=classes)
     if x.dim() != 3:
-        raise UsageError(f"model 'cnn' needs image data (n, H, W); this data is {tuple(x.shape)}")
+        raise UsageError(
+            f"--model cnn needs image data (n, H, W); --data {data} is {tuple(x.shape)}: give "
+            "--data digits or mnist:DIR, or --model mlp"
+        )
     return models.cnn(in_channels=1, classes=classes)
 
 

@@ -208,6 +208,11 @@ def run(args: argparse.Namespace) -> int:
             f"{args.warmup} and {args.min_round_ms:g}"
         )
     if args.max_batch:
+        if json_path or plot_path:
+            raise UsageError(
+                "--json and --plot write the timing run's results; --max-batch searches batch "
+                "sizes and prints them: give one or the other"
+            )
         _max_batches(args, workloads, modes, float8)
         return 0
     results = {}
@@ -271,9 +276,18 @@ def _max_batches(
                 def probed(batch: int, fits: bool, where: str = f"{w} {m}") -> None:
                     bar.set_postfix_str(f"{where}: batch {batch} {'fits' if fits else 'too big'}")
 
-                found[m] = bench.max_batch(w, m, args.max_batch, args.device, args.small,
-                                           args.batch_limit, args.outputs_16bit, float8,
-                                           progress=probed)  # fmt: skip
+                found[m] = bench.max_batch(
+                    w,
+                    m,
+                    args.max_batch,
+                    args.device,
+                    args.small,
+                    args.batch_limit,
+                    args.outputs_16bit,
+                    float8,
+                    progress=probed,
+                    compile_mode=args.compile_mode,
+                )
                 bar.update(1)
             base = found.get("float32") or 0
             with bar.external_write_mode(file=sys.stdout):

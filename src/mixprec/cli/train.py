@@ -73,8 +73,8 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
     """The options of ``mixprec train``."""
     add_model_options(sub, policy="auto", batch_size=DEFAULT_BATCH)
     sub.add_argument(
-        "--hidden", type=int, default=DEFAULT_HIDDEN, metavar="N",
-        help="the MLP's width (--model mlp only)",
+        "--hidden", type=int, default=None, metavar="N",
+        help=f"the MLP's width (--model mlp only) (default: {DEFAULT_HIDDEN})",
     )  # fmt: skip
     sub.add_argument(
         "--epochs", type=int, default=DEFAULT_EPOCHS, metavar="N", help="passes over the data"
@@ -144,7 +144,7 @@ def run_training(config: dict[str, Any]) -> dict[str, Any]:
     )  # fmt: skip
     seconds = time.perf_counter() - start
     test = trainer.evaluate(x_test, y_test, batch_size=256)
-    if config.get("save") and distributed.is_main_process():
+    if config.get("save") and not probe and distributed.is_main_process():
         path = Path(config["save"]) / f"{config['label']}.safetensors"
         save_checkpoint(path, model, trainer.optimizer, trainer.resume_state())
     done = applied(model)
@@ -160,6 +160,7 @@ def run_training(config: dict[str, Any]) -> dict[str, Any]:
         "policy": done.policy.name if done else config["policy"],
         "level": done.level if done else config["level"],
         "test_accuracy": test["accuracy"],
+        "test_loss": test["loss"],
         "final_loss": history.history["loss"][-1],
         "loss_curve": history.history["loss"],
         "val_loss_curve": history.history["val_loss"],
@@ -192,26 +193,37 @@ def run(args: argparse.Namespace) -> int:
         output_dir("--save", args.save)
     plot = plot_file("--plot", args.plot) if args.plot else None
 
-    if args.hidden < 1:
+    if args.hidden is not None and args.model != "mlp":
+        raise UsageError(f"--hidden sets the MLP's width; --model {args.model} has none")
+    if args.hidden is not None and args.hidden < 1:
         raise UsageError(f"--hidden must be >= 1, got {args.hidden}")
+    float8_sizes(args.float8_min_features)  # a bad value fails before training
+    float8_policies = [p for p in (args.policy, args.compare) if _is_float8(p)]
+    if args.float8_min_features is not None and not float8_policies:
+        raise UsageError(
+            f"--float8-min-features applies to float8 policies (mixed_float8...); "
+            f"--policy {args.policy} and --compare {args.compare} convert no layer"
+        )
     common = {
         "model": args.model, "data": args.data, "epochs": args.epochs, "seed": args.seed,
-        "hidden": args.hidden,
+        "hidden": args.hidden if args.hidden is not None else DEFAULT_HIDDEN,
         "batch_size": args.batch_size, "lr": args.lr, "save": args.save,
         "verbose": 0 if args.quiet else 1, "compile": args.compile,
         "float8_min_features": args.float8_min_features,
     }  # fmt: skip
-    float8_sizes(args.float8_min_features)  # a bad value fails before training
     under_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if (is_spec(args.model) or is_spec(args.data)) and not (args.in_process or under_torchrun):
         # A user's model or data fails here, in one line, not in each run's worker.
         torch.manual_seed(args.seed)
         splits = load_data(args.data, args.seed)
-        build_model(args.model, splits[0][0], classes_of(splits), args.hidden, args.data)
+        build_model(args.model, splits[0][0], classes_of(splits), common["hidden"], args.data)
     configs = []
     if args.compare != "none":
         configs.append({**common, "label": "baseline", "policy": args.compare, "level": "auto"})
     mixed_policy, auto_float32 = _mixed_run_policy(args.policy)
+    if auto_float32 is not None and args.compare not in ("float32", "none"):
+        # Compared with another policy, auto's float32 is a run of its own, not a probe.
+        mixed_policy, auto_float32 = "auto", None
     mixed = {**common, "label": "mixed", "policy": mixed_policy, "level": args.level}
     if auto_float32 is not None:  # time a few emulated steps only; train float32
         mixed = {**mixed, "label": "probe", "probe_steps": PROBE_STEPS, "verbose": 0}
@@ -243,9 +255,11 @@ def run(args: argparse.Namespace) -> int:
     say(f"(peak MB: {runs[0]['memory_kind']}; speedup: ms/step of the first row / this row)")
     if len(runs) == 2:
         diff = runs[1]["test_accuracy"] - runs[0]["test_accuracy"]
-        same = (runs[0]["policy"], runs[0]["level"]) == (runs[1]["policy"], runs[1]["level"])
+        # By the math each run does: a mixed policy at O0 computes in float32 throughout.
+        same = _math_of(runs[0]) == _math_of(runs[1])
         speed = (
-            "the same configuration twice: the speed column is run-to-run noise"
+            "the same math in both runs (O0 computes in float32 whatever the policy): the "
+            "speed column is run-to-run noise"
             if same
             else f"{runs[0]['ms_per_step'] / runs[1]['ms_per_step']:.2f}x the speed"
             + (" (float8 matmuls emulated on CPU)" if runs[1].get("float8_layers") else "")
@@ -261,7 +275,16 @@ def run(args: argparse.Namespace) -> int:
     if plot and say is print:
         report.plot(runs, plot)
         say(f"loss curves written to {plot}")
-    return 0
+    # The epoch loss leaves out steps whose loss was not finite, so a run that diverged
+    # can show a finite one: its test loss says it, and so does the exit status.
+    diverged = [r for r in runs if not math.isfinite(r["test_loss"])]
+    for r in diverged:
+        say(
+            f"{r['policy']} ({r['level']}) diverged: its test loss is "
+            f"{r['test_loss']} ({r['skipped_steps']} steps skipped for non-finite values); "
+            "a smaller --lr may train"
+        )
+    return 1 if diverged else 0
 
 
 # How long a worker sent SIGTERM has to unwind (a checkpoint write removes its temporary
@@ -377,6 +400,19 @@ def _mixed_run_policy(policy: str) -> tuple[str, str | None]:
     if chosen.is_mixed:
         return policy, None
     return "mixed_bfloat16", chosen.reason
+
+
+def _is_float8(policy: str) -> bool:
+    """Whether ``policy`` (an option's text, "none" for --compare) has float8 matmuls."""
+    return policy != "none" and Policy(policy).float8_recipe is not None
+
+
+def _math_of(run: dict[str, Any]) -> tuple[object, object]:
+    """What a run computes in: its compute dtype and float8 recipe (float32 at O0)."""
+    if run["level"] == "O0":
+        return torch.float32, None
+    policy = Policy(run["policy"])
+    return policy.compute_dtype, policy.float8_recipe
 
 
 def _run_name(policy: str, level: str) -> str:
