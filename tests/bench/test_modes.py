@@ -244,6 +244,7 @@ def test_cuda_timing_and_memory_name_the_device_measured(monkeypatch):
     ("name", "bf16"),
     [("NVIDIA H100 80GB HBM3", 989.4), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA L40S", 362.1),
      ("NVIDIA L40", 181.0), ("NVIDIA L4", 121.0), ("NVIDIA H200", 989.4),
+     ("NVIDIA GH200 480GB", 989.4),
      ("NVIDIA GeForce RTX 4090", None)],
 )  # fmt: skip
 def test_mfu_peaks_match_whole_words_of_the_gpus_name(monkeypatch, name, bf16):

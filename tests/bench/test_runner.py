@@ -321,3 +321,25 @@ def test_an_unknown_compile_mode_is_refused_before_any_work(monkeypatch):
         valid
     )
     assert bench.check_compile_mode("max-autotune") == "max-autotune"
+
+
+def test_compiled_modes_get_room_past_dynamos_eight_versions(monkeypatch):
+    """Every mode's step shares one code object, of which dynamo compiles 8 versions: from
+    the 9th compiled mode on, a '+compile' mode ran eagerly under its label."""
+    limits: list[int] = []
+
+    def step_of(mode, *args, **kwargs):
+        def step() -> torch.Tensor:
+            limits.append(torch._dynamo.config.recompile_limit)  # read while timed
+            return torch.zeros(())
+
+        return step
+
+    monkeypatch.setattr(runner, "build_step", step_of)
+    base = ["torch-autocast-bf16", "O1-bf16", "O2-bf16", "O3-bf16", "auto-bf16", "O1-fp16",
+            "O2-fp16", "auto-fp16", "auto"]  # fmt: skip
+    modes = [f"{m}{bench.COMPILED}" for m in base]
+    bench.run("mlp-b64", modes, repeats=1, steps=1, warmup=0, memory=False, small=True,
+              min_round_ms=0, explain=False)  # fmt: skip
+    default = torch._dynamo.config.recompile_limit
+    assert limits and min(limits) >= default + len(modes)

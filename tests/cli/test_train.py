@@ -180,6 +180,9 @@ def test_explain_speed_says_when_the_step_is_overhead_bound():
     )
     fast = {**slow, "ms_per_step": 0.7}
     assert not any("buys little" in x for x in report.explain_speed([base, fast]))
+    # Runs doing the same math (a mixed policy at O0) expect no gain: noise is not explained.
+    o0 = {**slow, "level": "O0"}
+    assert not any("buys little" in x for x in report.explain_speed([base, o0], same_math=True))
 
 
 def test_identical_configurations_are_not_a_speed_result(capsys):
@@ -230,6 +233,22 @@ def test_auto_picking_float32_beside_another_compare_policy_trains_float32(monke
         _hardware.probe_hardware.cache_clear()
     out = capsys.readouterr().out
     assert list(rows(out)) == ["bfloat16", "float32"] and "auto picks float32 here" not in out
+
+
+def test_auto_picking_float32_at_o0_times_no_bfloat16_probe(monkeypatch, capsys):
+    """At O0 the probe ran mixed_bfloat16 in float32 and called it emulated bfloat16."""
+    from mixprec import _hardware
+
+    monkeypatch.setattr(_hardware, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    _hardware.probe_hardware.cache_clear()
+    try:
+        assert cli.main(["train", "--hidden", "64", "--data", "synthetic", "--epochs", "1",
+                         "--quiet", "--in-process", "--level", "O0"]) == 0  # fmt: skip
+    finally:
+        monkeypatch.undo()
+        _hardware.probe_hardware.cache_clear()
+    out = capsys.readouterr().out
+    assert "auto picks float32 here" not in out and "the same math in both runs" in out
 
 
 def test_policy_strings_of_the_library_are_accepted(capsys):

@@ -46,6 +46,7 @@ from mixprec.float8 import Float8Options
 #: bfloat16 peak (see ``_matmul_dtype``). Another GPU gets no MFU.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H200": {"bfloat16": 989.4, "float16": 989.4, "tfloat32": 494.7, "float32": 66.9},
+    "GH200": {"bfloat16": 989.4, "float16": 989.4, "tfloat32": 494.7, "float32": 66.9},
     "H100 PCIe": {"bfloat16": 756.0, "float16": 756.0, "tfloat32": 378.0, "float32": 51.2},
     "H100": {"bfloat16": 989.4, "float16": 989.4, "tfloat32": 494.7, "float32": 66.9},
     "A100": {"bfloat16": 312.0, "float16": 312.0, "tfloat32": 156.0, "float32": 19.5},

@@ -8,10 +8,11 @@ from typing import Any
 from mixprec._step_profile import GAIN_THRESHOLD, no_gain_line, why_no_gain
 
 
-def explain_speed(runs: list[dict[str, Any]]) -> list[str]:
+def explain_speed(runs: list[dict[str, Any]], same_math: bool = False) -> list[str]:
     """Lines that say where the step time goes in each run and, where the mixed run gains
     less than ``GAIN_THRESHOLD``, why: mixed precision speeds up matmuls, so a step that
-    spends little of its time in them gains little on any hardware."""
+    spends little of its time in them gains little on any hardware. ``same_math``: both
+    runs compute in the same dtype (a mixed policy at O0): no gain is expected, nor said."""
     lines = []
     for r in runs:
         if r.get("matmul_ms") is not None:
@@ -22,7 +23,7 @@ def explain_speed(runs: list[dict[str, Any]]) -> list[str]:
             )
     if lines:
         lines.insert(0, "time in matmuls, the work 16-bit math speeds up:")
-    if len(runs) == 2 and all(r.get("matmul_ms") is not None for r in runs):
+    if not same_math and len(runs) == 2 and all(r.get("matmul_ms") is not None for r in runs):
         base, mixed = runs
         speedup = base["ms_per_step"] / mixed["ms_per_step"]
         if speedup < GAIN_THRESHOLD:

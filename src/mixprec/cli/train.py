@@ -221,8 +221,11 @@ def run(args: argparse.Namespace) -> int:
     if args.compare != "none":
         configs.append({**common, "label": "baseline", "policy": args.compare, "level": "auto"})
     mixed_policy, auto_float32 = _mixed_run_policy(args.policy)
-    if auto_float32 is not None and args.compare not in ("float32", "none"):
-        # Compared with another policy, auto's float32 is a run of its own, not a probe.
+    if auto_float32 is not None and (
+        args.compare not in ("float32", "none") or args.level.upper() == "O0"
+    ):
+        # Compared with another policy, auto's float32 is a run of its own, not a probe; at
+        # O0 a bfloat16 probe would compute in float32 too.
         mixed_policy, auto_float32 = "auto", None
     mixed = {**common, "label": "mixed", "policy": mixed_policy, "level": args.level}
     if auto_float32 is not None:  # time a few emulated steps only; train float32
@@ -253,14 +256,14 @@ def run(args: argparse.Namespace) -> int:
             say(f"{result['label']} run: float8 in {result['float8_layers']} Linear layers "
                 f"({rule}; the output head stays bfloat16)")  # fmt: skip
     say(f"(peak MB: {runs[0]['memory_kind']}; speedup: ms/step of the first row / this row)")
+    # By the math each run does: a mixed policy at O0 computes in float32 throughout.
+    same_math = len(runs) == 2 and _math_of(runs[0]) == _math_of(runs[1])
     if len(runs) == 2:
         diff = runs[1]["test_accuracy"] - runs[0]["test_accuracy"]
-        # By the math each run does: a mixed policy at O0 computes in float32 throughout.
-        same = _math_of(runs[0]) == _math_of(runs[1])
         speed = (
             "the same math in both runs (O0 computes in float32 whatever the policy): the "
             "speed column is run-to-run noise"
-            if same
+            if same_math
             else f"{runs[0]['ms_per_step'] / runs[1]['ms_per_step']:.2f}x the speed"
             + (" (float8 matmuls emulated on CPU)" if runs[1].get("float8_layers") else "")
         )
@@ -268,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
             f"\n{runs[1]['policy']}: test accuracy {runs[1]['test_accuracy']:.3f} vs "
             f"{runs[0]['policy']} {runs[0]['test_accuracy']:.3f} ({diff:+.3f}), {speed}"
         )
-    for line in report.explain_speed(runs) + report.explain_memory(runs):
+    for line in report.explain_speed(runs, same_math) + report.explain_memory(runs):
         say(line)
     if probe is not None and auto_float32 is not None:
         say(report.probe_line(auto_float32, runs[0], probe))
