@@ -17,7 +17,8 @@ from mixprec.bench import runner
 from tests.bench.test_workloads import tiny_workload
 
 
-def test_outputs_16bit_reach_the_loss_in_bfloat16(monkeypatch):
+def loss_input_dtype(mode: str, outputs_16bit: bool) -> torch.dtype:
+    """The dtype of what ``mode``'s step hands the loss, on the small batch-64 MLP."""
     seen: list[torch.dtype] = []
     work = bench.get_workload("mlp-b64", small=True)
     loss_fn = work.loss_fn
@@ -27,10 +28,13 @@ def test_outputs_16bit_reach_the_loss_in_bfloat16(monkeypatch):
         return loss_fn(out, y)
 
     work = bench.Workload(work.name, work.make_model, work.batch, spy, work.samples)
-    for outputs_16bit in (False, True):
-        bench.build_step("O2-bf16", work, torch.device("cpu"), outputs_16bit=outputs_16bit)()
-        bench.build_step("torch-autocast-bf16", work, torch.device("cpu"),
-                         outputs_16bit=outputs_16bit)()  # fmt: skip
+    bench.build_step(mode, work, torch.device("cpu"), outputs_16bit=outputs_16bit)()
+    return seen[0]
+
+
+def test_outputs_16bit_reach_the_loss_in_bfloat16(monkeypatch):
+    seen = [loss_input_dtype(mode, flag) for flag in (False, True)
+            for mode in ("O2-bf16", "torch-autocast-bf16")]  # fmt: skip
     assert seen == [torch.float32, torch.float32, torch.bfloat16, torch.bfloat16]
 
 
@@ -206,18 +210,9 @@ def test_tf32_works_after_torchs_newer_precision_api_was_used():
 def test_auto_follows_outputs_16bit_as_the_other_modes_do():
     """Under --outputs-16bit the headline auto row measured float32 outputs while its
     autocast peer handed the loss bfloat16 ones."""
-    seen: list[torch.dtype] = []
-    work = bench.get_workload("mlp-b64", small=True)
-    loss_fn = work.loss_fn
-
-    def spy(out, y):
-        seen.append(out.dtype)
-        return loss_fn(out, y)
-
-    work = bench.Workload(work.name, work.make_model, work.batch, spy, work.samples)
-    bench.build_step("auto", work, torch.device("cpu"), outputs_16bit=True)()
     auto = mp.Policy("auto")
-    assert seen == [auto.compute_dtype if auto.is_mixed else torch.float32]
+    expected = auto.compute_dtype if auto.is_mixed else torch.float32
+    assert loss_input_dtype("auto", outputs_16bit=True) == expected
 
 
 def test_cuda_timing_and_memory_name_the_device_measured(monkeypatch):

@@ -218,35 +218,32 @@ def test_a_run_that_diverged_says_so_and_exits_1(capsys):
     assert "a smaller --lr may train" in out
 
 
-def test_auto_picking_float32_beside_another_compare_policy_trains_float32(monkeypatch, capsys):
-    """With --compare bfloat16 where auto picks float32, no float32 run trained: auto's run
-    was a 4-step bfloat16 probe, and the bfloat16 run was called float32's."""
+def _train_without_fast_bfloat16(monkeypatch, *options: str) -> int:
+    """``mixprec train`` (small, in-process) where mixprec's probe sees an AVX2-only CPU,
+    so that ``auto`` picks float32; the probe's cache is cleared before and after."""
     from mixprec import _hardware
 
     monkeypatch.setattr(_hardware, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))
     _hardware.probe_hardware.cache_clear()
     try:
-        assert cli.main(["train", "--hidden", "64", "--data", "synthetic", "--epochs", "1",
-                         "--quiet", "--in-process", "--compare", "bfloat16"]) == 0  # fmt: skip
+        return cli.main(["train", "--hidden", "64", "--data", "synthetic", "--epochs", "1",
+                         "--quiet", "--in-process", *options])  # fmt: skip
     finally:
         monkeypatch.undo()
         _hardware.probe_hardware.cache_clear()
+
+
+def test_auto_picking_float32_beside_another_compare_policy_trains_float32(monkeypatch, capsys):
+    """With --compare bfloat16 where auto picks float32, no float32 run trained: auto's run
+    was a 4-step bfloat16 probe, and the bfloat16 run was called float32's."""
+    assert _train_without_fast_bfloat16(monkeypatch, "--compare", "bfloat16") == 0
     out = capsys.readouterr().out
     assert list(rows(out)) == ["bfloat16", "float32"] and "auto picks float32 here" not in out
 
 
 def test_auto_picking_float32_at_o0_times_no_bfloat16_probe(monkeypatch, capsys):
     """At O0 the probe ran mixed_bfloat16 in float32 and called it emulated bfloat16."""
-    from mixprec import _hardware
-
-    monkeypatch.setattr(_hardware, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    _hardware.probe_hardware.cache_clear()
-    try:
-        assert cli.main(["train", "--hidden", "64", "--data", "synthetic", "--epochs", "1",
-                         "--quiet", "--in-process", "--level", "O0"]) == 0  # fmt: skip
-    finally:
-        monkeypatch.undo()
-        _hardware.probe_hardware.cache_clear()
+    assert _train_without_fast_bfloat16(monkeypatch, "--level", "O0") == 0
     out = capsys.readouterr().out
     assert "auto picks float32 here" not in out and "the same math in both runs" in out
 
