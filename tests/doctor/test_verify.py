@@ -142,3 +142,17 @@ def test_the_check_of_a_pure_float16_plan_steps_an_eps_float16_holds(one_thread)
     adam = build_optimizer(None, [torch.zeros(2, dtype=torch.float16, requires_grad=True)])
     assert adam.defaults["eps"] == 1e-4
     assert build_optimizer(None, [torch.zeros(2, requires_grad=True)]).defaults["eps"] == 1e-8
+
+
+def test_the_check_starts_from_a_loss_scale_past_2_to_the_24(one_thread):
+    """The check's scaler capped its scale at 2**24 and refused to start above it: a
+    loss_scale of 2**25 (the doctor's own advice for tiny losses) was an ArgumentError."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+
+    def tiny(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(out, target) * 1e-14
+
+    report = mp.diagnose(model, x, y, tiny, "mixed_float16", loss_scale=2.0**25)
+    assert report.check is not None and report.check.applied > 0

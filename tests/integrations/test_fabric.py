@@ -289,3 +289,43 @@ def test_fabric_same_optimizer_set_up_twice_is_named(clip: bool) -> None:
     for wrapper in (second, first):
         fabric.backward(nn.functional.cross_entropy(model(x), y))
         assert step(wrapper).applied
+
+
+def test_fabric_a_backward_after_clipping_and_before_the_step_is_refused() -> None:
+    """Clipping each micro-batch unscaled the first one's gradients: at O2 the later ones
+    never reached the masters, at fp16 O1 they were applied still scaled (an update 40000x
+    float32's). A backward after clip_gradients and before step() is refused."""
+    for policy, level in (("mixed_bfloat16", "O2"), ("mixed_float16", "O1")):
+        fabric = Fabric(accelerator="cpu", devices=1,
+                        plugins=[MixprecFabricPrecision(policy, level=level)])  # fmt: skip
+        model = _mlp(0)
+        model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
+        x, y = next(iter(_data()))
+        fabric.backward(nn.functional.cross_entropy(model(x), y))
+        opt.step()  # the first step wraps the optimizer
+        fabric.backward(nn.functional.cross_entropy(model(x), y))
+        fabric.clip_gradients(model, opt, max_norm=1e6)
+        with pytest.raises(MisuseError, match=r"a backward after clip_gradients and before"):
+            fabric.backward(nn.functional.cross_entropy(model(x), y))
+
+
+def test_fabric_two_optimizers_first_step_unscale_by_the_scale_their_backward_used() -> None:
+    """Before an optimizer is wrapped (its first step), the scale of the backward was not
+    kept: when the other's first step overflowed and halved the shared scale, the second
+    optimizer's gradients came out 2x too large."""
+    updates = {}
+    for first in ("a", "b"):
+        plugin = MixprecFabricPrecision("mixed_float16", level="O2")
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        torch.manual_seed(0)
+        a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+        start = b.weight.detach().clone()
+        a, opt_a = fabric.setup(a, torch.optim.SGD(a.parameters(), lr=0.1))
+        b, opt_b = fabric.setup(b, torch.optim.SGD(b.parameters(), lr=0.1))
+        x = torch.randn(8, 4)
+        overflowing = a(x).float().pow(2).mean() * 1e30  # a's gradients overflow float16
+        fabric.backward(overflowing + b(x).float().pow(2).mean())
+        for opt in (opt_a, opt_b) if first == "a" else (opt_b, opt_a):
+            opt.step()
+        updates[first] = (b.weight.detach().float() - start.float()).norm().item()
+    assert updates["a"] == pytest.approx(updates["b"], rel=1e-3)

@@ -658,3 +658,51 @@ def test_the_best_model_loaded_at_the_end_keeps_its_float32_masters(tmp_path):
     for name, value in masters.items():
         if name in best:
             assert torch.equal(value, best[name]), name
+
+
+def test_a_resumed_run_saves_its_frozen_weights_float32_as_an_uninterrupted_one(tmp_path):
+    """Frozen 16-bit weights (PEFT-style) have no master: a save writes their kept float32
+    values. The resume's load into the 16-bit weights made those stale, and the resumed
+    run's save wrote bfloat16 roundings of the frozen weights."""
+    from safetensors.torch import load_file
+
+    def frozen_model() -> nn.Module:
+        model = build()
+        for name, p in model.named_parameters():
+            p.requires_grad = name.startswith("transformer.h.1.mlp")
+        return model
+
+    original = weights(frozen_model())
+    saves = {}
+    for run, resume in (("full", None), ("resumed", str(tmp_path / "full" / "checkpoint-2"))):
+        trainer = MixprecTrainer(
+            model=frozen_model(),
+            args=arguments(tmp_path / run, max_steps=4, save_strategy="steps", save_steps=2),
+            train_dataset=dataset(),
+            policy="mixed_bfloat16",
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        trainer.save_model(str(tmp_path / f"{run}-final"))
+        saves[run] = load_file(tmp_path / f"{run}-final" / "model.safetensors")
+    frozen = "transformer.h.0.attn.c_attn.weight"
+    assert torch.equal(saves["full"][frozen], original[frozen])
+    assert torch.equal(saves["resumed"][frozen], original[frozen])
+    assert saves["full"].keys() == saves["resumed"].keys()
+    for key, value in saves["full"].items():
+        assert torch.equal(saves["resumed"][key], value), key
+
+
+def test_each_train_starts_from_the_loss_scaler_as_given(tmp_path):
+    """One scaler object served every train() (model_init trials): the second started
+    from the first's scale and counters (scales 4096... against 1024...)."""
+    trainer = MixprecTrainer(
+        model_init=build,
+        args=arguments(tmp_path / "run", max_steps=4),
+        train_dataset=dataset(),
+        policy="mixed_float16",
+        loss_scaler=mp.DynamicLossScaler(2.0**10, growth_interval=2),
+    )
+    trainer.train()
+    first = logged(trainer, "loss_scale")
+    trainer.train()
+    assert logged(trainer, "loss_scale")[-4:] == first == [1024.0, 2048.0, 2048.0, 4096.0]

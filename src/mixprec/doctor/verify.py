@@ -142,9 +142,9 @@ def _round(
     first culprit (a 16-bit leaf that overflows in the forward, or in the backward at
     ``floor``)."""
     inputs, targets, loss_fn = batch
-    opt = LossScaleOptimizer(
-        optimizer, loss_scaler=DynamicLossScaler(init_scale=start, min_scale=floor)
-    )
+    # No ceiling below the start: the doctor's own advice can name a scale past 2**24.
+    scaler = DynamicLossScaler(init_scale=start, min_scale=floor, max_scale=max(start, 2.0**24))
+    opt = LossScaleOptimizer(optimizer, loss_scaler=scaler)
     opt.health = None  # the check's skips are reported, not warned about
     applied = 0
     for step in range(1, steps + 1):

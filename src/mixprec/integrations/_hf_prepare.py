@@ -1,4 +1,5 @@
-"""Preparing a model for ``MixprecTrainer`` once.
+"""Preparing a model for ``MixprecTrainer`` once, and taking a checkpoint's float32 values
+back into it after the Trainer loaded the checkpoint into its 16-bit weights.
 
 Hugging Face users build several Trainers over one model (resume with another batch size, a
 Trainer for evaluation, ``model_init`` returning the same model, a new Trainer after
@@ -11,16 +12,20 @@ same model while that one lives, as any ``LossScaleOptimizer`` does (``optim/mas
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
+import torch
 from torch import nn
 
+from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import ArgumentError
+from mixprec._float32_copies import remember_float32
 from mixprec._prepare_once import needs_preparation
 from mixprec.keep import KeepEntry
 from mixprec.policy import Policy
 
-__all__ = ["is_prepared_as"]
+__all__ = ["float32_from_checkpoint", "is_prepared_as"]
 
 
 def is_prepared_as(
@@ -46,3 +51,32 @@ def is_prepared_as(
         subject=where,
         takes_amp_level=False,
     )
+
+
+def float32_from_checkpoint(
+    model: nn.Module, directory: str | None, masters: list[tuple[torch.Tensor, torch.Tensor]]
+) -> None:
+    """After the Trainer loaded a checkpoint's ``model.safetensors`` from ``directory`` into
+    the 16-bit weights (a resume, the best model at the end), take back the float32 values
+    the file holds (``_save`` wrote the masters and kept float32 copies) wherever a weight
+    rounds from them: into its master where it has one (``masters``), else as the weight's
+    kept float32 copy, which a save with no master writes (frozen weights)."""
+    saved = os.path.join(directory or "", "model.safetensors")
+    if not os.path.exists(saved):
+        return
+    from safetensors import safe_open
+
+    master_of = {id(half): master for half, master in masters}
+    with safe_open(saved, framework="pt") as f, torch.no_grad():
+        stored = set(f.keys())
+        for name, param in model.named_parameters():
+            if name not in stored or param.dtype not in HALF_DTYPES:
+                continue
+            value = f.get_tensor(name).to(param.device)
+            if value.dtype != torch.float32 or not torch.equal(value.to(param.dtype), param):
+                continue
+            master = master_of.get(id(param))
+            if master is not None:
+                master.copy_(value)
+            else:
+                remember_float32(param, value)

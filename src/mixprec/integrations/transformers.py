@@ -28,6 +28,7 @@ the inner optimizer's, the float32 masters and the loss scaler's (scale and coun
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -39,7 +40,7 @@ from transformers.optimization import GreedyLR
 
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec.checkpoint._model import master_tensors
-from mixprec.integrations._hf_prepare import is_prepared_as
+from mixprec.integrations._hf_prepare import float32_from_checkpoint, is_prepared_as
 from mixprec.levels import KeepEntry, auto_mixed_precision, keep_list, resolve_level
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import Policy, PolicyLike, get_policy
@@ -50,7 +51,13 @@ __all__ = ["MixprecTrainer"]
 
 #: Private Trainer methods overridden here. Without them the Trainer would clip and log the
 #: scaled 16-bit gradients, so their absence (another transformers version) is an error.
-_PRIVATE_OVERRIDES = ("_clip_grad_norm", "_get_grad_norm", "_load_best_model", "_save")
+_PRIVATE_OVERRIDES = (
+    "_clip_grad_norm",
+    "_get_grad_norm",
+    "_load_best_model",
+    "_load_from_checkpoint",
+    "_save",
+)
 _missing = [name for name in _PRIVATE_OVERRIDES if not callable(getattr(Trainer, name, None))]
 if _missing:  # pragma: no cover - depends on the installed transformers
     import transformers as _tf
@@ -174,7 +181,9 @@ class MixprecTrainer(Trainer):
             # max_grad_norm of its own.
             found = LossScaleOptimizer(
                 optimizer,
-                loss_scaler=self._loss_scaler,
+                # Each train() (a model_init trial) starts from the scaler as given, not from
+                # the scale and counters an earlier trial left in it.
+                loss_scaler=copy.deepcopy(self._loss_scaler),
                 trace_overflow=self._trace_overflow,
             )
             # accelerate wraps it here by design: the methods above take the StepResult
@@ -285,25 +294,21 @@ class MixprecTrainer(Trainer):
         # The 16-bit weights now hold the best checkpoint's rounded values, which the masters
         # follow; the checkpoint holds the float32 masters themselves (_save): those, for
         # every weight they round to.
-        optimizer, best = self._mixprec_optimizer, self.state.best_model_checkpoint
+        optimizer = self._mixprec_optimizer
         if optimizer is not None:
             optimizer._weights.follow_external_writes()  # the load into the 16-bit weights
-        pairs = optimizer.master_weights() if optimizer is not None else []
-        saved = os.path.join(best or "", "model.safetensors")
-        if not pairs or self.model is None or not os.path.exists(saved):
-            return
-        from safetensors import safe_open
+        if self.model is not None:
+            pairs = optimizer.master_weights() if optimizer is not None else []
+            float32_from_checkpoint(self.model, self.state.best_model_checkpoint, pairs)
 
-        names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
-        with safe_open(saved, framework="pt") as f, torch.no_grad():
-            stored = set(f.keys())
-            for half, master in pairs:
-                name = names.get(id(half))
-                if name not in stored:
-                    continue
-                value = f.get_tensor(name).to(master.device)
-                if value.dtype == torch.float32 and torch.equal(value.to(half.dtype), half):
-                    master.copy_(value)
+    # Private override (transformers 5.23: Trainer._load_from_checkpoint(resume_from_checkpoint,
+    # model=None), train()'s resume, before the optimizer exists): the 16-bit weights then
+    # hold the checkpoint's rounded values; the weights no optimizer holds (frozen ones) take
+    # back the float32 values the checkpoint has, which their saves write.
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if self.model is not None:
+            float32_from_checkpoint(self.model, resume_from_checkpoint, [])
 
     def _float32_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The model's state dict with each 16-bit weight's float32 master in its place (a

@@ -96,7 +96,8 @@ def check_state_dict(
     missing = [k for k in ("optimizers", "master_weights", "loss_scaler") if k not in state_dict]
     if missing:
         raise ArgumentError(
-            f"load_state_dict: not a LossScaleOptimizer state; missing {', '.join(missing)}"
+            f"load_state_dict: not a LossScaleOptimizer state; missing {', '.join(missing)} (a "
+            "plain optimizer's state, saved without mixprec? load the weights alone)"
         )
     saved = state_dict["master_weights"]
     inner_states = state_dict["optimizers"]

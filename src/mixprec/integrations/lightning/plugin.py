@@ -117,6 +117,8 @@ class MixprecPrecision(_MixprecPlugin, Precision):  # type: ignore[misc]
         finally:
             self._skipping = False
         if skip:
+            # No step: its schedulers step as Lightning steps them, whatever the last one did.
+            self._records[id(lso)].skipped = False
             return closure_result
         return self._apply(lso)
 

@@ -117,6 +117,7 @@ class _MixprecPlugin:
         self._module: weakref.ref[nn.Module] | None = None
         self._lsos: list[LossScaleOptimizer] = []  # in the order Lightning gave them
         self._records: dict[int, _Record] = {}  # id(LossScaleOptimizer) -> record
+        self._unwrapped_scale: float | None = None  # see _wrap
         #: What the last optimizer step did (``None`` before the first).
         self.last_step: StepResult | None = None
 
@@ -248,7 +249,9 @@ class _MixprecPlugin:
         # weights (a no-op outside torch.distributed).
         lso.broadcast_masters()
         self._lsos.append(lso)
-        self._records[id(lso)] = _Record()
+        # Backward passes made before this optimizer was wrapped (Fabric's first step) were
+        # scaled by the scale then: the correction in _unscale needs it.
+        self._records[id(lso)] = _Record(backward_scale=self._unwrapped_scale)
         return lso
 
     def _owner_of(self, optimizer: Any) -> LossScaleOptimizer | None:
@@ -265,11 +268,21 @@ class _MixprecPlugin:
     def _scaled_loss(self, tensor: torch.Tensor, lsos: list[LossScaleOptimizer]) -> torch.Tensor:
         """``loss * scale`` through each optimizer the gradients may be for, so that each
         counts the backward. They share one scaler, so every result is the same value."""
-        if not lsos:
-            return self.loss_scaler.scale(tensor)
         scale = self.loss_scaler.get_scale()
+        if not lsos:
+            self._unwrapped_scale = scale
+            return self.loss_scaler.scale(tensor)
         for lso in lsos:
-            self._records[id(lso)].backward_scale = scale
+            record = self._records[id(lso)]
+            if record.unscaled:
+                # Its gradients are unscaled in the masters already (clipped before this
+                # backward): this one's would be left out (O2) or added still scaled (O1).
+                raise MisuseError(
+                    f"{type(self).__name__}: a backward after clip_gradients and before the "
+                    f"optimizer's step: clip once per step, after the step's last backward "
+                    "(its gradients would be lost, or applied without unscaling)"
+                )
+            record.backward_scale = scale
         scaled = lsos[0].get_scaled_loss(tensor)
         for other in lsos[1:]:
             other.get_scaled_loss(tensor)
@@ -334,6 +347,13 @@ class _MixprecPlugin:
         if missing:
             raise ArgumentError(
                 f"{owner}.load_state_dict: not a {owner} state; missing {', '.join(missing)}"
+            )
+        saved_policy = state_dict.get("policy")
+        if saved_policy is not None and saved_policy != str(self.policy):
+            raise ArgumentError(
+                f"{owner}.load_state_dict: the checkpoint was trained with policy "
+                f"{saved_policy!r}; this plugin runs {str(self.policy)!r}: resume with the same "
+                "policy, or load the weights alone (a weights-only load) to change it"
             )
         if state_dict["level"] != self.level:
             raise ArgumentError(
