@@ -37,8 +37,13 @@ def shown(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def check_int(name: str, value: object, minimum: int) -> None:
-    """Raise ``ArgumentError`` unless ``value`` is an int (not a bool) >= ``minimum``,
-    naming ``name``, the value received and what is valid."""
+def check_int(name: str, value: object, minimum: int, optional: bool = False) -> None:
+    """Raise ``ArgumentError`` unless ``value`` is an int (not a bool) >= ``minimum`` (or,
+    ``optional``, None), naming ``name``, the value received and what is valid."""
+    if optional and value is None:
+        return
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ArgumentError(f"{name}={shown(value)} is invalid; it must be an int >= {minimum}")
+        raise ArgumentError(
+            f"{name}={shown(value)} is invalid; it must be an int >= {minimum}"
+            + " or None" * optional
+        )

@@ -98,14 +98,16 @@ def _check_fits(plan: PlanLike, named: dict[str, nn.Module]) -> None:
                 f"model's {layer.name!r} is a {type(found).__name__}; a plan applies to the "
                 "model it was tuned for"
             )
-    names = sorted(plan.dtypes)
-    for outer in names:
-        inner = next((n for n in names if n.startswith(outer + ".")), None)
-        if inner is not None and plan.dtypes[inner] != plan.dtypes[outer]:
-            raise ArgumentError(
-                f"plan gives {outer!r} {plan.dtypes[outer]} and {inner!r}, inside it, "
-                f"{plan.dtypes[inner]}; one would be ignored: give modules that do not nest"
-            )
+    dtypes = plan.dtypes
+    for inner in dtypes:
+        outer = inner
+        while "." in outer:  # each module around it, innermost first
+            outer = outer.rpartition(".")[0]
+            if outer in dtypes and dtypes[outer] != dtypes[inner]:
+                raise ArgumentError(
+                    f"plan gives {outer!r} {dtypes[outer]} and {inner!r}, inside it, "
+                    f"{dtypes[inner]}; one would be ignored: give modules that do not nest"
+                )
 
 
 def plan_arguments(model: nn.Module, plan: PlanLike, **given: Any) -> PlanArguments:
@@ -146,9 +148,9 @@ def plan_arguments(model: nn.Module, plan: PlanLike, **given: Any) -> PlanArgume
     check = getattr(plan, "check", None)
     if check is not None and getattr(check, "passed", True) is False:
         warn_at_caller(
-            f"auto_mixed_precision(plan=...): this plan failed its training check (loss "
-            f"{check.max_difference:.2g} from float32's, budget {check.budget:g}): it may "
-            "not train like float32; tune again with a larger time_budget_s"
+            f"auto_mixed_precision(plan=...): this plan failed its training check "
+            f"({check.gap()}): it may not train like float32; tune again with a larger "
+            "time_budget_s"
         )
     float8 = {n for n, d in dtypes.items() if d == "float8"}
     base = "bfloat16" if float8 or counts["bfloat16"] >= counts["float16"] else "float16"

@@ -67,7 +67,7 @@ def profile_step(step: Callable[[], object], steps: int = 5, device: str = "cpu"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     step()
     if cuda:
-        torch.cuda.synchronize()  # the warm-up's queued kernels stay out of the timed steps
+        torch.cuda.synchronize(device)  # the warm-up's queued kernels stay out of the timing
     with _quiet_stderr(), profile(activities=activities) as prof:
         start = time.perf_counter()
         for _ in range(steps):

@@ -107,15 +107,18 @@ class OverflowTracer:
         if self._backward_seen:  # the forwards so far led to a backward: all kept
             self._pending.clear()
         elif self._pending:
-            first = self._pending[0][0]
+            ends = [start for start, _ in self._pending[1:]] + [len(self._records)]
             kept: list[tuple[int, weakref.ref[torch.Tensor] | None]] = []
-            records = self._records[:first]
-            for i, (start, ref) in enumerate(self._pending):
+            dead, removed = [], 0
+            for (start, ref), end in zip(self._pending, ends, strict=True):
                 if ref is not None and ref() is not None:
-                    end = self._pending[i + 1][0] if i + 1 < len(self._pending) else None
-                    kept.append((len(records), ref))
-                    records += self._records[start:end]
-            self._records[:], self._pending = records, kept
+                    kept.append((start - removed, ref))
+                else:
+                    dead.append((start, end))
+                    removed += end - start
+            for start, end in reversed(dead):  # in place: no copy of the records kept
+                del self._records[start:end]
+            self._pending = kept
         self._backward_seen = False
         self._pending.append((len(self._records), None))
 

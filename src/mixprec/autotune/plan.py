@@ -57,6 +57,11 @@ class TrainingCheck:
     sent_to_float32: tuple[str, ...] = ()
     level_from: str | None = None
 
+    def gap(self) -> str:
+        """The losses' difference against the budget, as the warnings about a failed check
+        say it: "loss 0.87 from float32's, budget 0.05"."""
+        return f"loss {self.max_difference:.2g} from float32's, budget {self.budget:g}"
+
 
 @dataclass(frozen=True)
 class Plan:

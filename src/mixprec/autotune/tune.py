@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from mixprec._compile import CompileOption, compile_options
-from mixprec._errors import ArgumentError
+from mixprec._errors import ArgumentError, check_int
 from mixprec._hardware import cpu_fast, probe_cpu, probe_hardware
 from mixprec._rng import same_draws
 from mixprec._warn import warn_at_caller
@@ -176,8 +176,7 @@ def autotune(
             raise ArgumentError(
                 f"{name}={value!r} is invalid; give a number >= 0" + ", finite" * finite
             )
-    if isinstance(check_steps, bool) or not isinstance(check_steps, int) or check_steps < 1:
-        raise ArgumentError(f"check_steps={check_steps!r} is invalid; give an int >= 1")
+    check_int("check_steps", check_steps, 1)
     options = compile_options(compile)
     say = progress or (lambda text: None)
     timer = timer or WallTimer()
@@ -222,9 +221,9 @@ def autotune(
             search.step_times["plan"] = search.time_step(search.dtypes, search.level, "the plan")
     if not check.passed:
         warn_at_caller(
-            f"autotune: the plan failed its training check in the time left (loss "
-            f"{check.max_difference:.2g} from float32's, budget {check.budget:g}); it keeps "
-            f"its 16-bit layers, which may not train like float32: give a larger time_budget_s"
+            f"autotune: the plan failed its training check in the time left ({check.gap()}); "
+            "it keeps its 16-bit layers, which may not train like float32: give a larger "
+            "time_budget_s"
         )
     machine = (probe_cpu() if device.type == "cpu" else probe_hardware()).detail
     return Plan(rows, search.level, left_out, dict(search.step_times), float(error_budget),

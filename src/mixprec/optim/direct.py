@@ -19,7 +19,6 @@ gradient, or state it has not seen (``load_state_dict`` replaces it).
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, cast
 
 import torch
@@ -63,20 +62,21 @@ class FusedStep:
         grads = self._grads(skip_on_device=found_inf is not None)
         if grads is None:
             return False
-        # Under the profiler the direct calls are labelled as torch labels its own step, so
-        # that a profile (mixprec's profile_step too) sees the step training runs.
-        label = (
-            torch.autograd.profiler.record_function(
-                f"Optimizer.step#{type(self.inner).__name__}.step"
-            )
-            if torch.autograd.profiler._is_profiler_enabled
-            else contextlib.nullcontext()
-        )
-        with torch.no_grad(), label:
+        if torch.autograd.profiler._is_profiler_enabled:
+            # Labelled as torch labels its own step, so that a profile (profile_step's too)
+            # sees the step training runs.
+            name = f"Optimizer.step#{type(self.inner).__name__}.step"
+            with torch.autograd.profiler.record_function(name):
+                self._calls(grads, found_inf)
+        else:
+            self._calls(grads, found_inf)
+        return True
+
+    def _calls(self, grads: list[list[torch.Tensor]], found_inf: torch.Tensor | None) -> None:
+        with torch.no_grad():
             for (group, params, _, _, lists), g in zip(self._cached, grads, strict=True):
                 if params:
                     self._call(group, params, g, lists, found_inf)
-        return True
 
     def _grads(self, skip_on_device: bool) -> list[list[torch.Tensor]] | None:
         """Each cached group's gradients, or None where ``inner.step()`` must run."""

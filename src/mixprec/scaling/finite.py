@@ -60,7 +60,7 @@ def unscale_grads_(
                     inv[device] = torch.ones((), dtype=torch.float32, device=device) * inv_scale
                 else:
                     inv[device] = torch.full((), inv_scale, dtype=torch.float32, device=device)
-            _check_and_unscale(tensors, found[device], inv[device], multiply)
+            _check_and_unscale(tensors, found[device], inv[device], multiply, inv_scale > 1.0)
     if not found:
         return torch.zeros((), dtype=torch.float32, device=device)
     flags = list(found.values())
@@ -81,18 +81,26 @@ def amp_kernel_takes(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _check_and_unscale(
-    tensors: list[torch.Tensor], found: torch.Tensor, inv: torch.Tensor, multiply: bool
+    tensors: list[torch.Tensor],
+    found: torch.Tensor,
+    inv: torch.Tensor,
+    multiply: bool,
+    grows: bool = False,
 ) -> None:
     """Torch's amp kernel where it takes the group; else the same in two multi-tensor kernels
     (the second left out when ``multiply`` is False, at scale 1): bfloat16 gradients on CUDA
     (an O3 model's) would raise ``NotImplementedError``. The inf-norm of a tensor is inf or
-    NaN exactly when one of its values is."""
-    if amp_kernel_takes(tensors[0].device, tensors[0].dtype):
+    NaN exactly when one of its values is. ``grows`` (a multiplier past 1: a loss scale below
+    1, a partial accumulation group's rescale): multiplied first and checked after, as the
+    amp kernel checks each value before its multiply, which can then overflow."""
+    if not grows and amp_kernel_takes(tensors[0].device, tensors[0].dtype):
         torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv)
         return
+    if grows:
+        torch._foreach_mul_(tensors, inv)
     seen = all_finite(tensors).logical_not()  # empty tensors left out, as the kernel skips
     found.copy_(torch.maximum(found, seen.to(found.device, found.dtype)))  # 1.0, as the kernel
-    if multiply:
+    if multiply and not grows:
         torch._foreach_mul_(tensors, inv)  # in float32, as the kernel multiplies
 
 

@@ -20,7 +20,7 @@ import torch
 
 from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import ArgumentError, shown
-from mixprec.scaling.finite import all_finite, unscale_grads_
+from mixprec.scaling.finite import unscale_grads_
 from mixprec.scaling.schedule import (
     SMALLEST_NORMAL_F32,
     Arithmetic,
@@ -104,13 +104,7 @@ class LossScaler:
         """Divide ``grads`` by the scale (and multiply them by ``factor``) in place, in one
         pass that also checks them; return the 0-dim ``found_inf`` tensor (on ``device``
         when ``grads`` is empty)."""
-        multiplier = factor / self._state.scale
-        found = unscale_grads_(grads, multiplier, device)
-        if multiplier > 1.0:
-            # torch's kernel checks each value before multiplying it: a multiplier past 1 (a
-            # scale below 1, a partial group's rescale) can overflow after that check.
-            found = torch.maximum(found, (~all_finite(grads)).to(found.device, found.dtype))
-        return found
+        return unscale_grads_(grads, factor / self._state.scale, device)
 
     def update(self, found_inf: bool | torch.Tensor) -> None:
         """Advance the state after a step whose gradients were (not) finite."""

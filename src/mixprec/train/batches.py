@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from mixprec import distributed
-from mixprec._errors import ArgumentError
+from mixprec._errors import ArgumentError, check_int
 from mixprec.data import check_finite, validate_classification
 from mixprec.train.metrics import LossFn, get_loss
 from mixprec.train.warn import warn
@@ -80,8 +80,7 @@ def epoch_batches(
         steps = max(length(x), 0)
         # iter() now: a shuffling DataLoader draws its order from the RNG at this point.
         return (lambda: iter(x)), steps, 0
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ArgumentError(f"batch_size={batch_size!r} is invalid; it must be an int >= 1")
+    check_int("batch_size", batch_size, 1)
     xt, yt = as_tensor(x, "x"), as_tensor(y, "y")
     n = len(xt)
     split = split and distributed.world_size() > 1
@@ -147,30 +146,28 @@ def split_validation(
 def inputs_of(x: Any, batch_size: int) -> Iterable[Any]:
     """The inputs of tensors or arrays ``x`` in batches of ``batch_size``, or of an iterable
     of batches (``(inputs, targets)`` or inputs alone), for ``predict``."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ArgumentError(f"batch_size={batch_size!r} is invalid; it must be an int >= 1")
-    if (
-        isinstance(x, torch.Tensor)
-        or is_array(x)
-        or not isinstance(x, Iterable)
-        or _nested_numbers(x)
+    check_int("batch_size", batch_size, 1)
+    samples = _nested_numbers(x)
+    if samples is None and (
+        isinstance(x, torch.Tensor) or is_array(x) or not isinstance(x, Iterable)
     ):
-        split: tuple[torch.Tensor, ...] = as_tensor(x, "x").split(batch_size)
+        samples = as_tensor(x, "x")
+    if samples is not None:
+        split: tuple[torch.Tensor, ...] = samples.split(batch_size)
         return split
     chunks = (b[0] if isinstance(b, (tuple, list)) else b for b in x)
     return (as_tensor(c, "x") if is_array(c) else c for c in chunks)
 
 
-def _nested_numbers(x: Any) -> bool:
-    """Whether ``x`` is samples as nested lists of numbers (``[[1, 2], [3, 4]]``), which
-    ``fit`` and ``evaluate`` take as one array, rather than a list of batches."""
+def _nested_numbers(x: Any) -> torch.Tensor | None:
+    """``x`` as one tensor if it is samples as nested lists of numbers (``[[1, 2], [3, 4]]``,
+    which ``fit`` and ``evaluate`` take as one array), else None (a list of batches)."""
     if not isinstance(x, list) or not x or not isinstance(x[0], (list, int, float)):
-        return False
+        return None
     try:
-        torch.as_tensor(x)
+        return torch.as_tensor(x)
     except (TypeError, ValueError, RuntimeError):
-        return False
-    return True
+        return None
 
 
 def rank_share(x: Any, y: Any) -> tuple[Any, Any]:

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mixprec._errors import ArgumentError
+from mixprec._errors import ArgumentError, check_int
 from mixprec.checkpoint import save_checkpoint, temporary_files
 from mixprec.train.callbacks import Callback, Logs
 
@@ -37,16 +37,6 @@ def _monitored(callback: str, monitor: str, logs: Logs) -> float:
     return float(logs[monitor])
 
 
-def _count(name: str, value: Any, least: int, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ArgumentError(
-            f"{name}={value!r} is invalid; it must be an int >= {least}"
-            + (" or None" if optional else "")
-        )
-
-
 class EarlyStopping(Callback):
     """Stop when ``monitor`` has not improved by ``min_delta`` for ``patience`` epochs."""
 
@@ -60,7 +50,7 @@ class EarlyStopping(Callback):
     ) -> None:
         if not isinstance(monitor, str):
             raise ArgumentError(f"monitor={monitor!r} is invalid; it must be an epoch log's name")
-        _count("patience", patience, 0)
+        check_int("patience", patience, 0)
         if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)):
             raise ArgumentError(f"min_delta={min_delta!r} is invalid; it must be a number")
         self.monitor = monitor
@@ -119,9 +109,9 @@ class ModelCheckpoint(Callback):
         monitor: str | None = None,
         mode: str = "auto",
     ) -> None:
-        _count("every_n_epochs", every_n_epochs, 1, optional=True)
-        _count("every_n_steps", every_n_steps, 1, optional=True)
-        _count("keep_last", keep_last, 1)
+        check_int("every_n_epochs", every_n_epochs, 1, optional=True)
+        check_int("every_n_steps", every_n_steps, 1, optional=True)
+        check_int("keep_last", keep_last, 1)
         if every_n_epochs is None and every_n_steps is None and monitor is None:
             raise ArgumentError(
                 "ModelCheckpoint would never save: every_n_epochs, every_n_steps and monitor "
