@@ -277,3 +277,32 @@ def test_a_prepared_model_compiles_whole_graph_on_cuda(policy):
     torch.testing.assert_close(out, eager(x), rtol=2e-2, atol=2e-2)  # 16-bit rounding
     out.sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("where", ["gpu", "cpu"])
+def test_the_trainers_batches_are_its_samples_and_need_no_stall(where, monkeypatch):
+    """Data on the GPU is gathered with the order copied there once an epoch; CPU data for
+    a CUDA device through pinned buffers used in turn. Both give exactly ``x[order]``, the
+    last short batch included, and an earlier batch is not overwritten by a later one."""
+    from mixprec.train import batches
+    from mixprec.train.batches import epoch_batches
+
+    monkeypatch.setattr(batches, "STAGED_BYTES", 0)  # these batches are small
+
+    x, y = classification_data(n=70)
+    data = (x.cuda(), y.cuda()) if where == "gpu" else (x, y)
+    make, steps, n = epoch_batches(*data, 16, True, device=torch.device("cuda"))
+    assert (steps, n) == (5, 70)
+    for seed in (0, 1):  # two epochs: the buffers are reused
+        torch.manual_seed(seed)
+        order = torch.randperm(70)
+        torch.manual_seed(seed)
+        torch.cuda.set_sync_debug_mode("error")  # a stall raises
+        try:
+            got = list(make())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert [len(b[1]) for b in got] == [16, 16, 16, 16, 6]
+        for (xb, yb), idx in zip(got, order.split(16), strict=True):
+            assert xb.is_cuda and yb.is_cuda
+            assert torch.equal(xb.cpu(), x[idx]) and torch.equal(yb.cpu(), y[idx])

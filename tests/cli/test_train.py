@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 from mixprec import cli
 from mixprec.cli import train
@@ -219,11 +220,13 @@ def test_a_run_that_diverged_says_so_and_exits_1(capsys):
 
 
 def _train_without_fast_bfloat16(monkeypatch, *options: str) -> int:
-    """``mixprec train`` (small, in-process) where mixprec's probe sees an AVX2-only CPU,
-    so that ``auto`` picks float32; the probe's cache is cleared before and after."""
+    """``mixprec train`` (small, in-process) where mixprec's probe sees an AVX2-only CPU
+    and no GPU, so that ``auto`` picks float32; the probe's cache is cleared before and
+    after."""
     from mixprec import _hardware
 
     monkeypatch.setattr(_hardware, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # auto asks CUDA first
     _hardware.probe_hardware.cache_clear()
     try:
         return cli.main(["train", "--hidden", "64", "--data", "synthetic", "--epochs", "1",

@@ -233,3 +233,17 @@ def test_predict_takes_nested_lists_as_fit_does():
     assert torch.allclose(got, t.predict(rows, batch_size=2), rtol=0, atol=0)
     batches = [rows[:2], rows[2:]]  # a list of batches stays one
     assert torch.equal(t.predict(batches), t.predict(rows))
+
+
+def test_only_large_cpu_batches_for_a_gpu_go_through_pinned_memory():
+    # Measured on an H200 host: pinned staging was 2.2x faster at 3.2 MB batches and 6%
+    # slower at 200 KB ones. Deciding needs no GPU: devices are only named here.
+    from mixprec.train.batches import STAGED_BYTES, _Staging
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    x, y = torch.zeros(10, 784), torch.zeros(10, dtype=torch.long)
+    rows = -(-STAGED_BYTES // (784 * 4 + 8))  # the fewest rows that reach the threshold
+    assert _Staging.applies(x, y, cuda, rows)
+    assert not _Staging.applies(x, y, cuda, rows - 1)
+    assert not _Staging.applies(x, y, cpu, rows)  # nothing to copy
+    assert not _Staging.applies(x.to("meta"), y, cuda, rows)  # inputs not on the CPU

@@ -57,7 +57,12 @@ class Deferred:
             return
         cells, self.pending = self.pending, []
         tensors = [c.tensor for c in cells]
-        values = torch.stack(tensors).tolist()  # type: ignore[arg-type]
+        # One step pending (a caller reading each step's result): no stack kernel.
+        values = (
+            [tensors[0].item()]  # type: ignore[union-attr]
+            if len(tensors) == 1
+            else torch.stack(tensors).tolist()  # type: ignore[arg-type]
+        )
         for cell, value in zip(cells, values, strict=True):
             cell.value, cell.tensor = bool(value), None
         for cell in cells:

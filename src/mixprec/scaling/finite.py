@@ -87,19 +87,23 @@ def _check_and_unscale(
     multiply: bool,
     grows: bool = False,
 ) -> None:
-    """Torch's amp kernel where it takes the group; else the same in two multi-tensor kernels
-    (the second left out when ``multiply`` is False, at scale 1): bfloat16 gradients on CUDA
-    (an O3 model's) would raise ``NotImplementedError``. The inf-norm of a tensor is inf or
-    NaN exactly when one of its values is. ``grows`` (a multiplier past 1: a loss scale below
-    1, a partial accumulation group's rescale): multiplied first and checked after, as the
-    amp kernel checks each value before its multiply, which can then overflow."""
+    """Torch's amp kernel where it takes the group. Else (bfloat16 gradients on CUDA, an O3
+    model's, would raise ``NotImplementedError``) the inf-norms, the amp kernel over them,
+    and a multiply, left out when ``multiply`` is False (scale 1). The inf-norm of a tensor
+    is inf or NaN exactly when one of its values is. ``grows`` (a multiplier past 1: a loss
+    scale below 1, a partial accumulation group's rescale): multiplied first and checked
+    after, as the amp kernel checks each value before its multiply, which can then overflow."""
     if not grows and amp_kernel_takes(tensors[0].device, tensors[0].dtype):
         torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv)
         return
     if grows:
         torch._foreach_mul_(tensors, inv)
-    seen = all_finite(tensors).logical_not()  # empty tensors left out, as the kernel skips
-    found.copy_(torch.maximum(found, seen.to(found.device, found.dtype)))  # 1.0, as the kernel
+    nonempty = [t for t in tensors if t.numel() > 0]  # as the kernel skips empty tensors
+    if nonempty:
+        # The amp kernel takes the norms (float32, float64): it sets ``found`` to 1.0 in
+        # place, one kernel where a stack, a test and a merge took five. The norms it
+        # multiplies are thrown away.
+        torch._amp_foreach_non_finite_check_and_unscale_(_inf_norms(nonempty), found, inv)
     if multiply and not grows:
         torch._foreach_mul_(tensors, inv)  # in float32, as the kernel multiplies
 
@@ -148,6 +152,29 @@ def all_finite(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
     if checks_on_host(floating):
         return torch.tensor(finite_on_cpu(floating))
     with torch.no_grad():
-        # The inf-norm is inf when any value is inf and NaN when any is NaN.
-        norms = torch._foreach_norm(floating, float("inf"))
-        return torch.stack([n.to(device, torch.float32) for n in norms]).isfinite().all()
+        # The norms are float32 or float64 (stack keeps float64's range: a finite 1e300 is
+        # not inf); to(device) is a no-op on the usual one device.
+        return torch.stack([n.to(device) for n in _inf_norms(floating)]).isfinite().all()
+
+
+#: Whether ``torch._foreach_norm`` takes ``dtype`` (the norms of 16-bit tensors computed
+#: and returned in float32, without a cast kernel per tensor).
+_NORM_TAKES_DTYPE = any(
+    a.name == "dtype" for a in torch.ops.aten._foreach_norm.Scalar._schema.arguments
+)
+
+
+def _inf_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's inf-norm, in float32 (float64 for float64 tensors): inf when a value
+    is inf, NaN when one is NaN, finite otherwise (bfloat16's largest value is below
+    float32's). One multi-tensor kernel per dtype."""
+    wide = [t.dtype in (torch.float32, torch.float64) for t in tensors]
+    if all(wide):
+        return list(torch._foreach_norm(tensors, float("inf")))
+    # Not for DTensors (FSDP2): their sharding rule for the norm may not take ``dtype``.
+    if _NORM_TAKES_DTYPE and not any(wide) and not any(is_dtensor(t) for t in tensors):
+        return list(torch._foreach_norm(tensors, float("inf"), dtype=torch.float32))
+    return [
+        n if n.dtype in (torch.float32, torch.float64) else n.float()
+        for n in torch._foreach_norm(tensors, float("inf"))
+    ]

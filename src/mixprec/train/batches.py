@@ -65,12 +65,20 @@ def is_empty(targets: Any) -> bool:
 
 
 def epoch_batches(
-    x: Any, y: Any, batch_size: int, shuffle: bool, split: bool = True
+    x: Any,
+    y: Any,
+    batch_size: int,
+    shuffle: bool,
+    split: bool = True,
+    device: torch.device | None = None,
 ) -> tuple[Callable[[], Iterable[Batch]], int, int]:
     """A function giving one epoch of batches, the number of batches and of samples.
 
     With ``split`` (training) under torchrun, ``batch_size`` is the global batch and
-    each rank gets its share of rank 0's order."""
+    each rank gets its share of rank 0's order. Tensors given on a GPU are gathered there
+    (the order is copied to it once an epoch, not a batch's indices every step); CPU tensors
+    for a CUDA ``device`` are gathered into pinned memory and copied without a stall
+    (``_Staging``)."""
     if y is None:  # an iterable of (inputs, targets) batches, e.g. a DataLoader
         if isinstance(x, torch.Tensor) or is_array(x):
             raise ArgumentError(
@@ -85,6 +93,7 @@ def epoch_batches(
     n = len(xt)
     split = split and distributed.world_size() > 1
     local = distributed.check_batch(batch_size) if split else batch_size
+    staging = _Staging(device) if device and _Staging.applies(xt, yt, device, local) else None
 
     def epoch() -> Iterable[Batch]:
         # The order is drawn now, not when iteration starts, so that resuming can
@@ -97,10 +106,75 @@ def epoch_batches(
             # Padded whether shuffled or not: a rank with one step fewer than the others
             # would leave them waiting in DDP's all-reduce for good.
             order = distributed.shard(order, pad=True)
-        return ((xt[idx], yt[idx]) for idx in order.split(local))
+        return _gather(xt, yt, order, local, staging)
 
     per_rank = -(-n // distributed.world_size()) if split else n
     return epoch, -(-per_rank // local), n
+
+
+def _gather(
+    xt: torch.Tensor, yt: torch.Tensor, order: torch.Tensor, local: int, staging: _Staging | None
+) -> Iterator[Batch]:
+    if staging is not None:
+        return (staging.gather(xt, yt, idx) for idx in order.split(local))
+    # An index on the CPU for a tensor on a GPU is copied there at each use (a stall):
+    # copied once here instead, for each device the data lives on.
+    ix = order.to(xt.device, non_blocking=True)
+    iy = ix if yt.device == xt.device else order.to(yt.device, non_blocking=True)
+    return ((xt[i], yt[j]) for i, j in zip(ix.split(local), iy.split(local), strict=True))
+
+
+class _Staging:
+    """CPU batches for a CUDA device, gathered into pinned memory (two buffers in turn, as
+    the DataLoader's ``pin_memory`` does) and copied with ``non_blocking``. From pageable
+    memory CUDA waits for the stream before each copy; from pinned memory it does not. A
+    buffer is written again only once its last copy is done (an event)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.slots: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = []
+        self.turn = 0
+
+    @staticmethod
+    def applies(xt: torch.Tensor, yt: torch.Tensor, device: torch.device, rows: int) -> bool:
+        """Whether to stage: CPU tensors for a CUDA device (pinned memory needs CUDA), in
+        batches of at least ``STAGED_BYTES``."""
+        return (
+            device.type == "cuda"
+            and xt.device.type == "cpu"
+            and yt.device.type == "cpu"
+            and rows * (_row_bytes(xt) + _row_bytes(yt)) >= STAGED_BYTES
+        )
+
+    def gather(self, xt: torch.Tensor, yt: torch.Tensor, idx: torch.Tensor) -> Batch:
+        """The samples at ``idx``, on the device (the copies queued, not waited for)."""
+        if not self.slots:  # sized by the first (largest) batch
+            self.slots = [
+                (_pinned(xt, len(idx)), _pinned(yt, len(idx)), torch.cuda.Event()) for _ in range(2)
+            ]
+        xbuf, ybuf, done = self.slots[self.turn]
+        self.turn ^= 1
+        done.synchronize()  # the copy out of this buffer two batches ago
+        xs, ys = xbuf[: len(idx)], ybuf[: len(idx)]
+        torch.index_select(xt, 0, idx, out=xs)
+        torch.index_select(yt, 0, idx, out=ys)
+        xb, yb = xs.to(self.device, non_blocking=True), ys.to(self.device, non_blocking=True)
+        done.record()
+        return xb, yb
+
+
+#: The smallest batch (bytes of inputs and targets) gathered through pinned memory. On an
+#: H200 host (2026-11-26) the data path alone, gather and copy and a read, took 118 against
+#: 112 us a batch at 64 MNIST-sized rows (200 KB) and 268 against 579 us at 1024 (3.2 MB).
+STAGED_BYTES = 1 << 20
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return t[:1].numel() * t.element_size()
+
+
+def _pinned(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.empty((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=True)
 
 
 def split_validation(

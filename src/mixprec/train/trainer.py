@@ -203,7 +203,7 @@ class Trainer:
         if validation_data is not None:
             self._validate(*validation_data)
         batches.check_ranks_agree(x, y, batch_size, epochs, validation_data)
-        epoch_batches, steps, _ = batches.epoch_batches(x, y, batch_size, shuffle)
+        one_epoch, steps, _ = batches.epoch_batches(x, y, batch_size, shuffle, device=self.device)
         point = resume.ResumePoint(self.global_step, 0)
         if resume_from is not None:
             point = resume.read(resume_from, self.model, self.optimizer, steps)
@@ -226,11 +226,11 @@ class Trainer:
             skip, meter = 0, None
             if point.replay is not None:  # the interrupted epoch: its order, its sums
                 self._epoch_rng = point.replay
-                epoch_data = resume.replay_epoch(epoch_batches, point.replay, point.skip)
+                epoch_data = resume.replay_epoch(one_epoch, point.replay, point.skip)
                 skip, meter, point.replay = point.skip, point.meter, None
             else:
                 self._epoch_rng = torch.get_rng_state()
-                epoch_data = iter(epoch_batches())
+                epoch_data = iter(one_epoch())
             logs = self._run_epoch(epoch, epoch_data, cbs, skip, meter)
             if validation_data is not None:
                 val = self.evaluate(*validation_data, batch_size=batch_size)
@@ -317,7 +317,9 @@ class Trainer:
         """Mean loss and metrics over ``(x, y)`` or an iterable of batches."""
         self._validate(x, y)
         x, y = batches.rank_share(x, y)  # under torchrun each rank evaluates its share
-        epoch_batches, _, _ = batches.epoch_batches(x, y, batch_size, shuffle=False, split=False)
+        epoch_batches, _, _ = batches.epoch_batches(
+            x, y, batch_size, shuffle=False, split=False, device=self.device
+        )
         sums = dict.fromkeys(["loss", *self.metrics], 0.0)
         samples = 0
         with torch.no_grad(), _eval_mode(self.model):
