@@ -247,3 +247,4 @@ def test_only_large_cpu_batches_for_a_gpu_go_through_pinned_memory():
     assert not _Staging.applies(x, y, cuda, rows - 1)
     assert not _Staging.applies(x, y, cpu, rows)  # nothing to copy
     assert not _Staging.applies(x.to("meta"), y, cuda, rows)  # inputs not on the CPU
+    assert not _Staging.applies(x.requires_grad_(), y, cuda, rows)  # out= would refuse it

@@ -138,11 +138,13 @@ class _Staging:
     @staticmethod
     def applies(xt: torch.Tensor, yt: torch.Tensor, device: torch.device, rows: int) -> bool:
         """Whether to stage: CPU tensors for a CUDA device (pinned memory needs CUDA), in
-        batches of at least ``STAGED_BYTES``."""
+        batches of at least ``STAGED_BYTES``, that autograd does not follow (a gather with
+        ``out=`` would refuse them)."""
         return (
             device.type == "cuda"
             and xt.device.type == "cpu"
             and yt.device.type == "cpu"
+            and not (xt.requires_grad or yt.requires_grad)
             and rows * (_row_bytes(xt) + _row_bytes(yt)) >= STAGED_BYTES
         )
 
@@ -159,7 +161,8 @@ class _Staging:
         torch.index_select(xt, 0, idx, out=xs)
         torch.index_select(yt, 0, idx, out=ys)
         xb, yb = xs.to(self.device, non_blocking=True), ys.to(self.device, non_blocking=True)
-        done.record()
+        # On the stream the copies went to: that of the target device, not the current one.
+        done.record(torch.cuda.current_stream(self.device))
         return xb, yb
 
 
