@@ -169,3 +169,9 @@ def test_the_fallback_check_costs_the_same_whatever_the_number_of_gradients(monk
         counts.append(mode.calls)
     assert counts[0] == counts[1], counts
     assert len(counts[0]) <= 4, counts[0]  # the flag, the scale, the norms, the amp kernel
+    # all_finite (O2 float16's check of its weights each step): the norms, a stack, one
+    # comparison, all(); isfinite alone was four kernels.
+    weights = [torch.randn(4, 3).half() for _ in range(8)]
+    with Count() as mode:
+        flag = mp.all_finite(weights)
+    assert bool(flag) and len(mode.calls) <= 4, mode.calls

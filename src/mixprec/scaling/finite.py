@@ -153,8 +153,10 @@ def all_finite(tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
         return torch.tensor(finite_on_cpu(floating))
     with torch.no_grad():
         # The norms are float32 or float64 (stack keeps float64's range: a finite 1e300 is
-        # not inf); to(device) is a no-op on the usual one device.
-        return torch.stack([n.to(device) for n in _inf_norms(floating)]).isfinite().all()
+        # not inf); to(device) is a no-op on the usual one device. A norm is below inf
+        # exactly when it is finite (NaN compares False): one kernel, where isfinite is four.
+        norms = torch.stack([n.to(device) for n in _inf_norms(floating)])
+        return norms.lt(math.inf).all()
 
 
 #: Whether ``torch._foreach_norm`` takes ``dtype`` (the norms of 16-bit tensors computed
