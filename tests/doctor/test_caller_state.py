@@ -101,3 +101,27 @@ def test_a_single_layer_models_recommendation_applies():
                                    keep_float32=report.recommended_keep_float32)  # fmt: skip
     with torch.no_grad():
         assert kept(x).dtype == torch.float32 and torch.isfinite(kept(x)).all()
+
+
+def test_inputs_past_the_16bit_range_at_o2_get_no_keep_list_that_cannot_work():
+    """At O2 the model casts its inputs to float16 before any layer: inputs of 1e5 arrive as
+    inf whatever is kept. The doctor advised keeping every layer, which left the output
+    NaN. It now says the inputs overflow and names what works: O1 with its own keep list."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    x, y = torch.randn(16, 16), torch.randint(0, 4, (16,))
+    x[0, 0] = 1e5
+    report = mp.diagnose(model, x, y, nn.CrossEntropyLoss(), "mixed_float16", "O2")
+    assert report.inputs_overflow == [("inputs", 1e5)]
+    assert report.recommended_keep_float32 == [] and not report.healthy
+    assert "casts its inputs to float16 before any layer" in report.advice[0]
+    assert '"inputs_overflow": [["inputs", 100000.0]]' in report.to_json()
+    # What it points to works: O1's own keep list gives a finite output on this batch.
+    o1 = mp.diagnose(model, x, y, nn.CrossEntropyLoss(), "mixed_float16", "O1")
+    assert o1.inputs_overflow == [] and o1.recommended_keep_float32
+    import copy
+
+    kept = mp.auto_mixed_precision(copy.deepcopy(model), "mixed_float16", "O1",
+                                   keep_float32=o1.recommended_keep_float32)  # fmt: skip
+    with torch.no_grad():
+        assert torch.isfinite(kept(x)).all()

@@ -96,6 +96,18 @@ def check_finite_batch(inputs: Any, targets: Any, who: str) -> None:
             )
 
 
+def inputs_cast_to_inf(inputs: Any, dtype: torch.dtype) -> list[tuple[str, float]]:
+    """The floating-point input tensors that a cast to ``dtype`` makes inf (O2 and O3 cast
+    the inputs at the model's boundary, before any layer), each with where it sits and its
+    largest |value|."""
+    found = []
+    for where, tensor in _floating(inputs, "inputs"):
+        values = tensor.detach()
+        if not bool(torch.isfinite(values.to(dtype)).all()):
+            found.append((where, float(values.abs().max())))
+    return found
+
+
 class Recorder:
     """Forward hooks on ``modules`` (name -> module): what each module's first call with a
     floating-point output sees, as a dict in ``calls`` (first-call order) with

@@ -17,6 +17,16 @@ def advice(report: Report, compute: torch.dtype, left: set[str]) -> list[str]:
     """What to do about what ``report`` found. ``compute``: the policy's compute dtype;
     ``left``: the leaves still computing in 16 bits with the recommendation applied."""
     said: list[str] = []
+    if report.inputs_overflow:
+        where, largest = max(report.inputs_overflow, key=lambda found: found[1])
+        said.append(
+            f"the batch's {where} reach {largest:.3g}, past {report.compute_dtype}'s range: at "
+            f"{report.level} the model casts its inputs to {report.compute_dtype} before any "
+            "layer runs, so they arrive as inf and no list of layers to keep helps. Scale "
+            "them into range (normalise the features), or use level 'O1', where a layer kept "
+            "in float32 takes its input as it comes (diagnose at level='O1' for that keep "
+            "list)"
+        )
     if report.recommended_keep_float32:
         said.append(
             "keep in float32: auto_mixed_precision(..., keep_float32="

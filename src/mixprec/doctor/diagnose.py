@@ -22,7 +22,12 @@ from torch.utils._pytree import tree_map_only
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
 from mixprec._rng import same_draws
-from mixprec.doctor._common import check_finite_batch, float32_model, float32_upcast
+from mixprec.doctor._common import (
+    check_finite_batch,
+    float32_model,
+    float32_upcast,
+    inputs_cast_to_inf,
+)
 from mixprec.doctor.advice import advice
 from mixprec.doctor.headroom import (
     EDGE_RISK,
@@ -45,6 +50,7 @@ from mixprec.doctor.report import ModuleReport, Report
 from mixprec.doctor.risk import SCALE_FLOOR, loss_scale_range, nonfinite_origin, score
 from mixprec.doctor.verify import CHECK_STEPS, OptimizerLike, check_optimizer, check_plan
 from mixprec.float8 import Float8Options
+from mixprec.keep import ROOT_NAME
 from mixprec.levels import KeepEntry, applied, auto_mixed_precision, module_dtypes
 from mixprec.policy import PolicyLike, get_policy
 
@@ -192,7 +198,7 @@ def _diagnose(
     reports = _module_reports(ref_calls, mixed_calls, compute, float(loss_scale), islands)
     # Where values are computed: the leaves, and a module with children whose own forward
     # made the inf/NaN (a hand-written attention's q @ k^T), which only keeping it fixes.
-    leaves = {n or "(model)" for n, m in model.named_modules() if not list(m.children())}
+    leaves = {n or ROOT_NAME for n, m in model.named_modules() if not list(m.children())}
     leaves |= _own_arithmetic_origins(model, reports)
     origin = nonfinite_origin(reports, leaves)
     for rep in reports:
@@ -202,10 +208,21 @@ def _diagnose(
     floor = min(SCALE_FLOOR, float(loss_scale)) if dynamic else float(loss_scale)
     measure(reports, limit, floor)
     recommended = recommend(reports, leaves, compute, limit, floor, headroom)
+    done = applied(mixed)
+    # At O2/O3 the inputs are cast to 16 bits before any layer: past its range a keep list
+    # helps only if it keeps the model itself (then float32 throughout; every layer kept
+    # still gets inf), so none is recommended.
+    cast_inf = []
+    if done is not None and done.level in ("O2", "O3") and ROOT_NAME not in recommended:
+        cast_inf = inputs_cast_to_inf(inputs, compute)
+    if cast_inf:
+        recommended = []
     reached, backoff, half = None, 0, {r.name for r in reports if not r.float32}
     # The mixed run at this scale with nothing kept had nothing non-finite: nothing to back off.
     healthy = finite_run(mixed_calls, mixed_loss)
-    if compute == torch.float16 and healthy and not recommended:
+    if cast_inf:
+        pass  # backing off or checking a plan cannot make those inputs finite
+    elif compute == torch.float16 and healthy and not recommended:
         reached = float(loss_scale)  # the mixed run at this scale had nothing non-finite
     elif compute == torch.float16:
         with same_draws() as rewind:
@@ -251,7 +268,6 @@ def _diagnose(
         and at_risk
         and all(max(r.max_output, r.max_backward) < bf16_max for r in reports)
     )
-    done = applied(mixed)
     report = Report(
         policy=resolved.name,
         level=done.level if done else level,
@@ -271,6 +287,7 @@ def _diagnose(
         headroom=float(headroom),
         at_edge=at_edge,
         check=check,
+        inputs_overflow=cast_inf,
     )
     report.advice = advice(report, compute, half & leaves)
     return report

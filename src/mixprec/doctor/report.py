@@ -122,6 +122,9 @@ class Report:
     headroom: float = HEADROOM  # the margin to a limit below which a tensor is at risk
     at_edge: list[str] = field(default_factory=list)  # 16-bit leaves left at the edge
     check: PlanCheck | None = None  # float16: the plan checked over optimizer steps
+    #: Inputs the cast at the model's boundary (O2, O3) makes inf: (where, max |value|).
+    #: No keep list helps then, so none is recommended.
+    inputs_overflow: list[tuple[str, float]] = field(default_factory=list)
 
     def culprits(self) -> list[ModuleReport]:
         """Flagged modules, most dangerous first (ties: execution order)."""
