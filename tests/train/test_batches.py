@@ -247,4 +247,7 @@ def test_only_large_cpu_batches_for_a_gpu_go_through_pinned_memory():
     assert not _Staging.applies(x, y, cuda, rows - 1)
     assert not _Staging.applies(x, y, cpu, rows)  # nothing to copy
     assert not _Staging.applies(x.to("meta"), y, cuda, rows)  # inputs not on the CPU
+    images = torch.zeros(10, 3, 32, 32).to(memory_format=torch.channels_last)
+    assert not _Staging.applies(images, y, cuda, rows)  # the buffers would drop its layout
+    assert _Staging.applies(images.contiguous(), y, cuda, rows)
     assert not _Staging.applies(x.requires_grad_(), y, cuda, rows)  # out= would refuse it

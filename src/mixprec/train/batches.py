@@ -93,7 +93,8 @@ def epoch_batches(
     n = len(xt)
     split = split and distributed.world_size() > 1
     local = distributed.check_batch(batch_size) if split else batch_size
-    staging = _Staging(device) if device and _Staging.applies(xt, yt, device, local) else None
+    rows = min(local, n)  # the largest batch
+    staging = _Staging(device) if device and _Staging.applies(xt, yt, device, rows) else None
 
     def epoch() -> Iterable[Batch]:
         # The order is drawn now, not when iteration starts, so that resuming can
@@ -119,14 +120,16 @@ def _gather(
         return (staging.gather(xt, yt, idx) for idx in order.split(local))
     # An index on the CPU for a tensor on a GPU is copied there at each use (a stall):
     # copied once here instead, for each device the data lives on.
-    ix = order.to(xt.device, non_blocking=True)
-    iy = ix if yt.device == xt.device else order.to(yt.device, non_blocking=True)
+    # Not waited for on CUDA, which stages a pageable copy before returning; elsewhere (MPS)
+    # such a copy may read ``order`` after it is freed.
+    ix = order.to(xt.device, non_blocking=xt.device.type == "cuda")
+    iy = ix if yt.device == xt.device else order.to(yt.device, non_blocking=yt.is_cuda)
     return ((xt[i], yt[j]) for i, j in zip(ix.split(local), iy.split(local), strict=True))
 
 
 class _Staging:
-    """CPU batches for a CUDA device, gathered into pinned memory (two buffers in turn, as
-    the DataLoader's ``pin_memory`` does) and copied with ``non_blocking``. From pageable
+    """CPU batches for a CUDA device, gathered into pinned memory (two buffers in turn)
+    and copied with ``non_blocking``. From pageable
     memory CUDA waits for the stream before each copy; from pinned memory it does not. A
     buffer is written again only once its last copy is done (an event)."""
 
@@ -139,12 +142,15 @@ class _Staging:
     def applies(xt: torch.Tensor, yt: torch.Tensor, device: torch.device, rows: int) -> bool:
         """Whether to stage: CPU tensors for a CUDA device (pinned memory needs CUDA), in
         batches of at least ``STAGED_BYTES``, that autograd does not follow (a gather with
-        ``out=`` would refuse them)."""
+        ``out=`` would refuse them), in the default memory format (the buffers are; a
+        ``channels_last`` batch stays so through the plain gather)."""
         return (
             device.type == "cuda"
             and xt.device.type == "cpu"
             and yt.device.type == "cpu"
             and not (xt.requires_grad or yt.requires_grad)
+            and xt.is_contiguous()
+            and yt.is_contiguous()
             and rows * (_row_bytes(xt) + _row_bytes(yt)) >= STAGED_BYTES
         )
 
