@@ -590,3 +590,47 @@ def test_a_checkpoint_of_another_policy_is_refused() -> None:
     said = r"trained with policy 'params=float32,compute=float16,output=float32'; this plugin"
     with pytest.raises(ValueError, match=said):
         other.load_state_dict(saved.state_dict())
+
+
+class _ToggledGan(L.LightningModule):
+    """Lightning's GAN pattern: G's loss goes through D with D toggled off, then D's own
+    step; each optimizer zeroes its gradients after its step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.g, self.d = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.automatic_optimization = False
+        self.d_weights: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        opt_g, opt_d = self.optimizers()
+        self.toggle_optimizer(opt_g)
+        self.manual_backward(nn.functional.cross_entropy(self.d(self.g(x)), (y + 1) % 4))
+        opt_g.step()
+        opt_g.zero_grad()
+        self.untoggle_optimizer(opt_g)
+        self.toggle_optimizer(opt_d)
+        self.manual_backward(nn.functional.cross_entropy(self.d(x), y))
+        opt_d.step()
+        opt_d.zero_grad()
+        self.untoggle_optimizer(opt_d)
+        self.d_weights.append(self.d.weight.detach().float().clone())
+
+    def configure_optimizers(self) -> Any:
+        return (torch.optim.SGD(self.g.parameters(), lr=0.5),
+                torch.optim.SGD(self.d.parameters(), lr=0.5))  # fmt: skip
+
+
+def test_a_toggled_off_model_takes_no_gradient_at_o2() -> None:
+    """toggle_optimizer turns off requires_grad on the optimizer's parameters: at O2 those
+    are the float32 masters, and D's 16-bit weights took G's gradients (its next step
+    applied them: 0.08 off float32 after 4 steps). They now take none."""
+    reference = _ToggledGan()
+    _trainer(max_steps=4).fit(reference, _data())
+    mixed = _ToggledGan()
+    _trainer(MixprecPrecision("mixed_float16", level="O2"), max_steps=4).fit(mixed, _data())
+    for ours, theirs in zip(mixed.d_weights, reference.d_weights, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3)
+    assert all(p.requires_grad for p in mixed.parameters())  # restored after each backward

@@ -5,7 +5,8 @@ trainer = L.Trainer(plugins=[MixprecPrecision("mixed_float16", level="O2")])
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -15,6 +16,30 @@ from mixprec._errors import ArgumentError, MisuseError
 from mixprec.integrations.lightning._lightning import GradClipAlgorithmType, Precision, pl
 from mixprec.integrations.lightning.precision import _MixprecPlugin
 from mixprec.integrations.lightning.schedulers import _held_on_skip, _HeldOnSkip
+from mixprec.optim import LossScaleOptimizer
+
+
+@contextlib.contextmanager
+def _toggled_off(lsos: list[LossScaleOptimizer]) -> Iterator[None]:
+    """During a backward, the 16-bit weights whose float32 masters are switched off
+    (``LightningModule.toggle_optimizer`` sets ``requires_grad`` on the optimizers'
+    parameters, which at O2 are the masters) take no gradient either, as in float32: a GAN's
+    discriminator, toggled off, took the generator's gradients and applied them at its own
+    step. A leaf's ``requires_grad`` is read when the backward reaches it, so turning it off
+    after the forward is enough; it is turned back on after."""
+    off = [
+        w
+        for lso in lsos
+        for w, m in lso.master_weights()
+        if w.requires_grad and not m.requires_grad
+    ]
+    for weight in off:
+        weight.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for weight in off:
+            weight.requires_grad_(True)
 
 
 # The ignore: the mixin's `precision` and `main_params` are narrower than Lightning's.
@@ -77,7 +102,8 @@ class MixprecPrecision(_MixprecPlugin, Precision):  # type: ignore[misc]
                     "is not one this plugin wrapped in connect()"
                 )
             lsos = [owner]
-        model.backward(self._scaled_loss(tensor, lsos), *args, **kwargs)
+        with _toggled_off(self._lsos):
+            model.backward(self._scaled_loss(tensor, lsos), *args, **kwargs)
 
     def optimizer_step(  # type: ignore[override]
         self,
