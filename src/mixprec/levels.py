@@ -62,8 +62,8 @@ from mixprec.float8 import (
     is_float8,
     layer_counts,
 )
+from mixprec.keep import ROOT_NAME, inside, kept_modules
 from mixprec.keep import KeepEntry as KeepEntry  # re-exported: callers import it from here
-from mixprec.keep import inside, kept_modules
 from mixprec.keep import keep_list as keep_list  # re-exported too
 from mixprec.policy import UNSET, Policy, PolicyLike, get_policy, global_policy
 from mixprec.trace import remember_model
@@ -396,7 +396,7 @@ def module_dtypes(model: nn.Module) -> list[ModuleDtypes]:
         choice = float8_choice(module)
         rows.append(
             ModuleDtypes(
-                name=name or "(model)",
+                name=name or ROOT_NAME,
                 kind=type(module).__name__,
                 compute=choice.compute if choice and choice.converted else dtype_name(compute),
                 storage=",".join(dtypes) if dtypes else "-",

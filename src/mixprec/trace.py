@@ -23,6 +23,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from mixprec._dtypes import dtype_name
 from mixprec._param_tags import keeper_of
 from mixprec.casting import first_floating
+from mixprec.keep import ROOT_NAME
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class OverflowTracer:
         self._backward_seen = False
         self._handles = [model.register_forward_pre_hook(self._on_model_forward)]
         for name, module in model.named_modules():
-            label = name or "(model)"
+            label = name or ROOT_NAME
             hook = self._forward_hook(label, type(module).__name__)
             self._handles.append(module.register_forward_hook(hook))
         self._handles.append(model.register_forward_hook(self._on_model_output))

@@ -17,6 +17,7 @@ from torch import nn
 from mixprec._calling import call
 from mixprec.doctor._common import Recorder, relative_error
 from mixprec.doctor.report import ModuleReport
+from mixprec.keep import ROOT_NAME
 from mixprec.levels import auto_mixed_precision, module_dtypes
 from mixprec.policy import Policy
 
@@ -108,7 +109,7 @@ def run(
     Per module besides the recorder's entries: ``param_grad_max`` (unscaled, finite values)
     and ``nonfinite_backward``, the inf/NaN count of its output, input and parameter
     gradients as computed (scaled), which is what the scaler's check sees."""
-    modules = {name or "(model)": m for name, m in model.named_modules()}
+    modules = {name or ROOT_NAME: m for name, m in model.named_modules()}
     with Recorder(modules) as recorder:
         rewind()
         model.zero_grad(set_to_none=True)
@@ -165,7 +166,7 @@ def back_off(
     half: set[str] = set()
     for _ in range(len(leaves) + 1):
         prepared = copy.deepcopy(model)
-        named = {n or "(model)": m for n, m in prepared.named_modules()}
+        named = {n or ROOT_NAME: m for n, m in prepared.named_modules()}
         auto_mixed_precision(prepared, policy, level, keep_float32=[named[n] for n in keep])
         half = {r.name for r in module_dtypes(prepared) if r.compute != "float32"}
         calls, loss = run(prepared, inputs, targets, loss_fn, floor, rewind)

@@ -33,6 +33,7 @@ from mixprec._errors import ArgumentError
 from mixprec.casting import first_floating
 from mixprec.doctor.passes import Calls, first_nonfinite_leaf, nonfinite, run
 from mixprec.doctor.report import PlanCheck
+from mixprec.keep import ROOT_NAME
 from mixprec.levels import auto_mixed_precision, module_dtypes
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import Policy
@@ -198,7 +199,7 @@ def check_plan(
         warnings.simplefilter("ignore")
         for _ in range(MAX_ROUNDS):
             prepared = copy.deepcopy(model)
-            named = {n or "(model)": m for n, m in prepared.named_modules()}
+            named = {n or ROOT_NAME: m for n, m in prepared.named_modules()}
             auto_mixed_precision(prepared, policy, level, keep_float32=[named[n] for n in keep])
             half = {r.name for r in module_dtypes(prepared) if r.compute != "float32"}
             trained = [p for p in prepared.parameters() if p.requires_grad]
