@@ -4,6 +4,8 @@ no gradient and no hook from it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -125,3 +127,48 @@ def test_inputs_past_the_16bit_range_at_o2_get_no_keep_list_that_cannot_work():
                                    keep_float32=o1.recommended_keep_float32)  # fmt: skip
     with torch.no_grad():
         assert torch.isfinite(kept(x)).all()
+
+
+class _MaskedScores(nn.Module):
+    """An additive mask of -1e9: inf in float16, and harmless (softmax gives it 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.out = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.softmax(self.q(x) + mask, -1))
+
+
+@dataclasses.dataclass
+class _Batch:
+    features: torch.Tensor
+
+
+class _TakesABatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(8, 4)
+
+    def forward(self, batch: _Batch) -> torch.Tensor:
+        return self.l(batch.features / 1e4)
+
+
+def test_an_input_cast_to_inf_that_harms_nothing_is_diagnosed_as_before():
+    """Only a run the boundary cast made non-finite takes that path: a -1e9 mask (inf in
+    float16) leaves the run finite, and keeps its loss-scale check."""
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
+    mask = torch.zeros(32, 8)
+    mask[:, :2] = -1e9
+    report = mp.diagnose(_MaskedScores(), (x, mask), y, F.cross_entropy, "mixed_float16", "O2")
+    assert report.healthy and report.inputs_overflow == []
+    assert report.loss_scale_reached == 2.0**16 and report.check is not None
+
+
+def test_inputs_in_a_dataclass_are_found_as_the_model_casts_them():
+    torch.manual_seed(0)
+    x, y = torch.randn(32, 8) * 1e6, torch.randint(0, 4, (32,))
+    report = mp.diagnose(_TakesABatch(), _Batch(x), y, F.cross_entropy, "mixed_float16", "O2")
+    assert [where for where, _ in report.inputs_overflow] == ["inputs.features"]
+    assert report.recommended_keep_float32 == [] and report.suggested_loss_scale is None

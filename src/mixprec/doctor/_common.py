@@ -6,6 +6,7 @@ JSON."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import math
@@ -69,10 +70,14 @@ def float32_upcast(model: nn.Module, who: str) -> nn.Module:
 
 
 def _floating(value: Any, where: str) -> list[tuple[str, torch.Tensor]]:
-    """The floating-point tensors in ``value`` (tuples, lists, dict values), each with where
-    it sits: ``inputs``, ``inputs[1]``, ``inputs['mask']``."""
+    """The floating-point tensors in ``value`` (tuples, lists, dict values, dataclass fields,
+    as the model's input cast walks them), each with where it sits: ``inputs``,
+    ``inputs[1]``, ``inputs['mask']``, ``inputs.features``."""
     if isinstance(value, torch.Tensor):
         return [(where, value)] if value.is_floating_point() else []
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = [(f.name, getattr(value, f.name, None)) for f in dataclasses.fields(value)]
+        return [found for name, v in fields for found in _floating(v, f"{where}.{name}")]
     if isinstance(value, (tuple, list)):
         items: Any = enumerate(value)
     elif isinstance(value, Mapping):

@@ -22,10 +22,10 @@ def advice(report: Report, compute: torch.dtype, left: set[str]) -> list[str]:
         said.append(
             f"the batch's {where} reach {largest:.3g}, past {report.compute_dtype}'s range: at "
             f"{report.level} the model casts its inputs to {report.compute_dtype} before any "
-            "layer runs, so they arrive as inf and no list of layers to keep helps. Scale "
-            "them into range (normalise the features), or use level 'O1', where a layer kept "
-            "in float32 takes its input as it comes (diagnose at level='O1' for that keep "
-            "list)"
+            "layer runs, so they arrive as inf and no list of layers to keep helps while they "
+            "do. Scale them into range (normalise the features) and diagnose again, as layers "
+            "may need keeping too, or use level 'O1', where a layer kept in float32 takes its "
+            "input as it comes (diagnose at level='O1' for that keep list)"
         )
     if report.recommended_keep_float32:
         said.append(

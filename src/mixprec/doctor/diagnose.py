@@ -209,17 +209,19 @@ def _diagnose(
     measure(reports, limit, floor)
     recommended = recommend(reports, leaves, compute, limit, floor, headroom)
     done = applied(mixed)
-    # At O2/O3 the inputs are cast to 16 bits before any layer: past its range a keep list
-    # helps only if it keeps the model itself (then float32 throughout; every layer kept
-    # still gets inf), so none is recommended.
+    # The mixed run at this scale with nothing kept had nothing non-finite: nothing to back off.
+    healthy = finite_run(mixed_calls, mixed_loss)
+    # At O2/O3 the inputs are cast to 16 bits before any layer. Where that made them inf
+    # and the run non-finite, a keep list helps only if it keeps the model itself (float32
+    # throughout; every layer kept still gets inf), so none is recommended until they are
+    # in range. (An inf that harms nothing, a -1e9 mask, an unused input, is left alone.)
+    casts_inputs = done is not None and done.level in ("O2", "O3")
     cast_inf = []
-    if done is not None and done.level in ("O2", "O3") and ROOT_NAME not in recommended:
+    if casts_inputs and not healthy and ROOT_NAME not in recommended:
         cast_inf = inputs_cast_to_inf(inputs, compute)
     if cast_inf:
         recommended = []
     reached, backoff, half = None, 0, {r.name for r in reports if not r.float32}
-    # The mixed run at this scale with nothing kept had nothing non-finite: nothing to back off.
-    healthy = finite_run(mixed_calls, mixed_loss)
     if cast_inf:
         pass  # backing off or checking a plan cannot make those inputs finite
     elif compute == torch.float16 and healthy and not recommended:
@@ -260,6 +262,8 @@ def _diagnose(
     )
     # The loss scale range for what stays in 16 bits once the recommendation is applied.
     scale, scale_range = loss_scale_range([r for r in reports if r.name in half & leaves], compute)
+    if cast_inf:  # measured on inf inputs: no scale to suggest until they are in range
+        scale, scale_range = None, None
     bf16_max = float(torch.finfo(torch.bfloat16).max)
     at_risk = any(max(r.input_fraction, r.output_fraction, r.grad_fraction) > headroom
                   for r in reports)  # fmt: skip

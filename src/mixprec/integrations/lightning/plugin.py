@@ -20,19 +20,26 @@ from mixprec.optim import LossScaleOptimizer
 
 
 @contextlib.contextmanager
-def _toggled_off(lsos: list[LossScaleOptimizer]) -> Iterator[None]:
-    """During a backward, the 16-bit weights whose float32 masters are switched off
+def _toggled_off(model: Any, lsos: list[LossScaleOptimizer]) -> Iterator[None]:
+    """During a backward, the 16-bit weights whose float32 masters are all switched off
     (``LightningModule.toggle_optimizer`` sets ``requires_grad`` on the optimizers'
     parameters, which at O2 are the masters) take no gradient either, as in float32: a GAN's
     discriminator, toggled off, took the generator's gradients and applied them at its own
-    step. A leaf's ``requires_grad`` is read when the backward reaches it, so turning it off
+    step. A weight in two optimizers has a master in each and keeps its gradient while one
+    is on. A leaf's ``requires_grad`` is read when the backward reaches it, so turning it off
     after the forward is enough; it is turned back on after."""
-    off = [
-        w
-        for lso in lsos
-        for w, m in lso.master_weights()
-        if w.requires_grad and not m.requires_grad
-    ]
+    # Lightning's record of a toggle: empty (or absent: an older or newer Lightning, then
+    # the masters are read) when nothing is toggled, the usual case, which costs nothing.
+    if not getattr(model, "_param_requires_grad_state", True):
+        yield
+        return
+    on: dict[int, bool] = {}
+    weights: dict[int, torch.Tensor] = {}
+    for lso in lsos:
+        for weight, master in lso.master_weights():
+            weights[id(weight)] = weight
+            on[id(weight)] = on.get(id(weight), False) or master.requires_grad
+    off = [w for key, w in weights.items() if w.requires_grad and not on[key]]
     for weight in off:
         weight.requires_grad_(False)
     try:
@@ -102,7 +109,7 @@ class MixprecPrecision(_MixprecPlugin, Precision):  # type: ignore[misc]
                     "is not one this plugin wrapped in connect()"
                 )
             lsos = [owner]
-        with _toggled_off(self._lsos):
+        with _toggled_off(model, self._lsos):
             model.backward(self._scaled_loss(tensor, lsos), *args, **kwargs)
 
     def optimizer_step(  # type: ignore[override]
