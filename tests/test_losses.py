@@ -78,6 +78,24 @@ def test_all_targets_ignored_gives_nan_like_torch():
     assert cross_entropy(logits, target, reduction="sum").item() == 0.0
 
 
+def test_all_targets_ignored_give_zero_gradients_like_torch():
+    """The loss is NaN (a mean over no row), but no row takes a gradient: the backward gave
+    inf * 0 = NaN, so an all-padding micro-batch threw away its accumulation group and
+    halved the loss scale."""
+    ours = torch.randn(3, 4, requires_grad=True)
+    theirs = ours.detach().clone().requires_grad_()
+    target = torch.full((3,), -100)
+    cross_entropy(ours, target).backward()
+    F.cross_entropy(theirs, target).backward()
+    assert torch.equal(ours.grad.abs(), theirs.grad.abs()) and not ours.grad.any()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD([ours], lr=0.1), accumulation_steps=2)
+    opt.zero_grad()
+    opt.backward(cross_entropy(ours, torch.tensor([0, 1, 2])))
+    opt.backward(cross_entropy(ours, target))  # the group's second micro-batch: all padding
+    result = opt.step()
+    assert result.applied and not result.found_inf, result
+
+
 def test_masked_classes_and_fully_masked_rows_like_torch():
     # Masked vocabulary entries (-inf) are common; a row masked everywhere gives NaN in torch.
     logits, target = _logits(n=6, classes=9)

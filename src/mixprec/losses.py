@@ -63,7 +63,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad_losses: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         logits, picks, valid, lse = ctx.saved_tensors
-        scale = (grad_losses * valid).unsqueeze(1)  # d loss_i: softmax_i - onehot_i, per row
+        # d loss_i: softmax_i - onehot_i, per row. Ignored rows get 0 even where the upstream
+        # gradient is inf (the mean over no valid row divides by 0): a product would give
+        # inf * 0 = NaN, where torch's nll_loss backward gives 0.
+        scale = grad_losses.masked_fill(~valid, 0.0).unsqueeze(1)
         grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
         n = logits.shape[0]
         rows = max(1, min(ctx.rows, n))  # 0 rows: no chunk, an empty gradient

@@ -221,3 +221,33 @@ def test_bad_arguments():
         CompensatedAdamW(params, compensation="exact")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="lr=0 is invalid"):
         CompensatedAdamW(params, lr=0)
+    for decay in (float("nan"), -0.1, None, float("inf")):
+        with pytest.raises(ValueError, match=rf"weight_decay={decay!r} is invalid \(param_groups"):
+            CompensatedAdamW(params, weight_decay=decay)  # type: ignore[arg-type]
+    opt = CompensatedAdamW(params)
+    wide = [torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]
+    with pytest.raises(ValueError, match=r"param_groups\[1\] holds torch.float64"):
+        opt.add_param_group({"params": wide})  # went through float32, or bfloat16
+    assert len(opt.param_groups) == 1
+
+
+def test_a_resumed_stochastic_run_rounds_as_the_uninterrupted_one():
+    """The generator stochastic rounding draws from is in the state dict."""
+
+    def run(steps: int, state: dict | None = None) -> tuple[torch.Tensor, dict]:
+        torch.manual_seed(0)
+        w = torch.nn.Parameter(torch.randn(64).bfloat16())
+        opt = CompensatedAdamW([w], lr=1e-3, compensation="stochastic",
+                               generator=torch.Generator().manual_seed(7))  # fmt: skip
+        if state is not None:
+            w.data.copy_(state["weight"])
+            opt.load_state_dict(state["optimizer"])
+        for _ in range(steps):
+            w.grad = torch.ones_like(w)
+            opt.step()
+        return w.detach().clone(), {"weight": w.detach().clone(), "optimizer": opt.state_dict()}
+
+    uninterrupted, _ = run(6)
+    _, half = run(3)
+    resumed, _ = run(3, half)
+    assert torch.equal(resumed, uninterrupted)

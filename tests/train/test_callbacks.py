@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 
 import pytest
 import torch
+from torch import nn
 
 import mixprec as mp
 from tests.conftest import classification_data, make_mlp
@@ -193,3 +195,31 @@ def test_checkpoint_mode_follows_the_umask(tmp_path):
     finally:
         os.umask(previous)
     assert path.stat().st_mode & 0o777 == 0o644  # the umask's, not a fixed 0o600
+
+
+def test_model_checkpoint_never_keeps_a_nan_epoch_as_best(tmp_path):
+    """A first epoch whose validation is NaN (a float16 overflow in evaluation) was kept as
+    the best, and no later value compares better than NaN."""
+
+    class NanFirstEvaluation(mp.Callback):
+        def on_epoch_begin(self, epoch: int, logs: dict) -> None:
+            self.attached.model.nan_eval = epoch == 0
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net, self.nan_eval = nn.Linear(32, 10), False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.net(x)
+            return out * float("nan") if self.nan_eval and not self.training else out
+
+    x, y = classification_data(n=64)
+    torch.manual_seed(0)
+    model = Net()
+    t = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 0.1), metrics=())
+    ckpt = mp.ModelCheckpoint(tmp_path, every_n_epochs=None, monitor="val_loss")
+    history = t.fit(x, y, batch_size=16, epochs=3, verbose=0, validation_data=(x, y),
+                    callbacks=[NanFirstEvaluation(), ckpt])  # fmt: skip
+    losses = history.history["val_loss"]
+    assert math.isnan(losses[0]) and ckpt.best == min(losses[1:])

@@ -16,6 +16,7 @@ computed in float32 with multi-tensor kernels.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
@@ -80,9 +81,22 @@ class CompensatedAdamW(torch.optim.Optimizer):
             self.param_groups.pop()  # refused: not kept
             raise
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's, with the ``generator``'s state (stochastic rounding draws from it): a
+        resumed run then rounds as the uninterrupted one would."""
+        state = super().state_dict()
+        if self.generator is not None:
+            state["generator_state"] = self.generator.get_state()
+        return state
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's, with the float32 moments kept as saved: torch casts floating state to
-        the parameter's dtype, which would round a 16-bit weight's moments to 16 bits."""
+        the parameter's dtype, which would round a 16-bit weight's moments to 16 bits; and
+        the ``generator``'s state where it was saved."""
+        state_dict = dict(state_dict)
+        generator_state = state_dict.pop("generator_state", None)
+        if generator_state is not None and self.generator is not None:
+            self.generator.set_state(generator_state)
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
         moments = {
             i: {k: v for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")}
@@ -154,9 +168,32 @@ class CompensatedAdamW(torch.optim.Optimizer):
                 p.copy_((w + u).to(p.dtype))
 
 
+#: The weights it updates: float32 as torch's AdamW, 16-bit through float32. A float64
+#: weight would go through float32 too (and through bfloat16 with "stochastic").
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _check_group(group: dict[str, Any], index: int) -> None:
     """A group's ``compensation`` (the constructor's, or the group's own) is one of the
-    three, and ``"stochastic"`` (which rounds to bfloat16) holds no float16 weight."""
+    three, and ``"stochastic"`` (which rounds to bfloat16) holds no float16 weight; its
+    ``weight_decay`` is a finite number >= 0 (NaN made every weight NaN with finite
+    gradients, which no inf/NaN check sees); its weights are float32 or 16-bit."""
+    decay = group["weight_decay"]
+    if (
+        isinstance(decay, bool)
+        or not isinstance(decay, (int, float))
+        or not 0.0 <= decay < math.inf
+    ):
+        raise ArgumentError(
+            f"weight_decay={decay!r} is invalid (param_groups[{index}]); it must be a finite "
+            "number >= 0"
+        )
+    other = sorted({str(p.dtype) for p in group["params"] if p.dtype not in _DTYPES})
+    if other:
+        raise ArgumentError(
+            f"CompensatedAdamW updates float32, bfloat16 and float16 weights; "
+            f"param_groups[{index}] holds {', '.join(other)} (use torch.optim.AdamW for those)"
+        )
     compensation = group["compensation"]
     if compensation not in ("kahan", "stochastic", "none"):
         raise ArgumentError(

@@ -158,7 +158,10 @@ class ModelCheckpoint(Callback):
     def on_epoch_end(self, epoch: int, logs: Logs) -> None:
         if self.monitor is not None:
             current = _monitored("ModelCheckpoint", self.monitor, logs)
-            if self.best is None or _better(self.mode, current, self.best):
+            # A NaN or inf epoch is never the best: kept first, no later value compared
+            # better than NaN, and best.safetensors held the diverged weights for good.
+            better = self.best is None or _better(self.mode, current, self.best)
+            if math.isfinite(current) and better:
                 # Noted before the saves below, so that they hold it.
                 self.best = current
                 self._write(self.dirpath / "best.safetensors")
