@@ -213,6 +213,21 @@ def subgroup_allreduce(out: Path, rank: int) -> None:
     torch.save(grads, out / f"subgroup-{rank}.pt")
 
 
+def ddp_without_its_optimizer(out: Path, rank: int) -> None:
+    """Ranks initialised differently, the optimizer built before the wrap and not passed
+    to it: DDP broadcasts rank 0's 16-bit weights, and each rank's masters must follow."""
+    model = mp.auto_mixed_precision(make_mlp(seed=rank), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), 0.1))
+    ddp = mpd.distributed_data_parallel(model)
+    x, y = global_batch()
+    for _ in range(3):
+        opt.zero_grad()
+        opt.backward(nn.functional.cross_entropy(ddp(x[rank::2]), y[rank::2]))
+        opt.step()
+    torch.save({"model": {k: v.clone() for k, v in model.state_dict().items()}},
+               out / f"ddp-no-optimizer-{rank}.pt")  # fmt: skip
+
+
 def main(out: str) -> None:
     assert mpd.init_from_env(timeout_s=120)
     rank = mpd.rank()
@@ -220,6 +235,7 @@ def main(out: str) -> None:
     try:
         overflow_agreement(path, rank)
         subgroup_allreduce(path, rank)
+        ddp_without_its_optimizer(path, rank)
         ddp_losses(path, rank, fp32_allreduce=False)
         ddp_losses(path, rank, fp32_allreduce=True)
         ddp_losses(path, rank, fp32_allreduce=False, level="O1")

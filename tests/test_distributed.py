@@ -167,6 +167,13 @@ def test_errors_without_a_hang():
         mpd.distributed_data_parallel(make_mlp())
 
 
+def test_ddp_without_its_optimizer_keeps_the_ranks_together(runs):
+    """The masters of an optimizer built before the wrap were each rank's own: the first
+    step copied them over rank 0's broadcast weights, and the ranks drifted apart."""
+    r0, r1 = runs("ddp-no-optimizer")
+    assert equal_states(r0["model"], r1["model"])
+
+
 def test_the_float32_allreduce_stays_in_ddps_process_group(runs):
     for rank, grads in enumerate(runs("subgroup")):
         own = torch.full((1, 4), 2.0 * (rank + 1))  # its own batch's gradient, not the mean
@@ -223,3 +230,25 @@ def test_shutdown_without_a_process_group_is_a_no_op():
     mpd.shutdown()  # must not raise (the CLI calls it on every exit)
     mpd.shutdown(wait=False)
     assert not torch.distributed.is_initialized()
+
+
+def test_the_trainer_joins_torchrun_before_it_picks_its_gpu(monkeypatch):
+    """init_from_env sets each rank's GPU; "auto" (or "cuda") resolved before it put every
+    rank's model on GPU 0. Checked on CPU: the order of the calls, and "auto" naming the
+    current GPU."""
+    from mixprec import _device
+
+    calls = []
+    monkeypatch.setattr(mpd, "init_from_env", lambda: calls.append("init") or False)
+
+    class Recorded(nn.Sequential):
+        def to(self, *args, **kwargs):  # type: ignore[override]
+            calls.append("to")
+            return super().to(*args, **kwargs)
+
+    model = Recorded(nn.Linear(4, 2))
+    mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 0.1), device="cpu")
+    assert calls[:2] == ["init", "to"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert _device.resolve_device("auto") == torch.device("cuda", 1)

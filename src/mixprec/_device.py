@@ -7,10 +7,13 @@ import torch
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """``"auto"``: CUDA where there is a GPU, else the CPU; anything else as ``torch.device``
-    reads it."""
+    """``"auto"``: the current CUDA device where there is a GPU (under torchrun, the rank's
+    own once the process group is set up), else the CPU; anything else as
+    ``torch.device`` reads it."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
     return torch.device(device)
 
 

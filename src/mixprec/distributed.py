@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mixprec._errors import ArgumentError
 from mixprec.optim import LossScaleOptimizer
+from mixprec.optim.masters import float32_values
 from mixprec.policy import PolicyLike, get_policy
 
 __all__ = [
@@ -193,20 +194,47 @@ def distributed_data_parallel(
 
     At O2/O3 the weights, and so the gradients DDP all-reduces, are 16-bit;
     ``fp32_allreduce=True`` sums them in float32. float32 masters stay consistent across
-    ranks because every rank applies the same averaged gradients and skips the same steps;
-    pass the ``LossScaleOptimizer`` so they also start from rank 0's.
+    ranks because every rank applies the same averaged gradients and skips the same steps,
+    and they start from rank 0's: those of ``optimizer`` (the ``LossScaleOptimizer``), or,
+    without it, those of any optimizer already built over the model.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "distributed_data_parallel needs an initialised process group: launch with "
             "torchrun and call mixprec.distributed.init_from_env() first"
         )
+    if optimizer is None:
+        _broadcast_float32_values(model)  # before DDP's broadcast of the 16-bit weights
     ddp = DistributedDataParallel(model, **kwargs)
     if isinstance(optimizer, LossScaleOptimizer):
         optimizer.broadcast_masters()
     if fp32_allreduce:
         ddp.register_comm_hook(ddp.process_group, _fp32_allreduce_hook)
     return ddp
+
+
+def _broadcast_float32_values(model: nn.Module) -> None:
+    """Rank 0's float32 values behind each 16-bit weight (a ``LossScaleOptimizer``'s live
+    master, or the copy kept at preparation) on every rank. Without it, a model wrapped
+    without its optimizer got rank 0's 16-bit weights from DDP while each rank's masters
+    stayed its own, and the first step copied them back: the ranks drifted apart for good.
+    Read before DDP's broadcast, while every rank's weights still round from its own."""
+    values = [float32_values(p) for p in model.parameters()]
+    held = [v for v in values if v is not None]
+    check_same_on_every_rank(
+        "the float32 values behind the 16-bit weights", {"tensors": len(held)},
+        "prepare the model and build its optimizer the same way on every rank",
+    )  # fmt: skip
+    with torch.no_grad():
+        for value in held:
+            value.copy_(broadcast_(value))
+
+
+def barrier() -> None:
+    """Wait for every rank (nothing outside torchrun): rank 0's writes are then on disk
+    for the others to read."""
+    if world_size() > 1:
+        dist.barrier()
 
 
 def fsdp_mixed_precision(policy: PolicyLike = None, reduce_dtype: torch.dtype | None = None) -> Any:

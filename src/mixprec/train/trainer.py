@@ -120,6 +120,8 @@ class Trainer:
             raise ArgumentError(
                 f"Trainer(model=...) needs an nn.Module, got {type(model).__name__}"
             )
+        # torchrun's process group first: it picks this rank's GPU (False outside torchrun).
+        self.distributed = distributed.init_from_env()
         self.device = resolve_device(device)
         model.to(self.device)  # before the dtype changes, so kept float32 copies live there too
         self.loss_fn = get_loss(loss)
@@ -141,13 +143,10 @@ class Trainer:
         self.health = ScalerHealth()
         self._watch = _HealthWatch(self.health, model, compile_options(compile) is None)
         self.model = model  # the module itself; under torchrun the step runs it through DDP
-        # Under torchrun: the process group from the environment, DDP around the prepared
-        # model, every rank starting from rank 0's weights and float32 masters.
-        self.distributed = distributed.init_from_env()  # False outside torchrun (WORLD_SIZE 1)
         self.optimizer = self.step.optimizer
         # The Trainer watches the scale itself (with a traced culprit and the loss): one warning.
         self.optimizer.health = None
-        if self.distributed:
+        if self.distributed:  # DDP; every rank starts from rank 0's weights and masters
             self.step.model = distributed.distributed_data_parallel(
                 model, self.optimizer, fp32_allreduce=fp32_allreduce
             )
@@ -239,6 +238,7 @@ class Trainer:
             if self.stop_training:
                 break
         cbs.on_train_end({})
+        distributed.barrier()  # rank 0's checkpoints are written when any rank returns
         return history
 
     def _run_epoch(
