@@ -7,6 +7,7 @@ import errno
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 import mixprec as mp
@@ -103,8 +104,10 @@ def test_disk_full_names_the_path_and_keeps_the_previous_checkpoint(tmp_path, mo
     mp.save_checkpoint(target, make_mlp(seed=1))
     before = target.read_bytes()
 
-    def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def full(*args, **kwargs):  # as safetensors 0.8 reports it (seen on a full tmpfs)
+        raise SafetensorError(
+            "Error while serializing: I/O error: No space left on device (os error 28)"
+        )
 
     monkeypatch.setattr("mixprec.checkpoint._files.save_file", full)
     with pytest.raises(OSError) as info:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from mixprec import cli
 
 
@@ -79,3 +81,47 @@ def test_convert_names_its_option_as_typed_and_counts_values_flushed_to_zero(tmp
     assert cli.main(["convert", str(ckpt), str(out), "--dtype", "float16"]) == 0
     line = "  0.weight: 2 non-zero values below float16's range became 0\n"
     assert line in capsys.readouterr().out
+
+
+def test_a_nested_torch_checkpoints_other_entries_are_named(tmp_path, capsys):
+    """A Lightning-style file ({"state_dict", "optimizer_states", "epoch"}): converted in
+    place, the other entries were lost while the command said "dropped: nothing"."""
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    path = tmp_path / "run.ckpt"
+    torch.save({"state_dict": model.state_dict(), "epoch": 7,
+                "optimizer_states": [torch.optim.Adam(model.parameters()).state_dict()]},
+               path)  # fmt: skip
+    assert cli.main(["inspect", str(path)]) == 0
+    assert "entries beside the state dict (not read): epoch, optimizer_states" in (
+        capsys.readouterr().out
+    )
+    assert cli.main(["convert", str(path), str(path), "--in-place", "--dtype", "bfloat16"]) == 0
+    assert "dropped: the file's other entries (epoch, optimizer_states)" in capsys.readouterr().out
+
+
+def test_tensors_a_checkpoint_cannot_hold_are_refused_before_anything_is_loaded(tmp_path):
+    import pytest
+    import torch
+
+    import mixprec as mp
+
+    class Two(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("a", torch.zeros(2))
+            self.register_buffer("b", torch.zeros(2))
+
+    cases = {
+        "meta": (torch.empty(2, device="meta"), "on the meta device"),
+        "sparse": (torch.ones(2).to_sparse(), "sparse_coo (not dense)"),
+        "complex": (torch.ones(2, dtype=torch.complex128), "complex (complex128)"),
+    }
+    for name, (bad, said) in cases.items():
+        path = tmp_path / f"{name}.pt"
+        torch.save({"a": torch.full((2,), 7.0), "b": bad}, path)
+        model = Two()
+        with pytest.raises(mp.CheckpointError, match=rf"tensor 'b' is {re.escape(said)}"):
+            mp.load_checkpoint(path, model)
+        assert not model.a.any()  # nothing loaded: 'a' was written before the failure

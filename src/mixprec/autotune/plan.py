@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mixprec._atomic import write_text_atomically
 from mixprec._errors import ArgumentError
 from mixprec._plan_apply import PLAN_DTYPES
 from mixprec.doctor.headroom import percent
@@ -132,10 +133,9 @@ class Plan:
         return plan_from_json(text)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write ``to_json()`` to ``path``; returns the path."""
-        target = Path(path)
-        target.write_text(self.to_json() + "\n", encoding="utf-8")
-        return target
+        """Write ``to_json()`` to ``path`` (atomically: a failed write leaves the previous
+        plan); returns the path."""
+        return write_text_atomically(path, self.to_json() + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Plan:

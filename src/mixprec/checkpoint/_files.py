@@ -6,64 +6,43 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
-import tempfile
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from mixprec._atomic import write_atomically
 from mixprec.checkpoint.format import CheckpointError
 
 
 def _atomic_write(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> None:
-    """Temporary file in the same folder, fsync, rename, fsync the folder: a crash at any
-    point leaves the previous file (or none), never a torn one. A disk that fills up raises
-    an ``OSError`` (``ENOSPC``) naming ``path`` and saying what is left there."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    """``write_atomically``: a failure at any point leaves the previous file (or none),
+    never a torn one. A system error while writing (a full disk, a file size limit) raises
+    an ``OSError`` with its errno, naming ``path`` and saying what is left there."""
     try:
-        try:
-            save_file(tensors, tmp, metadata)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-        except OSError as err:
-            if err.errno != errno.ENOSPC:
-                raise
-            left = (
-                "the previous checkpoint there is intact"
-                if path.exists()
-                else "no checkpoint was written there"
-            )
-            raise OSError(
-                errno.ENOSPC,
-                f"no space left on device while writing checkpoint {str(path)!r}; {left}",
-            ) from err
-        # mkstemp makes the file 0600: a replaced file keeps its own mode (a private
-        # checkpoint stays private), a new one gets the mode any new file would.
-        try:
-            mode = stat.S_IMODE(os.stat(path).st_mode)
-        except FileNotFoundError:
-            mode = 0o666 & ~_umask()
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    if hasattr(os, "O_DIRECTORY"):
-        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        write_atomically(path, lambda tmp: save_file(tensors, tmp, metadata))
+    except (OSError, SafetensorError) as err:
+        # safetensors reports the system's error in its own exception's text.
+        code = err.errno if isinstance(err, OSError) else _os_error(str(err))
+        if code is None:
+            raise
+        left = (
+            "the previous checkpoint there is intact"
+            if path.exists()
+            else "no checkpoint was written there"
+        )
+        what = "no space left on device" if code == errno.ENOSPC else os.strerror(code)
+        raise OSError(code, f"{what} while writing checkpoint {str(path)!r}; {left}") from err
 
 
-def _umask() -> int:
-    mask = os.umask(0)  # the only way to read it; set back at once
-    os.umask(mask)
-    return mask
+def _os_error(text: str) -> int | None:
+    """The errno in a safetensors error's text ("... (os error 28)"), if any."""
+    found = re.search(r"\(os error (\d+)\)", text)
+    return int(found.group(1)) if found else None
 
 
 def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:

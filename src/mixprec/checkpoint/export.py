@@ -145,4 +145,7 @@ def _dropped(header: dict[str, Any], dtype: torch.dtype) -> list[str]:
         dropped.append(f"policy and level ({header['policy']}, {header.get('level')})")
     if header.get("float8") is not None:
         dropped.append("float8 recipe and converted-layer list")
+    other = header.get("other_entries") or []
+    if other:  # a torch.save file's entries beside its state dict
+        dropped.append(f"the file's other entries ({', '.join(other)})")
     return dropped

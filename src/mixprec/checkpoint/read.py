@@ -22,9 +22,15 @@ from mixprec.checkpoint._tree import _unflatten
 from mixprec.checkpoint.format import CheckpointError, _BadValueError, _checksum
 
 
-def _read_torch_file(path: Path, handle: BinaryIO) -> dict[str, torch.Tensor]:
+def _read_torch_file(
+    path: Path, handle: BinaryIO
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The ``torch.save`` file open as ``handle``, read with ``weights_only=True``: tensors
-    and plain containers only; anything else is refused before it can run."""
+    and plain containers only; anything else is refused before it can run. A state dict
+    nested under ``state_dict``/``model``/``model_state_dict`` (Lightning, training scripts)
+    is read; the header's ``other_entries`` names the keys beside it (an optimizer, an
+    epoch), which a weights-only conversion drops. A tensor safetensors cannot hold as it
+    is (meta, sparse, quantized, complex) is refused, naming it, before anything is done."""
     try:
         obj = torch.load(handle, map_location="cpu", weights_only=True)
     except Exception as err:  # UnpicklingError, RuntimeError, EOFError...
@@ -32,13 +38,35 @@ def _read_torch_file(path: Path, handle: BinaryIO) -> dict[str, torch.Tensor]:
             f"{path}: refused: not a plain tensor state dict ({type(err).__name__}: "
             f"{str(err).splitlines()[0] if str(err) else ''}); mixprec never unpickles objects"
         ) from None
+    header: dict[str, Any] = {}
     for key in ("state_dict", "model", "model_state_dict"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            header["other_entries"] = sorted(str(k) for k in obj if k != key)
             obj = obj[key]
             break
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise CheckpointError(f"{path}: holds no state dict of tensors")
-    return {f"model/{k}": v for k, v in obj.items()}
+    for name, t in obj.items():
+        kind = _unstorable(t)
+        if kind:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} is {kind}, which a checkpoint file cannot hold as it "
+                "is; convert it to a dense real tensor (or leave it out) first"
+            )
+    return {f"model/{k}": v for k, v in obj.items()}, header
+
+
+def _unstorable(t: torch.Tensor) -> str:
+    """What makes ``t`` one that safetensors cannot hold as it is; "" if nothing."""
+    if t.is_meta:
+        return "on the meta device (no values)"
+    if t.layout != torch.strided:
+        return f"{str(t.layout).removeprefix('torch.')} (not dense)"
+    if t.is_quantized:
+        return f"quantized ({str(t.dtype).removeprefix('torch.')})"
+    if t.is_complex():
+        return f"complex ({str(t.dtype).removeprefix('torch.')})"
+    return ""
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -67,7 +95,7 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tenso
             if not (head[8:9] == b"{" and header_end <= size):
                 if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
                     handle.seek(0)
-                    return _read_torch_file(file, handle), {}
+                    return _read_torch_file(file, handle)
                 raise CheckpointError(f"{file}: truncated, corrupt, or not a checkpoint")
             handle.seek(0)
             entries, meta = _safetensors_header(handle, file, size)

@@ -12,11 +12,11 @@ import argparse
 import math
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
+from mixprec._atomic import write_text_atomically
 from mixprec._errors import ArgumentError
 from mixprec._step_profile import GAIN_THRESHOLD
 from mixprec.cli._common import (
@@ -250,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
     for note in bench.notes(modes, args.device):
         print(f"note: {note}")
     if json_path:
-        Path(json_path).write_text(bench.to_json(results, args.outputs_16bit, args.device))
+        write_text_atomically(json_path, bench.to_json(results, args.outputs_16bit, args.device))
         print(f"results written to {json_path}")
     if plot_path:
         bench.plot(results, plot_path, _bench_subtitle(args.device, args.small))

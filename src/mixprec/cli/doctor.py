@@ -4,10 +4,10 @@ float32, for the model and data ``train`` takes."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 
+from mixprec._atomic import write_text_atomically
 from mixprec.cli._common import UsageError, output_file, plot_file, train_float8
 from mixprec.cli._model_options import (
     SPEC_HELP,
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     report = diagnose(model, x, y, loss_fn, args.policy, args.level, float8=float8)
     print(report)
     if json_path:
-        Path(json_path).write_text(report.to_json(indent=2))
+        write_text_atomically(json_path, report.to_json(indent=2))
         print(f"report written to {json_path}")
     if plot_path and isinstance(report, Report):
         report.plot(plot_path)

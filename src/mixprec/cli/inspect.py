@@ -27,6 +27,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {key}: {header[key]}")
     if header.get("masters"):
         print(f"  float32 masters stored for: {', '.join(header['masters'])}")
+    if header.get("other_entries"):
+        print(f"  entries beside the state dict (not read): {', '.join(header['other_entries'])}")
     trainer = trainer_state(header, tensors)
     scalars = {k: v for k, v in trainer.items() if not isinstance(v, torch.Tensor)}
     if scalars:

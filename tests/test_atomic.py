@@ -1,0 +1,39 @@
+"""Files written whole or not at all: a failed write of a plan, a doctor report or bench
+results left the previous file truncated (they were written in place)."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+
+from mixprec import _atomic, cli
+
+
+def _failing_write_text(self: Path, text: str, encoding: str | None = None) -> int:
+    with open(self, "w", encoding=encoding) as f:
+        f.write(text[: len(text) // 2])  # half of it, then the disk is full
+    raise OSError(errno.EFBIG, "File too large")
+
+
+def test_a_failed_write_leaves_the_previous_file_and_no_temporary_one(tmp_path, monkeypatch):
+    target = tmp_path / "plan.json"
+    target.write_text('{"old": true}\n')
+    monkeypatch.setattr(Path, "write_text", _failing_write_text)
+    with pytest.raises(OSError, match="File too large"):
+        _atomic.write_text_atomically(target, '{"new": true, "longer": "text"}\n')
+    monkeypatch.undo()
+    assert target.read_text() == '{"old": true}\n'
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+
+
+def test_the_doctors_json_is_written_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
+    report = tmp_path / "d.json"
+    report.write_text("previous report")
+    monkeypatch.setattr(Path, "write_text", _failing_write_text)
+    args = ["doctor", "--data", "synthetic", "--batch-size", "16", "--json", str(report)]
+    assert cli.main(args) != 0
+    assert "File too large" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert report.read_text() == "previous report"
