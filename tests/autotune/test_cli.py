@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import matplotlib
+import pytest
 
 import mixprec as mp
 from mixprec import cli
@@ -71,3 +72,20 @@ def test_plot_draws_on_its_own_figure(tmp_path):
     assert ax.get_title() == "fc (Linear): bf16" and ax.get_yscale() == "log"
     assert len(ax.collections) == 3  # two candidates and the circle round the chosen one
     assert matplotlib.get_backend() == backend
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        (["--workload", "mlp-b64", "--small", "--model", "cnn", "--data", "synthetic"],
+         "--model, --data apply to --model/--data; --workload mlp-b64 brings its own"),
+        (["--workload", "mlp-b64", "--batch-size", "7"], "--batch-size apply to --model/--data"),
+        (["--small"], "--small picks a workload's tiny version; give --workload too"),
+        (["--data", "synthetic", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        (["--workload", "mlp-b64", "--small", "--candidates", ""],
+         "--candidates '' names no dtype; valid:"),
+    ],
+)  # fmt: skip
+def test_options_that_do_not_apply_are_refused_not_ignored(options, said, capsys):
+    assert cli.main(["autotune", *options]) == 2
+    assert said in capsys.readouterr().err

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from mixprec._plan_apply import PLAN_DTYPES
-from mixprec.cli._common import output_file, plot_file
+from mixprec.cli._common import UsageError, output_file, plot_file
 from mixprec.cli._model_options import (
     SPEC_HELP,
     TRAIN_MODELS,
@@ -34,16 +34,19 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
         "returning a mixprec.bench.Workload; in place of --model/--data",
     )  # fmt: skip
     sub.add_argument("--small", action="store_true", help="the workload's tiny version (tests)")
+    # Defaults None: given beside --workload, which replaces them, they are refused.
     sub.add_argument(
-        "--model", default="mlp", metavar="NAME|module:function",
-        help=f"without --workload: {' or '.join(TRAIN_MODELS)}, or a module:function of yours",
+        "--model", metavar="NAME|module:function",
+        help=f"without --workload: {' or '.join(TRAIN_MODELS)}, or a module:function of "
+        "yours (default: mlp)",
     )  # fmt: skip
     sub.add_argument(
-        "--data", default="digits", metavar="NAME|module:function",
-        help="without --workload: digits, mnist:DIR, synthetic, or a module:function of yours",
+        "--data", metavar="NAME|module:function",
+        help="without --workload: digits, mnist:DIR, synthetic, or a module:function of yours "
+        "(default: digits)",
     )  # fmt: skip
-    sub.add_argument("--batch-size", type=int, default=256, metavar="N",
-                     help="samples in the batch measured (--model/--data)")  # fmt: skip
+    sub.add_argument("--batch-size", type=int, metavar="N",
+                     help="samples in the batch measured (--model/--data; 256)")  # fmt: skip
     sub.add_argument("--seed", type=int, default=0, metavar="N", help="seeds weights and data")
     sub.add_argument(
         "--candidates", default=",".join(PLAN_DTYPES),
@@ -58,6 +61,31 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--compile", action="store_true", help="time and check compiled steps")
     sub.add_argument("--json", metavar="FILE", help="save the plan as JSON (mp.Plan.load)")
     sub.add_argument("--plot", metavar="FILE.png", help="chart time against error per layer")
+
+
+def _check_options(args: argparse.Namespace) -> tuple[str, ...]:
+    """Options that do not apply are refused, not ignored; the candidates to consider."""
+    if args.workload:
+        given = [f"--{n.replace('_', '-')}" for n in ("model", "data", "batch_size")
+                 if getattr(args, n) is not None]  # fmt: skip
+        if given:
+            raise UsageError(
+                f"{', '.join(given)} apply to --model/--data; --workload {args.workload} "
+                "brings its own model and batch"
+            )
+    else:
+        if args.small:
+            raise UsageError("--small picks a workload's tiny version; give --workload too")
+        args.model, args.data = args.model or "mlp", args.data or "digits"
+        args.batch_size = 256 if args.batch_size is None else args.batch_size
+        if args.batch_size < 1:
+            raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    candidates = tuple(c.strip() for c in args.candidates.split(",") if c.strip())
+    if not candidates:
+        raise UsageError(
+            f"--candidates {args.candidates!r} names no dtype; valid: {', '.join(PLAN_DTYPES)}"
+        )
+    return candidates
 
 
 def _problem(args: argparse.Namespace) -> tuple[torch.nn.Module, tuple[Any, Any], Any]:
@@ -83,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.autotune import autotune
     from mixprec.autotune.plot import plot_plan
 
-    candidates = tuple(c.strip() for c in args.candidates.split(",") if c.strip())
+    candidates = _check_options(args)
     json_path = output_file("--json", args.json) if args.json else None
     plot_path = plot_file("--plot", args.plot) if args.plot else None
     model, batch, loss_fn = _problem(args)
