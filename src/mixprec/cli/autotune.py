@@ -6,6 +6,7 @@ stderr shows what is being measured."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import Any
 
@@ -80,6 +81,13 @@ def _check_options(args: argparse.Namespace) -> tuple[str, ...]:
         args.batch_size = 256 if args.batch_size is None else args.batch_size
         if args.batch_size < 1:
             raise UsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    # As autotune checks them, named as typed (NaN fails >= 0).
+    if not args.error_budget >= 0:
+        raise UsageError(f"--error-budget must be a number >= 0, got {args.error_budget:g}")
+    if not 0 <= args.time_budget < math.inf:
+        raise UsageError(f"--time-budget must be a finite number >= 0, got {args.time_budget:g}")
+    if args.check_steps < 1:
+        raise UsageError(f"--check-steps must be >= 1, got {args.check_steps}")
     candidates = tuple(c.strip() for c in args.candidates.split(",") if c.strip())
     if not candidates:
         raise UsageError(
