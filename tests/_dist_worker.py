@@ -3,6 +3,7 @@ every rank saw to OUT/<scenario>-<rank>.pt for the test to compare."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 from pathlib import Path
@@ -174,6 +175,39 @@ def trainer_and_resume(out: Path, rank: int) -> None:
     torch.save(results, out / f"trainer-{rank}.pt")
 
 
+class _StopAt(mp.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, step: int, logs: dict) -> None:
+        if logs["global_step"] == self.step:
+            raise KeyboardInterrupt  # both ranks stop at the same step
+
+
+def trainer_resumed_mid_epoch(out: Path, rank: int) -> None:
+    """Stopped after a step checkpoint at step 4 of 8 and resumed: the epoch's loss must
+    count every rank's batches before the checkpoint once (the ranks' shares differ 100x)."""
+    x, y = classification_data(n=128, seed=3)
+    x[1::2] *= 100.0  # rank 1's share (unshuffled): a far larger loss
+    losses = {}
+    for name in ("full", "first", "resumed"):
+        model = make_mlp()
+        t = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 1e-3),
+                       policy="mixed_bfloat16", device="cpu")  # fmt: skip
+        ckpt = mp.ModelCheckpoint(out / "mid", every_n_epochs=None, every_n_steps=4)
+        if name == "first":
+            with contextlib.suppress(KeyboardInterrupt):
+                t.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
+                      callbacks=[ckpt, _StopAt(4)])  # fmt: skip
+            dist.barrier()  # rank 0's checkpoint is on disk
+            continue
+        resume = out / "mid" / "step-00000004.safetensors" if name == "resumed" else None
+        history = t.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
+                        resume_from=resume)  # fmt: skip
+        losses[name] = history.history["loss"][0]
+    torch.save(losses, out / f"mid-epoch-{rank}.pt")
+
+
 def recommender(out: Path, rank: int) -> None:
     torch.manual_seed(0)
     model = mp.auto_mixed_precision(mp.models.Recommender(sparse=True), "mixed_bfloat16", "O2")
@@ -243,6 +277,7 @@ def main(out: str) -> None:
         fsdp_losses(path, rank, "mixed_bfloat16")
         fsdp_losses(path, rank, "mixed_float16")
         trainer_and_resume(path, rank)
+        trainer_resumed_mid_epoch(path, rank)
         mismatched_data(path, rank)
         recommender(path, rank)
         # The float8 extra, where this CPU has a float8 matmul (none below AVX512: the

@@ -154,6 +154,14 @@ def test_trainer_under_torchrun_checkpoints_and_resumes(runs):
     assert r0["history"]["loss"][1] < r0["history"]["loss"][0]
 
 
+def test_a_mid_epoch_resume_reports_every_ranks_share_of_the_epoch(runs):
+    """The checkpoint held rank 0's sums alone, which every rank then loaded: rank 0's
+    batches before it were counted twice and rank 1's not at all."""
+    r0, r1 = runs("mid-epoch")
+    assert r0 == r1
+    assert r0["resumed"] == pytest.approx(r0["full"], rel=1e-6)
+
+
 def test_recommender_with_sparse_embeddings(runs):
     r0, r1 = runs("recsys")
     assert r0["sparse"] and equal_states(r0["model"], r1["model"])

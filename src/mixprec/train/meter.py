@@ -14,6 +14,7 @@ from mixprec import distributed
 from mixprec.optim import StepResult
 from mixprec.train.callbacks import Logs
 from mixprec.train.metrics import Metric
+from mixprec.train.warn import warn
 
 __all__ = ["EpochMeter"]
 
@@ -30,6 +31,8 @@ class EpochMeter:
         self.metric_sums: dict[str, torch.Tensor | float] = dict.fromkeys(metrics, 0.0)
         self.times: list[float] = []
         self.start = time.perf_counter()
+        # Under torchrun, every rank's sums as of the last step: what a checkpoint holds.
+        self.synced: dict[str, Any] | None = None
 
     def add(
         self,
@@ -42,6 +45,7 @@ class EpochMeter:
         """Count one step: its loss and metrics weighted by its samples, and its time
         (an accumulation micro-step's is not a step's time)."""
         size = len(targets)
+        self.synced = None
         self.samples += size
         if not result.accumulating:
             self.times.append(elapsed)
@@ -59,8 +63,26 @@ class EpochMeter:
                         self.metric_sums[name] + fn(output.float(), targets) * size
                     )
 
+    def sync(self) -> None:
+        """Sum the loss, sample and metric sums over every rank, for a checkpoint taken
+        after this step (a collective: every rank calls it at the same step). Rank 0
+        writes it; without it, a resume gave every rank rank 0's share of the epoch so far.
+        Skipped steps and times are every rank's alike and stay as they are."""
+        state = self.state_dict()
+        summed = ["loss_sum", "samples", "counted"]
+        values = distributed.all_reduce_sum(
+            [float(state[k]) for k in summed] + list(state["metric_sums"].values())
+        )
+        state.update(zip(summed, values[:3], strict=True))
+        state["metric_sums"] = dict(zip(state["metric_sums"], values[3:], strict=True))
+        state["ranks"] = distributed.world_size()
+        self.synced = state
+
     def state_dict(self) -> dict[str, Any]:
-        """The sums so far (for a checkpoint taken mid-epoch), as Python numbers."""
+        """The sums so far (for a checkpoint taken mid-epoch), as Python numbers: every
+        rank's (``ranks``) where ``sync`` ran after the last step, else this rank's."""
+        if self.synced is not None:
+            return dict(self.synced)
         return {
             "loss_sum": self.loss_sum,
             "samples": self.samples,
@@ -71,14 +93,23 @@ class EpochMeter:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Go on from a checkpoint's sums; metrics it did not have start at 0."""
-        self.loss_sum, self.samples = float(state["loss_sum"]), int(state["samples"])
+        """Go on from a checkpoint's sums; metrics it did not have start at 0. Sums of every
+        rank (``ranks``) go to rank 0 alone, as the epoch's logs add the ranks' up."""
         self.skipped = int(state["skipped"])
+        self.start = time.perf_counter() - float(state["seconds"])
+        if state.get("ranks", 1) > 1 and distributed.rank() != 0:
+            return
+        if state.get("ranks", 1) == 1 and distributed.world_size() > 1:
+            warn(
+                "resumed mid-epoch under torchrun from a checkpoint with one rank's sums "
+                "(saved outside ModelCheckpoint(every_n_steps=...)): this epoch's loss and "
+                "metrics count rank 0's share of its first batches for every rank"
+            )
+        self.loss_sum, self.samples = float(state["loss_sum"]), int(state["samples"])
         self.counted = int(state.get("counted", self.samples))
         for name, value in state["metric_sums"].items():
             if name in self.metric_sums:
                 self.metric_sums[name] = float(value)
-        self.start = time.perf_counter() - float(state["seconds"])
 
     def logs(self, loss_scale: float) -> Logs:
         """The epoch's means over every rank's samples."""

@@ -57,6 +57,17 @@ def read(
     return ResumePoint(global_step, epoch, skip, replay, state.get("meter"), callbacks)
 
 
+def step_checkpoint_due(callbacks: dict[str, Callback], applied: bool, global_step: int) -> bool:
+    """Whether a ``ModelCheckpoint(every_n_steps=n)`` of this fit writes after this step
+    (known on every rank: rank 0 alone runs it, the others keep it in ``callbacks``)."""
+    from mixprec.train.monitors import ModelCheckpoint
+
+    return applied and any(
+        isinstance(cb, ModelCheckpoint) and cb.every_n_steps and global_step % cb.every_n_steps == 0
+        for cb in callbacks.values()
+    )
+
+
 def replay_epoch(
     epoch_batches: Callable[[], Iterable[Any]], rng: torch.Tensor, skip: int
 ) -> Iterator[Any]:

@@ -39,6 +39,15 @@ from mixprec.train.step import build_train_step, model_output
 from mixprec.train.warn import warn
 
 
+def _sync_if_checkpoint_due(trainer: Trainer, meter: EpochMeter, applied: bool) -> None:
+    """Under torchrun, every rank's epoch sums before a step checkpoint that rank 0 writes
+    next (its resume then counts every rank's share of the epoch so far)."""
+    if trainer.distributed and resume.step_checkpoint_due(
+        trainer._callbacks, applied, trainer.global_step
+    ):
+        meter.sync()
+
+
 @contextlib.contextmanager
 def _eval_mode(model: nn.Module) -> Iterator[None]:
     """Evaluation mode, then the mode the model was in: ``evaluate`` called from a
@@ -270,10 +279,8 @@ class Trainer:
                 try:
                     loss, result = self.step(xb, yb, flush=last)
                 except (IndexError, RuntimeError) as err:
-                    # A loader's labels are seen only here; tensors are checked up front
-                    # (batches.validate) with a ValueError, so a loader's get one too
-                    # (F.cross_entropy raises IndexError, a gather such as mp.cross_entropy's
-                    # RuntimeError).
+                    # A loader's labels are seen only here; tensors' get a ValueError up front
+                    # (batches.validate), so these do too (IndexError, or a gather's RuntimeError).
                     if "out of bounds" not in str(err):
                         raise
                     raise ValueError(
@@ -290,6 +297,7 @@ class Trainer:
                 if not result.accumulating:
                     self._watch.observe(result, self.optimizer.loss_scaler, loss_value)
                 meter.add(result, loss_value, elapsed, self.step.last_output, yb)
+                _sync_if_checkpoint_due(self, meter, applied)
                 cbs.on_train_batch_end(
                     step,
                     {
