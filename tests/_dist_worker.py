@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -203,9 +204,49 @@ def trainer_resumed_mid_epoch(out: Path, rank: int) -> None:
             continue
         resume = out / "mid" / "step-00000004.safetensors" if name == "resumed" else None
         history = t.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
-                        resume_from=resume)  # fmt: skip
+                        resume_from=resume, callbacks=[ckpt])  # fmt: skip
         losses[name] = history.history["loss"][0]
+    # From the epoch's last step (8 of 8): no batch left, rank 0 alone holds the sums.
+    model = make_mlp()
+    t = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 1e-3),
+                   policy="mixed_bfloat16", device="cpu")  # fmt: skip
+    history = t.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
+                    resume_from=out / "mid" / "step-00000008.safetensors")  # fmt: skip
+    losses["resumed-at-the-end"] = history.history["loss"][0]
     torch.save(losses, out / f"mid-epoch-{rank}.pt")
+
+
+def checkpoint_on_rank_zero_alone(out: Path, rank: int) -> None:
+    """A ModelCheckpoint(every_n_steps) passed to rank 0's fit only: no collective of one
+    rank (it hung or aborted), a warning instead of summed sums."""
+    x, y = classification_data(n=96, seed=3)
+    model = make_mlp()
+    t = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 1e-3),
+                   policy="mixed_bfloat16", device="cpu")  # fmt: skip
+    ckpt = mp.ModelCheckpoint(out / "rank0", every_n_epochs=None, every_n_steps=3)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        t.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[ckpt] if rank == 0 else [])
+    said = [str(w.message) for w in seen if "differs between ranks" in str(w.message)]
+    torch.save({"warned": said}, out / f"rank0-only-{rank}.pt")
+
+
+def ddp_after_a_load_on_rank_zero(out: Path, rank: int) -> None:
+    """Weights loaded on rank 0 alone, then DDP (without the optimizer) broadcasts them:
+    rank 0's masters no longer match its weights, the other ranks' do."""
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), 0.1))
+    if rank == 0:
+        model.load_state_dict(mp.auto_mixed_precision(make_mlp(seed=5), "mixed_bfloat16",
+                                                      "O2").state_dict())  # fmt: skip
+    ddp = mpd.distributed_data_parallel(model)
+    x, y = global_batch()
+    for _ in range(3):
+        opt.zero_grad()
+        opt.backward(nn.functional.cross_entropy(ddp(x[rank::2]), y[rank::2]))
+        opt.step()
+    torch.save({"model": {k: v.clone() for k, v in model.state_dict().items()}},
+               out / f"load-on-zero-{rank}.pt")  # fmt: skip
 
 
 def recommender(out: Path, rank: int) -> None:
@@ -278,6 +319,8 @@ def main(out: str) -> None:
         fsdp_losses(path, rank, "mixed_float16")
         trainer_and_resume(path, rank)
         trainer_resumed_mid_epoch(path, rank)
+        checkpoint_on_rank_zero_alone(path, rank)
+        ddp_after_a_load_on_rank_zero(path, rank)
         mismatched_data(path, rank)
         recommender(path, rank)
         # The float8 extra, where this CPU has a float8 matmul (none below AVX512: the

@@ -37,3 +37,12 @@ def test_the_doctors_json_is_written_whole_or_not_at_all(tmp_path, monkeypatch, 
     assert "File too large" in capsys.readouterr().err
     monkeypatch.undo()
     assert report.read_text() == "previous report"
+
+
+def test_a_symlink_stays_and_its_target_is_replaced(tmp_path):
+    target = tmp_path / "real.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    _atomic.write_text_atomically(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"

@@ -160,6 +160,21 @@ def test_a_mid_epoch_resume_reports_every_ranks_share_of_the_epoch(runs):
     r0, r1 = runs("mid-epoch")
     assert r0 == r1
     assert r0["resumed"] == pytest.approx(r0["full"], rel=1e-6)
+    # From the epoch's last step the other ranks had no batch and no sums: they raised.
+    assert r0["resumed-at-the-end"] == pytest.approx(r0["full"], rel=1e-6)
+
+
+def test_a_step_checkpoint_on_rank_zero_alone_warns_and_does_not_hang(runs):
+    r0, r1 = runs("rank0-only")
+    assert len(r0["warned"]) == 1 and "differs between ranks" in r0["warned"][0]
+    assert r1["warned"] == []  # said once, by rank 0
+
+
+def test_ddp_after_weights_loaded_on_rank_zero_alone(runs):
+    """Rank 0 decides: its weights broadcast by DDP, the other ranks' masters follow them
+    (the first version of the master broadcast refused this common pattern)."""
+    r0, r1 = runs("load-on-zero")
+    assert equal_states(r0["model"], r1["model"])
 
 
 def test_recommender_with_sparse_embeddings(runs):

@@ -16,7 +16,12 @@ __all__ = ["write_atomically", "write_text_atomically"]
 def write_atomically(path: Path, write: Callable[[str], object]) -> None:
     """``write(temporary_path)`` fills a temporary file beside ``path``, which then
     replaces ``path``; whatever ``write`` raises leaves ``path`` as it was and no
-    temporary file behind."""
+    temporary file behind. Through a symlink the file it points to is replaced (the link
+    stays); a ``path`` that is no regular file (``/dev/stdout``) is written directly."""
+    path = Path(os.path.realpath(path))
+    if path.exists() and not path.is_file():
+        write(str(path))
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mixprec._errors import ArgumentError
 from mixprec.optim import LossScaleOptimizer
-from mixprec.optim.masters import float32_values
+from mixprec.optim.masters import live_master
 from mixprec.policy import PolicyLike, get_policy
 
 __all__ = [
@@ -131,6 +131,16 @@ def check_same_on_every_rank(what: str, values: dict[str, int], remedy: str) -> 
     raise ValueError(f"{what} differ between ranks ({seen}); {remedy}")
 
 
+def same_on_every_rank(values: list[int]) -> bool:
+    """Whether every rank passes the same ``values`` (one collective; True outside
+    torchrun)."""
+    if world_size() == 1:
+        return True
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, list(values))
+    return all(g == gathered[0] for g in gathered)
+
+
 def broadcast_(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     """``tensor`` from rank ``src`` on every rank (through the backend's device)."""
     if world_size() == 1:
@@ -196,16 +206,20 @@ def distributed_data_parallel(
     ``fp32_allreduce=True`` sums them in float32. float32 masters stay consistent across
     ranks because every rank applies the same averaged gradients and skips the same steps,
     and they start from rank 0's: those of ``optimizer`` (the ``LossScaleOptimizer``), or,
-    without it, those of any optimizer already built over the model.
+    without it, those of any optimizer already built over the model (where rank 0 has
+    none, the other ranks' take the 16-bit weights DDP broadcasts).
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "distributed_data_parallel needs an initialised process group: launch with "
             "torchrun and call mixprec.distributed.init_from_env() first"
         )
-    if optimizer is None:
-        _broadcast_float32_values(model)  # before DDP's broadcast of the 16-bit weights
+    # Without the optimizer, the masters of one built before: before DDP's broadcast.
+    follow = _broadcast_masters(model) if optimizer is None else []
     ddp = DistributedDataParallel(model, **kwargs)
+    with torch.no_grad():
+        for weight, master in follow:
+            master.copy_(weight)
     if isinstance(optimizer, LossScaleOptimizer):
         optimizer.broadcast_masters()
     if fp32_allreduce:
@@ -213,21 +227,26 @@ def distributed_data_parallel(
     return ddp
 
 
-def _broadcast_float32_values(model: nn.Module) -> None:
-    """Rank 0's float32 values behind each 16-bit weight (a ``LossScaleOptimizer``'s live
-    master, or the copy kept at preparation) on every rank. Without it, a model wrapped
-    without its optimizer got rank 0's 16-bit weights from DDP while each rank's masters
-    stayed its own, and the first step copied them back: the ranks drifted apart for good.
-    Read before DDP's broadcast, while every rank's weights still round from its own."""
-    values = [float32_values(p) for p in model.parameters()]
-    held = [v for v in values if v is not None]
-    check_same_on_every_rank(
-        "the float32 values behind the 16-bit weights", {"tensors": len(held)},
-        "prepare the model and build its optimizer the same way on every rank",
-    )  # fmt: skip
+def _broadcast_masters(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank 0's float32 masters (of an optimizer already built over the model) on every
+    rank that has one. Without it, a model wrapped without its optimizer got rank 0's
+    16-bit weights from DDP while each rank's masters stayed its own, and the first step
+    copied them back: the ranks drifted apart for good. Read before DDP's broadcast, while
+    each rank's weights still round from its own masters. Rank 0 decides: returns the
+    (weight, master) pairs where rank 0 had none (weights loaded on rank 0 alone), which
+    must take the weights DDP broadcasts."""
+    pairs = [(p, live_master(p)) for p in model.parameters()]
+    mine = torch.tensor([m is not None for _, m in pairs], dtype=torch.uint8)
+    zeros = broadcast_(mine)
     with torch.no_grad():
-        for value in held:
-            value.copy_(broadcast_(value))
+        for (p, master), at_zero in zip(pairs, zeros.tolist(), strict=True):
+            if at_zero:  # every rank joins; one without a master receives and drops it
+                received = broadcast_(master if master is not None else p.detach().float())
+                if master is not None:
+                    master.copy_(received)
+    return [
+        (p, m) for (p, m), z in zip(pairs, zeros.tolist(), strict=True) if m is not None and not z
+    ]
 
 
 def barrier() -> None:

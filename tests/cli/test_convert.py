@@ -117,6 +117,7 @@ def test_tensors_a_checkpoint_cannot_hold_are_refused_before_anything_is_loaded(
         "meta": (torch.empty(2, device="meta"), "on the meta device"),
         "sparse": (torch.ones(2).to_sparse(), "sparse_coo (not dense)"),
         "complex": (torch.ones(2, dtype=torch.complex128), "complex (complex128)"),
+        "nested": (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested"),
     }
     for name, (bad, said) in cases.items():
         path = tmp_path / f"{name}.pt"

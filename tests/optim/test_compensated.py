@@ -224,6 +224,9 @@ def test_bad_arguments():
     for decay in (float("nan"), -0.1, None, float("inf")):
         with pytest.raises(ValueError, match=rf"weight_decay={decay!r} is invalid \(param_groups"):
             CompensatedAdamW(params, weight_decay=decay)  # type: ignore[arg-type]
+    import numpy as np
+
+    CompensatedAdamW(params, weight_decay=np.float32(0.01))  # torch's AdamW takes it too
     opt = CompensatedAdamW(params)
     wide = [torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))]
     with pytest.raises(ValueError, match=r"param_groups\[1\] holds torch.float64"):

@@ -60,6 +60,8 @@ def _unstorable(t: torch.Tensor) -> str:
     """What makes ``t`` one that safetensors cannot hold as it is; "" if nothing."""
     if t.is_meta:
         return "on the meta device (no values)"
+    if t.is_nested:
+        return "nested (not dense)"
     if t.layout != torch.strided:
         return f"{str(t.layout).removeprefix('torch.')} (not dense)"
     if t.is_quantized:

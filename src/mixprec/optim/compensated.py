@@ -17,6 +17,7 @@ computed in float32 with multi-tensor kernels.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
@@ -179,11 +180,8 @@ def _check_group(group: dict[str, Any], index: int) -> None:
     ``weight_decay`` is a finite number >= 0 (NaN made every weight NaN with finite
     gradients, which no inf/NaN check sees); its weights are float32 or 16-bit."""
     decay = group["weight_decay"]
-    if (
-        isinstance(decay, bool)
-        or not isinstance(decay, (int, float))
-        or not 0.0 <= decay < math.inf
-    ):
+    real = not isinstance(decay, bool) and isinstance(decay, numbers.Real)
+    if not real or not 0 <= float(decay) < math.inf:
         raise ArgumentError(
             f"weight_decay={decay!r} is invalid (param_groups[{index}]); it must be a finite "
             "number >= 0"

@@ -59,6 +59,12 @@ def _live_master(p: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
     return None, ref is not None and latest is None
 
 
+def live_master(p: torch.Tensor) -> torch.Tensor | None:
+    """The float32 master of the latest ``LossScaleOptimizer`` over ``p``, while it lives
+    and ``p`` still rounds from it; else ``None``."""
+    return _live_master(p)[0]
+
+
 def float32_values(p: torch.Tensor) -> torch.Tensor | None:
     """The float32 values a 16-bit weight stands for when no optimizer is given (a
     weights-only save, an export, an evaluation-only trainer): those kept when it went to

@@ -113,8 +113,6 @@ class EpochMeter:
 
     def logs(self, loss_scale: float) -> Logs:
         """The epoch's means over every rank's samples."""
-        if self.samples == 0:
-            raise ValueError("the training data produced no batches")
         sums = distributed.all_reduce_sum(
             [
                 self.loss_sum,
@@ -124,6 +122,10 @@ class EpochMeter:
             ]
         )
         loss_sum, samples = sums[0], int(sums[1])
+        # Over every rank: after a resume from the epoch's last step, rank 0 alone holds
+        # the epoch's sums, and the other ranks none.
+        if samples == 0:
+            raise ValueError("the training data produced no batches")
         counted = int(sums[2]) or math.nan  # nan: every step's loss was non-finite
         metric_sums = dict(zip(self.metric_sums, sums[3:], strict=True))
         total = time.perf_counter() - self.start

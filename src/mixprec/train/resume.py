@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec import distributed
 from mixprec.checkpoint import load_checkpoint
 from mixprec.train.callbacks import Callback
 from mixprec.train.warn import warn
@@ -57,15 +58,38 @@ def read(
     return ResumePoint(global_step, epoch, skip, replay, state.get("meter"), callbacks)
 
 
-def step_checkpoint_due(callbacks: dict[str, Callback], applied: bool, global_step: int) -> bool:
-    """Whether a ``ModelCheckpoint(every_n_steps=n)`` of this fit writes after this step
-    (known on every rank: rank 0 alone runs it, the others keep it in ``callbacks``)."""
+def _step_cadences(callbacks: dict[str, Callback]) -> list[int]:
     from mixprec.train.monitors import ModelCheckpoint
 
-    return applied and any(
-        isinstance(cb, ModelCheckpoint) and cb.every_n_steps and global_step % cb.every_n_steps == 0
+    return sorted(
+        cb.every_n_steps
         for cb in callbacks.values()
+        if isinstance(cb, ModelCheckpoint) and cb.every_n_steps
     )
+
+
+def ranks_sync_sums(callbacks: dict[str, Callback]) -> bool:
+    """Whether the ranks sum their epoch sums before each step checkpoint (one collective at
+    the start of ``fit``, on every rank): only where every rank has the same
+    ``ModelCheckpoint(every_n_steps=...)`` (rank 0 alone writes; the others keep it in
+    ``callbacks``), else a sum on one rank alone would hang. A checkpoint passed to rank 0
+    alone then holds rank 0's sums, which a resume warns about."""
+    cadences = _step_cadences(callbacks)
+    if distributed.world_size() == 1:
+        return False
+    agreed = distributed.same_on_every_rank(cadences)
+    if not agreed and distributed.is_main_process():
+        warn(
+            "ModelCheckpoint(every_n_steps=...) differs between ranks (pass the same callbacks "
+            "on every rank; mixprec writes from rank 0 only): a resume from its mid-epoch "
+            "checkpoints counts rank 0's share of that epoch for every rank"
+        )
+    return agreed and bool(cadences)
+
+
+def step_checkpoint_due(callbacks: dict[str, Callback], applied: bool, global_step: int) -> bool:
+    """Whether a ``ModelCheckpoint(every_n_steps=n)`` of this fit writes after this step."""
+    return applied and any(global_step % n == 0 for n in _step_cadences(callbacks))
 
 
 def replay_epoch(
