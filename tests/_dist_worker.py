@@ -234,19 +234,7 @@ def checkpoint_on_rank_zero_alone(out: Path, rank: int) -> None:
 def ddp_after_a_load_on_rank_zero(out: Path, rank: int) -> None:
     """Weights loaded on rank 0 alone, then DDP (without the optimizer) broadcasts them:
     rank 0's masters no longer match its weights, the other ranks' do."""
-    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
-    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), 0.1))
-    if rank == 0:
-        model.load_state_dict(mp.auto_mixed_precision(make_mlp(seed=5), "mixed_bfloat16",
-                                                      "O2").state_dict())  # fmt: skip
-    ddp = mpd.distributed_data_parallel(model)
-    x, y = global_batch()
-    for _ in range(3):
-        opt.zero_grad()
-        opt.backward(nn.functional.cross_entropy(ddp(x[rank::2]), y[rank::2]))
-        opt.step()
-    torch.save({"model": {k: v.clone() for k, v in model.state_dict().items()}},
-               out / f"load-on-zero-{rank}.pt")  # fmt: skip
+    _ddp_without_its_optimizer(out, rank, "load-on-zero", load_on_zero=True)
 
 
 def recommender(out: Path, rank: int) -> None:
@@ -291,16 +279,24 @@ def subgroup_allreduce(out: Path, rank: int) -> None:
 def ddp_without_its_optimizer(out: Path, rank: int) -> None:
     """Ranks initialised differently, the optimizer built before the wrap and not passed
     to it: DDP broadcasts rank 0's 16-bit weights, and each rank's masters must follow."""
-    model = mp.auto_mixed_precision(make_mlp(seed=rank), "mixed_bfloat16", "O2")
+    _ddp_without_its_optimizer(out, rank, "ddp-no-optimizer", load_on_zero=False)
+
+
+def _ddp_without_its_optimizer(out: Path, rank: int, name: str, load_on_zero: bool) -> None:
+    seed = 0 if load_on_zero else rank
+    model = mp.auto_mixed_precision(make_mlp(seed=seed), "mixed_bfloat16", "O2")
     opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), 0.1))
+    if load_on_zero and rank == 0:
+        other = mp.auto_mixed_precision(make_mlp(seed=5), "mixed_bfloat16", "O2")
+        model.load_state_dict(other.state_dict())
     ddp = mpd.distributed_data_parallel(model)
     x, y = global_batch()
     for _ in range(3):
         opt.zero_grad()
         opt.backward(nn.functional.cross_entropy(ddp(x[rank::2]), y[rank::2]))
         opt.step()
-    torch.save({"model": {k: v.clone() for k, v in model.state_dict().items()}},
-               out / f"ddp-no-optimizer-{rank}.pt")  # fmt: skip
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.save({"model": state}, out / f"{name}-{rank}.pt")
 
 
 def main(out: str) -> None:
