@@ -59,12 +59,12 @@ def read(
 
 
 def _step_cadences(callbacks: dict[str, Callback]) -> list[int]:
-    from mixprec.train.monitors import ModelCheckpoint
-
+    """The ``every_n_steps`` of the callbacks that write checkpoints by steps
+    (``ModelCheckpoint``; read by attribute, so that this module need not import it)."""
     return sorted(
-        cb.every_n_steps
+        n
         for cb in callbacks.values()
-        if isinstance(cb, ModelCheckpoint) and cb.every_n_steps
+        if isinstance(n := getattr(cb, "every_n_steps", None), int) and n
     )
 
 
