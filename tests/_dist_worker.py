@@ -185,6 +185,12 @@ class _StopAt(mp.Callback):
             raise KeyboardInterrupt  # both ranks stop at the same step
 
 
+def _small_trainer() -> mp.Trainer:
+    model = make_mlp()
+    return mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 1e-3),
+                      policy="mixed_bfloat16", device="cpu")  # fmt: skip
+
+
 def trainer_resumed_mid_epoch(out: Path, rank: int) -> None:
     """Stopped after a step checkpoint at step 4 of 8 and resumed: the epoch's loss must
     count every rank's batches before the checkpoint once (the ranks' shares differ 100x)."""
@@ -192,9 +198,7 @@ def trainer_resumed_mid_epoch(out: Path, rank: int) -> None:
     x[1::2] *= 100.0  # rank 1's share (unshuffled): a far larger loss
     losses = {}
     for name in ("full", "first", "resumed"):
-        model = make_mlp()
-        t = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 1e-3),
-                       policy="mixed_bfloat16", device="cpu")  # fmt: skip
+        t = _small_trainer()
         ckpt = mp.ModelCheckpoint(out / "mid", every_n_epochs=None, every_n_steps=4)
         if name == "first":
             with contextlib.suppress(KeyboardInterrupt):
@@ -207,9 +211,7 @@ def trainer_resumed_mid_epoch(out: Path, rank: int) -> None:
                         resume_from=resume, callbacks=[ckpt])  # fmt: skip
         losses[name] = history.history["loss"][0]
     # From the epoch's last step (8 of 8): no batch left, rank 0 alone holds the sums.
-    model = make_mlp()
-    t = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 1e-3),
-                   policy="mixed_bfloat16", device="cpu")  # fmt: skip
+    t = _small_trainer()
     history = t.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
                     resume_from=out / "mid" / "step-00000008.safetensors")  # fmt: skip
     losses["resumed-at-the-end"] = history.history["loss"][0]
@@ -220,9 +222,7 @@ def checkpoint_on_rank_zero_alone(out: Path, rank: int) -> None:
     """A ModelCheckpoint(every_n_steps) passed to rank 0's fit only: no collective of one
     rank (it hung or aborted), a warning instead of summed sums."""
     x, y = classification_data(n=96, seed=3)
-    model = make_mlp()
-    t = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 1e-3),
-                   policy="mixed_bfloat16", device="cpu")  # fmt: skip
+    t = _small_trainer()
     ckpt = mp.ModelCheckpoint(out / "rank0", every_n_epochs=None, every_n_steps=3)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

@@ -15,6 +15,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from mixprec._dtypes import dtype_name
 from mixprec.checkpoint._files import _open_regular
 from mixprec.checkpoint._safetensors import _json, _read_tensors, _safetensors_header
 from mixprec.checkpoint._schema import _check_aliases, _mixprec_header
@@ -65,9 +66,9 @@ def _unstorable(t: torch.Tensor) -> str:
     if t.layout != torch.strided:
         return f"{str(t.layout).removeprefix('torch.')} (not dense)"
     if t.is_quantized:
-        return f"quantized ({str(t.dtype).removeprefix('torch.')})"
+        return f"quantized ({dtype_name(t.dtype)})"
     if t.is_complex():
-        return f"complex ({str(t.dtype).removeprefix('torch.')})"
+        return f"complex ({dtype_name(t.dtype)})"
     return ""
 
 

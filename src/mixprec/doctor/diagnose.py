@@ -219,11 +219,9 @@ def _diagnose(
     cast_inf = []
     if casts_inputs and not healthy and ROOT_NAME not in recommended:
         cast_inf = inputs_cast_to_inf(inputs, compute)
-    if cast_inf:
-        recommended = []
     reached, backoff, half = None, 0, {r.name for r in reports if not r.float32}
-    if cast_inf:
-        pass  # backing off or checking a plan cannot make those inputs finite
+    if cast_inf:  # no keep list, back-off or plan check can make those inputs finite
+        recommended = []
     elif compute == torch.float16 and healthy and not recommended:
         reached = float(loss_scale)  # the mixed run at this scale had nothing non-finite
     elif compute == torch.float16:
@@ -261,9 +259,12 @@ def _diagnose(
         reports, half & leaves, compute, reached or float(loss_scale), headroom
     )
     # The loss scale range for what stays in 16 bits once the recommendation is applied.
-    scale, scale_range = loss_scale_range([r for r in reports if r.name in half & leaves], compute)
-    if cast_inf:  # measured on inf inputs: no scale to suggest until they are in range
-        scale, scale_range = None, None
+    # (None on inf inputs: no scale to suggest until they are in range.)
+    scale, scale_range = (
+        (None, None)
+        if cast_inf
+        else loss_scale_range([r for r in reports if r.name in half & leaves], compute)
+    )
     bf16_max = float(torch.finfo(torch.bfloat16).max)
     at_risk = any(max(r.input_fraction, r.output_fraction, r.grad_fraction) > headroom
                   for r in reports)  # fmt: skip

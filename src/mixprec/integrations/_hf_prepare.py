@@ -67,11 +67,14 @@ def float32_from_checkpoint(
     from safetensors import safe_open
 
     master_of = {id(half): master for half, master in masters}
+    done: set[int] = set()
     with safe_open(saved, framework="pt") as f, torch.no_grad():
         stored = set(f.keys())
-        for name, param in model.named_parameters():
-            if name not in stored or param.dtype not in HALF_DTYPES:
+        # Every name of a tied weight: the file holds it under one of them.
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if name not in stored or param.dtype not in HALF_DTYPES or id(param) in done:
                 continue
+            done.add(id(param))
             value = f.get_tensor(name).to(param.device)
             if value.dtype != torch.float32 or not torch.equal(value.to(param.dtype), param):
                 continue

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import torch
 
+from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
 
 __all__ = ["CompensatedAdamW", "stochastic_round"]
@@ -186,7 +187,7 @@ def _check_group(group: dict[str, Any], index: int) -> None:
             f"weight_decay={decay!r} is invalid (param_groups[{index}]); it must be a finite "
             "number >= 0"
         )
-    other = sorted({str(p.dtype) for p in group["params"] if p.dtype not in _DTYPES})
+    other = sorted({dtype_name(p.dtype) for p in group["params"] if p.dtype not in _DTYPES})
     if other:
         raise ArgumentError(
             f"CompensatedAdamW updates float32, bfloat16 and float16 weights; "

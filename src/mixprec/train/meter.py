@@ -69,14 +69,18 @@ class EpochMeter:
         writes it; without it, a resume gave every rank rank 0's share of the epoch so far.
         Skipped steps and times are every rank's alike and stay as they are."""
         state = self.state_dict()
-        summed = ["loss_sum", "samples", "counted"]
-        values = distributed.all_reduce_sum(
-            [float(state[k]) for k in summed] + list(state["metric_sums"].values())
-        )
-        state.update(zip(summed, values[:3], strict=True))
-        state["metric_sums"] = dict(zip(state["metric_sums"], values[3:], strict=True))
-        state["ranks"] = distributed.world_size()
+        loss_sum, samples, counted, metric_sums = self._global_sums()
+        state.update(loss_sum=loss_sum, samples=samples, counted=counted)
+        state["metric_sums"], state["ranks"] = metric_sums, distributed.world_size()
         self.synced = state
+
+    def _global_sums(self) -> tuple[float, int, int, dict[str, float]]:
+        """Loss, samples, counted samples and metric sums over every rank (one collective)."""
+        sums = distributed.all_reduce_sum(
+            [self.loss_sum, self.samples, self.counted, *map(float, self.metric_sums.values())]
+        )
+        metric_sums = dict(zip(self.metric_sums, sums[3:], strict=True))
+        return sums[0], int(sums[1]), int(sums[2]), metric_sums
 
     def state_dict(self) -> dict[str, Any]:
         """The sums so far (for a checkpoint taken mid-epoch), as Python numbers: every
@@ -113,21 +117,12 @@ class EpochMeter:
 
     def logs(self, loss_scale: float) -> Logs:
         """The epoch's means over every rank's samples."""
-        sums = distributed.all_reduce_sum(
-            [
-                self.loss_sum,
-                self.samples,
-                self.counted,
-                *(float(v) for v in self.metric_sums.values()),
-            ]
-        )
-        loss_sum, samples = sums[0], int(sums[1])
+        loss_sum, samples, counted_sum, metric_sums = self._global_sums()
         # Over every rank: after a resume from the epoch's last step, rank 0 alone holds
         # the epoch's sums, and the other ranks none.
         if samples == 0:
             raise ValueError("the training data produced no batches")
-        counted = int(sums[2]) or math.nan  # nan: every step's loss was non-finite
-        metric_sums = dict(zip(self.metric_sums, sums[3:], strict=True))
+        counted = counted_sum or math.nan  # nan: every step's loss was non-finite
         total = time.perf_counter() - self.start
         return {
             "loss": loss_sum / counted,

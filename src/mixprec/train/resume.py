@@ -68,15 +68,16 @@ def _step_cadences(callbacks: dict[str, Callback]) -> list[int]:
     )
 
 
-def ranks_sync_sums(callbacks: dict[str, Callback]) -> bool:
-    """Whether the ranks sum their epoch sums before each step checkpoint (one collective at
-    the start of ``fit``, on every rank): only where every rank has the same
-    ``ModelCheckpoint(every_n_steps=...)`` (rank 0 alone writes; the others keep it in
-    ``callbacks``), else a sum on one rank alone would hang. A checkpoint passed to rank 0
-    alone then holds rank 0's sums, which a resume warns about."""
+def ranks_sync_sums(callbacks: dict[str, Callback]) -> list[int]:
+    """The step cadences of this fit's step checkpoints, before which the ranks sum their
+    epoch sums (one collective at the start of ``fit``, on every rank); empty outside
+    torchrun, and where the ranks' ``ModelCheckpoint(every_n_steps=...)`` differ (rank 0
+    alone writes; the others keep it in ``callbacks``), since a sum on one rank alone would
+    hang. A checkpoint passed to rank 0 alone then holds rank 0's sums, which a resume
+    warns about."""
     cadences = _step_cadences(callbacks)
     if distributed.world_size() == 1:
-        return False
+        return []
     agreed = distributed.same_on_every_rank(cadences)
     if not agreed and distributed.is_main_process():
         warn(
@@ -84,12 +85,7 @@ def ranks_sync_sums(callbacks: dict[str, Callback]) -> bool:
             "on every rank; mixprec writes from rank 0 only): a resume from its mid-epoch "
             "checkpoints counts rank 0's share of that epoch for every rank"
         )
-    return agreed and bool(cadences)
-
-
-def step_checkpoint_due(callbacks: dict[str, Callback], applied: bool, global_step: int) -> bool:
-    """Whether a ``ModelCheckpoint(every_n_steps=n)`` of this fit writes after this step."""
-    return applied and any(global_step % n == 0 for n in _step_cadences(callbacks))
+    return cadences if agreed else []
 
 
 def replay_epoch(

@@ -42,9 +42,7 @@ from mixprec.train.warn import warn
 def _sync_if_checkpoint_due(trainer: Trainer, meter: EpochMeter, applied: bool) -> None:
     """Under torchrun, every rank's epoch sums before a step checkpoint that rank 0 writes
     next (its resume then counts every rank's share of the epoch so far)."""
-    if trainer._sync_sums and resume.step_checkpoint_due(
-        trainer._callbacks, applied, trainer.global_step
-    ):
+    if applied and any(trainer.global_step % n == 0 for n in trainer._sync_cadences):
         meter.sync()
 
 
@@ -221,7 +219,7 @@ class Trainer:
         extra = [ProgressBar()] if verbose else []
         chosen = [history, *extra, *callbacks]
         self._callbacks = resume.keyed(chosen)
-        self._sync_sums = resume.ranks_sync_sums(self._callbacks)
+        self._sync_cadences = resume.ranks_sync_sums(self._callbacks)
         if not distributed.is_main_process():  # bars, logs and checkpoints on rank 0 only
             chosen = [cb for cb in chosen if not getattr(cb, "rank_zero_only", False)]
         cbs = CallbackList(chosen)

@@ -19,33 +19,31 @@ from mixprec.integrations.lightning.schedulers import _held_on_skip, _HeldOnSkip
 from mixprec.optim import LossScaleOptimizer
 
 
-@contextlib.contextmanager
-def _toggled_off(model: Any, lsos: list[LossScaleOptimizer]) -> Iterator[None]:
-    """During a backward, the 16-bit weights whose float32 masters are all switched off
+def _switched_off(lsos: list[LossScaleOptimizer]) -> list[torch.Tensor]:
+    """The 16-bit weights whose float32 masters are all switched off
     (``LightningModule.toggle_optimizer`` sets ``requires_grad`` on the optimizers'
-    parameters, which at O2 are the masters) take no gradient either, as in float32: a GAN's
-    discriminator, toggled off, took the generator's gradients and applied them at its own
-    step. A weight in two optimizers has a master in each and keeps its gradient while one
-    is on. A leaf's ``requires_grad`` is read when the backward reaches it, so turning it off
-    after the forward is enough; it is turned back on after."""
-    # Lightning's record of a toggle: empty (or absent: an older or newer Lightning, then
-    # the masters are read) when nothing is toggled, the usual case, which costs nothing.
-    if not getattr(model, "_param_requires_grad_state", True):
-        yield
-        return
-    on: dict[int, bool] = {}
-    weights: dict[int, torch.Tensor] = {}
+    parameters, which at O2 are the masters). A weight in two optimizers has a master in
+    each and stays on while one is on."""
+    on: dict[int, tuple[torch.Tensor, bool]] = {}
     for lso in lsos:
         for weight, master in lso.master_weights():
-            weights[id(weight)] = weight
-            on[id(weight)] = on.get(id(weight), False) or master.requires_grad
-    off = [w for key, w in weights.items() if w.requires_grad and not on[key]]
-    for weight in off:
+            was = on.get(id(weight), (weight, False))[1]
+            on[id(weight)] = (weight, was or master.requires_grad)
+    return [w for w, kept in on.values() if w.requires_grad and not kept]
+
+
+@contextlib.contextmanager
+def _off_during(weights: list[torch.Tensor]) -> Iterator[None]:
+    """``weights`` take no gradient during the backward inside, as a toggled-off model's
+    in float32 (a GAN's discriminator took the generator's gradients and applied them at
+    its own step). A leaf's ``requires_grad`` is read when the backward reaches it, so
+    turning it off after the forward is enough; it is turned back on after."""
+    for weight in weights:
         weight.requires_grad_(False)
     try:
         yield
     finally:
-        for weight in off:
+        for weight in weights:
             weight.requires_grad_(True)
 
 
@@ -109,8 +107,19 @@ class MixprecPrecision(_MixprecPlugin, Precision):  # type: ignore[misc]
                     "is not one this plugin wrapped in connect()"
                 )
             lsos = [owner]
-        with _toggled_off(model, self._lsos):
+        with _off_during(self._toggled_off(model)):
             model.backward(self._scaled_loss(tensor, lsos), *args, **kwargs)
+
+    def _toggled_off(self, model: pl.LightningModule) -> list[torch.Tensor]:
+        """The weights a toggle switches off, found once per toggle: Lightning records each
+        ``toggle_optimizer`` in a new dict, empty when nothing is toggled (the usual case,
+        which costs nothing; absent in another Lightning: the masters are read each time)."""
+        record = getattr(model, "_param_requires_grad_state", None)
+        if record is not None and not record:
+            return []
+        if record is None or self._toggled is None or self._toggled[0] is not record:
+            self._toggled = (record, _switched_off(self._lsos))
+        return self._toggled[1]
 
     def optimizer_step(  # type: ignore[override]
         self,

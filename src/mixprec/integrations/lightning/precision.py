@@ -118,6 +118,8 @@ class _MixprecPlugin:
         self._lsos: list[LossScaleOptimizer] = []  # in the order Lightning gave them
         self._records: dict[int, _Record] = {}  # id(LossScaleOptimizer) -> record
         self._unwrapped_scale: float | None = None  # see _wrap
+        #: Lightning's toggle record and the 16-bit weights it switches off (plugin.py).
+        self._toggled: tuple[object, list[torch.Tensor]] | None = None
         #: What the last optimizer step did (``None`` before the first).
         self.last_step: StepResult | None = None
 
@@ -125,7 +127,7 @@ class _MixprecPlugin:
         # ddp_spawn pickles the plugin into its workers before setup. A plugin that already ran
         # holds hooks and weak references: what goes across is the configuration and the scaler.
         state = self.__dict__.copy()
-        for key in ("_module", "_lsos", "_records", "last_step"):
+        for key in ("_module", "_lsos", "_records", "last_step", "_toggled"):
             state.pop(key, None)
         return state
 
