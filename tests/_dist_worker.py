@@ -218,6 +218,73 @@ def trainer_resumed_mid_epoch(out: Path, rank: int) -> None:
     torch.save(losses, out / f"mid-epoch-{rank}.pt")
 
 
+def ranks_seeded_apart(out: Path, rank: int) -> None:
+    """Ranks seeded per rank draw their own dropout masks; resumed from an epoch's end and
+    from a step checkpoint, each rank must draw as it would have (it took rank 0's state)."""
+    x, y = classification_data(n=256, seed=3)
+    results: dict[str, object] = {}
+    runs = {
+        "full": ({}, None),
+        "epoch": ({"every_n_epochs": 1}, "epoch-0001.safetensors"),
+        "step": ({"every_n_epochs": None, "every_n_steps": 3}, "step-00000003.safetensors"),
+    }
+    for name, (every, resume_name) in runs.items():
+        for part in ("first", "resumed") if resume_name else ("full",):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 10))
+            t = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 0.1),
+                           policy="mixed_bfloat16", device="cpu")  # fmt: skip
+            torch.manual_seed(100 + rank)  # each rank its own stream
+            ckpt = mp.ModelCheckpoint(out / f"apart-{name}", **every)
+            if part == "first":
+                stop = [_StopAt(3)] if name == "step" else []
+                with contextlib.suppress(KeyboardInterrupt):
+                    t.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[ckpt, *stop])
+                dist.barrier()  # rank 0's checkpoint is on disk
+                continue
+            resume = out / f"apart-{name}" / resume_name if resume_name else None
+            t.fit(x, y, batch_size=32, epochs=2, verbose=0, resume_from=resume)
+            results[name] = {k: v.clone() for k, v in model.state_dict().items()}
+    # A checkpoint of rank 0's state alone (save_checkpoint by hand): said, not silent.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 10))
+    t = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 0.1),
+                   policy="mixed_bfloat16", device="cpu")  # fmt: skip
+    if rank == 0:
+        mp.save_checkpoint(out / "apart-by-hand.safetensors", model, t.optimizer)
+    dist.barrier()
+    torch.manual_seed(100 + rank)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        t.fit(x, y, batch_size=32, epochs=1, verbose=0,
+              resume_from=out / "apart-by-hand.safetensors")  # fmt: skip
+    results["warned"] = [str(w.message) for w in seen if "random states differ" in str(w.message)]
+    torch.save(results, out / f"apart-{rank}.pt")
+
+
+class _Batches:
+    """A loader without a length (as an IterableDataset's), of ``n`` batches of 8."""
+
+    def __init__(self, n: int) -> None:
+        self.x, self.y = classification_data(n=8 * n, seed=3)
+
+    def __iter__(self):
+        return iter(zip(self.x.split(8), self.y.split(8), strict=True))
+
+
+def uneven_loaders(out: Path, rank: int) -> None:
+    """Rank 1's length-less loader has 2 batches more: rank 0 left the epoch and rank 1
+    waited in DDP's all-reduce (gloo's raw error, or a hang under NCCL)."""
+    t = _small_trainer()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        history = t.fit(_Batches(5 + 2 * rank), epochs=2, verbose=0)
+    said = [str(w.message) for w in seen if "batches left" in str(w.message)]
+    weights = {k: v.clone() for k, v in t.model.state_dict().items()}
+    torch.save({"steps": t.global_step, "warned": said, "model": weights,
+                "loss": history.history["loss"]}, out / f"uneven-{rank}.pt")  # fmt: skip
+
+
 def checkpoint_on_rank_zero_alone(out: Path, rank: int) -> None:
     """A ModelCheckpoint(every_n_steps) passed to rank 0's fit only: no collective of one
     rank (it hung or aborted), a warning instead of summed sums."""
@@ -315,6 +382,8 @@ def main(out: str) -> None:
         fsdp_losses(path, rank, "mixed_float16")
         trainer_and_resume(path, rank)
         trainer_resumed_mid_epoch(path, rank)
+        ranks_seeded_apart(path, rank)
+        uneven_loaders(path, rank)
         checkpoint_on_rank_zero_alone(path, rank)
         ddp_after_a_load_on_rank_zero(path, rank)
         mismatched_data(path, rank)

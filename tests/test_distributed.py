@@ -164,6 +164,28 @@ def test_a_mid_epoch_resume_reports_every_ranks_share_of_the_epoch(runs):
     assert r0["resumed-at-the-end"] == pytest.approx(r0["full"], rel=1e-6)
 
 
+def test_ranks_seeded_apart_resume_with_their_own_random_states(runs):
+    """Every rank took rank 0's RNG state on resume: ranks seeded apart then drew rank 0's
+    dropout masks, and training went elsewhere than the uninterrupted run."""
+    r0, r1 = runs("apart")
+    for resumed in ("epoch", "step"):
+        assert equal_states(r0["full"], r0[resumed]), resumed  # bitwise, as uninterrupted
+        assert equal_states(r1["full"], r1[resumed]), resumed
+    # A checkpoint holding rank 0's state alone: rank 0 says so, once.
+    assert len(r0["warned"]) == 1 and "every rank takes rank 0's" in r0["warned"][0]
+    assert r1["warned"] == []
+
+
+def test_length_less_loaders_of_uneven_lengths_stop_together_and_say_so(runs):
+    r0, r1 = runs("uneven")
+    assert r0["steps"] == r1["steps"] == 10  # 5 batches an epoch, the shorter loader's
+    assert equal_states(r0["model"], r1["model"])
+    assert r0["loss"] == r1["loss"]
+    assert r0["warned"] == []
+    assert len(r1["warned"]) == 2  # once an epoch, by the rank with batches left
+    assert "rank 1's loader has batches left after 5" in r1["warned"][0]
+
+
 def test_a_step_checkpoint_on_rank_zero_alone_warns_and_does_not_hang(runs):
     r0, r1 = runs("rank0-only")
     assert len(r0["warned"]) == 1 and "differs between ranks" in r0["warned"][0]

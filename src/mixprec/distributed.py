@@ -23,6 +23,7 @@ from mixprec.optim.masters import live_master
 from mixprec.policy import PolicyLike, get_policy
 
 __all__ = [
+    "all_gather_object",
     "all_reduce_sum",
     "broadcast_",
     "check_batch",
@@ -131,13 +132,20 @@ def check_same_on_every_rank(what: str, values: dict[str, int], remedy: str) -> 
     raise ValueError(f"{what} differ between ranks ({seen}); {remedy}")
 
 
+def all_gather_object(value: Any) -> list[Any]:
+    """Every rank's ``value`` (picklable), by rank, on every rank (one collective;
+    ``[value]`` outside torchrun)."""
+    if world_size() == 1:
+        return [value]
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def same_on_every_rank(values: list[int]) -> bool:
     """Whether every rank passes the same ``values`` (one collective; True outside
     torchrun)."""
-    if world_size() == 1:
-        return True
-    gathered: list[Any] = [None] * world_size()
-    dist.all_gather_object(gathered, list(values))
+    gathered = all_gather_object(list(values))
     return all(g == gathered[0] for g in gathered)
 
 

@@ -11,6 +11,7 @@ One private name is re-exported: ``_checksum``, with which tests rewrite headers
 """
 
 from mixprec.checkpoint._files import temporary_files
+from mixprec.checkpoint._rng import rng_state
 from mixprec.checkpoint.export import convert_checkpoint, export_weights
 from mixprec.checkpoint.format import (
     FORMAT,
@@ -34,6 +35,7 @@ __all__ = [
     "export_weights",
     "load_checkpoint",
     "read_checkpoint",
+    "rng_state",
     "save_checkpoint",
     "temporary_files",
     "trainer_state",

@@ -1,5 +1,6 @@
 """The random number generators' states in a checkpoint: captured at save, tried on fresh
-generators before a load changes anything, and set once the load commits."""
+generators before a load changes anything, and set once the load commits. Under torchrun
+each rank takes its own where the Trainer saved every rank's (``rank_rng``)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from typing import Any
 import numpy
 import torch
 
+from mixprec import distributed
 from mixprec.checkpoint.format import CheckpointError
 
 
-def _rng_state() -> dict[str, Any]:
-    """The torch, Python, NumPy (its global generator, which data augmentation often
-    draws from) and (where CUDA is available) CUDA generators' states."""
+def rng_state() -> dict[str, Any]:
+    """This process's torch, Python, NumPy (its global generator, which data augmentation
+    often draws from) and (where CUDA is available) CUDA generators' states, as a checkpoint
+    holds them."""
     kind, keys, pos, has_gauss, cached = numpy.random.get_state(legacy=True)  # type: ignore[misc]
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
@@ -25,6 +28,17 @@ def _rng_state() -> dict[str, Any]:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
+
+def _this_ranks(saved: dict[str, Any], trainer_state: dict[str, Any]) -> dict[str, Any]:
+    """The state this process restores: under torchrun its rank's own, where the checkpoint
+    holds one per rank now running (``trainer_state["rank_rng"]``, which the Trainer writes
+    where ranks seeded differently); otherwise ``saved``, the writing process's (rank 0's)."""
+    ranks = trainer_state.get("rank_rng")
+    size = distributed.world_size()
+    if isinstance(ranks, list) and size > 1 and len(ranks) == size:
+        return dict(ranks[distributed.rank()])
+    return saved
 
 
 def _cuda_states(state: dict[str, Any]) -> list[torch.Tensor]:

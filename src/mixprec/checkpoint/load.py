@@ -34,7 +34,7 @@ from mixprec.checkpoint._model import (
     optimizer_classes,
     optimizer_param_names,
 )
-from mixprec.checkpoint._rng import _check_rng_state, _set_rng_state
+from mixprec.checkpoint._rng import _check_rng_state, _set_rng_state, _this_ranks
 from mixprec.checkpoint._tree import _tensor_names, _unflatten
 from mixprec.checkpoint.format import CheckpointError, LoadReport, OnRange, _cut, _is_count
 from mixprec.checkpoint.read import read_checkpoint
@@ -66,6 +66,8 @@ def load_checkpoint(
     inf); an optimizer state saved by another optimizer class (both named); an optimizer,
     loss-scaler or (with ``restore_rng``) RNG state that does not load.
     ``trainer_state`` counters (``global_step``, ``epoch``, ``step_in_epoch``) are ints >= 0.
+    ``restore_rng`` under torchrun restores each rank's own state where the checkpoint holds
+    one for every rank now running (the Trainer's ``rank_rng``), and else rank 0's.
     """
     _check_on_range(on_range)
     tensors, header = read_checkpoint(path)
@@ -115,11 +117,11 @@ def load_checkpoint(
         clamped = {n: getattr(torch, d) for n, _, d, how in report.out_of_range if how == "clamp"}
         masters_from = {n: saturate(v, clamped[n]) if n in clamped else v for n, v in saved.items()}
         optim_state = _optimizer_state(path, optimizer, model, masters_from, tensors, header)
+    trainer_state = stored_trainer_state(header, tensors)
     rng_state = None
     if restore_rng and header.get("rng") is not None:
-        rng_state = _unflatten(header["rng"], tensors)
+        rng_state = _this_ranks(_unflatten(header["rng"], tensors), trainer_state)
         _check_rng_state(path, rng_state)
-    trainer_state = stored_trainer_state(header, tensors)
 
     # Commit: every value was checked above to fit its destination.
     model.load_state_dict(loaded, strict=False)

@@ -20,7 +20,7 @@ from mixprec.checkpoint._model import (
     optimizer_classes,
     optimizer_param_names,
 )
-from mixprec.checkpoint._rng import _rng_state
+from mixprec.checkpoint._rng import rng_state
 from mixprec.checkpoint._schema import _check_trainer_state
 from mixprec.checkpoint._tree import _flatten
 from mixprec.checkpoint.format import FORMAT, FORMAT_VERSION, _BadValueError, _checksum
@@ -84,7 +84,7 @@ def save_checkpoint(
             else {}
         ),
         "trainer_state": _flatten(trainer_state or {}, "trainer", tensors),
-        "rng": _flatten(_rng_state(), "rng", tensors),
+        "rng": _flatten(rng_state(), "rng", tensors),
     }
     # The header as a reader parses it back: what load_checkpoint checks and the checksum
     # covers.

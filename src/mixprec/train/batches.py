@@ -2,12 +2,14 @@
 
 Tensors or arrays ``(x, y)`` are checked up front and dealt into batches (under torchrun,
 each rank its share of rank 0's order); an iterable of ``(inputs, targets)`` batches, such as
-a ``DataLoader``, is used as it comes. Nothing here runs the model: where a check needs the
+a ``DataLoader``, is used as it comes (under torchrun, one without a length while every
+rank has a batch). Nothing here runs the model: where a check needs the
 number of classes, the caller supplies it.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -86,6 +88,8 @@ def epoch_batches(
                 "or a loader of (inputs, targets) batches"
             )
         steps = max(length(x), 0)
+        if not steps and split and distributed.world_size() > 1:
+            return (lambda: _while_every_rank_has_one(iter(x))), 0, 0
         # iter() now: a shuffling DataLoader draws its order from the RNG at this point.
         return (lambda: iter(x)), steps, 0
     check_int("batch_size", batch_size, 1)
@@ -111,6 +115,31 @@ def epoch_batches(
 
     per_rank = -(-n // distributed.world_size()) if split else n
     return epoch, -(-per_rank // local), n
+
+
+_NONE_LEFT = object()
+
+
+def _while_every_rank_has_one(batches: Iterator[Batch]) -> Iterator[Batch]:
+    """Under torchrun, a length-less loader's batches while every rank has one (one
+    all-reduce a batch). A rank whose loader ran out would leave the others waiting in
+    DDP's all-reduce, ending in the backend's raw mismatch error or a hang; every rank
+    stops after the shortest's last batch instead, and a rank with batches left says so."""
+    used = 0
+    for batch in itertools.chain(batches, [_NONE_LEFT]):
+        every = distributed.all_reduce_sum([float(batch is not _NONE_LEFT)])[0]
+        if every == distributed.world_size():
+            used += 1
+            yield batch  # type: ignore[misc]
+            continue
+        if batch is not _NONE_LEFT:
+            warn(
+                f"fit: rank {distributed.rank()}'s loader has batches left after {used}, where "
+                f"another rank's has ended: every rank ends this epoch after {used} batches, "
+                "and this rank's others are left out of it. Give every rank as many batches "
+                "(shard the data evenly, or drop the uneven last ones)"
+            )
+        return
 
 
 def _gather(

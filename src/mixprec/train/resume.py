@@ -1,6 +1,7 @@
 """Where a resumed ``fit`` starts, and what it restores besides the weights, the optimizer
 and the RNG: the epoch's batch order, the epoch's sums so far (``EpochMeter``) and the
-callbacks' state (``Callback.state_dict``).
+callbacks' state (``Callback.state_dict``). Under torchrun, each rank's own RNG state
+(``RankRng``), where the ranks' states differ.
 
 A checkpoint says whether its epoch had ended (``epoch_done``): one saved on an epoch's
 last batch, before the epoch's end ran, resumes into that end (validation, ``on_epoch_end``)
@@ -18,11 +19,19 @@ import torch
 from torch import nn
 
 from mixprec import distributed
-from mixprec.checkpoint import load_checkpoint
+from mixprec.checkpoint import load_checkpoint, rng_state
 from mixprec.train.callbacks import Callback
 from mixprec.train.warn import warn
 
-__all__ = ["ResumePoint", "callback_states", "keyed", "read", "replay_epoch", "restore_callbacks"]
+__all__ = [
+    "RankRng",
+    "ResumePoint",
+    "callback_states",
+    "keyed",
+    "read",
+    "replay_epoch",
+    "restore_callbacks",
+]
 
 
 @dataclass
@@ -44,7 +53,21 @@ def read(
 ) -> ResumePoint:
     """Load a checkpoint into ``model`` and ``optimizer`` (RNG states too) and say where its
     run stood; ``steps``: batches per epoch (0 where a loader has no length)."""
+    # Whether the ranks draw differently now (seeded per rank), before the load sets them.
+    differ = distributed.world_size() > 1 and not _all_equal(
+        distributed.all_gather_object(rng_state())
+    )
     state = load_checkpoint(path, model, optimizer, restore_rng=True).trainer_state
+    ranks = state.get("rank_rng")
+    own = isinstance(ranks, list) and len(ranks) == distributed.world_size()
+    if differ and not own and distributed.is_main_process():
+        held = f"{len(ranks)} ranks' states" if isinstance(ranks, list) else "one state"
+        warn(
+            f"resume: the ranks' random states differ (seeded per rank), and {path} holds "
+            f"{held} for {distributed.world_size()} ranks now: every rank takes rank 0's, so "
+            "they draw the same random numbers (dropout masks) from here. ModelCheckpoint's "
+            "checkpoints hold every rank's"
+        )
     global_step = int(state.get("global_step", 0))
     epoch, skip = int(state.get("epoch", 0)), int(state.get("step_in_epoch", 0))
     replay, callbacks = state.get("epoch_rng"), dict(state.get("callbacks") or {})
@@ -56,6 +79,43 @@ def read(
     if replay is None:
         return ResumePoint(global_step, epoch + (skip > 0), callbacks=callbacks)
     return ResumePoint(global_step, epoch, skip, replay, state.get("meter"), callbacks)
+
+
+class RankRng:
+    """Every rank's RNG states where rank 0 may write a checkpoint next (an epoch's end, a
+    step checkpoint's step), for ``resume_state``: a resume gives each rank its own back
+    (``load_checkpoint``). Held only where they differ (ranks seeded per rank): equal
+    states are rank 0's, which every checkpoint holds."""
+
+    def __init__(self) -> None:
+        self._at: tuple[int, ...] | None = None
+        self._states: list[dict[str, Any]] | None = None
+
+    def gather(self, at: tuple[int, ...]) -> None:
+        """At position ``at``: one collective on every rank; nothing outside torchrun."""
+        if distributed.world_size() == 1:
+            return
+        states = distributed.all_gather_object(rng_state())
+        self._at, self._states = at, None if _all_equal(states) else states
+
+    def at(self, at: tuple[int, ...]) -> list[dict[str, Any]] | None:
+        """The states gathered at ``at``; ``None`` where none were, or all are equal."""
+        return self._states if self._at == at else None
+
+
+def _all_equal(states: list[Any]) -> bool:
+    return all(_same(s, states[0]) for s in states[1:])
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal generator states (nested dicts, lists and tuples of tensors and numbers)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same, a, b))
+    return bool(a == b)
 
 
 def _step_cadences(callbacks: dict[str, Callback]) -> list[int]:

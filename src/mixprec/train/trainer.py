@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -40,10 +41,25 @@ from mixprec.train.warn import warn
 
 
 def _sync_if_checkpoint_due(trainer: Trainer, meter: EpochMeter, applied: bool) -> None:
-    """Under torchrun, every rank's epoch sums before a step checkpoint that rank 0 writes
-    next (its resume then counts every rank's share of the epoch so far)."""
+    """Under torchrun, every rank's epoch sums and RNG states before a step checkpoint that
+    rank 0 writes next (its resume then counts every rank's share of the epoch so far, and
+    gives each rank its own random state)."""
     if applied and any(trainer.global_step % n == 0 for n in trainer._sync_cadences):
         meter.sync()
+        trainer._rank_rng.gather(_position(trainer))
+
+
+def _position(trainer: Trainer) -> tuple[int, ...]:
+    """Where training stands, as ``resume_state`` says it."""
+    t = trainer
+    return (t.global_step, t._epoch, t._step_in_epoch, int(t._epoch_done))
+
+
+def _count_classes(trainer: Trainer, inputs: torch.Tensor) -> int:
+    """One sample in eval mode tells the number of classes (train mode would update
+    BatchNorm statistics and reject a batch of one)."""
+    with torch.no_grad(), _eval_mode(trainer.model):
+        return int(model_output(call(trainer.model, to_device(inputs, trainer.device))).shape[-1])
 
 
 @contextlib.contextmanager
@@ -161,6 +177,7 @@ class Trainer:
         self.stop_training = False
         self._epoch, self._step_in_epoch, self._epoch_done = 0, 0, False
         self._epoch_rng = torch.get_rng_state()
+        self._rank_rng = resume.RankRng()  # under torchrun, for checkpoints
         self._meter: EpochMeter | None = None  # the running epoch's
         self._callbacks: dict[str, Callback] = {}  # this fit's, by key (resume.keyed)
 
@@ -170,13 +187,7 @@ class Trainer:
         return done.policy if done else None
 
     def _validate(self, x: Any, y: Any) -> None:
-        batches.validate(x, y, self.loss_fn, self._count_classes)
-
-    def _count_classes(self, inputs: torch.Tensor) -> int:
-        # One sample in eval mode tells the number of classes (train mode would update
-        # BatchNorm statistics and reject a batch of one).
-        with torch.no_grad(), _eval_mode(self.model):
-            return int(model_output(call(self.model, to_device(inputs, self.device))).shape[-1])
+        batches.validate(x, y, self.loss_fn, functools.partial(_count_classes, self))
 
     # -- fit --------------------------------------------------------------------------------
 
@@ -242,6 +253,7 @@ class Trainer:
             if validation_data is not None:
                 val = self.evaluate(*validation_data, batch_size=batch_size)
                 logs.update({f"val_{k}": v for k, v in val.items()})
+            self._rank_rng.gather(_position(self))  # where ModelCheckpoint may write
             cbs.on_epoch_end(epoch, logs)
             if self.stop_training:
                 break
@@ -367,7 +379,9 @@ class Trainer:
     def resume_state(self) -> dict[str, Any]:
         """Where training stands, for ``fit(resume_from=...)``: applied steps, epoch,
         batches done in it and whether it ended, the RNG state its order was drawn from,
-        its sums so far, and the state of this ``fit``'s callbacks."""
+        its sums so far, and the state of this ``fit``'s callbacks. Under torchrun, where
+        ranks seeded differently, every rank's RNG state too (``rank_rng``), at the points
+        where ``ModelCheckpoint`` writes: an epoch's end and its ``every_n_steps``."""
         running = self._meter is not None and not self._epoch_done
         return {
             "global_step": self.global_step,
@@ -377,6 +391,7 @@ class Trainer:
             "epoch_rng": self._epoch_rng,
             "meter": self._meter.state_dict() if running else None,  # type: ignore[union-attr]
             "callbacks": resume.callback_states(self._callbacks),
+            "rank_rng": self._rank_rng.at(_position(self)),  # None: rank 0's stands
         }
 
     def state_dict(self) -> dict[str, Any]:
