@@ -19,7 +19,10 @@ def test_convert_refuses_nan_by_default_and_lists_it_when_ignored(tmp_path, caps
     ckpt = mp.save_checkpoint(tmp_path / "c.safetensors", model)
     out = tmp_path / "half.safetensors"
     assert cli.main(["convert", str(ckpt), str(out), "--dtype", "bfloat16"]) == 2
-    assert "'0.weight' (1 NaN, 1 inf)" in capsys.readouterr().err and not out.exists()
+    err = capsys.readouterr().err
+    assert "'0.weight' (1 NaN, 1 inf)" in err and not out.exists()
+    # The option as typed, not the API's keyword.
+    assert "--on-range ignore loads them" in err and "on_range" not in err
     argv = ["convert", str(ckpt), str(out), "--dtype", "bfloat16", "--on-range", "ignore"]
     assert cli.main(argv) == 0
     assert "  0.weight: 1 NaN, 1 inf (kept: --on-range ignore)" in capsys.readouterr().out
@@ -81,6 +84,12 @@ def test_convert_names_its_option_as_typed_and_counts_values_flushed_to_zero(tmp
     assert cli.main(["convert", str(ckpt), str(out), "--dtype", "float16"]) == 0
     line = "  0.weight: 2 non-zero values below float16's range became 0\n"
     assert line in capsys.readouterr().out
+    with torch.no_grad():
+        model[0].weight[0, 0] = 1e6  # beyond float16's 65504
+    mp.save_checkpoint(ckpt, model)
+    assert cli.main(["convert", str(ckpt), str(out), "--dtype", "float16"]) == 2
+    err = capsys.readouterr().err
+    assert "pass --on-range clamp to saturate or --on-range ignore to cast as is" in err
 
 
 def test_a_nested_torch_checkpoints_other_entries_are_named(tmp_path, capsys):

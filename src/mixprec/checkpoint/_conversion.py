@@ -80,7 +80,8 @@ def _raise_non_finite(report: LoadReport, on_range: OnRange) -> None:
     raise CheckpointError(
         f"{report.path}: non-finite values in {len(listed)} tensor(s): "
         f"{', '.join(listed[:8])}{more}; a model or optimizer loaded with them skips every "
-        "step. on_range='ignore' loads them as they are"
+        "step. on_range='ignore' loads them as they are (a mask of -inf in a file that "
+        "does not list its buffers, as mixprec's checkpoints do, is one such case)"
     )
 
 
@@ -126,7 +127,7 @@ def _convert(
                 raise CheckpointError(
                     f"{report.path}: tensor {name!r} has max |value| {peak:.6g}, beyond "
                     f"{dtype_name(target)}'s {limit:.6g}; pass on_range='clamp' to "
-                    "saturate or 'ignore' to cast as is (values become inf)"
+                    "saturate or on_range='ignore' to cast as is (values become inf)"
                 )
             if on_range == "clamp":
                 value = saturate(value, target)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from mixprec._dtypes import parse_dtype
-from mixprec.checkpoint import convert_checkpoint
+from mixprec.checkpoint import CheckpointError, convert_checkpoint
 from mixprec.checkpoint._files import same_file
 from mixprec.checkpoint.format import underflow_line
 from mixprec.cli._common import UsageError, output_file
@@ -44,9 +45,12 @@ def run(args: argparse.Namespace) -> int:
             "weights alone, losing any optimizer, master-weight, loss-scaler, RNG and trainer "
             "state in it; give another output, or --in-place to overwrite it"
         )
-    report = convert_checkpoint(
-        args.input, args.output, args.dtype, args.on_range, in_place=in_place
-    )
+    try:
+        report = convert_checkpoint(
+            args.input, args.output, args.dtype, args.on_range, in_place=in_place
+        )
+    except CheckpointError as err:  # named as typed: --on-range, not the API's on_range=
+        raise CheckpointError(re.sub(r"on_range='(\w+)'", r"--on-range \1", str(err))) from None
     from safetensors import safe_open
 
     with safe_open(args.output, "pt") as written:
