@@ -16,7 +16,7 @@ from torch import nn
 import mixprec as mp
 from mixprec import distributed as mpd
 from mixprec.float8 import cpu_kernel_error
-from tests.conftest import classification_data, make_mlp
+from tests.conftest import Interrupt, classification_data, make_mlp
 
 CE = nn.functional.cross_entropy
 
@@ -176,15 +176,6 @@ def trainer_and_resume(out: Path, rank: int) -> None:
     torch.save(results, out / f"trainer-{rank}.pt")
 
 
-class _StopAt(mp.Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, step: int, logs: dict) -> None:
-        if logs["global_step"] == self.step:
-            raise KeyboardInterrupt  # both ranks stop at the same step
-
-
 def _small_trainer() -> mp.Trainer:
     model = make_mlp()
     return mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 1e-3),
@@ -203,7 +194,7 @@ def trainer_resumed_mid_epoch(out: Path, rank: int) -> None:
         if name == "first":
             with contextlib.suppress(KeyboardInterrupt):
                 t.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
-                      callbacks=[ckpt, _StopAt(4)])  # fmt: skip
+                      callbacks=[ckpt, Interrupt(4)])  # fmt: skip
             dist.barrier()  # rank 0's checkpoint is on disk
             continue
         resume = out / "mid" / "step-00000004.safetensors" if name == "resumed" else None
@@ -237,7 +228,7 @@ def ranks_seeded_apart(out: Path, rank: int) -> None:
             torch.manual_seed(100 + rank)  # each rank its own stream
             ckpt = mp.ModelCheckpoint(out / f"apart-{name}", **every)
             if part == "first":
-                stop = [_StopAt(3)] if name == "step" else []
+                stop = [Interrupt(3)] if name == "step" else []
                 with contextlib.suppress(KeyboardInterrupt):
                     t.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[ckpt, *stop])
                 dist.barrier()  # rank 0's checkpoint is on disk

@@ -37,6 +37,18 @@ def subprocess_env(torchrun: bool = False) -> dict[str, str]:
     return env
 
 
+class Interrupt(mp.Callback):
+    """Stops a run (as a crash would) after applied step ``after``: raised on every rank
+    alike under torchrun, each rank counting the same applied steps."""
+
+    def __init__(self, after: int) -> None:
+        self.after = after
+
+    def on_train_batch_end(self, step: int, logs: dict) -> None:
+        if logs["applied"] and logs["global_step"] == self.after:
+            raise KeyboardInterrupt
+
+
 def make_mlp(seed: int = 0, d_in: int = 32, hidden: int = 64, classes: int = 10) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(

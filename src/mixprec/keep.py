@@ -12,13 +12,19 @@ from torch import nn
 from mixprec._dtypes import closest
 from mixprec._errors import ArgumentError
 
-__all__ = ["KeepEntry", "inside", "keep_list", "kept_modules"]
+__all__ = ["KeepEntry", "inside", "keep_list", "kept_modules", "named_modules"]
 
 KeepEntry = type[nn.Module] | str | nn.Module
 
 
 #: The model itself in a keep list, as the doctor names it (``named_modules`` calls it "").
 ROOT_NAME = "(model)"
+
+
+def named_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """``model``'s modules by the names a keep list and the doctor use (the model itself
+    as ``ROOT_NAME``)."""
+    return {name or ROOT_NAME: m for name, m in model.named_modules()}
 
 
 def keep_list(

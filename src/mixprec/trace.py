@@ -76,12 +76,10 @@ class OverflowTracer:
         self._backward_seen = False
         self._handles = [model.register_forward_pre_hook(self._on_model_forward)]
         for name, module in model.named_modules():
-            label = name or ROOT_NAME
-            hook = self._forward_hook(label, type(module).__name__)
+            hook = self._forward_hook(name or ROOT_NAME, type(module).__name__, module is model)
             self._handles.append(module.register_forward_hook(hook))
-        self._handles.append(model.register_forward_hook(self._on_model_output))
 
-    def _forward_hook(self, name: str, kind: str) -> Any:
+    def _forward_hook(self, name: str, kind: str, root: bool) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if torch.compiler.is_compiling():
                 _off_under_compile()
@@ -90,6 +88,8 @@ class OverflowTracer:
             if out is None or not torch.is_grad_enabled():  # evaluation: no step follows
                 return
             self._records.append((name, kind, "forward", dtype_name(out.dtype), _summary(out)))
+            if root and out.requires_grad and self._pending:  # a backward may follow it
+                self._pending[-1] = (self._pending[-1][0], weakref.ref(out))
             if out.requires_grad:
 
                 def on_grad(grad: torch.Tensor) -> None:
@@ -122,13 +122,6 @@ class OverflowTracer:
             self._pending = kept
         self._backward_seen = False
         self._pending.append((len(self._records), None))
-
-    def _on_model_output(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling() or not self._pending:
-            return
-        out = first_floating(output)
-        if out is not None and out.requires_grad:  # else no backward can follow it
-            self._pending[-1] = (self._pending[-1][0], weakref.ref(out))
 
     def clear(self) -> None:
         self._records.clear()

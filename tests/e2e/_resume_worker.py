@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import mixprec as mp
+from tests.conftest import Interrupt
 
 
 def model() -> nn.Module:
@@ -21,15 +22,6 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     y = torch.randint(0, 10, (160,), generator=g)
     x[7] = 1e6  # overflows float16 in the first layer: the batch holding it is skipped
     return x, y
-
-
-class Interrupt(mp.Callback):
-    def __init__(self, after: int) -> None:
-        self.after = after
-
-    def on_train_batch_end(self, step, logs):
-        if logs["global_step"] == self.after and logs["applied"]:
-            raise KeyboardInterrupt
 
 
 def trainer() -> mp.Trainer:

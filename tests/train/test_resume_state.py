@@ -14,17 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import mixprec as mp
-
-
-class Interrupt(mp.Callback):
-    """Stops the run (as a crash would) after applied step ``after``."""
-
-    def __init__(self, after: int) -> None:
-        self.after = after
-
-    def on_train_batch_end(self, step, logs):
-        if logs["applied"] and logs["global_step"] == self.after:
-            raise KeyboardInterrupt
+from tests.conftest import Interrupt
 
 
 class EpochEnds(mp.Callback):

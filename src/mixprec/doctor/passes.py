@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ from torch import nn
 from mixprec._calling import call
 from mixprec.doctor._common import Recorder, relative_error
 from mixprec.doctor.report import ModuleReport
-from mixprec.keep import ROOT_NAME
+from mixprec.keep import named_modules
 from mixprec.levels import auto_mixed_precision, module_dtypes
 from mixprec.policy import Policy
 
@@ -109,7 +109,7 @@ def run(
     Per module besides the recorder's entries: ``param_grad_max`` (unscaled, finite values)
     and ``nonfinite_backward``, the inf/NaN count of its output, input and parameter
     gradients as computed (scaled), which is what the scaler's check sees."""
-    modules = {name or ROOT_NAME: m for name, m in model.named_modules()}
+    modules = named_modules(model)
     with Recorder(modules) as recorder:
         rewind()
         model.zero_grad(set_to_none=True)
@@ -132,6 +132,17 @@ def run(
             if entry["input_grad"] is not None:
                 entry["input_grad"] = entry["input_grad"].float() / scale
     return recorder.calls, float(loss.detach().float())
+
+
+def prepared_keeping(
+    model: nn.Module, policy: Policy, level: str, keep: Iterable[str]
+) -> nn.Module:
+    """A copy of ``model`` at ``policy`` and ``level`` with the modules named in ``keep``
+    (doctor names) in float32; ``model`` is left as it is."""
+    prepared = copy.deepcopy(model)
+    named = named_modules(prepared)
+    auto_mixed_precision(prepared, policy, level, keep_float32=[named[n] for n in keep])
+    return prepared
 
 
 def back_off(
@@ -165,9 +176,7 @@ def back_off(
     steps_to_floor = math.ceil(math.log2(start / floor)) if start > floor else 0
     half: set[str] = set()
     for _ in range(len(leaves) + 1):
-        prepared = copy.deepcopy(model)
-        named = {n or ROOT_NAME: m for n, m in prepared.named_modules()}
-        auto_mixed_precision(prepared, policy, level, keep_float32=[named[n] for n in keep])
+        prepared = prepared_keeping(model, policy, level, keep)
         half = {r.name for r in module_dtypes(prepared) if r.compute != "float32"}
         calls, loss = run(prepared, inputs, targets, loss_fn, floor, rewind)
         if not finite_run(calls, loss):

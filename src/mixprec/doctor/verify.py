@@ -17,7 +17,6 @@ nothing left to revise (no 16-bit leaf to blame), or ``MAX_ROUNDS`` have run.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import math
 import warnings
@@ -31,10 +30,9 @@ from torch import nn
 from mixprec._calling import call
 from mixprec._errors import ArgumentError
 from mixprec.casting import first_floating
-from mixprec.doctor.passes import Calls, first_nonfinite_leaf, nonfinite, run
+from mixprec.doctor.passes import Calls, first_nonfinite_leaf, nonfinite, prepared_keeping, run
 from mixprec.doctor.report import PlanCheck
-from mixprec.keep import ROOT_NAME
-from mixprec.levels import auto_mixed_precision, module_dtypes
+from mixprec.levels import module_dtypes
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import Policy
 from mixprec.scaling import DynamicLossScaler
@@ -198,9 +196,7 @@ def check_plan(
         # The user's training warns about its own steps; the check's would repeat them.
         warnings.simplefilter("ignore")
         for _ in range(MAX_ROUNDS):
-            prepared = copy.deepcopy(model)
-            named = {n or ROOT_NAME: m for n, m in prepared.named_modules()}
-            auto_mixed_precision(prepared, policy, level, keep_float32=[named[n] for n in keep])
+            prepared = prepared_keeping(model, policy, level, keep)
             half = {r.name for r in module_dtypes(prepared) if r.compute != "float32"}
             trained = [p for p in prepared.parameters() if p.requires_grad]
             inner = build_optimizer(optimizer, trained)
