@@ -45,3 +45,23 @@ def test_convert_and_inspect(tmp_path, capsys):
     assert "exceeds float16 (clamp)" in capsys.readouterr().out
     assert cli.main(["inspect", str(tmp_path / "absent")]) == 2
     assert "no such checkpoint file" in capsys.readouterr().err
+
+
+def test_inspect_shortens_nested_state_and_names_tied_weights(tmp_path, capsys):
+    """Nested trainer state (every rank's RNG states) printed thousands of numbers, and a
+    tied weight's second name, stored once, was left out as if missing."""
+    from torch import nn
+
+    import mixprec as mp
+    from mixprec.checkpoint import rng_state
+
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight
+    state = {"global_step": 3, "rank_rng": [rng_state(), rng_state()]}
+    ckpt = mp.save_checkpoint(tmp_path / "c.safetensors", model, trainer_state=state)
+    assert cli.main(["inspect", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert "model/1.weight is model/0.weight (tied, stored once)" in out
+    line = next(x for x in out.splitlines() if x.startswith("  trainer state: "))
+    assert "'torch': '<tensor uint8 (5056,)>'" in line and "'<625 items>'" in line
+    assert len(line) < 1000

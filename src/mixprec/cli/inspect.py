@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     if header.get("other_entries"):
         print(f"  entries beside the state dict (not read): {', '.join(header['other_entries'])}")
     trainer = trainer_state(header, tensors)
-    scalars = {k: v for k, v in trainer.items() if not isinstance(v, torch.Tensor)}
+    scalars = {k: _brief(v) for k, v in trainer.items() if not isinstance(v, torch.Tensor)}
     if scalars:
         print(f"  trainer state: {scalars}")
     width = max((len(n) for n in tensors), default=0)
@@ -39,5 +40,25 @@ def run(args: argparse.Namespace) -> int:
         t = tensors[name]
         total += t.numel() * t.element_size()
         print(f"  {name:<{width}}  {str(t.dtype).removeprefix('torch.'):<9} {tuple(t.shape)}")
+    # Tied weights are stored once; their other names would otherwise look missing.
+    for alias, stored in sorted((header.get("aliases") or {}).items()):
+        print(f"  model/{alias} is model/{stored} (tied, stored once)")
     print(f"  {total / 2**20:.2f} MiB of tensor data")
     return 0
+
+
+def _brief(value: Any) -> Any:
+    """``value`` with each tensor inside as its dtype and shape and each long list as its
+    length: nested state (RNG states, a scheduler's) would print thousands of numbers."""
+    if isinstance(value, torch.Tensor):
+        return f"<tensor {str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}>"
+    if isinstance(value, dict):
+        return {k: _brief(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        if len(value) > _LONG:
+            return f"<{len(value)} items>"
+        return type(value)(_brief(v) for v in value)
+    return value
+
+
+_LONG = 16
