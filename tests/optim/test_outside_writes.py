@@ -312,3 +312,23 @@ def test_a_master_does_not_share_its_weights_version_counter():
     with torch.no_grad():
         master.add_(0.5)
     assert weight._version == version
+
+
+def test_a_weights_only_load_gives_the_masters_the_files_float32_values(tmp_path):
+    """``load_checkpoint(path, model)`` with the optimizer already built: the masters took
+    the loaded 16-bit weights, rounded, though the file holds the float32 masters (and the
+    load keeps them on the weights). Training back from an earlier checkpoint lost them."""
+    model = _o2()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    _train(model, opt, steps=2)
+    path = mp.save_checkpoint(tmp_path / "early.safetensors", model, opt)
+    early = [m.clone() for _, m in opt.master_weights()]
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in early)  # digits to lose
+    _train(model, opt, steps=3)
+    mp.load_checkpoint(path, model)  # the weights alone, as the model's
+    saved = opt.state_dict()["master_weights"]
+    assert all(torch.equal(a, m) for a, m in zip(early, saved, strict=True))
+    _train(model, opt)  # and the step after starts from them
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # a later write without float32 values: the weight wins
+    assert torch.equal(opt.state_dict()["master_weights"][0], model[0].weight.float())

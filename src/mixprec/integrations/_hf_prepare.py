@@ -53,20 +53,18 @@ def is_prepared_as(
     )
 
 
-def float32_from_checkpoint(
-    model: nn.Module, directory: str | None, masters: list[tuple[torch.Tensor, torch.Tensor]]
-) -> None:
+def float32_from_checkpoint(model: nn.Module, directory: str | None) -> None:
     """After the Trainer loaded a checkpoint's ``model.safetensors`` from ``directory`` into
-    the 16-bit weights (a resume, the best model at the end), take back the float32 values
-    the file holds (``_save`` wrote the masters and kept float32 copies) wherever a weight
-    rounds from them: into its master where it has one (``masters``), else as the weight's
-    kept float32 copy, which a save with no master writes (frozen weights)."""
+    the 16-bit weights (a resume, the best model at the end), keep on each weight the
+    float32 values the file holds for it (``_save`` wrote the masters and kept float32
+    copies), where the weight rounds from them: its master takes them at the optimizer's
+    next look at external writes (``follow_external_writes``), and a weight no optimizer
+    holds (a frozen one) saves them."""
     saved = os.path.join(directory or "", "model.safetensors")
     if not os.path.exists(saved):
         return
     from safetensors import safe_open
 
-    master_of = {id(half): master for half, master in masters}
     done: set[int] = set()
     with safe_open(saved, framework="pt") as f, torch.no_grad():
         stored = set(f.keys())
@@ -76,10 +74,5 @@ def float32_from_checkpoint(
                 continue
             done.add(id(param))
             value = f.get_tensor(name).to(param.device)
-            if value.dtype != torch.float32 or not torch.equal(value.to(param.dtype), param):
-                continue
-            master = master_of.get(id(param))
-            if master is not None:
-                master.copy_(value)
-            else:
+            if value.dtype == torch.float32 and torch.equal(value.to(param.dtype), param):
                 remember_float32(param, value)

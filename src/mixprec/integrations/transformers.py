@@ -291,15 +291,13 @@ class MixprecTrainer(Trainer):
     # with load_best_model_at_end; it loads the best checkpoint's weights into the model).
     def _load_best_model(self) -> None:
         super()._load_best_model()
-        # The 16-bit weights now hold the best checkpoint's rounded values, which the masters
-        # follow; the checkpoint holds the float32 masters themselves (_save): those, for
-        # every weight they round to.
-        optimizer = self._mixprec_optimizer
-        if optimizer is not None:
-            optimizer._weights.follow_external_writes()  # the load into the 16-bit weights
+        # The 16-bit weights now hold the best checkpoint's rounded values; the checkpoint
+        # holds the float32 masters themselves (_save): kept on every weight they round to,
+        # and the masters follow the load with those.
         if self.model is not None:
-            pairs = optimizer.master_weights() if optimizer is not None else []
-            float32_from_checkpoint(self.model, self.state.best_model_checkpoint, pairs)
+            float32_from_checkpoint(self.model, self.state.best_model_checkpoint)
+        if self._mixprec_optimizer is not None:
+            self._mixprec_optimizer._weights.follow_external_writes()
 
     # Private override (transformers 5.23: Trainer._load_from_checkpoint(resume_from_checkpoint,
     # model=None), train()'s resume, before the optimizer exists): the 16-bit weights then
@@ -308,7 +306,7 @@ class MixprecTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         super()._load_from_checkpoint(resume_from_checkpoint, model)
         if self.model is not None:
-            float32_from_checkpoint(self.model, resume_from_checkpoint, [])
+            float32_from_checkpoint(self.model, resume_from_checkpoint)
 
     def _float32_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The model's state dict with each 16-bit weight's float32 master in its place (a

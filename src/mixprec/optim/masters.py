@@ -157,9 +157,11 @@ class MasterWeights:
 
     def follow_external_writes(self) -> None:
         """A 16-bit weight written outside this optimizer (``model.load_state_dict``)
-        replaces its master; otherwise the next copy-back would undo the write. A write of
-        the master's own rounding (a checkpoint's 16-bit weights loaded after its masters)
-        changes nothing, and the master keeps its float32 digits."""
+        replaces its master; otherwise the next copy-back would undo the write. Where the
+        write came with the float32 values it rounds from (a checkpoint's masters, kept on
+        the weight by ``load_checkpoint`` or the Hugging Face paths), the master takes
+        those. A write of the master's own rounding (a checkpoint's 16-bit weights loaded
+        after its masters) changes nothing, and the master keeps its float32 digits."""
         versions = self.half_versions()
         if versions != self.versions:
             with torch.no_grad():
@@ -168,6 +170,8 @@ class MasterWeights:
                 ):
                     if now != then and is_dtensor(p):
                         m.copy_(p)  # FSDP2 shards: as written, no cross-shard reduction
+                    elif now != then and (kept := take_float32_copy(p)) is not None:
+                        m.copy_(kept)  # one host read, after a load only
                     elif now != then:
                         # Decided on the device (no read on the host): a weight that is
                         # still, as a whole, the master's rounding leaves the master's digits;
