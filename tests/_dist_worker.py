@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import mixprec as mp
 from mixprec import distributed as mpd
@@ -209,40 +210,68 @@ def trainer_resumed_mid_epoch(out: Path, rank: int) -> None:
     torch.save(losses, out / f"mid-epoch-{rank}.pt")
 
 
-def ranks_seeded_apart(out: Path, rank: int) -> None:
-    """Ranks seeded per rank draw their own dropout masks; resumed from an epoch's end and
-    from a step checkpoint, each rank must draw as it would have (it took rank 0's state)."""
-    x, y = classification_data(n=256, seed=3)
-    results: dict[str, object] = {}
+def _dropout_trainer() -> mp.Trainer:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 10))
+    return mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 0.1),
+                      policy="mixed_bfloat16", device="cpu")  # fmt: skip
+
+
+class _DrawsAtEpochEnd(mp.Callback):
+    """A callback that draws from torch's RNG at an epoch's end, before the checkpoint."""
+
+    def on_epoch_end(self, epoch: int, logs: dict) -> None:
+        torch.rand(3)
+
+
+def _resumed_as_uninterrupted(out: Path, rank: int, tag: str, seed: int, data, extra) -> dict:
+    """The weights after 2 epochs uninterrupted, and resumed from an epoch's end and from
+    a step checkpoint (step 3 of 8), all with ``torch.manual_seed(seed)`` after the model."""
     runs = {
         "full": ({}, None),
         "epoch": ({"every_n_epochs": 1}, "epoch-0001.safetensors"),
         "step": ({"every_n_epochs": None, "every_n_steps": 3}, "step-00000003.safetensors"),
     }
+    results = {}
     for name, (every, resume_name) in runs.items():
         for part in ("first", "resumed") if resume_name else ("full",):
-            torch.manual_seed(0)
-            model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 10))
-            t = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 0.1),
-                           policy="mixed_bfloat16", device="cpu")  # fmt: skip
-            torch.manual_seed(100 + rank)  # each rank its own stream
-            ckpt = mp.ModelCheckpoint(out / f"apart-{name}", **every)
+            t = _dropout_trainer()
+            torch.manual_seed(seed)
+            ckpt = mp.ModelCheckpoint(out / f"{tag}-{name}", **every)
             if part == "first":
                 stop = [Interrupt(3)] if name == "step" else []
                 with contextlib.suppress(KeyboardInterrupt):
-                    t.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[ckpt, *stop])
+                    t.fit(*data(), batch_size=32, epochs=1, verbose=0,
+                          callbacks=[ckpt, *extra(), *stop])  # fmt: skip
                 dist.barrier()  # rank 0's checkpoint is on disk
                 continue
-            resume = out / f"apart-{name}" / resume_name if resume_name else None
-            t.fit(x, y, batch_size=32, epochs=2, verbose=0, resume_from=resume)
-            results[name] = {k: v.clone() for k, v in model.state_dict().items()}
+            resume = out / f"{tag}-{name}" / resume_name if resume_name else None
+            t.fit(*data(), batch_size=32, epochs=2, verbose=0, resume_from=resume,
+                  callbacks=extra())  # fmt: skip
+            results[name] = {k: v.clone() for k, v in t.model.state_dict().items()}
+    return results
+
+
+def ranks_seeded_apart(out: Path, rank: int) -> None:
+    """Resumed from an epoch's end and from a step checkpoint, each rank must draw as it
+    would have: ranks seeded per rank (their own dropout masks), a DataLoader shuffling per
+    rank, and ranks seeded alike with a callback drawing before the checkpoint is written."""
+    x, y = classification_data(n=256, seed=3)
+    share = x[rank::2], y[rank::2]  # each rank's own 128 samples, shuffled by its own RNG
+    loader = DataLoader(TensorDataset(*share), batch_size=16, shuffle=True)
+    results: dict[str, object] = {
+        "apart": _resumed_as_uninterrupted(out, rank, "apart", 100 + rank, lambda: (x, y), list),
+        "loader": _resumed_as_uninterrupted(
+            out, rank, "loader", 100 + rank, lambda: (loader,), list
+        ),
+        "alike": _resumed_as_uninterrupted(
+            out, rank, "alike", 0, lambda: (x, y), lambda: [_DrawsAtEpochEnd()]
+        ),
+    }
     # A checkpoint of rank 0's state alone (save_checkpoint by hand): said, not silent.
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 10))
-    t = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 0.1),
-                   policy="mixed_bfloat16", device="cpu")  # fmt: skip
+    t = _dropout_trainer()
     if rank == 0:
-        mp.save_checkpoint(out / "apart-by-hand.safetensors", model, t.optimizer)
+        mp.save_checkpoint(out / "apart-by-hand.safetensors", t.model, t.optimizer)
     dist.barrier()
     torch.manual_seed(100 + rank)
     with warnings.catch_warnings(record=True) as seen:

@@ -164,15 +164,21 @@ def test_a_mid_epoch_resume_reports_every_ranks_share_of_the_epoch(runs):
     assert r0["resumed-at-the-end"] == pytest.approx(r0["full"], rel=1e-6)
 
 
-def test_ranks_seeded_apart_resume_with_their_own_random_states(runs):
+def test_each_rank_resumes_with_its_own_random_states(runs):
     """Every rank took rank 0's RNG state on resume: ranks seeded apart then drew rank 0's
-    dropout masks, and training went elsewhere than the uninterrupted run."""
+    dropout masks, and a DataLoader shuffling per rank replayed rank 0's order. Ranks
+    seeded alike whose callback drew before the checkpoint resumed from the state before
+    that draw. Each went elsewhere than the uninterrupted run, without a word."""
     r0, r1 = runs("apart")
-    for resumed in ("epoch", "step"):
-        assert equal_states(r0["full"], r0[resumed]), resumed  # bitwise, as uninterrupted
-        assert equal_states(r1["full"], r1[resumed]), resumed
-    # A checkpoint holding rank 0's state alone: rank 0 says so, once.
-    assert len(r0["warned"]) == 1 and "every rank takes rank 0's" in r0["warned"][0]
+    for case in ("apart", "loader", "alike"):
+        for resumed in ("epoch", "step"):
+            for r in (r0, r1):  # bitwise, as uninterrupted
+                assert equal_states(r[case]["full"], r[case][resumed]), (case, resumed)
+    # A checkpoint holding rank 0's state alone: rank 0 says so, once, naming torch's.
+    assert len(r0["warned"]) == 1
+    said = r0["warned"][0]
+    assert "the ranks' torch, " in said and "every rank takes rank 0's" in said
+    assert "(dropout masks)" in said
     assert r1["warned"] == []
 
 

@@ -30,6 +30,7 @@ __all__ = [
     "check_same_on_every_rank",
     "distributed_data_parallel",
     "fsdp_mixed_precision",
+    "gather_object",
     "init_from_env",
     "is_main_process",
     "rank",
@@ -139,6 +140,17 @@ def all_gather_object(value: Any) -> list[Any]:
         return [value]
     gathered: list[Any] = [None] * world_size()
     dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def gather_object(value: Any, dst: int = 0) -> list[Any] | None:
+    """Every rank's ``value`` (picklable), by rank, on rank ``dst``; ``None`` on the others
+    (one collective; ``[value]`` outside torchrun). Nothing of it goes to the other ranks,
+    so its cost grows with the number of ranks on ``dst`` alone."""
+    if world_size() == 1:
+        return [value]
+    gathered: list[Any] | None = [None] * world_size() if rank() == dst else None
+    dist.gather_object(value, gathered, dst=dst)
     return gathered
 
 

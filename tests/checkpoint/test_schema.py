@@ -66,6 +66,34 @@ def test_rng_of_the_wrong_type_is_refused_before_the_weights_change(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("entry", "match"),
+    [
+        (5, r"trainer_state/rank_rng/1 is a int, not a generator-state dict"),
+        ({"python": (3, [0], None)}, r"its RNG state cannot be restored \('torch'\)"),
+    ],
+)
+def test_a_ranks_rng_entry_that_does_not_load_is_refused_before_the_weights_change(
+    tmp_path, monkeypatch, entry, match
+):
+    """Under torchrun, rank 1 takes its own entry of ``rank_rng``: a bad one raised a raw
+    TypeError or KeyError, after the weights had changed."""
+    from mixprec import distributed
+    from mixprec.checkpoint import rng_state
+
+    state = {"rank_rng": [rng_state(), entry]}
+    path = mp.save_checkpoint(tmp_path / "c.safetensors", make_mlp(), trainer_state=state)
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(distributed, "rank", lambda: 1)
+    model = make_mlp(seed=1)
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(mp.CheckpointError, match=match):
+        mp.load_checkpoint(path, model, restore_rng=True)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    monkeypatch.setattr(distributed, "rank", lambda: 0)  # rank 0 takes the file's own
+    mp.load_checkpoint(path, model, restore_rng=True)
+
+
+@pytest.mark.parametrize(
     ("key", "value", "match"),
     [
         ("policy", "banana", r"'policy' is 'banana'; valid: null or a policy string such as"),

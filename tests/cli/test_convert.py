@@ -23,6 +23,13 @@ def test_convert_refuses_nan_by_default_and_lists_it_when_ignored(tmp_path, caps
     assert "'0.weight' (1 NaN, 1 inf)" in err and not out.exists()
     # The option as typed, not the API's keyword.
     assert "--on-range ignore loads them" in err and "on_range" not in err
+    assert "buffers" not in err  # this file says which tensors are buffers
+    # A plain state dict does not: its -inf mask is refused like a weight's inf, and said.
+    plain = tmp_path / "plain.pt"
+    torch.save({"w": torch.ones(2), "mask": torch.tensor([0.0, float("-inf")])}, plain)
+    assert cli.main(["convert", str(plain), str(out), "--dtype", "bfloat16"]) == 2
+    err = capsys.readouterr().err
+    assert "'mask' (0 NaN, 1 inf)" in err and "does not say which of its tensors are buffers" in err
     argv = ["convert", str(ckpt), str(out), "--dtype", "bfloat16", "--on-range", "ignore"]
     assert cli.main(argv) == 0
     assert "  0.weight: 1 NaN, 1 inf (kept: --on-range ignore)" in capsys.readouterr().out

@@ -69,19 +69,25 @@ def _count_non_finite(name: str, value: torch.Tensor, report: LoadReport) -> boo
     return False
 
 
-def _raise_non_finite(report: LoadReport, on_range: OnRange) -> None:
+def _raise_non_finite(report: LoadReport, on_range: OnRange, buffers_listed: bool = True) -> None:
     """NaN and inf are refused under 'error' and under 'clamp' (no finite value can stand
     in for a NaN, and an inf master means training diverged: saturating would hide it);
-    'ignore' loads them as they are, listed in ``report.non_finite``."""
+    'ignore' loads them as they are, listed in ``report.non_finite``. ``buffers_listed``:
+    whether the buffers (exempt) were told from the weights."""
     if not report.non_finite or on_range == "ignore":
         return
     listed = [f"{name!r} ({nan} NaN, {inf} inf)" for name, nan, inf in report.non_finite]
     more = f" and {len(listed) - 8} more" if len(listed) > 8 else ""
+    unlisted = (
+        ""
+        if buffers_listed
+        else " (this file, unlike mixprec's checkpoints, does not say which of its tensors "
+        "are buffers: a mask of -inf is refused like a weight's inf)"
+    )
     raise CheckpointError(
         f"{report.path}: non-finite values in {len(listed)} tensor(s): "
         f"{', '.join(listed[:8])}{more}; a model or optimizer loaded with them skips every "
-        "step. on_range='ignore' loads them as they are (a mask of -inf in a file that "
-        "does not list its buffers, as mixprec's checkpoints do, is one such case)"
+        f"step. on_range='ignore' loads them as they are{unlisted}"
     )
 
 

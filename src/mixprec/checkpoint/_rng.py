@@ -30,15 +30,24 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-def _this_ranks(saved: dict[str, Any], trainer_state: dict[str, Any]) -> dict[str, Any]:
-    """The state this process restores: under torchrun its rank's own, where the checkpoint
-    holds one per rank now running (``trainer_state["rank_rng"]``, which the Trainer writes
-    where ranks seeded differently); otherwise ``saved``, the writing process's (rank 0's)."""
+def _this_ranks(
+    path: str | os.PathLike[str], saved: dict[str, Any], trainer_state: dict[str, Any]
+) -> dict[str, Any]:
+    """The state this process restores: under torchrun, on a rank other than 0, its own,
+    where the checkpoint holds one per rank now running (``trainer_state["rank_rng"]``,
+    which the Trainer writes where the ranks' states differ); otherwise ``saved``, the
+    state of the process that wrote the file (rank 0's), taken as it wrote."""
     ranks = trainer_state.get("rank_rng")
-    size = distributed.world_size()
-    if isinstance(ranks, list) and size > 1 and len(ranks) == size:
-        return dict(ranks[distributed.rank()])
-    return saved
+    size, rank = distributed.world_size(), distributed.rank()
+    if not (isinstance(ranks, list) and size > 1 and len(ranks) == size) or rank == 0:
+        return saved
+    own = ranks[rank]
+    if not isinstance(own, dict):
+        raise CheckpointError(
+            f"{path}: trainer_state/rank_rng/{rank} is a {type(own).__name__}, not a "
+            "generator-state dict; restore_rng=False loads the rest"
+        )
+    return own
 
 
 def _cuda_states(state: dict[str, Any]) -> list[torch.Tensor]:
@@ -61,7 +70,7 @@ def _check_rng_state(path: str | os.PathLike[str], state: dict[str, Any]) -> Non
         for i, saved in enumerate(_cuda_states(state)):
             if saved.numel() != torch.cuda.get_rng_state(i).numel():
                 raise ValueError(f"CUDA state {i} has {saved.numel()} bytes")
-    except (RuntimeError, ValueError, TypeError, OverflowError) as err:
+    except (RuntimeError, ValueError, TypeError, OverflowError, KeyError) as err:
         raise CheckpointError(
             f"{path}: its RNG state cannot be restored ({err}); restore_rng=False loads the rest"
         ) from None

@@ -28,19 +28,21 @@ def _write_weights(
     aliases: dict[str, str],
     source: str,
     path: str | os.PathLike[str],
-    buffers: frozenset[str] | set[str] = frozenset(),
+    buffers: frozenset[str] | set[str] | None = frozenset(),
 ) -> LoadReport:
     """Cast the floating-point ``weights`` to ``dtype`` (range- and finiteness-checked; other
-    dtypes, step counters say, are kept) and write them as plain safetensors."""
+    dtypes, step counters say, are kept) and write them as plain safetensors. ``buffers``:
+    the names exempt from the finiteness check; ``None`` where the source does not say."""
     target = parse_dtype(dtype, argument="dtype")
     report = LoadReport(path=source)
+    exempt = buffers or frozenset()
     out = {
-        name: _convert(name, value, target, on_range, report, name not in buffers)
+        name: _convert(name, value, target, on_range, report, name not in exempt)
         if value.is_floating_point()  # float8 included: _convert refuses it with the reason
         else value
         for name, value in weights.items()
     }
-    _raise_non_finite(report, on_range)
+    _raise_non_finite(report, on_range, buffers_listed=buffers is not None)
     out = _separate(out)
     meta = {"written_by": f"mixprec {__version__}", "dtype": dtype_name(target)}
     if aliases:
@@ -114,7 +116,7 @@ def convert_checkpoint(
     weights = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
     report = _write_weights(
         weights, dtype, on_range, header.get("aliases", {}), str(source), destination,
-        set(header.get("buffers", [])),
+        set(header["buffers"]) if "buffers" in header else None,
     )  # fmt: skip
     report.dropped = _dropped(header, parse_dtype(dtype, argument="dtype"))
     return report

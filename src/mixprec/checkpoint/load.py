@@ -120,7 +120,7 @@ def load_checkpoint(
     trainer_state = stored_trainer_state(header, tensors)
     rng_state = None
     if restore_rng and header.get("rng") is not None:
-        rng_state = _this_ranks(_unflatten(header["rng"], tensors), trainer_state)
+        rng_state = _this_ranks(path, _unflatten(header["rng"], tensors), trainer_state)
         _check_rng_state(path, rng_state)
 
     # Commit: every value was checked above to fit its destination.

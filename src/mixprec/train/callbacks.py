@@ -69,7 +69,11 @@ class Callback:
 class CallbackList(Callback):
     """Calls every callback in order, those that write checkpoints last; these run even
     when an earlier one raises (a callback that stops the run right after a step still
-    gets that step's checkpoint written), and the exception then goes on."""
+    gets that step's checkpoint written), and the exception then goes on. At an epoch's
+    and a batch's end, ``before_writers(batch_logs)`` runs between the two (``None`` at an
+    epoch's end) (the Trainer gathers
+    the ranks' RNG states there, as they are when a checkpoint is written), also on a rank
+    that has no writer."""
 
     def __init__(self, callbacks: Iterable[Callback]) -> None:
         given = list(callbacks)
@@ -81,12 +85,17 @@ class CallbackList(Callback):
         self._others = [cb for cb in given if not cb.writes_checkpoints]
         self._writers = [cb for cb in given if cb.writes_checkpoints]
         self.callbacks = self._others + self._writers
+        self.before_writers: Callable[[Logs | None], None] = lambda batch_logs: None
 
-    def _each(self, call: Callable[[Callback], None]) -> None:
+    def _each(
+        self, call: Callable[[Callback], None], between: Callable[[], None] | None = None
+    ) -> None:
         try:
             for cb in self._others:
                 call(cb)
         finally:
+            if between is not None:
+                between()
             for cb in self._writers:
                 call(cb)
 
@@ -104,10 +113,10 @@ class CallbackList(Callback):
         self._each(lambda cb: cb.on_epoch_begin(epoch, logs))
 
     def on_epoch_end(self, epoch: int, logs: Logs) -> None:
-        self._each(lambda cb: cb.on_epoch_end(epoch, logs))
+        self._each(lambda cb: cb.on_epoch_end(epoch, logs), lambda: self.before_writers(None))
 
     def on_train_batch_end(self, step: int, logs: Logs) -> None:
-        self._each(lambda cb: cb.on_train_batch_end(step, logs))
+        self._each(lambda cb: cb.on_train_batch_end(step, logs), lambda: self.before_writers(logs))
 
 
 class History(Callback):

@@ -53,24 +53,27 @@ def read(
 ) -> ResumePoint:
     """Load a checkpoint into ``model`` and ``optimizer`` (RNG states too) and say where its
     run stood; ``steps``: batches per epoch (0 where a loader has no length)."""
-    # Whether the ranks draw differently now (seeded per rank), before the load sets them.
-    differ = distributed.world_size() > 1 and not _all_equal(
-        distributed.all_gather_object(rng_state())
-    )
+    # The generators the ranks draw differently from now, before the load sets them: on
+    # rank 0, which alone warns (None elsewhere and outside torchrun).
+    size = distributed.world_size()
+    now = distributed.gather_object(rng_state()) if size > 1 else None
     state = load_checkpoint(path, model, optimizer, restore_rng=True).trainer_state
     ranks = state.get("rank_rng")
-    own = isinstance(ranks, list) and len(ranks) == distributed.world_size()
-    if differ and not own and distributed.is_main_process():
+    own = isinstance(ranks, list) and len(ranks) == size > 1
+    differ = _differing(now) if now else []
+    if differ and not own:
         held = f"{len(ranks)} ranks' states" if isinstance(ranks, list) else "one state"
+        masks = " (dropout masks)" if {"torch", "cuda"} & set(differ) else ""
         warn(
-            f"resume: the ranks' random states differ (seeded per rank), and {path} holds "
-            f"{held} for {distributed.world_size()} ranks now: every rank takes rank 0's, so "
-            "they draw the same random numbers (dropout masks) from here. ModelCheckpoint's "
-            "checkpoints hold every rank's"
+            f"resume: the ranks' {', '.join(differ)} random states differ, and {path} holds "
+            f"{held} for {size} ranks now: every rank takes rank 0's, so they draw the same "
+            f"random numbers{masks} from here. ModelCheckpoint's checkpoints hold every rank's"
         )
     global_step = int(state.get("global_step", 0))
     epoch, skip = int(state.get("epoch", 0)), int(state.get("step_in_epoch", 0))
     replay, callbacks = state.get("epoch_rng"), dict(state.get("callbacks") or {})
+    if own and distributed.rank() > 0:  # this rank's own (a loader shuffling per rank)
+        replay = ranks[distributed.rank()].get("epoch_order", replay)  # type: ignore[index]
     done = state.get("epoch_done")
     if done is None:  # written before checkpoints said so: inferred from the counts
         done = replay is not None and bool(steps) and skip >= steps
@@ -82,29 +85,33 @@ def read(
 
 
 class RankRng:
-    """Every rank's RNG states where rank 0 may write a checkpoint next (an epoch's end, a
-    step checkpoint's step), for ``resume_state``: a resume gives each rank its own back
-    (``load_checkpoint``). Held only where they differ (ranks seeded per rank): equal
-    states are rank 0's, which every checkpoint holds."""
+    """Every rank's RNG states, and the state its epoch's order was drawn from, where rank 0
+    may write a checkpoint next (an epoch's end, a step checkpoint's step, after the
+    callbacks that write nothing ran), for ``resume_state``: a resume gives each rank its
+    own back (``load_checkpoint``, ``read``). Held on rank 0 only where they differ (ranks
+    seeded per rank; Python's and NumPy's generators, unless seeded, differ per process)."""
 
     def __init__(self) -> None:
         self._at: tuple[int, ...] | None = None
         self._states: list[dict[str, Any]] | None = None
 
-    def gather(self, at: tuple[int, ...]) -> None:
-        """At position ``at``: one collective on every rank; nothing outside torchrun."""
+    def gather(self, at: tuple[int, ...], epoch_order: torch.Tensor) -> None:
+        """At position ``at``: one collective on every rank, to rank 0; nothing outside
+        torchrun."""
         if distributed.world_size() == 1:
             return
-        states = distributed.all_gather_object(rng_state())
-        self._at, self._states = at, None if _all_equal(states) else states
+        states = distributed.gather_object({**rng_state(), "epoch_order": epoch_order})
+        self._at, self._states = at, None if not states or not _differing(states) else states
 
     def at(self, at: tuple[int, ...]) -> list[dict[str, Any]] | None:
         """The states gathered at ``at``; ``None`` where none were, or all are equal."""
         return self._states if self._at == at else None
 
 
-def _all_equal(states: list[Any]) -> bool:
-    return all(_same(s, states[0]) for s in states[1:])
+def _differing(states: list[dict[str, Any]]) -> list[str]:
+    """The generators (keys) whose states are not the same in every one of ``states``."""
+    first = states[0]
+    return [k for k in first if not all(_same(s.get(k), first[k]) for s in states[1:])]
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -40,13 +40,18 @@ from mixprec.train.step import build_train_step, model_output
 from mixprec.train.warn import warn
 
 
-def _sync_if_checkpoint_due(trainer: Trainer, meter: EpochMeter, applied: bool) -> None:
-    """Under torchrun, every rank's epoch sums and RNG states before a step checkpoint that
-    rank 0 writes next (its resume then counts every rank's share of the epoch so far, and
-    gives each rank its own random state)."""
-    if applied and any(trainer.global_step % n == 0 for n in trainer._sync_cadences):
-        meter.sync()
-        trainer._rank_rng.gather(_position(trainer))
+def _step_checkpoint_due(trainer: Trainer, applied: bool) -> bool:
+    """Whether rank 0 may write a step checkpoint after this step, agreed on every rank
+    (the cadences are; empty outside torchrun)."""
+    return applied and any(trainer.global_step % n == 0 for n in trainer._sync_cadences)
+
+
+def _gather_rank_rng(trainer: Trainer, batch_logs: Logs | None) -> None:
+    """Under torchrun, before the checkpoint writers of an epoch's end (``None``) or of a
+    step checkpoint's step: every rank's RNG states as they are then, so that a resume
+    gives each rank its own."""
+    if batch_logs is None or _step_checkpoint_due(trainer, batch_logs["applied"]):
+        trainer._rank_rng.gather(_position(trainer), trainer._epoch_rng)
 
 
 def _position(trainer: Trainer) -> tuple[int, ...]:
@@ -234,6 +239,7 @@ class Trainer:
         if not distributed.is_main_process():  # bars, logs and checkpoints on rank 0 only
             chosen = [cb for cb in chosen if not getattr(cb, "rank_zero_only", False)]
         cbs = CallbackList(chosen)
+        cbs.before_writers = functools.partial(_gather_rank_rng, self)
         cbs.set_trainer(self)
         self.stop_training = False
         cbs.on_train_begin({"epochs": epochs, "steps": steps, "initial_epoch": point.epoch})
@@ -253,7 +259,6 @@ class Trainer:
             if validation_data is not None:
                 val = self.evaluate(*validation_data, batch_size=batch_size)
                 logs.update({f"val_{k}": v for k, v in val.items()})
-            self._rank_rng.gather(_position(self))  # where ModelCheckpoint may write
             cbs.on_epoch_end(epoch, logs)
             if self.stop_training:
                 break
@@ -308,7 +313,8 @@ class Trainer:
                 if not result.accumulating:
                     self._watch.observe(result, self.optimizer.loss_scaler, loss_value)
                 meter.add(result, loss_value, elapsed, self.step.last_output, yb)
-                _sync_if_checkpoint_due(self, meter, applied)
+                if _step_checkpoint_due(self, applied):  # rank 0 writes its resume next:
+                    meter.sync()  # the sums of every rank's share of the epoch so far
                 cbs.on_train_batch_end(
                     step,
                     {
