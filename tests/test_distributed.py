@@ -141,9 +141,12 @@ def test_ranks_with_different_data_sizes_fail_on_every_rank_with_a_clear_error(r
     assert r0["message"] == r1["message"]
     assert r0["message"].startswith(
         "fit()'s data sizes differ between ranks (rank 0: samples_or_batches=64, batch_size=16, "
-        "epochs=1, validation_samples=-1; rank 1: samples_or_batches=48, "
+        "epochs=1, validation_samples=-1, resume_from=0; rank 1: samples_or_batches=48, "
     )
     assert "every rank must pass the same global data, batch_size and epochs" in r0["message"]
+    assert r0["resumed-alone"] == r1["resumed-alone"]
+    assert "validation_samples=-1, resume_from=1; rank 1: " in r0["resumed-alone"]
+    assert r0["resumed-alone"].endswith("and resume_from on every rank or none")
 
 
 def test_trainer_under_torchrun_checkpoints_and_resumes(runs):

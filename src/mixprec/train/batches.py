@@ -292,10 +292,13 @@ def rank_share(x: Any, y: Any) -> tuple[Any, Any]:
     return xt[mine], yt[mine]
 
 
-def check_ranks_agree(x: Any, y: Any, batch_size: int, epochs: int, validation_data: Any) -> None:
-    """Under torchrun every rank must pass the same data sizes: ranks with different
-    numbers of steps would run different collectives and die in the backend's raw
-    "collective mismatch" abort, on one rank and after a timeout."""
+def check_ranks_agree(
+    x: Any, y: Any, batch_size: int, epochs: int, validation_data: Any, resuming: bool = False
+) -> None:
+    """Under torchrun every rank must pass the same data sizes, and resume or not alike:
+    ranks with different numbers of steps (or one resuming alone) would run different
+    collectives and die in the backend's raw "collective mismatch" abort, on one rank and
+    after a timeout."""
     if distributed.world_size() == 1:
         return
     # Samples (tensors and arrays, checked by validate) or a loader's batches.
@@ -304,12 +307,14 @@ def check_ranks_agree(x: Any, y: Any, batch_size: int, epochs: int, validation_d
         "batch_size": -1 if y is None else batch_size,
         "epochs": epochs,
         "validation_samples": -1 if validation_data is None else length(validation_data[0]),
+        "resume_from": int(resuming),
     }
     distributed.check_same_on_every_rank(
         "fit()'s data sizes",
         sizes,
         "every rank must pass the same global data, batch_size and epochs (the Trainer "
-        "deals each rank its share), or loaders of the same length",
+        "deals each rank its share), or loaders of the same length, and resume_from on "
+        "every rank or none",
     )
 
 
