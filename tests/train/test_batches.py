@@ -98,7 +98,7 @@ def test_rank_agreement_reads_loaders_without_a_length(monkeypatch):
     listed = [(x, y) for x, y in loader]
     batches.check_ranks_agree(loader, None, 32, 2, (listed, None))
     assert seen == [{"samples_or_batches": -1, "batch_size": -1, "epochs": 2,
-                     "validation_samples": 4}]  # fmt: skip
+                     "validation_samples": 4, "resume_from": 0}]  # fmt: skip
 
 
 # -- float targets are checked as features are ---------------------------------------------
