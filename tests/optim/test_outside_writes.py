@@ -332,3 +332,88 @@ def test_a_weights_only_load_gives_the_masters_the_files_float32_values(tmp_path
     with torch.no_grad():
         model[0].weight.add_(1.0)  # a later write without float32 values: the weight wins
     assert torch.equal(opt.state_dict()["master_weights"][0], model[0].weight.float())
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_a_group_added_to_the_inner_optimizer_gets_masters_and_unscaled_gradients(policy):
+    """``inner.add_param_group`` on the optimizer kept from before the wrap: its 16-bit
+    weights stepped with no master and, in float16, with gradients still multiplied by
+    the loss scale (max |w| 0.25 -> 1305 in one step), without a word."""
+
+    def run(mixed: bool) -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+        if mixed:
+            model = mp.auto_mixed_precision(model, policy, "O2")
+        inner = torch.optim.SGD(model[0].parameters(), lr=0.05)
+        opt = mp.LossScaleOptimizer(inner) if mixed else inner
+        x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+        for i in range(6):
+            if i == 3:
+                inner.add_param_group({"params": model[2].parameters()})
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x).float(), y)
+            opt.backward(loss) if mixed else loss.backward()
+            opt.step()
+        if mixed:
+            assert any(w is model[2].weight for w, _ in opt.master_weights())
+        return model
+
+    control, mixed = run(False), run(True)
+    torch.manual_seed(0)
+    untrained = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))[2].weight
+    assert (control[2].weight - untrained).abs().max() > 0.01  # the head did train
+    with torch.no_grad():
+        moved = (control[2].weight - mixed[2].weight.float()).abs().max()
+    assert moved < 2e-3, moved  # 16-bit rounding of weights of ~0.25, and of the forward
+
+
+def test_apply_gradients_with_accumulation_is_refused():
+    """``get_scaled_loss`` divides by ``accumulation_steps`` and ``apply_gradients``
+    applied every call: 1/N of each gradient, every step, silently."""
+    model = _o2()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=4)
+    params = [p for p in model.parameters()]
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    grads = torch.autograd.grad(opt.get_scaled_loss(F.cross_entropy(model(x).float(), y)), params)
+    with pytest.raises(mp.MisuseError, match=r"accumulation_steps=4 is for backward\(\) and step"):
+        opt.apply_gradients(zip(opt.get_unscaled_gradients(grads), params, strict=True))
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_apex_style_clipping_of_master_params_after_backward_clips(policy):
+    """``clip_grad_norm_(opt.master_params(), max)`` right after the backward, as Apex's
+    ``amp.master_params`` is used: the masters' gradients were None until ``step()``, the
+    clip returned 0 and clipped nothing, silently."""
+
+    def run(mixed: bool) -> tuple[nn.Module, list[float]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+        if mixed:
+            model = mp.auto_mixed_precision(model, policy, "O2")
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = mp.LossScaleOptimizer(inner, accumulation_steps=2) if mixed else inner
+        x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+        norms = []
+        for _ in range(3):
+            opt.zero_grad()
+            for xb, yb in ((x[:16], y[:16]), (x[16:], y[16:])):
+                loss = F.cross_entropy(model(xb).float(), yb) / (1 if mixed else 2)
+                if mixed:
+                    opt.backward(loss)
+                    if opt.pending_micro_steps:  # mid-group: nothing to clip yet, no unscale
+                        assert all(p.grad is None for p in list(opt.master_params())[:4:2])
+                else:
+                    loss.backward()
+            params = opt.master_params() if mixed else model.parameters()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm=0.01)))
+            opt.step()
+        return model, norms
+
+    (control, control_norms), (mixed, mixed_norms) = run(False), run(True)
+    assert mixed_norms == pytest.approx(control_norms, rel=0.02)
+    assert min(control_norms) > 0.1  # the clip did act
+    with torch.no_grad():
+        moved = max((a - b.float()).abs().max() for a, b in zip(
+            control.parameters(), mixed.parameters(), strict=True))  # fmt: skip
+    assert moved < 3e-3, moved

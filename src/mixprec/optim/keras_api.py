@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mixprec._dtypes import HALF_DTYPES
-from mixprec._errors import ArgumentError
+from mixprec._errors import ArgumentError, MisuseError
 from mixprec.optim.checks import SetupCheck, watch_health
 from mixprec.optim.masters import MasterWeights
 from mixprec.optim.step_result import StepResult
@@ -45,6 +45,8 @@ class KerasMethods:
     if TYPE_CHECKING:
 
         def _finish(self) -> StepResult: ...
+
+        def _adopt_added_groups(self) -> None: ...
 
     def get_scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * scale / accumulation_steps`` (Keras ``get_scaled_loss``; the division
@@ -81,10 +83,22 @@ class KerasMethods:
         self, grads_and_vars: Iterable[tuple[torch.Tensor | None, torch.Tensor]]
     ) -> StepResult:
         """Apply already unscaled gradients (Keras ``apply_gradients``): check them, clip,
-        apply or skip, update the scale."""
+        apply or skip, update the scale. Every call applies: with ``accumulation_steps``
+        above 1 it is refused (``get_scaled_loss`` divides by it, so each call would apply
+        a fraction of the gradient)."""
+        if self.accumulation_steps > 1:
+            raise MisuseError(
+                f"apply_gradients applies the gradients it is given at every call, and "
+                f"accumulation_steps={self.accumulation_steps} is for backward() and step() "
+                "(get_scaled_loss divides the loss by it, so each call would apply "
+                f"1/{self.accumulation_steps} of its gradient): accumulate the gradients "
+                "yourself and apply their mean with accumulation_steps=1, or use "
+                "opt.backward(loss) and opt.step()"
+            )
         if self._setup.pending:
             self._setup.run(self._weights, self._loss_scaler)
         pairs = list(grads_and_vars)
+        self._adopt_added_groups()
         weights = self._weights
         weights.follow_external_writes()
         for p in weights.half + weights.plain:

@@ -33,6 +33,7 @@ from mixprec.optim.checks import (
 from mixprec.optim.deferred import Deferred, device_tail, on_device
 from mixprec.optim.direct import FusedStep
 from mixprec.optim.fused import _fuse, _unfuse_sparse, needs_scaling
+from mixprec.optim.groups import GroupAdoption
 from mixprec.optim.host_step import host_step
 from mixprec.optim.keras_api import KerasMethods, keras_scaler
 from mixprec.optim.masters import MasterWeights, warn_if_eps_vanishes
@@ -85,10 +86,12 @@ class _Bookkeeping:
     said_no_grads: bool = False  # the no-gradient step was warned about (once)
     # The inner optimizers' steps as direct fused-kernel calls (host_step uses them).
     fused: list[FusedStep] = field(default_factory=list)
+    # How many param groups of each inner optimizer were adopted (masters, fusing).
+    groups: list[int] = field(default_factory=list)
 
 
 class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes as views
-    KerasMethods, StateDictMethods, InnerViews, StepHooks, torch.optim.Optimizer
+    KerasMethods, StateDictMethods, GroupAdoption, InnerViews, StepHooks, torch.optim.Optimizer
 ):
     """Wrap ``optimizer`` for mixed precision training.
 
@@ -155,6 +158,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         for inner in self.optimizers:
             for group in inner.param_groups:
                 _fuse(inner, group)
+        groups = [len(inner.param_groups) for inner in self.optimizers]
         model_params = self._weights.model_params()
         # Where found_inf lives when no parameter has a gradient (a rank with none).
         self._device = model_params[0].device if model_params else None
@@ -163,7 +167,9 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             DynamicLossScaler() if needs_scaling(model_params) else NoOpLossScaler()
         )
         self._book = _Bookkeeping(
-            Deferred(self._folded), fused=[FusedStep(inner) for inner in self.optimizers]
+            Deferred(self._folded),
+            fused=[FusedStep(inner) for inner in self.optimizers],
+            groups=groups,
         )
         self._decide_host_path()
         self.health: ScalerHealth | None = ScalerHealth()
@@ -173,19 +179,6 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             guard_saves(model)
 
     # -- parameters -------------------------------------------------------------------------
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        group = dict(param_group)
-        params = group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        group["params"] = self._weights.adopt(self.optimizer, params, "param_group")
-        self.optimizer.add_param_group(group)
-        where = (
-            f"{type(self.optimizer).__name__} param_groups[{len(self.optimizer.param_groups) - 1}]"
-        )
-        warn_if_eps_vanishes(self.optimizer.param_groups[-1], where)
-        _fuse(self.optimizer, self.optimizer.param_groups[-1])
-        self._decide_host_path()
 
     def _decide_host_path(self) -> None:
         weights = self._weights
@@ -222,10 +215,17 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         return list(zip(self._weights.half, self._weights.masters, strict=True))
 
     def master_params(self) -> Iterator[torch.Tensor]:
-        """The tensors the inner optimizer updates (float32 masters and plain parameters);
-        after ``unscale_()`` their ``.grad`` holds the unscaled gradients."""
-        for group in self.param_groups:
-            yield from group["params"]
+        """The tensors the inner optimizer updates (float32 masters and plain parameters),
+        their ``.grad`` the unscaled gradients once ``unscale_()`` ran. Called after the
+        backward that ends an accumulation group and before ``unscale_()`` or ``step()``,
+        it unscales first, as Apex's masters hold unscaled gradients once its backward
+        ends: ``clip_grad_norm_(opt.master_params(), max)`` then clips what the step
+        applies (the masters' gradients were ``None`` until then, and the clip did
+        nothing)."""
+        book = self._book
+        if book.fresh and book.found_inf is None and book.micro >= self.accumulation_steps:
+            self.unscale_()
+        return iter([p for group in self.param_groups for p in group["params"]])
 
     # -- gradients --------------------------------------------------------------------------
 
@@ -237,6 +237,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         """Clear the model's gradients, except between the micro-batches of an accumulation."""
         if 0 < self._book.micro < self.accumulation_steps:
             return
+        self._adopt_added_groups()  # their gradients are cleared too, as the inner's would be
         self._weights.zero_grad(set_to_none)
 
     def unscale_(self, factor: float = 1.0) -> None:
@@ -265,6 +266,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             self._book.unscaled_versions = grad_versions(self._weights.half)
 
     def _unscale(self, factor: float = 1.0) -> None:
+        self._adopt_added_groups()
         self._weights.follow_external_writes()
         self._weights.load_master_grads()
         grads = self._weights.step_grads()
@@ -287,6 +289,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         self._book.fresh = False
         if self._book.micro < self.accumulation_steps:
             return StepResult(False, False, self._loss_scaler.get_scale(), accumulating=True)
+        self._adopt_added_groups()
         if self._book.unscaled_versions is not None:
             say_if_half_grads_changed(self._book.unscaled_versions, self._weights.half)
             self._book.unscaled_versions = None

@@ -114,7 +114,8 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
             lso.load_state_dict(self._pending.pop(0))
         # Backward passes made before Fabric showed us this optimizer (the first step) left
         # gradients scaled by the shared scale: count them as the step's micro-batch.
-        waiting = any(p.grad is not None for p in lso.master_params()) or any(
+        held = (p for group in lso.param_groups for p in group["params"])  # no unscale
+        waiting = any(p.grad is not None for p in held) or any(
             half.grad is not None for half, _ in lso.master_weights()
         )
         if waiting and self._last_loss is not None:
