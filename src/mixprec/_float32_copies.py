@@ -1,17 +1,25 @@
 """The float32 values a parameter had before ``auto_mixed_precision`` stored it in 16 bits,
 kept on the parameter until its optimizer takes them as the master's starting values (or
 ``to_float``/``upcast_16bit`` takes them back), so that no master starts from rounded values.
+A float32 value loaded into a 16-bit parameter (``model.load_state_dict`` of a float32
+checkpoint) is kept the same way (``keep_float32_on_load``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
+from torch import nn
+
+from mixprec._dist import is_dtensor
+from mixprec._dtypes import HALF_DTYPES
 
 __all__ = [
     "FP32_COPY_ATTR",
     "current_float32_copy",
+    "keep_float32_on_load",
     "release_float32_copies",
     "remember_float32",
     "take_float32_copy",
@@ -70,3 +78,51 @@ def release_float32_copies(model: torch.nn.Module) -> int:
         if isinstance(kept, Float32Copy):
             released += kept.values.numel() * kept.values.element_size()
     return released
+
+
+_HOOKED = "_mixprec_keeps_float32_on_load"
+_LOADING = "_mixprec_float32_loading"
+
+
+def keep_float32_on_load(module: nn.Module) -> None:
+    """Hook ``module``'s ``load_state_dict`` (once): a float32 value loaded into one of its
+    own 16-bit parameters is kept as that parameter's float32 copy, so that its master
+    starts from it, or follows the load with it (``follow_external_writes``), rather than
+    from the rounded weight. The hooks are module-level functions: the module still
+    pickles and deep-copies."""
+    if module.__dict__.get(_HOOKED):
+        return
+    module.__dict__[_HOOKED] = True
+    public = getattr(module, "register_load_state_dict_pre_hook", None)
+    if public is not None:
+        public(_note_float32_values)
+    else:  # torch 2.4: the private form, with the module passed first as well
+        module._register_load_state_dict_pre_hook(_note_float32_values, with_module=True)
+    module.register_load_state_dict_post_hook(_keep_noted_values)
+
+
+def _note_float32_values(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any
+) -> None:
+    """Before the copy: the float32 values the load brings for the module's own 16-bit
+    parameters."""
+    noted = {}
+    for name, param in module._parameters.items():
+        if param is None or param.dtype not in HALF_DTYPES or is_dtensor(param):
+            continue
+        value = state_dict.get(prefix + name)
+        if not isinstance(value, torch.Tensor) or is_dtensor(value):
+            continue
+        if value.dtype == torch.float32 and value.shape == param.shape:
+            noted[name] = value
+    if noted:
+        module.__dict__[_LOADING] = noted
+
+
+def _keep_noted_values(module: nn.Module, incompatible_keys: Any) -> None:
+    """After the copy into the weights (whose versions it changed): a copy kept now is
+    current, and ``current_float32_copy`` still uses it only where it rounds to the weight."""
+    for name, value in module.__dict__.pop(_LOADING, {}).items():
+        param = module._parameters.get(name)
+        if param is not None and param.dtype in HALF_DTYPES and value.shape == param.shape:
+            remember_float32(param, value.to(param.device))

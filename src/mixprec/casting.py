@@ -28,7 +28,12 @@ from torch.overrides import TorchFunctionMode
 from mixprec._device import autocast_available
 from mixprec._dtypes import HALF_DTYPES, parse_dtype
 from mixprec._errors import ArgumentError
-from mixprec._float32_copies import FP32_COPY_ATTR, Float32Copy, take_float32_copy
+from mixprec._float32_copies import (
+    FP32_COPY_ATTR,
+    Float32Copy,
+    keep_float32_on_load,
+    take_float32_copy,
+)
 from mixprec._output_sources import remember_source
 from mixprec._param_tags import tag
 from mixprec._upcast_saves import keep_16bit_sources
@@ -372,6 +377,8 @@ def store_as(
                 copies.append((t, record))
         return t.to(dtype)
 
+    hooked: list[nn.Module] = []
+
     modules = module.modules() if recurse else iter([module])
     for sub in modules:
         if skip(sub):
@@ -384,9 +391,14 @@ def store_as(
 
         # Module._apply keeps Parameter objects (it assigns .data) and lets modules such as
         # RNNs refresh their derived state after the change.
+        before = len(copies)
         sub._apply(apply, recurse=False)
+        if len(copies) > before:
+            hooked.append(sub)
     for param, record in copies:
         record.version = param._version
+    for sub in hooked:  # a float32 checkpoint loaded later keeps its values for the masters
+        keep_float32_on_load(sub)
 
 
 def upcast_16bit(module: nn.Module) -> list[tuple[str, torch.dtype, bool]]:

@@ -417,3 +417,23 @@ def test_apex_style_clipping_of_master_params_after_backward_clips(policy):
         moved = max((a - b.float()).abs().max() for a, b in zip(
             control.parameters(), mixed.parameters(), strict=True))  # fmt: skip
     assert moved < 3e-3, moved
+
+
+@pytest.mark.parametrize("when", ["before the optimizer", "after the optimizer"])
+def test_a_float32_state_dict_loaded_into_a_prepared_model_starts_the_masters(when):
+    """``model.load_state_dict(float32_state)`` into an O2 model, the ordinary torch habit
+    for pretrained weights: the masters started from (or followed) the 16-bit rounding."""
+    torch.manual_seed(5)
+    values = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).state_dict()  # float32
+    model = _o2()
+    if when == "before the optimizer":
+        model.load_state_dict(values)
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+    if when == "after the optimizer":
+        _train(model, opt)
+        model.load_state_dict(values)
+    masters = opt.state_dict()["master_weights"]  # a save takes the writes since the step
+    expected = [values[k] for k in ("0.weight", "0.bias", "1.weight", "1.bias")]
+    assert all(torch.equal(m, v) for m, v in zip(masters, expected, strict=True))
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in expected)  # digits to lose
+    copy.deepcopy(model).load_state_dict(values)  # the hooks travel with a copy
