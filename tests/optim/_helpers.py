@@ -87,8 +87,9 @@ def aten_ops(step) -> Counter[str]:
 
 def step_ops_against_plain(opt, model, plain_opt, plain) -> tuple[Counter[str], Counter[str]]:
     """The outermost aten ops of ``opt.step`` and of the plain optimizer's step, on their
-    second step (the first creates the optimizer state), each after its own backward."""
-    for _ in range(2):
+    third step (the first creates the optimizer state; the second is the one that looks
+    for writes through ``.data``), each after its own backward."""
+    for _ in range(3):
         plain_opt.zero_grad()
         loss_of(plain).backward()
         opt.zero_grad()

@@ -437,3 +437,30 @@ def test_a_float32_state_dict_loaded_into_a_prepared_model_starts_the_masters(wh
     assert all(torch.equal(m, v) for m, v in zip(masters, expected, strict=True))
     assert any(not torch.equal(v, v.bfloat16().float()) for v in expected)  # digits to lose
     copy.deepcopy(model).load_state_dict(values)  # the hooks travel with a copy
+
+
+@pytest.mark.parametrize("through_data", [True, False])
+def test_a_write_through_data_is_said_at_the_second_step(through_data):
+    """WGAN's ``p.data.clamp_(-c, c)`` after each step: the version counters do not move,
+    so the next copy-back from the masters undid the clamp at every step, silently. A
+    write on the weight itself is followed into its master, and nothing is said."""
+    model = _o2()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            _train(model, opt)
+            for p in model.parameters():
+                if through_data:
+                    p.data.clamp_(-0.01, 0.01)
+                else:
+                    with torch.no_grad():
+                        p.clamp_(-0.01, 0.01)
+    said = [str(w.message) for w in seen if "written through .data" in str(w.message)]
+    masters = opt.state_dict()["master_weights"]
+    if through_data:
+        assert len(said) == 1 and said[0].startswith("4 16-bit weight(s) moved")
+        assert max(float(m.abs().max()) for m in masters) > 0.1  # undone: what it says
+    else:
+        assert said == []
+        assert max(float(m.abs().max()) for m in masters) <= 0.0101

@@ -27,6 +27,7 @@ from mixprec.trace import model_of
 
 __all__ = ["MasterWeights", "float32_values", "needs_master"]
 
+
 # 16-bit weight -> the float32 master of the latest LossScaleOptimizer over it, weakly: a
 # new optimizer over the same model (a second fit, a later phase of training) starts from
 # it while it lives, rather than from the rounded weight. A master that is gone is said.
@@ -102,6 +103,10 @@ class MasterWeights:
         self.saw_sparse = False  # a sparse gradient was seen (fused groups then step unfused)
         self.lost = 0  # weights whose earlier master is gone: they start from their rounding
         self.state_view: Any = None  # LossScaleOptimizer.state's StateView, made at first use
+        # Whether a step has looked for external writes (followed), and whether the look
+        # for writes the version counters miss was made (at the second step).
+        self.followed = False
+        self.data_checked = False
 
     def adopt(
         self, inner: torch.optim.Optimizer, params: list[torch.Tensor], where: str
@@ -179,6 +184,37 @@ class MasterWeights:
                         same = (m.to(p.dtype) == p).all()
                         m.copy_(torch.where(same, m, p.float()))
             self.versions = versions
+        if not self.data_checked:
+            self.data_checked = self.followed  # from the second step: one copy-back before
+            self.followed = True
+            if self.data_checked:
+                self._say_writes_through_data()
+
+    def _say_writes_through_data(self) -> None:
+        """Once, at the second step: 16-bit weights that moved away from their masters by
+        more than rounding with their version counters unchanged, written through
+        ``.data`` since the first step's copy-back (WGAN's ``p.data.clamp_(-c, c)``), which
+        the copy-back undoes at every step. Said, not followed: later steps do not look
+        (one comparison of every weight and a host read, once in a run), and a compiled
+        step's copy-back may round a weight an ulp away from its master."""
+        pairs = [(p, m) for p, m in zip(self.half, self.masters, strict=True) if not is_dtensor(p)]
+        if not pairs:
+            return
+        with torch.no_grad():
+            flags = []
+            for p, m in pairs:
+                ulp = torch.finfo(p.dtype).eps
+                tiny = torch.finfo(p.dtype).tiny
+                flags.append(((p.float() - m).abs() > 2 * ulp * m.abs() + tiny).any())
+            moved = sum(torch.stack(flags).tolist())
+        if moved:
+            warn_at_caller(
+                f"{moved} 16-bit weight(s) moved since the last step with their version "
+                "counters unchanged: written through .data (p.data.clamp_(...), say), which "
+                "the next step's copy-back from the float32 masters undoes, at every step. "
+                "Write on the weight itself under torch.no_grad() (p.clamp_(...)): the "
+                "optimizer then follows the write into the master"
+            )
 
     def copy_back(self) -> None:
         """The masters into the 16-bit weights (one multi-tensor copy), whose versions are
