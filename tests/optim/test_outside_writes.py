@@ -464,3 +464,24 @@ def test_a_write_through_data_is_said_at_the_second_step(through_data):
     else:
         assert said == []
         assert max(float(m.abs().max()) for m in masters) <= 0.0101
+
+
+def test_a_global_policy_over_an_unprepared_model_is_said():
+    """Keras' habit: ``set_global_policy("mixed_float16")``, then a model and a
+    ``LossScaleOptimizer``. torch's layers do not read the policy: the model trained in
+    float32 (with loss scaling taken from the policy), and nothing said so."""
+    mp.set_global_policy("mixed_float16")
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    for prepare in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        if prepare:
+            model = mp.auto_mixed_precision(model)  # the global policy is its default
+        opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            opt.backward(F.cross_entropy(model(x).float(), y))
+        said = [str(w.message) for w in seen if "global policy" in str(w.message)]
+        assert len(said) == (0 if prepare else 1), said
+        if not prepare:
+            assert "'mixed_float16'" in said[0] and "mp.auto_mixed_precision(model)" in said[0]

@@ -28,6 +28,7 @@ from mixprec.casting import POLICY_ATTR
 from mixprec.optim.fused import needs_scaling
 from mixprec.optim.masters import MasterWeights, needs_master
 from mixprec.optim.step_result import DeviceFlag, StepResult
+from mixprec.policy import global_policy
 from mixprec.scaling import LossScaler, NoOpLossScaler
 from mixprec.scaling.health import ScalerHealth, scale_floor
 
@@ -87,6 +88,25 @@ class SetupCheck:
                 f"scaler are decided when it is built: {_ORDER}"
             )
         self.pending = False
+        _say_if_global_policy_unused(params)
+
+
+def _say_if_global_policy_unused(params: list[torch.Tensor]) -> None:
+    """A 16-bit global policy (Keras' ``set_global_policy``) over parameters of no prepared
+    model: torch's layers do not read it as Keras' layers do, so the model trains in
+    float32 (with the policy's loss scaling, which ``needs_scaling`` still takes from it)."""
+    policy = global_policy()
+    if policy.compute_dtype == torch.float32 or not params:
+        return
+    if any(hasattr(p, POLICY_ATTR) or p.dtype != torch.float32 for p in params):
+        return
+    warn_at_caller(
+        f"the global policy {policy.name!r} (mp.set_global_policy) is in effect, and this "
+        "optimizer's parameters belong to no model prepared for it: the model computes in "
+        "float32. torch's layers do not read the global policy as Keras' layers do; it "
+        "applies when a model is prepared: model = mp.auto_mixed_precision(model) (the "
+        "global policy is its default), before building the optimizer, or mp.Trainer"
+    )
 
 
 def no_gradients(book: _Bookkeeping, scale: float) -> StepResult:
