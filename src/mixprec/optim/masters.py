@@ -205,7 +205,9 @@ class MasterWeights:
             for p, m in pairs:
                 ulp = torch.finfo(p.dtype).eps
                 tiny = torch.finfo(p.dtype).tiny
-                flags.append(((p.float() - m).abs() > 2 * ulp * m.abs() + tiny).any())
+                # A float16 weight past 65504 is inf beside its finite master: no write.
+                far = (p.float() - m).abs() > 2 * ulp * m.abs() + tiny
+                flags.append((far & torch.isfinite(p)).any())
             moved = sum(torch.stack(flags).tolist())
         if moved:
             warn_at_caller(
