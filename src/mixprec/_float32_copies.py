@@ -125,4 +125,5 @@ def _keep_noted_values(module: nn.Module, incompatible_keys: Any) -> None:
     for name, value in module.__dict__.pop(_LOADING, {}).items():
         param = module._parameters.get(name)
         if param is not None and param.dtype in HALF_DTYPES and value.shape == param.shape:
-            remember_float32(param, value.to(param.device))
+            remember_float32(param, value)  # where the load's value lies (host memory,
+            # mostly): current_float32_copy moves it when a master is made from it

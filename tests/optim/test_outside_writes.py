@@ -381,12 +381,13 @@ def test_apply_gradients_with_accumulation_is_refused():
 
 
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-def test_apex_style_clipping_of_master_params_after_backward_clips(policy):
-    """``clip_grad_norm_(opt.master_params(), max)`` right after the backward, as Apex's
-    ``amp.master_params`` is used: the masters' gradients were None until ``step()``, the
-    clip returned 0 and clipped nothing, silently."""
+def test_master_params_before_unscale_is_said_and_clipping_after_it_clips(policy):
+    """Apex's ``clip_grad_norm_(amp.master_params(opt), max)`` right after the backward:
+    the masters' gradients are None until ``unscale_()``, so the clip returned 0 and
+    clipped nothing, silently. Now said once; with ``unscale_()`` first it clips what
+    the step applies, as a float32 run does."""
 
-    def run(mixed: bool) -> tuple[nn.Module, list[float]]:
+    def run(mixed: bool) -> tuple[nn.Module, list[float], list[str]]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
         if mixed:
@@ -395,28 +396,68 @@ def test_apex_style_clipping_of_master_params_after_backward_clips(policy):
         opt = mp.LossScaleOptimizer(inner, accumulation_steps=2) if mixed else inner
         x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
         norms = []
-        for _ in range(3):
-            opt.zero_grad()
-            for xb, yb in ((x[:16], y[:16]), (x[16:], y[16:])):
-                loss = F.cross_entropy(model(xb).float(), yb) / (1 if mixed else 2)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                opt.zero_grad()
+                for xb, yb in ((x[:16], y[:16]), (x[16:], y[16:])):
+                    loss = F.cross_entropy(model(xb).float(), yb) / (1 if mixed else 2)
+                    opt.backward(loss) if mixed else loss.backward()
                 if mixed:
-                    opt.backward(loss)
-                    if opt.pending_micro_steps:  # mid-group: nothing to clip yet, no unscale
-                        assert all(p.grad is None for p in list(opt.master_params())[:4:2])
-                else:
-                    loss.backward()
-            params = opt.master_params() if mixed else model.parameters()
-            norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm=0.01)))
-            opt.step()
-        return model, norms
+                    list(opt.master_params())  # before unscale_(): said, once
+                    opt.unscale_()
+                params = opt.master_params() if mixed else model.parameters()
+                norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm=0.01)))
+                opt.step()
+        said = [str(w.message) for w in seen if "before unscale_()" in str(w.message)]
+        return model, norms, said
 
-    (control, control_norms), (mixed, mixed_norms) = run(False), run(True)
+    (control, control_norms, _), (mixed, mixed_norms, said) = run(False), run(True)
+    assert len(said) == 1 and "clips nothing that the step applies" in said[0]
     assert mixed_norms == pytest.approx(control_norms, rel=0.02)
     assert min(control_norms) > 0.1  # the clip did act
     with torch.no_grad():
         moved = max((a - b.float()).abs().max() for a, b in zip(
             control.parameters(), mixed.parameters(), strict=True))  # fmt: skip
     assert moved < 3e-3, moved
+
+
+def test_unscaled_gradients_dropped_by_zero_grad_take_their_unscale_with_them():
+    """``unscale_()`` (to log a norm), then ``zero_grad()`` to skip the batch, then a new
+    backward and step: the step skipped its own unscale, and a float32 weight took the new
+    gradient still multiplied by the loss scale (it moved by 99 where it should move by
+    1e-3). A backward after ``unscale_()`` without ``zero_grad()`` is refused."""
+    torch.manual_seed(0)
+    model = mp.auto_mixed_precision(
+        nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2)), "mixed_float16", "O2"
+    )
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    opt.zero_grad()
+    opt.backward(F.cross_entropy(model(x).float(), y))
+    opt.unscale_()
+    with pytest.raises(mp.MisuseError, match=r"a backward after unscale_\(\) and before step"):
+        opt.backward(F.cross_entropy(model(x).float(), y))
+    opt.zero_grad()  # the batch skipped
+    before = model[1].weight.detach().clone()
+    opt.backward(F.cross_entropy(model(x).float(), y))
+    assert opt.step().applied
+    assert (model[1].weight - before).abs().max() < 0.05
+
+
+def test_a_group_added_between_unscale_and_step_is_refused_and_states_hold_added_groups():
+    model = _o2()
+    inner = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    opt = mp.LossScaleOptimizer(inner)
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    opt.backward(F.cross_entropy(model(x).float(), y))
+    opt.unscale_()
+    inner.add_param_group({"params": model[1].parameters()})
+    with pytest.raises(mp.MisuseError, match="added to the inner optimizer between unscale_"):
+        opt.step()
+    # Between steps, a state holds the added group's masters (it held only the first two).
+    opt.zero_grad()
+    assert len(opt.state_dict()["master_weights"]) == 4
 
 
 @pytest.mark.parametrize("when", ["before the optimizer", "after the optimizer"])

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mixprec._dist import is_dtensor
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec._warn import caller_stacklevel, warn_at_caller
@@ -35,7 +36,13 @@ from mixprec.scaling.health import ScalerHealth, scale_floor
 if TYPE_CHECKING:
     from mixprec.optim.loss_scale_optimizer import _Bookkeeping
 
-__all__ = ["SetupCheck", "no_gradients", "refuse_accelerate_wrapper", "watch_health"]
+__all__ = [
+    "SetupCheck",
+    "no_gradients",
+    "refuse_accelerate_wrapper",
+    "say_if_grads_unfilled",
+    "watch_health",
+]
 
 _ORDER = (
     "build the optimizer after auto_mixed_precision: model = mp.auto_mixed_precision(model, "
@@ -98,7 +105,8 @@ def _say_if_global_policy_unused(params: list[torch.Tensor]) -> None:
     policy = global_policy()
     if policy.compute_dtype == torch.float32 or not params:
         return
-    if any(hasattr(p, POLICY_ATTR) or p.dtype != torch.float32 for p in params):
+    # FSDP2's DTensors do not carry the tags: fully_shard's own mp_policy computes.
+    if any(hasattr(p, POLICY_ATTR) or p.dtype != torch.float32 or is_dtensor(p) for p in params):
         return
     warn_at_caller(
         f"the global policy {policy.name!r} (mp.set_global_policy) is in effect, and this "
@@ -188,6 +196,24 @@ def say_if_half_grads_changed(then: list[int], half: list[torch.Tensor]) -> None
             "masters' gradients, which did not change: clip opt.master_params() instead, "
             "or pass LossScaleOptimizer(..., max_grad_norm=...)"
         )
+
+
+def say_if_grads_unfilled(weights: MasterWeights, scale: float, book: _Bookkeeping) -> None:
+    """``master_params()`` after the backward and before ``unscale_()``: the masters'
+    gradients are ``None`` until the unscale fills them, and plain parameters' are still
+    multiplied by the scale. Said once: Apex's ``clip_grad_norm_(amp.master_params(opt))``
+    right after the backward would clip nothing that counts, and return 0."""
+    if not weights.half and scale == 1.0:
+        return  # the plain parameters' gradients are the unscaled ones already
+    book.said_unfilled = True
+    held = "their float32 masters' .grad are None" if weights.half else "their .grad are scaled"
+    warn_at_caller(
+        f"master_params() after backward() and before unscale_(): {held} until unscale_() "
+        "(or step()) runs, so clip_grad_norm_(opt.master_params(), ...) here clips nothing "
+        "that the step applies. Call opt.unscale_() first (Apex's masters hold unscaled "
+        "gradients once its backward ends; these do once unscale_() ran), or give "
+        "LossScaleOptimizer(max_grad_norm=...)"
+    )
 
 
 def say_if_masters_lost(count: int) -> None:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mixprec._errors import MisuseError
 from mixprec.optim.fused import _fuse
 from mixprec.optim.masters import MasterWeights, warn_if_eps_vanishes
 
@@ -53,6 +54,14 @@ class GroupAdoption:
         inner optimizer kept from before the wrap), adopted before they step: their 16-bit
         parameters stepped as they were, with no master, their float16 gradients still
         multiplied by the loss scale and unchecked. One length per inner optimizer a step."""
+        seen = zip(self.optimizers, self._book.groups, strict=True)
+        added = any(len(inner.param_groups) > n for inner, n in seen)
+        if added and self._book.found_inf is not None:
+            raise MisuseError(
+                "a param group was added to the inner optimizer between unscale_() and "
+                "step(): its gradients were not unscaled with the others and would be left "
+                "out. Add groups between steps (opt.add_param_group, or the inner optimizer's)"
+            )
         for k, inner in enumerate(self.optimizers):
             for i in range(self._book.groups[k], len(inner.param_groups)):
                 group = inner.param_groups[i]

@@ -58,7 +58,7 @@ def host_step(opt: LossScaleOptimizer) -> StepResult | None:
         grads = [g._values() if g.is_sparse else g for g in grads]
     overflow = not finite_on_cpu(grads)
     if not overflow and weights.half:
-        weights.follow_external_writes()
+        weights.follow_external_writes(stepping=True)
         weights.load_master_grads()
     # The tail of _finish, restated: as a function of its own shared by both, it cost
     # torch.compile(opt.step) two more graphs, and dynamo then traced the scaler's

@@ -54,6 +54,15 @@ class KerasMethods:
         ``backward`` does)."""
         if self._setup.pending:  # once, at the first backward: was the model prepared later?
             self._setup.run(self._weights, self._loss_scaler)
+        if self._book.found_inf is not None:
+            # The masters hold the unscaled gradients and the plain parameters' are unscaled
+            # in place: this backward's would be left out (masters) or added still scaled.
+            raise MisuseError(
+                "a backward after unscale_() and before step(): its gradients would be left "
+                "out of the float32 masters or applied still multiplied by the loss scale. "
+                "Unscale once per step, after its last backward; or zero_grad() to drop the "
+                "unscaled gradients first"
+            )
         self._book.micro += 1
         self._book.fresh = True
         factor = self._loss_scaler.get_scale() / self.accumulation_steps
@@ -91,7 +100,8 @@ class KerasMethods:
                 f"apply_gradients applies the gradients it is given at every call, and "
                 f"accumulation_steps={self.accumulation_steps} is for backward() and step() "
                 "(get_scaled_loss divides the loss by it, so each call would apply "
-                f"1/{self.accumulation_steps} of its gradient): accumulate the gradients "
+                f"1/{self.accumulation_steps} of its gradient; with scale_loss, each call "
+                "would apply one micro-batch's as a whole step): accumulate the gradients "
                 "yourself and apply their mean with accumulation_steps=1, or use "
                 "opt.backward(loss) and opt.step()"
             )
@@ -100,7 +110,7 @@ class KerasMethods:
         pairs = list(grads_and_vars)
         self._adopt_added_groups()
         weights = self._weights
-        weights.follow_external_writes()
+        weights.follow_external_writes(stepping=True)
         for p in weights.half + weights.plain:
             p.grad = None
         for m in weights.masters:

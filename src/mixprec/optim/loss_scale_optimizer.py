@@ -26,6 +26,7 @@ from mixprec.optim.checks import (
     SetupCheck,
     grad_versions,
     no_gradients,
+    say_if_grads_unfilled,
     say_if_half_grads_changed,
     say_if_masters_lost,
     watch_health,
@@ -84,6 +85,7 @@ class _Bookkeeping:
     # weight to check, a scaler whose unscale at scale 1 is the check alone.
     host_path: bool = False
     said_no_grads: bool = False  # the no-gradient step was warned about (once)
+    said_unfilled: bool = False  # master_params() before unscale_() was warned about (once)
     # The inner optimizers' steps as direct fused-kernel calls (host_step uses them).
     fused: list[FusedStep] = field(default_factory=list)
     # How many param groups of each inner optimizer were adopted (masters, fusing).
@@ -212,19 +214,20 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         """``(16-bit model parameter, its float32 master)`` pairs, as the last step left
         them (``state_dict()`` and the checkpoints first take writes made to the weights
         since)."""
+        self._adopt_added_groups()
         return list(zip(self._weights.half, self._weights.masters, strict=True))
 
     def master_params(self) -> Iterator[torch.Tensor]:
         """The tensors the inner optimizer updates (float32 masters and plain parameters),
-        their ``.grad`` the unscaled gradients once ``unscale_()`` ran. Called after the
-        backward that ends an accumulation group and before ``unscale_()`` or ``step()``,
-        it unscales first, as Apex's masters hold unscaled gradients once its backward
-        ends: ``clip_grad_norm_(opt.master_params(), max)`` then clips what the step
-        applies (the masters' gradients were ``None`` until then, and the clip did
-        nothing)."""
+        their ``.grad`` the unscaled gradients once ``unscale_()`` ran. Before that (after
+        the backward, where Apex's masters already hold unscaled gradients) the masters'
+        ``.grad`` are ``None`` and plain ones still scaled: a warning says so, once, as
+        ``clip_grad_norm_(opt.master_params(), max)`` would clip nothing that counts."""
+        self._adopt_added_groups()
         book = self._book
-        if book.fresh and book.found_inf is None and book.micro >= self.accumulation_steps:
-            self.unscale_()
+        waiting = book.fresh and book.found_inf is None and book.micro >= self.accumulation_steps
+        if waiting and not book.said_unfilled:
+            say_if_grads_unfilled(self._weights, self._loss_scaler.get_scale(), book)
         return iter([p for group in self.param_groups for p in group["params"]])
 
     # -- gradients --------------------------------------------------------------------------
@@ -237,6 +240,10 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         """Clear the model's gradients, except between the micro-batches of an accumulation."""
         if 0 < self._book.micro < self.accumulation_steps:
             return
+        # Gradients unscaled and then dropped (a batch skipped): the unscale goes with them,
+        # or the next step would skip its own and apply the new gradients still scaled.
+        book = self._book
+        book.found_inf, book.no_grads, book.unscaled_versions = None, False, None
         self._adopt_added_groups()  # their gradients are cleared too, as the inner's would be
         self._weights.zero_grad(set_to_none)
 
@@ -267,7 +274,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
 
     def _unscale(self, factor: float = 1.0) -> None:
         self._adopt_added_groups()
-        self._weights.follow_external_writes()
+        self._weights.follow_external_writes(stepping=True)
         self._weights.load_master_grads()
         grads = self._weights.step_grads()
         self._book.no_grads = not grads

@@ -160,13 +160,15 @@ class MasterWeights:
     def half_versions(self) -> list[int]:
         return [p._version for p in self.half]
 
-    def follow_external_writes(self) -> None:
+    def follow_external_writes(self, stepping: bool = False) -> None:
         """A 16-bit weight written outside this optimizer (``model.load_state_dict``)
         replaces its master; otherwise the next copy-back would undo the write. Where the
         write came with the float32 values it rounds from (a checkpoint's masters, kept on
         the weight by ``load_checkpoint`` or the Hugging Face paths), the master takes
         those. A write of the master's own rounding (a checkpoint's 16-bit weights loaded
-        after its masters) changes nothing, and the master keeps its float32 digits."""
+        after its masters) changes nothing, and the master keeps its float32 digits.
+        ``stepping``: a step asks (the second one also looks for writes through ``.data``),
+        not a save."""
         versions = self.half_versions()
         if versions != self.versions:
             with torch.no_grad():
@@ -184,7 +186,7 @@ class MasterWeights:
                         same = (m.to(p.dtype) == p).all()
                         m.copy_(torch.where(same, m, p.float()))
             self.versions = versions
-        if not self.data_checked:
+        if stepping and not self.data_checked:  # a step's look, not a save's
             self.data_checked = self.followed  # from the second step: one copy-back before
             self.followed = True
             if self.data_checked:

@@ -38,6 +38,10 @@ class StateDictMethods:
     _weights: MasterWeights
     accumulation_steps: int
 
+    if TYPE_CHECKING:
+
+        def _adopt_added_groups(self) -> None: ...
+
     @property
     def pending_micro_steps(self) -> int:
         """Backward passes accumulated toward the next update: 0 between steps (what a
@@ -50,6 +54,7 @@ class StateDictMethods:
         Take it between steps: gradients accumulated mid-way are not part of it."""
         if self._managed_by is None:
             refuse_accelerate_wrapper(sys._getframe(1))
+        self._adopt_added_groups()  # groups added to an inner optimizer hold masters too
         self._book.deferred.fold()  # steps decided on the device, counted first
         # A weight written since the last step (a pretrained load) is saved, not the master
         # it is about to replace.
@@ -69,6 +74,7 @@ class StateDictMethods:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._adopt_added_groups()
         check_state_dict(state_dict, self._weights.masters, self.optimizers)
         self._book.deferred.fold()  # unread steps count now, not into the load
         # The scaler's state is checked on a copy first, so that a bad one changes nothing.

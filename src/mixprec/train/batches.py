@@ -293,7 +293,7 @@ def rank_share(x: Any, y: Any) -> tuple[Any, Any]:
 
 
 def check_ranks_agree(
-    x: Any, y: Any, batch_size: int, epochs: int, validation_data: Any, resuming: bool = False
+    x: Any, y: Any, batch_size: int, epochs: int, validation_data: Any, resume_from: Any = None
 ) -> None:
     """Under torchrun every rank must pass the same data sizes, and resume or not alike:
     ranks with different numbers of steps (or one resuming alone) would run different
@@ -307,7 +307,7 @@ def check_ranks_agree(
         "batch_size": -1 if y is None else batch_size,
         "epochs": epochs,
         "validation_samples": -1 if validation_data is None else length(validation_data[0]),
-        "resume_from": int(resuming),
+        "resume_from": int(resume_from is not None),
     }
     distributed.check_same_on_every_rank(
         "fit()'s data sizes",

@@ -224,7 +224,7 @@ class Trainer:
         self._validate(x, y)
         if validation_data is not None:
             self._validate(*validation_data)
-        batches.check_ranks_agree(x, y, batch_size, epochs, validation_data, bool(resume_from))
+        batches.check_ranks_agree(x, y, batch_size, epochs, validation_data, resume_from)
         one_epoch, steps, _ = batches.epoch_batches(x, y, batch_size, shuffle, device=self.device)
         point = resume.ResumePoint(self.global_step, 0)
         if resume_from is not None:
