@@ -1,29 +1,36 @@
-"""Parameter groups added after the wrap (``GroupAdoption``): through
-``LossScaleOptimizer.add_param_group``, or through an inner optimizer kept from before the
-wrap (``inner.add_param_group``), whose groups are adopted before they step."""
+"""The parameters ``LossScaleOptimizer`` holds, by group (``ParamGroups``): groups added
+after the wrap, through ``add_param_group`` or through an inner optimizer kept from before
+the wrap (``inner.add_param_group``), adopted before they step; ``master_params()`` and
+``master_weights()``."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mixprec._errors import MisuseError
+from mixprec.optim.checks import say_if_grads_unfilled
 from mixprec.optim.fused import _fuse
 from mixprec.optim.masters import MasterWeights, warn_if_eps_vanishes
 
 if TYPE_CHECKING:
     from mixprec.optim.loss_scale_optimizer import _Bookkeeping
+    from mixprec.scaling import LossScaler
 
-__all__ = ["GroupAdoption"]
+__all__ = ["ParamGroups"]
 
 
-class GroupAdoption:
-    """Adopting groups added after construction (masters for their 16-bit parameters,
-    the eps check, fused kernels), on the state ``LossScaleOptimizer`` sets up."""
+class ParamGroups:
+    """Groups added after construction, adopted (masters for their 16-bit parameters, the
+    eps check, fused kernels), and the tensors held, on the state ``LossScaleOptimizer``
+    sets up."""
 
     optimizers: list[torch.optim.Optimizer]
+    accumulation_steps: int
     _book: _Bookkeeping
+    _loss_scaler: LossScaler
     _weights: MasterWeights
 
     if TYPE_CHECKING:
@@ -32,6 +39,9 @@ class GroupAdoption:
         def optimizer(self) -> torch.optim.Optimizer: ...
 
         def _decide_host_path(self) -> None: ...
+
+        @property
+        def param_groups(self) -> list[dict[str, Any]]: ...
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self._adopt_added_groups()
@@ -68,3 +78,23 @@ class GroupAdoption:
                 group["params"] = self._weights.adopt(inner, group["params"], f"param_groups[{i}]")
                 self._adopted(inner, i)
             self._book.groups[k] = len(inner.param_groups)
+
+    def master_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(16-bit model parameter, its float32 master)`` pairs, as the last step left
+        them (``state_dict()`` and the checkpoints first take writes made to the weights
+        since)."""
+        self._adopt_added_groups()
+        return list(zip(self._weights.half, self._weights.masters, strict=True))
+
+    def master_params(self) -> Iterator[torch.Tensor]:
+        """The tensors the inner optimizer updates (float32 masters and plain parameters),
+        their ``.grad`` the unscaled gradients once ``unscale_()`` ran. Before that (after
+        the backward, where Apex's masters already hold unscaled gradients) the masters'
+        ``.grad`` are ``None`` and plain ones still scaled: a warning says so, once, as
+        ``clip_grad_norm_(opt.master_params(), max)`` would clip nothing that counts."""
+        self._adopt_added_groups()
+        book = self._book
+        waiting = book.fresh and book.found_inf is None and book.micro >= self.accumulation_steps
+        if waiting and not book.said_unfilled:
+            say_if_grads_unfilled(self._weights, self._loss_scaler.get_scale(), book)
+        return iter([p for group in self.param_groups for p in group["params"]])

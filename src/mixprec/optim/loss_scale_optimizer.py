@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,6 @@ from mixprec.optim.checks import (
     SetupCheck,
     grad_versions,
     no_gradients,
-    say_if_grads_unfilled,
     say_if_half_grads_changed,
     say_if_masters_lost,
     watch_health,
@@ -34,7 +33,7 @@ from mixprec.optim.checks import (
 from mixprec.optim.deferred import Deferred, device_tail, on_device
 from mixprec.optim.direct import FusedStep
 from mixprec.optim.fused import _fuse, _unfuse_sparse, needs_scaling
-from mixprec.optim.groups import GroupAdoption
+from mixprec.optim.groups import ParamGroups
 from mixprec.optim.host_step import host_step
 from mixprec.optim.keras_api import KerasMethods, keras_scaler
 from mixprec.optim.masters import MasterWeights, warn_if_eps_vanishes
@@ -93,7 +92,7 @@ class _Bookkeeping:
 
 
 class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes as views
-    KerasMethods, StateDictMethods, GroupAdoption, InnerViews, StepHooks, torch.optim.Optimizer
+    KerasMethods, StateDictMethods, ParamGroups, InnerViews, StepHooks, torch.optim.Optimizer
 ):
     """Wrap ``optimizer`` for mixed precision training.
 
@@ -209,26 +208,6 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         DDP broadcasts rank 0's 16-bit weights when it wraps a model; this sends the
         float32 masters behind them too, so no rank starts from rounded values."""
         self._weights.broadcast(src)
-
-    def master_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(16-bit model parameter, its float32 master)`` pairs, as the last step left
-        them (``state_dict()`` and the checkpoints first take writes made to the weights
-        since)."""
-        self._adopt_added_groups()
-        return list(zip(self._weights.half, self._weights.masters, strict=True))
-
-    def master_params(self) -> Iterator[torch.Tensor]:
-        """The tensors the inner optimizer updates (float32 masters and plain parameters),
-        their ``.grad`` the unscaled gradients once ``unscale_()`` ran. Before that (after
-        the backward, where Apex's masters already hold unscaled gradients) the masters'
-        ``.grad`` are ``None`` and plain ones still scaled: a warning says so, once, as
-        ``clip_grad_norm_(opt.master_params(), max)`` would clip nothing that counts."""
-        self._adopt_added_groups()
-        book = self._book
-        waiting = book.fresh and book.found_inf is None and book.micro >= self.accumulation_steps
-        if waiting and not book.said_unfilled:
-            say_if_grads_unfilled(self._weights, self._loss_scaler.get_scale(), book)
-        return iter([p for group in self.param_groups for p in group["params"]])
 
     # -- gradients --------------------------------------------------------------------------
 
