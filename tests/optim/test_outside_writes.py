@@ -368,6 +368,22 @@ def test_a_group_added_to_the_inner_optimizer_gets_masters_and_unscaled_gradient
     assert moved < 2e-3, moved  # 16-bit rounding of weights of ~0.25, and of the forward
 
 
+def test_a_keras_step_that_raised_leaves_the_next_backward_allowed():
+    """``apply_gradients`` whose step raised (the scaler's max_consecutive_skips) left its
+    unscale behind, and every later backward was refused as one after ``unscale_()``."""
+    model = _o2("mixed_float16")
+    scaler = mp.DynamicLossScaler(init_scale=16, max_consecutive_skips=1)
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), loss_scaler=scaler)
+    params = list(model.parameters())
+    x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    bad = [torch.full_like(p, float("inf"), dtype=torch.float32) for p in params]
+    with pytest.raises(RuntimeError):
+        for _ in range(3):
+            opt.apply_gradients(zip(bad, params, strict=True))
+    grads = torch.autograd.grad(opt.get_scaled_loss(F.cross_entropy(model(x).float(), y)), params)
+    assert opt.apply_gradients(zip(opt.get_unscaled_gradients(grads), params, strict=True)).applied
+
+
 def test_apply_gradients_with_accumulation_is_refused():
     """``get_scaled_loss`` divides by ``accumulation_steps`` and ``apply_gradients``
     applied every call: 1/N of each gradient, every step, silently."""
@@ -443,6 +459,15 @@ def test_unscaled_gradients_dropped_by_zero_grad_take_their_unscale_with_them():
     opt.backward(F.cross_entropy(model(x).float(), y))
     assert opt.step().applied
     assert (model[1].weight - before).abs().max() < 0.05
+    # A dropped group of two micro-batches: the next group counts its two anew.
+    accumulating = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                         accumulation_steps=2)  # fmt: skip
+    for _ in range(2):
+        accumulating.backward(F.cross_entropy(model(x).float(), y))
+    accumulating.unscale_()
+    accumulating.zero_grad()
+    accumulating.backward(F.cross_entropy(model(x).float(), y))
+    assert accumulating.step().accumulating  # one of two: not applied yet
 
 
 def test_a_group_added_between_unscale_and_step_is_refused_and_states_hold_added_groups():
@@ -453,8 +478,10 @@ def test_a_group_added_between_unscale_and_step_is_refused_and_states_hold_added
     opt.backward(F.cross_entropy(model(x).float(), y))
     opt.unscale_()
     inner.add_param_group({"params": model[1].parameters()})
-    with pytest.raises(mp.MisuseError, match="added to the inner optimizer between unscale_"):
+    with pytest.raises(mp.MisuseError, match=r"param group was added between unscale_\(\)"):
         opt.step()
+    with pytest.raises(mp.MisuseError, match=r"param group was added between unscale_\(\)"):
+        opt.add_param_group({"params": []})  # through the wrapper too
     # Between steps, a state holds the added group's masters (it held only the first two).
     opt.zero_grad()
     assert len(opt.state_dict()["master_weights"]) == 4

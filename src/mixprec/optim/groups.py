@@ -21,6 +21,12 @@ if TYPE_CHECKING:
 
 __all__ = ["ParamGroups"]
 
+_BETWEEN = (
+    "a param group was added between unscale_() and step(): its gradients were not unscaled "
+    "with the others, and would be left out or applied still multiplied by the loss scale. "
+    "Add groups between steps (opt.add_param_group, or the inner optimizer's)"
+)
+
 
 class ParamGroups:
     """Groups added after construction, adopted (masters for their 16-bit parameters, the
@@ -45,6 +51,8 @@ class ParamGroups:
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self._adopt_added_groups()
+        if self._book.found_inf is not None:
+            raise MisuseError(_BETWEEN)
         group = dict(param_group)
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
@@ -67,11 +75,7 @@ class ParamGroups:
         seen = zip(self.optimizers, self._book.groups, strict=True)
         added = any(len(inner.param_groups) > n for inner, n in seen)
         if added and self._book.found_inf is not None:
-            raise MisuseError(
-                "a param group was added to the inner optimizer between unscale_() and "
-                "step(): its gradients were not unscaled with the others and would be left "
-                "out. Add groups between steps (opt.add_param_group, or the inner optimizer's)"
-            )
+            raise MisuseError(_BETWEEN)
         for k, inner in enumerate(self.optimizers):
             for i in range(self._book.groups[k], len(inner.param_groups)):
                 group = inner.param_groups[i]

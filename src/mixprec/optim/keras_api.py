@@ -138,7 +138,14 @@ class KerasMethods:
         grads = weights.step_grads()
         self._book.no_grads = not grads
         self._book.found_inf = unscale_grads_(grads, 1.0, self._device)
-        result = self._finish()
+        try:
+            result = self._finish()
+        except BaseException:
+            # As step(): a step that raised (max_consecutive_skips, a float16 weight past
+            # 65504) leaves no unscaled gradients, or the next backward would be refused.
+            self._book.micro = 0
+            self._book.found_inf = None
+            raise
         watch_health(self.health, result, self._loss_scaler)
         return result
 

@@ -222,6 +222,8 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         # Gradients unscaled and then dropped (a batch skipped): the unscale goes with them,
         # or the next step would skip its own and apply the new gradients still scaled.
         book = self._book
+        if book.found_inf is not None:  # a whole group dropped: the next one counts anew
+            book.micro, book.fresh = 0, False
         book.found_inf, book.no_grads, book.unscaled_versions = None, False, None
         self._adopt_added_groups()  # their gradients are cleared too, as the inner's would be
         self._weights.zero_grad(set_to_none)
