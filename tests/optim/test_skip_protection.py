@@ -24,7 +24,7 @@ _OPTIMIZERS = {
 
 def _snapshot(model: nn.Module, opt: mp.LossScaleOptimizer) -> tuple[list, list, dict]:
     weights = [p.detach().clone() for p in model.parameters()]
-    masters = [m.detach().clone() for m in opt.master_params()]
+    masters = [m.detach().clone() for g in opt.param_groups for m in g["params"]]
     return weights, masters, copy.deepcopy([o.state_dict() for o in opt.optimizers])
 
 

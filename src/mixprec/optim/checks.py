@@ -206,13 +206,14 @@ def say_if_grads_unfilled(weights: MasterWeights, scale: float, book: _Bookkeepi
     if not weights.half and scale == 1.0:
         return  # the plain parameters' gradients are the unscaled ones already
     book.said_unfilled = True
-    held = "their float32 masters' .grad are None" if weights.half else "their .grad are scaled"
+    held = "the float32 masters' .grad are None" if weights.half else "their .grad are scaled"
     warn_at_caller(
         f"master_params() after backward() and before unscale_(): {held} until unscale_() "
-        "(or step()) runs, so clip_grad_norm_(opt.master_params(), ...) here clips nothing "
-        "that the step applies. Call opt.unscale_() first (Apex's masters hold unscaled "
-        "gradients once its backward ends; these do once unscale_() ran), or give "
-        "LossScaleOptimizer(max_grad_norm=...)"
+        "(or step()) runs. To clip or read the gradients, as Apex's "
+        "clip_grad_norm_(amp.master_params(opt), ...) right after its backward, call "
+        "opt.unscale_() first (here clip_grad_norm_ would clip nothing the step applies), "
+        "or give LossScaleOptimizer(max_grad_norm=...). (Said once; reading the values "
+        "alone is fine.)"
     )
 
 
