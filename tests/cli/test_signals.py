@@ -55,6 +55,10 @@ def _wait_for(predicate, seconds: float) -> bool:
     return predicate()
 
 
+def _sigint_as_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize(
     ("signum", "group", "status"),
     [
@@ -72,6 +76,9 @@ def test_a_signal_stops_the_worker_and_exits_promptly(tmp_path, signum, group, s
         main = subprocess.Popen(
             [sys.executable, "-m", "mixprec", *TRAIN], stdout=stdout, stderr=stderr, env=env,
             start_new_session=True,  # its own group: the test can clean up whatever it leaves
+            # SIGINT as a terminal gives it: a suite run in the background of a script
+            # inherits it ignored, and Python then never raises KeyboardInterrupt.
+            preexec_fn=_sigint_as_default,
         )  # fmt: skip
     try:
         # The worker has started training once it prints its first epoch line.
