@@ -20,6 +20,7 @@ __all__ = [
     "FP32_COPY_ATTR",
     "current_float32_copy",
     "keep_float32_on_load",
+    "keep_loaded_float32",
     "release_float32_copies",
     "remember_float32",
     "take_float32_copy",
@@ -101,29 +102,45 @@ def keep_float32_on_load(module: nn.Module) -> None:
     module.register_load_state_dict_post_hook(_keep_noted_values)
 
 
+def keep_loaded_float32(param: torch.Tensor, value: Any) -> None:
+    """After a load wrote ``param``: keep ``value`` as its float32 copy where ``param`` is
+    16-bit and ``value`` a float32 tensor of its shape (a checkpoint's master, pretrained
+    float32 weights), where it lies (host memory, mostly: ``current_float32_copy`` moves it
+    when a master is made from it, and uses it only where it rounds to the weight)."""
+    if _fits(param, value):
+        remember_float32(param, value)
+
+
+def _fits(param: torch.Tensor | None, value: Any) -> bool:
+    return (
+        param is not None
+        and param.dtype in HALF_DTYPES
+        and isinstance(value, torch.Tensor)
+        and value.dtype == torch.float32
+        and value.shape == param.shape
+        and not is_dtensor(param)
+        and not is_dtensor(value)
+    )
+
+
 def _note_float32_values(
     module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any
 ) -> None:
     """Before the copy: the float32 values the load brings for the module's own 16-bit
     parameters."""
-    noted = {}
-    for name, param in module._parameters.items():
-        if param is None or param.dtype not in HALF_DTYPES or is_dtensor(param):
-            continue
-        value = state_dict.get(prefix + name)
-        if not isinstance(value, torch.Tensor) or is_dtensor(value):
-            continue
-        if value.dtype == torch.float32 and value.shape == param.shape:
-            noted[name] = value
+    noted = {
+        name: state_dict[prefix + name]
+        for name, param in module._parameters.items()
+        if _fits(param, state_dict.get(prefix + name))
+    }
     if noted:
         module.__dict__[_LOADING] = noted
 
 
 def _keep_noted_values(module: nn.Module, incompatible_keys: Any) -> None:
     """After the copy into the weights (whose versions it changed): a copy kept now is
-    current, and ``current_float32_copy`` still uses it only where it rounds to the weight."""
+    current."""
     for name, value in module.__dict__.pop(_LOADING, {}).items():
         param = module._parameters.get(name)
-        if param is not None and param.dtype in HALF_DTYPES and value.shape == param.shape:
-            remember_float32(param, value)  # where the load's value lies (host memory,
-            # mostly): current_float32_copy moves it when a master is made from it
+        if param is not None:
+            keep_loaded_float32(param, value)

@@ -25,6 +25,7 @@ from mixprec.policy import PolicyLike, get_policy
 __all__ = [
     "all_gather_object",
     "all_reduce_sum",
+    "barrier",
     "broadcast_",
     "check_batch",
     "check_same_on_every_rank",
@@ -34,6 +35,7 @@ __all__ = [
     "init_from_env",
     "is_main_process",
     "rank",
+    "same_on_every_rank",
     "shard",
     "shutdown",
     "world_size",

@@ -16,9 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import shown
-from mixprec._float32_copies import remember_float32
+from mixprec._float32_copies import keep_loaded_float32
 from mixprec.checkpoint._conversion import (
     _check_on_range,
     _convert,
@@ -182,9 +181,7 @@ def _keep_float32_values(model: nn.Module, saved: dict[str, torch.Tensor]) -> No
     """16-bit parameters remember the float32 values they were loaded from, so a
     ``LossScaleOptimizer`` built afterwards starts its masters from those, not rounded ones."""
     for name, param in model.named_parameters():
-        value = saved.get(name)
-        if value is not None and param.dtype in HALF_DTYPES and value.dtype == torch.float32:
-            remember_float32(param, value)
+        keep_loaded_float32(param, saved.get(name))
 
 
 def _optimizer_state(

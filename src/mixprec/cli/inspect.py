@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from mixprec._dtypes import dtype_name
 from mixprec.checkpoint import read_checkpoint, trainer_state
 
 HELP = "list a checkpoint's tensors and metadata"
@@ -51,7 +52,7 @@ def _brief(value: Any) -> Any:
     """``value`` with each tensor inside as its dtype and shape and each long list as its
     length: nested state (RNG states, a scheduler's) would print thousands of numbers."""
     if isinstance(value, torch.Tensor):
-        return f"<tensor {str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}>"
+        return f"<tensor {dtype_name(value.dtype)} {tuple(value.shape)}>"
     if isinstance(value, dict):
         return {k: _brief(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

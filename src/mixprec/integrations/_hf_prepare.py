@@ -20,7 +20,7 @@ from torch import nn
 
 from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import ArgumentError
-from mixprec._float32_copies import remember_float32
+from mixprec._float32_copies import keep_loaded_float32
 from mixprec._prepare_once import needs_preparation
 from mixprec.keep import KeepEntry
 from mixprec.policy import Policy
@@ -57,9 +57,10 @@ def float32_from_checkpoint(model: nn.Module, directory: str | None) -> None:
     """After the Trainer loaded a checkpoint's ``model.safetensors`` from ``directory`` into
     the 16-bit weights (a resume, the best model at the end), keep on each weight the
     float32 values the file holds for it (``_save`` wrote the masters and kept float32
-    copies), where the weight rounds from them: its master takes them at the optimizer's
-    next look at external writes (``follow_external_writes``), and a weight no optimizer
-    holds (a frozen one) saves them."""
+    copies; ``keep_loaded_float32``): its master takes them at the optimizer's next look at
+    external writes (``follow_external_writes``) where the weight rounds from them, and a
+    weight no optimizer holds (a frozen one) saves them. The load's own hooks keep them
+    already for modules O2 stored in 16 bits; this covers the rest."""
     saved = os.path.join(directory or "", "model.safetensors")
     if not os.path.exists(saved):
         return
@@ -73,6 +74,4 @@ def float32_from_checkpoint(model: nn.Module, directory: str | None) -> None:
             if name not in stored or param.dtype not in HALF_DTYPES or id(param) in done:
                 continue
             done.add(id(param))
-            value = f.get_tensor(name).to(param.device)
-            if value.dtype == torch.float32 and torch.equal(value.to(param.dtype), param):
-                remember_float32(param, value)
+            keep_loaded_float32(param, f.get_tensor(name))

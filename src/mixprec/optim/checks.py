@@ -203,8 +203,8 @@ def say_if_grads_unfilled(weights: MasterWeights, scale: float, book: _Bookkeepi
     gradients are ``None`` until the unscale fills them, and plain parameters' are still
     multiplied by the scale. Said once: Apex's ``clip_grad_norm_(amp.master_params(opt))``
     right after the backward would clip nothing that counts, and return 0."""
-    if not weights.half and scale == 1.0:
-        return  # the plain parameters' gradients are the unscaled ones already
+    if book.said_unfilled or (not weights.half and scale == 1.0):
+        return  # said; or the plain parameters' gradients are the unscaled ones already
     book.said_unfilled = True
     held = "the float32 masters' .grad are None" if weights.half else "their .grad are scaled"
     warn_at_caller(

@@ -98,7 +98,6 @@ class ParamGroups:
         ``clip_grad_norm_(opt.master_params(), max)`` would clip nothing that counts."""
         self._adopt_added_groups()
         book = self._book
-        waiting = book.fresh and book.found_inf is None and book.micro >= self.accumulation_steps
-        if waiting and not book.said_unfilled:
+        if book.fresh and book.found_inf is None and book.micro >= self.accumulation_steps:
             say_if_grads_unfilled(self._weights, self._loss_scaler.get_scale(), book)
         return iter([p for group in self.param_groups for p in group["params"]])

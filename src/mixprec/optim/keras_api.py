@@ -48,6 +48,8 @@ class KerasMethods:
 
         def _adopt_added_groups(self) -> None: ...
 
+        def _drop_unscaled(self) -> None: ...
+
     def get_scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * scale / accumulation_steps`` (Keras ``get_scaled_loss``; the division
         only matters with accumulation, where it makes the summed gradients a mean, as
@@ -141,10 +143,7 @@ class KerasMethods:
         try:
             result = self._finish()
         except BaseException:
-            # As step(): a step that raised (max_consecutive_skips, a float16 weight past
-            # 65504) leaves no unscaled gradients, or the next backward would be refused.
-            self._book.micro = 0
-            self._book.found_inf = None
+            self._drop_unscaled()  # as step(): else the next backward would be refused
             raise
         watch_health(self.health, result, self._loss_scaler)
         return result

@@ -248,13 +248,13 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
                 f"LossScaleOptimizer.unscale_() called after {self._book.micro} of "
                 f"{self.accumulation_steps} accumulation micro-batches; call it after the last"
             )
+        self._adopt_added_groups()  # step() adopts before its own unscale
         self._unscale(float(factor))
         if self._book.unscale_checks < UNSCALE_CHECKS:  # the habit shows at once: no more cost
             self._book.unscale_checks += 1
             self._book.unscaled_versions = grad_versions(self._weights.half)
 
     def _unscale(self, factor: float = 1.0) -> None:
-        self._adopt_added_groups()
         self._weights.follow_external_writes(stepping=True)
         self._weights.load_master_grads()
         grads = self._weights.step_grads()
@@ -288,14 +288,17 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
                     self._unscale()
                 result = self._finish()
         except BaseException:
-            # A step that raised (a float16 weight past 65504, the scaler's
-            # max_consecutive_skips, Ctrl-C) must not leave its unscaled gradients to the
-            # next step, which would apply them instead of its own.
-            self._book.micro = 0
-            self._book.found_inf = None
+            self._drop_unscaled()
             raise
         watch_health(self.health, result, self._loss_scaler)
         return result
+
+    def _drop_unscaled(self) -> None:
+        """After a step that raised (a float16 weight past 65504, the scaler's
+        max_consecutive_skips, Ctrl-C): no unscaled gradients left to the next step, which
+        would apply them instead of its own (or refuse its backward)."""
+        self._book.micro = 0
+        self._book.found_inf = None
 
     def _finish(self) -> StepResult:
         # Flags agreed across ranks in one collective: this step's found_inf, and whether the
@@ -320,7 +323,8 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         self._read_device_steps()  # earlier steps decided on the device count first
         norm = None
         if self.max_grad_norm is not None:
-            dense = [p for p in self.master_params() if p.grad is not None and not p.grad.is_sparse]
+            held = (p for group in self.param_groups for p in group["params"])  # adopted
+            dense = [p for p in held if p.grad is not None and not p.grad.is_sparse]
             norm = nn.utils.clip_grad_norm_(dense, self.max_grad_norm, foreach=True)
             if is_dtensor(norm):  # FSDP2: the norm over every shard
                 norm = norm.full_tensor()  # type: ignore[attr-defined]

@@ -105,10 +105,9 @@ class MasterWeights:
         self.saw_sparse = False  # a sparse gradient was seen (fused groups then step unfused)
         self.lost = 0  # weights whose earlier master is gone: they start from their rounding
         self.state_view: Any = None  # LossScaleOptimizer.state's StateView, made at first use
-        # Whether a step has looked for external writes (followed), and whether the look
-        # for writes the version counters miss was made (at the second step).
-        self.followed = False
-        self.data_checked = False
+        # Steps that looked for external writes, counted to 2: the second also looks for
+        # writes the version counters miss (through .data).
+        self.step_looks = 0
 
     def adopt(
         self, inner: torch.optim.Optimizer, params: list[torch.Tensor], where: str
@@ -188,10 +187,9 @@ class MasterWeights:
                         same = (m.to(p.dtype) == p).all()
                         m.copy_(torch.where(same, m, p.float()))
             self.versions = versions
-        if stepping and not self.data_checked:  # a step's look, not a save's
-            self.data_checked = self.followed  # from the second step: one copy-back before
-            self.followed = True
-            if self.data_checked:
+        if stepping and self.step_looks < 2:  # a step's look, not a save's
+            self.step_looks += 1
+            if self.step_looks == 2:  # the first step's copy-back came before it
                 self._say_writes_through_data()
 
     def _say_writes_through_data(self) -> None:

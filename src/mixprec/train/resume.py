@@ -56,7 +56,7 @@ def read(
     # The generators the ranks draw differently from now, before the load sets them: on
     # rank 0, which alone warns (None elsewhere and outside torchrun).
     size = distributed.world_size()
-    now = distributed.gather_object(rng_state()) if size > 1 else None
+    now = distributed.gather_object(rng_state())  # [mine] outside torchrun: nothing differs
     state = load_checkpoint(path, model, optimizer, restore_rng=True).trainer_state
     ranks = state.get("rank_rng")
     own = isinstance(ranks, list) and len(ranks) == size > 1

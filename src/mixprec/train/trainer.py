@@ -232,14 +232,14 @@ class Trainer:
             self.global_step = point.global_step
 
         history = History()
-        extra = [ProgressBar()] if verbose else []
-        chosen = [history, *extra, *callbacks]
+        chosen = [history, *([ProgressBar()] if verbose else []), *callbacks]
         self._callbacks = resume.keyed(chosen)
         self._sync_cadences = resume.ranks_sync_sums(self._callbacks)
         if not distributed.is_main_process():  # bars, logs and checkpoints on rank 0 only
             chosen = [cb for cb in chosen if not getattr(cb, "rank_zero_only", False)]
         cbs = CallbackList(chosen)
-        cbs.before_writers = functools.partial(_gather_rank_rng, self)
+        if self.distributed:  # no call per batch outside torchrun
+            cbs.before_writers = functools.partial(_gather_rank_rng, self)
         cbs.set_trainer(self)
         self.stop_training = False
         cbs.on_train_begin({"epochs": epochs, "steps": steps, "initial_epoch": point.epoch})
