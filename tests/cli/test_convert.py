@@ -132,7 +132,7 @@ def test_tensors_a_checkpoint_cannot_hold_are_refused_before_anything_is_loaded(
     cases = {
         "meta": (torch.empty(2, device="meta"), "on the meta device"),
         "sparse": (torch.ones(2).to_sparse(), "sparse_coo (not dense)"),
-        "complex": (torch.ones(2, dtype=torch.complex128), "complex (complex128)"),
+        "complex": (torch.ones(2, dtype=torch.complex128), "complex128, which"),
         "nested": (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested"),
     }
     for name, (bad, said) in cases.items():
@@ -142,3 +142,36 @@ def test_tensors_a_checkpoint_cannot_hold_are_refused_before_anything_is_loaded(
         with pytest.raises(mp.CheckpointError, match=rf"tensor 'b' is {re.escape(said)}"):
             mp.load_checkpoint(path, model)
         assert not model.a.any()  # nothing loaded: 'a' was written before the failure
+
+
+def test_complex64_in_a_torch_file_loads_and_converts_as_safetensors_does(tmp_path, capsys):
+    # safetensors holds complex64 (rotary embeddings' frequencies): a .pt file's was refused.
+    import torch
+
+    import mixprec as mp
+    from mixprec import cli
+
+    class Rotary(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(2, 2)
+            self.register_buffer("freq", torch.zeros(3, dtype=torch.complex64))
+            self.register_buffer("count", torch.tensor(0))
+
+    source = Rotary()
+    source.freq.copy_(torch.tensor([1 + 2j, 3 - 1j, 0.5j]))
+    path = tmp_path / "rotary.pt"
+    torch.save(source.state_dict(), path)
+    model = Rotary()
+    mp.load_checkpoint(path, model)
+    assert torch.equal(model.freq, source.freq)
+    out = tmp_path / "half.safetensors"
+    assert cli.main(["convert", str(path), str(out), "--dtype", "bfloat16"]) == 0
+    said = capsys.readouterr().out
+    assert (
+        "2 tensors in bfloat16 (2 converted from another dtype), 2 kept in their own dtype "
+        "(complex64, int64)" in said
+    )
+    tensors, _ = mp.read_checkpoint(out)
+    assert tensors["model/freq"].dtype == torch.complex64
+    assert torch.equal(tensors["model/freq"], source.freq)

@@ -168,3 +168,46 @@ def test_health_watch_can_be_turned_off_and_names_the_module_when_traced():
             traced.zero_grad()
             traced.backward(nn.functional.cross_entropy(model(x), y))
             traced.step()
+
+
+def _with_norm() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 4))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("cast", ["to", "half"])
+def test_a_16bit_cast_after_training_started_is_refused_at_the_next_backward(level, cast):
+    # SGD without momentum and RMSprop step 16-bit parameters without a word: the O1 model
+    # (or O2's float32 norms) would train on in 16 bits with no masters.
+    model = mp.auto_mixed_precision(_with_norm(), "mixed_bfloat16", level)
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    for _ in range(2):
+        opt.zero_grad()
+        opt.backward(nn.functional.cross_entropy(model(x), y))
+        assert opt.step().applied
+    if cast == "to":
+        model.to(torch.bfloat16)
+    else:
+        model.half()
+    opt.zero_grad()
+    with pytest.raises(mp.MisuseError, match="cast to 16 bits .* after its first backward") as got:
+        opt.backward(nn.functional.cross_entropy(model(x.to(torch.bfloat16)).float(), y))
+    kind = "bfloat16" if cast == "to" else "float16"
+    plain = 6 if level == "O1" else 2  # O2's two LayerNorm parameters have no masters
+    assert f"{plain} parameters it holds are now {kind}" in str(got.value)
+
+
+def test_an_o3_model_back_in_float32_trains_on_and_is_not_looked_at_again():
+    model = mp.auto_mixed_precision(_with_norm(), "mixed_bfloat16", "O3")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    opt.backward(nn.functional.cross_entropy(model(x), y))
+    opt.step()
+    model.float()  # a widening loses nothing
+    for _ in range(2):
+        opt.zero_grad()
+        opt.backward(nn.functional.cross_entropy(model(x), y))
+        assert opt.step().applied
+        assert not opt._setup.due(opt._weights)

@@ -31,7 +31,8 @@ def _read_torch_file(
     nested under ``state_dict``/``model``/``model_state_dict`` (Lightning, training scripts)
     is read; the header's ``other_entries`` names the keys beside it (an optimizer, an
     epoch), which a weights-only conversion drops. A tensor safetensors cannot hold as it
-    is (meta, sparse, quantized, complex) is refused, naming it, before anything is done."""
+    is (meta, sparse, quantized, complex other than complex64) is refused, naming it,
+    before anything is done."""
     try:
         obj = torch.load(handle, map_location="cpu", weights_only=True)
     except Exception as err:  # UnpicklingError, RuntimeError, EOFError...
@@ -52,7 +53,8 @@ def _read_torch_file(
         if kind:
             raise CheckpointError(
                 f"{path}: tensor {name!r} is {kind}, which a checkpoint file cannot hold as it "
-                "is; convert it to a dense real tensor (or leave it out) first"
+                "is; convert it to a dense real tensor (complex64 for a complex one) or leave "
+                "it out first"
             )
     return {f"model/{k}": v for k, v in obj.items()}, header
 
@@ -67,8 +69,8 @@ def _unstorable(t: torch.Tensor) -> str:
         return f"{str(t.layout).removeprefix('torch.')} (not dense)"
     if t.is_quantized:
         return f"quantized ({dtype_name(t.dtype)})"
-    if t.is_complex():
-        return f"complex ({dtype_name(t.dtype)})"
+    if t.is_complex() and t.dtype != torch.complex64:  # safetensors' only complex type
+        return dtype_name(t.dtype)
     return ""
 
 

@@ -5,11 +5,16 @@ from __future__ import annotations
 import argparse
 import re
 
-from mixprec._dtypes import parse_dtype
+import torch
+
+from mixprec._dtypes import dtype_name, parse_dtype
 from mixprec.checkpoint import CheckpointError, convert_checkpoint
 from mixprec.checkpoint._files import same_file
 from mixprec.checkpoint.format import underflow_line
 from mixprec.cli._common import UsageError, output_file
+
+#: safetensors' names of the dtypes ``--dtype`` takes.
+_SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 HELP = "rewrite a checkpoint's weights as safetensors in one dtype"
 
@@ -53,11 +58,20 @@ def run(args: argparse.Namespace) -> int:
         raise CheckpointError(re.sub(r"on_range='(\w+)'", r"--on-range \1", str(err))) from None
     from safetensors import safe_open
 
+    target = _SAFETENSORS_NAMES[parse_dtype(args.dtype)]
     with safe_open(args.output, "pt") as written:
-        count = len(list(written.keys()))
+        names = list(written.keys())
+        # Integer, bool and complex tensors keep their dtype (a cast would lose them).
+        own = [
+            dtype_name(written.get_tensor(k).dtype)
+            for k in names
+            if written.get_slice(k).get_dtype() != target
+        ]
+    count = len(names)
+    kept = f", {len(own)} kept in their own dtype ({', '.join(sorted(set(own)))})" if own else ""
     print(
-        f"wrote {args.output}: {count} tensors in {args.dtype} "
-        f"({len(report.converted)} converted from another dtype)"
+        f"wrote {args.output}: {count - len(own)} tensors in {args.dtype} "
+        f"({len(report.converted)} converted from another dtype){kept}"
     )
     for name, peak, dtype, action in report.out_of_range:
         print(f"  {name}: max |value| {peak:.6g} exceeds {dtype} ({action})")

@@ -51,13 +51,25 @@ _ORDER = (
 
 
 class SetupCheck:
-    """What a ``LossScaleOptimizer`` decided when it was built, checked once against the
-    model at the first backward (not in the step, which ``torch.compile`` may trace)."""
+    """What a ``LossScaleOptimizer`` decided when it was built, checked against the model
+    at the first backward (not in the step, which ``torch.compile`` may trace); at every
+    later backward, only the first and last plain parameters' dtypes are looked at, which a
+    ``model.to(torch.bfloat16)`` (or ``.half()``) in the middle of training changes."""
 
     def __init__(self, weights: MasterWeights, scaler_chosen: bool) -> None:
         self.pending = True
         self.scaler_chosen = scaler_chosen  # by the user: their choice is not second-guessed
         self.dtypes = [p.dtype for p in weights.plain]
+
+    def due(self, weights: MasterWeights) -> bool:
+        """Whether ``run`` must look: at the first backward, after a group was added, or
+        when a plain parameter at either end changed dtype (two reads, not a pass)."""
+        plain = weights.plain
+        if self.pending or len(plain) != len(self.dtypes):
+            return True
+        return bool(plain) and (
+            plain[0].dtype != self.dtypes[0] or plain[-1].dtype != self.dtypes[-1]
+        )
 
     def run(self, weights: MasterWeights, scaler: LossScaler) -> None:
         """Raise ``MisuseError`` with the right order when the model was prepared (or cast
@@ -66,7 +78,7 @@ class SetupCheck:
         late = [
             p
             for p, then in zip(weights.plain, self.dtypes, strict=True)
-            if p.dtype != then or needs_master(p)
+            if p.dtype.itemsize < then.itemsize or needs_master(p)
         ]
         params = weights.model_params()
         unscaled = (
@@ -89,13 +101,26 @@ class SetupCheck:
                     "(it chose NoOpLossScaler for a float32 model), so small gradients "
                     "underflow to 0"
                 )
+            if not self.pending:  # it trained in its precision until now
+                raise MisuseError(
+                    "the model was cast to 16 bits (model.to(torch.bfloat16), .half()) after "
+                    f"its first backward: {'; and '.join(found)}. The cast rounded these "
+                    "float32 parameters, and the masters were decided when the optimizer was "
+                    "built: leave the model in the dtypes mp.auto_mixed_precision gave it (O2 "
+                    "already stores the matrix weights in 16 bits behind float32 masters), or "
+                    f"prepare it again and build a new optimizer: {_ORDER}"
+                )
             raise MisuseError(
                 "LossScaleOptimizer was built before the model was prepared for mixed "
                 f"precision (or cast to 16 bits): {'; and '.join(found)}. Its masters and loss "
                 f"scaler are decided when it is built: {_ORDER}"
             )
-        self.pending = False
-        _say_if_global_policy_unused(params)
+        # A widening (an O3 model back in float32) loses nothing: recorded, or every
+        # backward would look again.
+        self.dtypes = [p.dtype for p in weights.plain]
+        if self.pending:
+            self.pending = False
+            _say_if_global_policy_unused(params)
 
 
 def _say_if_global_policy_unused(params: list[torch.Tensor]) -> None:

@@ -54,7 +54,7 @@ class KerasMethods:
         """``loss * scale / accumulation_steps`` (Keras ``get_scaled_loss``; the division
         only matters with accumulation, where it makes the summed gradients a mean, as
         ``backward`` does)."""
-        if self._setup.pending:  # once, at the first backward: was the model prepared later?
+        if self._setup.due(self._weights):  # prepared (or cast) after the build?
             self._setup.run(self._weights, self._loss_scaler)
         if self._book.found_inf is not None:
             # The masters hold the unscaled gradients and the plain parameters' are unscaled
@@ -107,7 +107,7 @@ class KerasMethods:
                 "yourself and apply their mean with accumulation_steps=1, or use "
                 "opt.backward(loss) and opt.step()"
             )
-        if self._setup.pending:
+        if self._setup.due(self._weights):
             self._setup.run(self._weights, self._loss_scaler)
         pairs = list(grads_and_vars)
         self._adopt_added_groups()
