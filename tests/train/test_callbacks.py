@@ -91,18 +91,50 @@ def test_tensorboard_writes_events(tmp_path):
     assert acc.Scalars("train/loss_scale")[0].value == 2.0**16
 
 
-def test_early_stopping_stops_and_restores(tmp_path):
+def _model_tensors(path):
+    tensors, _ = mp.read_checkpoint(path)
+    return {k: v for k, v in tensors.items() if k.startswith("model/")}
+
+
+@pytest.mark.parametrize("stops", [True, False])
+def test_early_stopping_restores_the_best_weights_alone_at_the_end(tmp_path, stops):
+    # The weights alone, as Keras' get_weights: the step count, the optimizer and the
+    # schedule go on; the float32 masters come back with the O2 weights; and the best
+    # epoch's weights are back also when fit reaches its epochs first (as Keras 3).
     x, y = classification_data(n=128)
     t = trainer()
+    schedule = mp.LearningRateScheduler(torch.optim.lr_scheduler.StepLR(t.optimizer, 1, 0.5))
     stop = mp.EarlyStopping(
-        monitor="val_loss", patience=1, restore_best_weights=True, min_delta=10.0
-    )  # no epoch can improve by 10: stops after 2
-    history = t.fit(x, y, epochs=10, validation_split=0.25, callbacks=[stop], verbose=0)
-    assert len(history.epoch) == 2 and stop.stopped_epoch == 1
-    best = stop._best_state["model"]  # epoch 0's weights are back
-    assert all(torch.equal(v, t.model.state_dict()[k]) for k, v in best.items())
-    with pytest.raises(KeyError, match="monitor='val_auc' is not in the epoch logs"):
-        trainer().fit(x, y, epochs=1, verbose=0, callbacks=[mp.EarlyStopping("val_auc")])
+        monitor="val_loss", patience=1 if stops else 10, restore_best_weights=True,
+        min_delta=10.0,
+    )  # fmt: skip  # no epoch improves by 10: epoch 0 stays the best, stopping after 2
+    best = mp.ModelCheckpoint(tmp_path, every_n_epochs=1, keep_last=5, monitor="val_loss")
+    best.best = float("inf")
+    history = t.fit(
+        x, y, epochs=3, validation_split=0.25, callbacks=[schedule, stop, best], verbose=0
+    )
+    epochs = len(history.epoch)
+    assert epochs == (2 if stops else 3) and stop.stopped_epoch == (1 if stops else None)
+    assert t.global_step == 3 * epochs  # 96 samples in batches of 32: the steps taken stand
+    assert t.optimizer.param_groups[0]["lr"] == pytest.approx(3e-3 * 0.5 ** (3 * epochs))
+    first = _model_tensors(tmp_path / "epoch-0001.safetensors")  # with the masters
+    last = _model_tensors(tmp_path / f"epoch-{epochs:04d}.safetensors")
+    assert any(not torch.equal(first[k], last[k]) for k in first)  # trained on after it
+    saved = mp.save_checkpoint(tmp_path / "after.safetensors", t.model, t.optimizer)
+    after = _model_tensors(saved)
+    assert all(torch.equal(after[k], first[k]) for k in first)  # float32 digits included
+    assert all(m.dtype == torch.float32 for m in t.optimizer.master_params())
+
+
+def test_monitor_modes_auto_by_name_and_refused_when_the_name_says_nothing():
+    assert mp.EarlyStopping("val_accuracy").mode == "max"
+    assert mp.EarlyStopping("val_loss").mode == mp.EarlyStopping("mse").mode == "min"
+    assert mp.ModelCheckpoint("unused", monitor="val_mae").mode == "min"
+    for make in (mp.EarlyStopping, lambda m, mode: mp.ModelCheckpoint("unused", None, 1, 1, m,
+                                                                      mode)):  # fmt: skip
+        with pytest.raises(mp.ArgumentError, match=r"monitor='val_f1', mode='auto'.*mode='max'"):
+            make("val_f1", mode="auto")
+        assert make("val_f1", mode="max").mode == "max"
 
 
 def test_model_checkpoint_keeps_last_and_best(tmp_path):

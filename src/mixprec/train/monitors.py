@@ -10,8 +10,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mixprec._errors import ArgumentError, check_int
 from mixprec.checkpoint import save_checkpoint, temporary_files
+from mixprec.checkpoint._model import master_tensors
 from mixprec.train.callbacks import Callback, Logs
 
 __all__ = ["EarlyStopping", "ModelCheckpoint"]
@@ -21,12 +24,29 @@ def _better(mode: str, current: float, best: float, min_delta: float = 0.0) -> b
     return current < best - min_delta if mode == "min" else current > best + min_delta
 
 
-def _mode_for(monitor: str, mode: str) -> str:
+#: Epoch logs whose direction ``mode="auto"`` knows, by name (a ``val_`` prefix aside).
+_LOWER_IS_BETTER = ("loss", "mae", "mse", "ms_per_step", "skipped_steps")
+_HIGHER_IS_BETTER = ("acc", "samples_per_s")
+
+
+def _mode_for(callback: str, monitor: str, mode: str) -> str:
+    """``mode``, or for ``"auto"`` the direction the name says. A name it cannot place
+    (``val_f1``, ``val_auc``) is refused: guessed "min", it would stop an improving run or
+    keep the worst epoch as the best."""
     if mode not in ("auto", "min", "max"):
         raise ArgumentError(f"mode={mode!r} is invalid; valid: 'auto', 'min', 'max'")
     if mode != "auto":
         return mode
-    return "max" if "acc" in monitor else "min"
+    name = monitor.removeprefix("val_")
+    if name.endswith(_LOWER_IS_BETTER) or "loss" in name:
+        return "min"
+    if any(word in name for word in _HIGHER_IS_BETTER):
+        return "max"
+    raise ArgumentError(
+        f"{callback}(monitor={monitor!r}, mode='auto'): mode='auto' cannot tell whether "
+        f"{monitor!r} is better lower or higher (it knows losses, mae, mse and accuracy by "
+        "name); give mode='min' or mode='max'"
+    )
 
 
 def _monitored(callback: str, monitor: str, logs: Logs) -> float:
@@ -56,14 +76,14 @@ class EarlyStopping(Callback):
         self.monitor = monitor
         self.min_delta = abs(min_delta)
         self.patience = patience
-        self.mode = _mode_for(monitor, mode)
+        self.mode = _mode_for("EarlyStopping", monitor, mode)
         self.restore_best_weights = restore_best_weights
         self.stopped_epoch: int | None = None
 
     def on_train_begin(self, logs: Logs) -> None:
         self._wait = 0
         self._best = math.inf if self.mode == "min" else -math.inf
-        self._best_state: dict[str, Any] | None = None
+        self._best_state: dict[str, torch.Tensor] | None = None
         self.stopped_epoch = None
 
     def on_epoch_end(self, epoch: int, logs: Logs) -> None:
@@ -71,14 +91,26 @@ class EarlyStopping(Callback):
         if _better(self.mode, current, self._best, self.min_delta):
             self._best, self._wait = current, 0
             if self.restore_best_weights:
-                self._best_state = self.attached.state_dict()
+                self._best_state = self._weights()
             return
         self._wait += 1
         if self._wait >= self.patience:  # as Keras: patience=1 stops at the first miss
             self.stopped_epoch = epoch
             self.attached.stop_training = True
-            if self.restore_best_weights and self._best_state is not None:
-                self.attached.load_state_dict(self._best_state)
+
+    def on_train_end(self, logs: Logs) -> None:
+        # As Keras 3: at the end of fit, stopped early or not; after the last epoch's
+        # checkpoint, which holds the weights that epoch ended with.
+        if self.restore_best_weights and self._best_state is not None:
+            self.attached.model.load_state_dict(self._best_state)
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """The model's weights alone (Keras' ``get_weights``), each 16-bit one as its
+        float32 master: loaded back, O2 keeps those digits for the masters to follow. The
+        optimizer, the loss scale and the step count go on from where training stands."""
+        model, optimizer = self.attached.model, self.attached.optimizer
+        masters = master_tensors(model, optimizer)
+        return {k: masters.get(k, v).detach().clone() for k, v in model.state_dict().items()}
 
     def state_dict(self) -> dict[str, Any]:
         # The best weights too, where they are to be restored: a checkpoint then holds the
@@ -87,7 +119,10 @@ class EarlyStopping(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._wait, self._best = int(state["wait"]), float(state["best"])
-        self._best_state = state["best_state"] if self.restore_best_weights else None
+        best = state["best_state"] if self.restore_best_weights else None
+        if isinstance(best, dict) and "global_step" in best:  # a checkpoint before 2026-11-26
+            best = best["model"]  # held the whole trainer; the weights are what is restored
+        self._best_state = best
 
 
 class ModelCheckpoint(Callback):
@@ -122,7 +157,7 @@ class ModelCheckpoint(Callback):
         self.every_n_steps = every_n_steps
         self.keep_last = keep_last
         self.monitor = monitor
-        self.mode = _mode_for(monitor or "", mode)
+        self.mode = _mode_for("ModelCheckpoint", "loss" if monitor is None else monitor, mode)
         self.saved: list[Path] = []
         self.best: float | None = None
 
