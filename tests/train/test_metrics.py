@@ -202,3 +202,56 @@ def test_binary_crossentropy_takes_logits_and_integer_targets():
     loss = get_loss("binary_crossentropy")(logits, targets)
     assert loss.dtype == torch.float32
     assert loss.item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_accuracy_of_one_logit_column_against_flat_targets_thresholds_it():
+    # (N, 1) against (N,): the argmax over one column was always 0, so "accuracy" was the
+    # share of label 0.
+    output = torch.tensor([[2.5], [-1.0], [0.0], [0.3], [-0.2]])  # predicted: 1, 0, 0, 1, 0
+    target = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0])  # four hits in five; label 0: 2 in 5
+    assert get_metric("accuracy")[1](output, target).item() == pytest.approx(0.8)
+
+
+def test_accuracy_leaves_out_labels_of_minus_100_as_cross_entropy_does():
+    output = torch.tensor([[2.0, 0.0], [0.0, 3.0], [1.0, 0.0], [0.0, 1.0]])  # argmax 0, 1, 0, 1
+    target = torch.tensor([0, 1, -100, 0])  # two hits in the three real labels
+    assert get_metric("accuracy")[1](output, target).item() == pytest.approx(2 / 3)
+    padding = torch.full((4,), -100)
+    assert get_metric("accuracy")[1](output, padding).item() == 0.0
+
+
+def test_metric_names_that_would_overwrite_each_other_are_refused():
+    get_metrics = metrics.get_metrics
+    with pytest.raises(mp.ArgumentError, match="two metrics are named '<lambda>'"):
+        get_metrics([lambda o, t: o.mean(), lambda o, t: t.float().mean()])
+    with pytest.raises(mp.ArgumentError, match="a metric named 'loss' would overwrite"):
+        get_metrics({"loss": "mae"})
+    with pytest.raises(mp.ArgumentError, match="named 'val_top5' would overwrite"):
+        get_metrics({"val_top5": "mae"})
+    with pytest.raises(mp.ArgumentError, match="two metrics are named 'accuracy'"):
+        get_metrics(["acc", "accuracy"])
+    assert list(get_metrics("mae")) == ["mae"]  # one name, not its letters
+    named = get_metrics({"mean_out": lambda o, t: o.mean(), "mean_target": "mse"})
+    assert list(named) == ["mean_out", "mean_target"] and named["mean_target"] is metrics.mse
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [nn.CrossEntropyLoss(), mp.cross_entropy, F.cross_entropy, "cross_entropy"],
+    ids=["module", "mixprec", "functional", "name"],
+)
+def test_padding_labels_pass_the_check_for_each_cross_entropy(loss):
+    # Only F.cross_entropy was known: nn.CrossEntropyLoss's -100 was refused as out of range.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    trainer = mp.Trainer(model, loss, torch.optim.SGD(model.parameters(), 0.1), device="cpu")
+    x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+    y[::4] = -100
+    history = trainer.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    assert math.isfinite(history.history["loss"][0])
+    bad = y.clone()
+    bad[1] = 3
+    with pytest.raises(ValueError, match="valid labels"):
+        trainer.fit(x, bad, epochs=1, batch_size=8, verbose=0)
+    assert metrics.ignore_index_of(nn.CrossEntropyLoss(ignore_index=0)) == 0
+    assert metrics.ignore_index_of(nn.MSELoss()) is None

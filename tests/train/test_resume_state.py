@@ -260,7 +260,10 @@ def test_a_misspelt_monitor_is_an_error_naming_the_logs(tmp_path):
     with pytest.raises(KeyError, match="ModelCheckpoint monitor='val_los' is not in the epoch "
                        "logs; available: loss"):  # fmt: skip
         trainer().fit(x, y, batch_size=8, epochs=1, verbose=0, validation_data=(x, y),
-                      callbacks=[mp.ModelCheckpoint(tmp_path, monitor="val_los")])  # fmt: skip
+                      callbacks=[mp.ModelCheckpoint(tmp_path, monitor="val_los",
+                                                    mode="min")])  # fmt: skip
+    with pytest.raises(mp.ArgumentError, match="or check the name's spelling"):  # mode="auto"
+        mp.ModelCheckpoint(tmp_path, monitor="val_los")
 
 
 def test_predict_refuses_a_batch_size_below_one():

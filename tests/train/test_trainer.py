@@ -242,3 +242,42 @@ def test_optimizer_by_keras_name(name, kind, settings):
         r"valid: adam, adamw, sgd, rmsprop, adagrad .*\(closest: 'adam'\)",
     ):
         mp.Trainer(make_mlp(), "cross_entropy", "adma")
+
+
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_stop_training_set_in_a_batch_ends_the_epoch_after_it(accumulation):
+    # As Keras: after this batch, not after the epoch's every remaining batch; with
+    # accumulation, after the group it is in (no gradients left behind for a next fit).
+    class StopAtThird(mp.Callback):
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+
+        def on_train_batch_end(self, step, logs) -> None:
+            self.steps.append(step)
+            if step == 2:
+                self.attached.stop_training = True
+
+    x, y = classification_data(n=64)
+    model = make_mlp()
+    trainer = mp.Trainer(
+        model, "cross_entropy", torch.optim.SGD(model.parameters(), lr=0.1),
+        accumulation_steps=accumulation, device="cpu",
+    )  # fmt: skip
+    stop = StopAtThird()
+    history = trainer.fit(x, y, batch_size=4, epochs=3, callbacks=[stop], verbose=0)
+    assert len(history.epoch) == 1
+    assert stop.steps == ([0, 1, 2] if accumulation == 1 else [0, 1, 2, 3])
+    assert trainer.global_step == (3 if accumulation == 1 else 1)
+    assert trainer.optimizer.pending_micro_steps == 0
+
+
+def test_ms_per_step_counts_every_micro_step_of_an_accumulation_group():
+    from mixprec.train.meter import EpochMeter
+
+    meter = EpochMeter({})
+    target = torch.zeros(4)
+    for k in range(8):  # two groups of four micro-steps, 10 ms each
+        last = k % 4 == 3
+        result = mp.StepResult(last, False, 1.0, accumulating=not last)
+        meter.add(result, 0.5, 0.010, None, target)
+    assert meter.logs(1.0)["ms_per_step"] == pytest.approx(40.0)

@@ -19,7 +19,7 @@ import torch
 from mixprec import distributed
 from mixprec._errors import ArgumentError, check_int
 from mixprec.data import check_finite, validate_classification
-from mixprec.train.metrics import LossFn, get_loss
+from mixprec.train.metrics import LossFn, ignore_index_of
 from mixprec.train.warn import warn
 
 Batch = tuple[Any, torch.Tensor]
@@ -329,12 +329,12 @@ def validate(x: Any, y: Any, loss_fn: LossFn, count_classes: Callable[[torch.Ten
         return
     xt, yt = as_tensor(x, "x"), as_tensor(y, "y")
     classes = None
-    cross_entropy = loss_fn is get_loss("cross_entropy")
-    if cross_entropy and len(xt) > 0:
+    # A cross-entropy leaves out labels of its ignore_index (-100 by default), as padding.
+    ignore = ignore_index_of(loss_fn)
+    if ignore is not None and len(xt) > 0:
         classes = count_classes(xt[:2])
-    if cross_entropy or not yt.is_floating_point():
-        # F.cross_entropy leaves out labels of -100 (its ignore_index), as padding.
-        validate_classification(xt, yt, classes, ignore_index=-100 if cross_entropy else None)
+    if ignore is not None or not yt.is_floating_point():
+        validate_classification(xt, yt, classes, ignore_index=ignore)
         return
     # Float targets (regression, binary cross-entropy): an inf or NaN target trains the
     # model to inf as surely as an inf feature does.

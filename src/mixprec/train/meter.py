@@ -30,6 +30,7 @@ class EpochMeter:
         # the step; they are read once, at the end of the epoch (or at a checkpoint).
         self.metric_sums: dict[str, torch.Tensor | float] = dict.fromkeys(metrics, 0.0)
         self.times: list[float] = []
+        self.group_time = 0.0  # the accumulation micro-steps' so far
         self.start = time.perf_counter()
         # Under torchrun, every rank's sums as of the last step: what a checkpoint holds.
         self.synced: dict[str, Any] | None = None
@@ -43,12 +44,14 @@ class EpochMeter:
         targets: torch.Tensor,
     ) -> None:
         """Count one step: its loss and metrics weighted by its samples, and its time
-        (an accumulation micro-step's is not a step's time)."""
+        (with accumulation, an optimizer step's is the time of its group's micro-steps)."""
         size = len(targets)
         self.synced = None
         self.samples += size
+        self.group_time += elapsed  # a step's time is its group's micro-steps' together
         if not result.accumulating:
-            self.times.append(elapsed)
+            self.times.append(self.group_time)
+            self.group_time = 0.0
         self.skipped += int(result.found_inf)
         if not math.isfinite(loss):
             # A forward that overflowed in 16 bits: its step was skipped (skipped_steps),

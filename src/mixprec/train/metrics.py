@@ -2,25 +2,39 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from mixprec._dtypes import closest
 from mixprec._errors import ArgumentError
+from mixprec.losses import cross_entropy
 
 Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+#: Cross-entropy's default ``ignore_index``: labels of padding, left out of ``accuracy`` too.
+IGNORE_INDEX = -100
+
+#: Epoch log names the Trainer writes itself: a metric of one of these names would merge
+#: into them (or overwrite them).
+RESERVED = ("loss", "ms_per_step", "samples_per_s", "loss_scale", "skipped_steps")
+
+
 def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean of correct predictions: argmax over classes, or logit > 0 for one output."""
-    if output.dim() == target.dim() + 1:
-        predicted = output.argmax(dim=-1)
-    else:
-        predicted = (output > 0).to(target.dtype)
-    return (predicted == target).float().mean()
+    """Mean of correct predictions: argmax over two or more classes, leaving out labels of
+    -100 (cross-entropy's padding); logit > 0 for one output (``(N,)`` or ``(N, 1)``)."""
+    if output.dim() == target.dim() + 1 and output.shape[-1] > 1:
+        kept = target != IGNORE_INDEX
+        hits = (output.argmax(dim=-1) == target) & kept
+        # A batch of padding alone counts 0 (its loss is NaN, and left out of the means).
+        return hits.sum().float() / kept.sum().clamp(min=1)
+    output, target = same_shape(output, target, "metric 'accuracy'")
+    return ((output > 0).to(target.dtype) == target).float().mean()
 
 
 def same_shape(
@@ -91,6 +105,49 @@ def get_metric(metric: str | Metric) -> tuple[str, Metric]:
         f"metrics entry {metric!r} is not a known metric; valid: {', '.join(METRICS)} or a "
         "callable (output, target) -> scalar" + (f" (closest: {hint!r})" if hint else "")
     )
+
+
+def get_metrics(
+    metrics: str | Metric | Sequence[str | Metric] | Mapping[str, str | Metric],
+) -> dict[str, Metric]:
+    """The Trainer's ``metrics``: names or callables (one, a sequence, or a mapping from
+    the name to log to either). Two of one name (two lambdas, two instances of a class) or
+    a name the Trainer logs itself would overwrite each other without a word: refused."""
+    if isinstance(metrics, str) or callable(metrics):
+        metrics = [metrics]  # one metric, not the letters of its name
+    if isinstance(metrics, Mapping):
+        pairs = [(str(name), get_metric(m)[1]) for name, m in metrics.items()]
+    else:
+        pairs = [get_metric(m) for m in metrics]
+    named: dict[str, Metric] = {}
+    for name, fn in pairs:
+        if name in RESERVED or name.startswith("val_"):
+            raise ArgumentError(
+                f"metrics: a metric named {name!r} would overwrite the epoch log of that name "
+                f"(the Trainer logs {', '.join(RESERVED)}, and val_ + each for validation); "
+                "name it otherwise, e.g. metrics={'my_name': fn}"
+            )
+        if name in named:
+            raise ArgumentError(
+                f"metrics: two metrics are named {name!r}, and only the last would be logged; "
+                "name them apart: metrics={'first': fn1, 'second': fn2}"
+            )
+        named[name] = fn
+    return named
+
+
+def ignore_index_of(loss_fn: LossFn) -> int | None:
+    """The label a cross-entropy loss leaves out (``ignore_index``, -100 unless set), for
+    ``F.cross_entropy``, ``nn.CrossEntropyLoss``, ``mp.cross_entropy`` and a
+    ``functools.partial`` of either function; ``None`` for any other loss."""
+    if isinstance(loss_fn, nn.CrossEntropyLoss):
+        return int(loss_fn.ignore_index)
+    func, keywords = loss_fn, {}
+    if isinstance(loss_fn, functools.partial):
+        func, keywords = loss_fn.func, loss_fn.keywords
+    if func is F.cross_entropy or func is cross_entropy:
+        return int(keywords.get("ignore_index", IGNORE_INDEX))
+    return None
 
 
 def get_loss(loss: str | LossFn) -> LossFn:

@@ -45,7 +45,7 @@ def _mode_for(callback: str, monitor: str, mode: str) -> str:
     raise ArgumentError(
         f"{callback}(monitor={monitor!r}, mode='auto'): mode='auto' cannot tell whether "
         f"{monitor!r} is better lower or higher (it knows losses, mae, mse and accuracy by "
-        "name); give mode='min' or mode='max'"
+        "name); give mode='min' or mode='max', or check the name's spelling"
     )
 
 

@@ -8,19 +8,17 @@ is a callback.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec import distributed
-from mixprec._calling import call
 from mixprec._compile import CompileOption, compile_options
 from mixprec._device import resolve_device
 from mixprec._errors import ArgumentError
@@ -31,12 +29,12 @@ from mixprec.policy import PolicyLike
 from mixprec.scaling import LossScaler
 from mixprec.scaling.health import ScalerHealth, scale_floor
 from mixprec.trace import Overflow, OverflowTracer
-from mixprec.train import batches, resume
+from mixprec.train import batches, evaluation, resume
 from mixprec.train.batches import Batch, to_device
 from mixprec.train.callbacks import Callback, CallbackList, History, Logs, ProgressBar
 from mixprec.train.meter import EpochMeter
-from mixprec.train.metrics import LossFn, Metric, get_loss, get_metric
-from mixprec.train.step import build_train_step, model_output
+from mixprec.train.metrics import LossFn, Metric, get_loss, get_metrics
+from mixprec.train.step import build_train_step
 from mixprec.train.warn import warn
 
 
@@ -58,25 +56,6 @@ def _position(trainer: Trainer) -> tuple[int, ...]:
     """Where training stands, as ``resume_state`` says it."""
     t = trainer
     return (t.global_step, t._epoch, t._step_in_epoch, int(t._epoch_done))
-
-
-def _count_classes(trainer: Trainer, inputs: torch.Tensor) -> int:
-    """One sample in eval mode tells the number of classes (train mode would update
-    BatchNorm statistics and reject a batch of one)."""
-    with torch.no_grad(), _eval_mode(trainer.model):
-        return int(model_output(call(trainer.model, to_device(inputs, trainer.device))).shape[-1])
-
-
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """Evaluation mode, then the mode the model was in: ``evaluate`` called from a
-    callback mid-epoch must not leave dropout off for the rest of the epoch."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
 
 
 class _HealthWatch:
@@ -133,7 +112,7 @@ class Trainer:
         policy: PolicyLike = None,
         level: str = "auto",
         loss_scaler: LossScaler | None = None,
-        metrics: Sequence[str | Metric] = ("accuracy",),
+        metrics: Sequence[str | Metric] | Mapping[str, str | Metric] = ("accuracy",),
         device: str | torch.device = "auto",
         max_grad_norm: float | None = None,
         accumulation_steps: int = 1,
@@ -153,7 +132,7 @@ class Trainer:
         self.device = resolve_device(device)
         model.to(self.device)  # before the dtype changes, so kept float32 copies live there too
         self.loss_fn = get_loss(loss)
-        self.metrics: dict[str, Metric] = dict(get_metric(m) for m in metrics)
+        self.metrics: dict[str, Metric] = get_metrics(metrics)
         self.step = build_train_step(
             model,
             optimizer,
@@ -192,7 +171,7 @@ class Trainer:
         return done.policy if done else None
 
     def _validate(self, x: Any, y: Any) -> None:
-        batches.validate(x, y, self.loss_fn, functools.partial(_count_classes, self))
+        batches.validate(x, y, self.loss_fn, functools.partial(evaluation.count_classes, self))
 
     # -- fit --------------------------------------------------------------------------------
 
@@ -329,6 +308,10 @@ class Trainer:
                         "overflow": str(result.overflow) if result.overflow else None,
                     },
                 )
+                # Asked by a callback (Keras: after this batch); an accumulation group ends
+                # first, or its gradients would be left for the next fit to add to.
+                if self.stop_training and not self.optimizer.pending_micro_steps:
+                    break
         finally:
             # A tracer left for a next step: no hooks outlive the epoch, also when a
             # step raises (the scaler's max_consecutive_skips, Ctrl-C, a callback).
@@ -341,36 +324,11 @@ class Trainer:
     def evaluate(self, x: Any, y: Any = None, batch_size: int = 32) -> dict[str, float]:
         """Mean loss and metrics over ``(x, y)`` or an iterable of batches."""
         self._validate(x, y)
-        x, y = batches.rank_share(x, y)  # under torchrun each rank evaluates its share
-        epoch_batches, _, _ = batches.epoch_batches(
-            x, y, batch_size, shuffle=False, split=False, device=self.device
-        )
-        sums = dict.fromkeys(["loss", *self.metrics], 0.0)
-        samples = 0
-        with torch.no_grad(), _eval_mode(self.model):
-            for batch in epoch_batches():
-                xb, yb = to_device(batch[0], self.device), to_device(batch[1], self.device)
-                if batches.is_empty(yb):  # its mean loss is NaN: no samples to count
-                    continue
-                output = model_output(call(self.model, xb)).float()
-                size = len(yb)
-                sums["loss"] += float(self.loss_fn(output, yb)) * size
-                for name, fn in self.metrics.items():
-                    sums[name] += float(fn(output, yb)) * size
-                samples += size
-        totals = distributed.all_reduce_sum([float(samples), *sums.values()])
-        if totals[0] == 0:
-            raise ValueError("evaluate: the data is empty (0 samples)")
-        return {k: v / totals[0] for k, v in zip(sums, totals[1:], strict=True)}
+        return evaluation.evaluate(self, x, y, batch_size)
 
     def predict(self, x: Any, batch_size: int = 32) -> torch.Tensor:
         """The model's outputs in float32, on the CPU, for tensors/arrays or batches."""
-        outputs = []
-        with torch.no_grad(), _eval_mode(self.model):
-            for chunk in batches.inputs_of(x, batch_size):
-                output = model_output(call(self.model, to_device(chunk, self.device)))
-                outputs.append(output.float().cpu())
-        return torch.cat(outputs) if outputs else torch.empty(0)
+        return evaluation.predict(self.model, self.device, x, batch_size)
 
     # -- MindSpore style --------------------------------------------------------------------
 
