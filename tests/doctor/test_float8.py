@@ -368,3 +368,24 @@ def test_cli_doctor_with_a_float8_policy(tmp_path, capsys):
     assert {row["name"] for row in json.loads(out.read_text())["layers"]} == {"1", "3"}
     assert cli.main(["doctor", "--policy", "mixed_float8", "--plot", str(tmp_path / "p.png")]) == 2
     assert "--plot: the float8 doctor's report is a table; use --json" in capsys.readouterr().err
+
+
+@pytest.mark.float8
+def test_the_advice_keeps_the_settings_it_diagnosed_with():
+    # The advice and recommended_keep_bfloat16 named the hurt layers alone: following them
+    # put the layers kept in bfloat16 or float32 back in float8, and O1 went to O2.
+    x, y = readings(BATCH, seed=0)
+    model = sensors()
+    report = diagnose_float8(
+        model, x, y, F.mse_loss, "mixed_float8", "O1", float8=SMALL,
+        keep_bfloat16=[model.fc2], keep_float32=["fc1"],
+    )  # fmt: skip
+    assert report.recommended_keep_bfloat16 == ["fc2", "embed"]  # the module by its name
+    assert not report.healthy and [r.name for r in report.layers] == ["embed"]
+    call = report.advice[0].split("keep them in bfloat16: ")[1]
+    assert "level='O1', keep_float32=['fc1']" in call
+    followed = eval(call, {"auto_mixed_precision": mp.auto_mixed_precision,
+                           "Float8Options": mp.Float8Options, "model": sensors()})  # fmt: skip
+    chosen = mp.levels.applied(followed)
+    assert chosen.level == "O1" and chosen.float8 == ()  # no layer left in float8
+    assert followed.fc1.weight.dtype == torch.float32

@@ -42,7 +42,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec._calling import call
-from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
 from mixprec._rng import same_draws
 from mixprec.casting import get_region
@@ -60,6 +59,14 @@ from mixprec.doctor.float8_casts import (
     cast_stats,
     layer_casts,
     recipe_casts,
+)
+from mixprec.doctor.float8_inputs import (
+    batch_tensors,
+    check_float32_runs,
+    keep_names,
+    keep_with,
+    scalar_loss,
+    settings_text,
 )
 from mixprec.doctor.float8_report import Float8LayerReport, Float8Report
 from mixprec.float8 import Float8Options, float8_choice, is_float8, torchao_float8
@@ -264,16 +271,16 @@ def _options_text(options: Float8Options) -> str:
 
 
 def _advice(
-    report: Float8Report, options: Float8Options | None, rowwise: dict[str, float]
+    report: Float8Report, options: Float8Options | None, rowwise: dict[str, float], settings: str
 ) -> list[str]:
     advice = []
-    if report.recommended_keep_bfloat16:
-        n = len(report.recommended_keep_bfloat16)
+    hurt = [r.name for r in report.layers if r.hurts]
+    if hurt:
         extra = "" if options is None else f", float8={_options_text(options)}"
         advice.append(
-            f"float8 hurts {n} of {len(report.layers)} float8 layers; keep them in bfloat16: "
-            f"auto_mixed_precision(model, {report.policy!r}{extra}, keep_bfloat16="
-            f"{report.recommended_keep_bfloat16!r})"
+            f"float8 hurts {len(hurt)} of {len(report.layers)} float8 layers; keep them in "
+            f"bfloat16: auto_mixed_precision(model, {report.policy!r}{settings}{extra}, "
+            f"keep_bfloat16={report.recommended_keep_bfloat16!r})"
         )
     else:
         advice.append(
@@ -293,50 +300,6 @@ def _advice(
     if report.not_run:
         advice.append(f"not called by this batch, not diagnosed: {', '.join(report.not_run)}")
     return advice
-
-
-def _tensors(value: Any, where: str) -> list[tuple[str, torch.Tensor]]:
-    """The tensors in ``value`` (tuples, lists, dict values), each with where it sits."""
-    if not isinstance(value, (tuple, list, dict)):
-        return [(where, value)] if isinstance(value, torch.Tensor) else []
-    items = value.items() if isinstance(value, dict) else enumerate(value)
-    return [found for k, v in items for found in _tensors(v, f"{where}[{k!r}]")]
-
-
-def _scalar(loss: Any) -> torch.Tensor:
-    """``loss`` if it is a floating-point tensor of one value, which backward needs."""
-    if isinstance(loss, torch.Tensor) and loss.is_floating_point() and loss.numel() == 1:
-        return loss
-    got = type(loss).__name__
-    if isinstance(loss, torch.Tensor):
-        got = f"a tensor of shape {tuple(loss.shape)}, dtype {dtype_name(loss.dtype)}"
-    raise ArgumentError(
-        f"diagnose_float8: loss_fn returned {got}; it must return a floating-point tensor of "
-        "one value (reduce it: reduction='mean', or .mean())"
-    )
-
-
-def _check_float32_runs(model: nn.Module, inputs: Any, targets: Any, loss_fn: Any) -> None:
-    """Refuse a batch a copy of the float32 ``model`` fails on too (wrong width), naming its
-    shapes, the innermost module running then (or ``loss_fn``) and torch's reason. Where the
-    copy runs, the failure was float8's: the caller re-raises it."""
-    reference, running = copy.deepcopy(model), list[str]()  # the modules entered, not left
-    for name, module in reference.named_modules():
-        where = f"{name or '(model)'!r} ({type(module).__name__})"
-        module.register_forward_pre_hook(lambda m, a, where=where: running.append(where))
-        # __delitem__ returns None, so the hook leaves the module's output as it is.
-        module.register_forward_hook(lambda m, a, o: running.__delitem__(-1))
-    try:
-        with torch.no_grad():
-            loss_fn(call(reference, inputs), targets)
-    except Exception as err:
-        batch = _tensors(inputs, "inputs") + _tensors(targets, "targets")
-        shapes = ", ".join(f"{where} {tuple(t.shape)}" for where, t in batch)
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ArgumentError(
-            f"diagnose_float8: the batch ({shapes}) does not fit the model: the float32 model "
-            f"fails on it too, in {running[-1] if running else 'loss_fn'}: {first}"
-        ) from err
 
 
 def diagnose_float8(
@@ -367,7 +330,7 @@ def diagnose_float8(
     return one floating-point value."""
     model = float32_model(model, "diagnose_float8")
     check_finite_batch(inputs, targets, "diagnose_float8")
-    for where, tensor in _tensors(inputs, "inputs") + _tensors(targets, "targets"):
+    for where, tensor in batch_tensors(inputs, "inputs") + batch_tensors(targets, "targets"):
         if tensor.numel() == 0:
             raise ArgumentError(
                 f"diagnose_float8: the batch is empty: {where} has shape {tuple(tensor.shape)}; "
@@ -386,15 +349,17 @@ def diagnose_float8(
             f"diagnose_float8(level={level!r}): O0 runs everything in float32 and converts no "
             "layer to float8; valid: O1, O2, O3, auto (O2)"
         )
-    keep_float32 = keep_list(keep_float32)
+    # By name: the copies below hold other modules than any given here.
+    given = keep_names(model, keep_list(keep_bfloat16, "keep_bfloat16"), "keep_bfloat16")
+    kept32 = keep_names(model, keep_list(keep_float32), "keep_float32")
     # A 16-bit model is diagnosed as its float32 upcast, from which both copies below start.
     model = float32_upcast(model, "diagnose_float8")
     mixed = auto_mixed_precision(
         copy.deepcopy(model),
         resolved,
         lvl,
-        keep_float32,
-        keep_bfloat16=keep_list(keep_bfloat16),
+        kept32,
+        keep_bfloat16=given,
         float8=float8,
     )
     layers = {n: m for n, m in mixed.named_modules() if is_float8(m) and isinstance(m, nn.Linear)}
@@ -415,11 +380,11 @@ def diagnose_float8(
             try:
                 loss8 = loss_fn(call(mixed, inputs), targets)
             except Exception:
-                _check_float32_runs(model, inputs, targets, loss_fn)
+                check_float32_runs(model, inputs, targets, loss_fn)
                 raise
-            if _scalar(loss8).requires_grad:
+            if scalar_loss(loss8).requires_grad:
                 loss8.backward()
-        reference = auto_mixed_precision(copy.deepcopy(model), "mixed_bfloat16", lvl, keep_float32)
+        reference = auto_mixed_precision(copy.deepcopy(model), "mixed_bfloat16", lvl, kept32)
         rewind()
         with torch.no_grad():
             loss16 = loss_fn(call(reference, inputs), targets)
@@ -434,7 +399,7 @@ def diagnose_float8(
         loss_float8=float(loss8.detach().float()),
         loss_bfloat16=float(loss16.float()),
         layers=reports,
-        recommended_keep_bfloat16=[r.name for r in reports if r.hurts],
+        recommended_keep_bfloat16=keep_with(given, [r.name for r in reports if r.hurts]),
         not_run=[n for n in layers if n not in seen],
         advice=[],
     )
@@ -445,5 +410,5 @@ def diagnose_float8(
             underflow = _rowwise_would_do(r, layers[r.name], seen[r.name])
             if underflow is not None:
                 rowwise[r.name] = underflow
-    report.advice = _advice(report, float8, rowwise)
+    report.advice = _advice(report, float8, rowwise, settings_text(level, lvl, kept32))
     return report

@@ -58,8 +58,9 @@ class Float8LayerReport:
 @dataclass
 class Float8Report:
     """What ``diagnose_float8`` found: per converted layer (forward order), its casts and its
-    error against bfloat16; ``recommended_keep_bfloat16`` names the layers float8 hurts, for
-    ``auto_mixed_precision(..., keep_bfloat16=...)``. ``to_dict()``, ``to_json()``."""
+    error against bfloat16; ``recommended_keep_bfloat16`` is the ``keep_bfloat16`` to
+    train with: the one diagnosed with (names as given, modules and types as the names
+    they matched), then the layers float8 hurts. ``to_dict()``, ``to_json()``."""
 
     policy: str
     recipe: str
@@ -78,7 +79,7 @@ class Float8Report:
 
     @property
     def healthy(self) -> bool:
-        return not self.recommended_keep_bfloat16
+        return not any(r.hurts for r in self.layers)
 
     def __str__(self) -> str:
         lines = [
