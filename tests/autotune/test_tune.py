@@ -187,6 +187,26 @@ def test_failed_training_check_sends_the_worst_layer_to_float32(monkeypatch):
     assert plan.step_times["plan"] == 2.0  # timed again after the check changed it
 
 
+def test_the_check_trains_past_an_update_when_the_budget_is_spent(monkeypatch):
+    # One step's loss comes before any update: a one-step check compared forward rounding
+    # alone and could not fail for training's sake, yet said "passed".
+    monkeypatch.setattr(check_module.time, "monotonic", _slow_clock())
+    timer = CostTimer({"float32": 1.0, "bfloat16": 0.5})
+    plan = tune(mlp(), candidates=("float32", "bfloat16"), timer=timer, check_steps=50)
+    assert plan.check.steps == check_module.MIN_STEPS == 2
+
+
+def _slow_clock():
+    """A clock that jumps an hour at each read: every deadline is past at once."""
+    now = [0.0]
+
+    def monotonic() -> float:
+        now[0] += 3600.0
+        return now[0]
+
+    return monotonic
+
+
 def test_plan_round_trips_json_and_applies_identically(tmp_path):
     timer = CostTimer({"float32": 1.0, "bfloat16": 0.5})
     plan = tune(mlp(), candidates=("float32", "bfloat16"), timer=timer)
@@ -208,6 +228,7 @@ def test_plan_round_trips_json_and_applies_identically(tmp_path):
         ({"time_budget_s": float("nan")}, r"time_budget_s=nan is invalid; .* >= 0, finite"),
         ({"time_budget_s": float("inf")}, r"time_budget_s=inf is invalid; .* >= 0, finite"),
         ({"check_steps": 0}, r"check_steps=0 is invalid"),
+        ({"check_steps": 1}, r"check_steps=1 is invalid; it must be an int >= 2"),
     ],
 )
 def test_bad_arguments_one_line(kwargs, message):
@@ -243,10 +264,10 @@ def test_plan_slower_than_float32_falls_back_to_float32():
     assert plan.step_times["plan"] == 3.0
 
 
-def test_no_time_left_gives_float32_and_a_one_step_check():
+def test_no_time_left_gives_float32_and_a_two_step_check():
     timer = CostTimer({"float32": 1.0, "bfloat16": 0.5})
     plan = tune(mlp(), candidates=("float32", "bfloat16"), time_budget_s=0, timer=timer)
-    assert set(plan.dtypes.values()) == {"float32"} and plan.check.steps == 1
+    assert set(plan.dtypes.values()) == {"float32"} and plan.check.steps == 2
     assert plan.layers[1].times == {"float32": 1.0, "bfloat16": 0.5}  # the probe (largest)
     assert plan.layers[0].times == {} and plan.layers[0].errors == {}  # not measured
     assert plan.layers[0].why == "not measured within the time budget"

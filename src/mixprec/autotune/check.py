@@ -16,7 +16,10 @@ from mixprec.autotune.plan import TrainingCheck
 from mixprec.autotune.search import Search
 from mixprec.autotune.steps import make_step
 
-__all__ = ["curve", "difference", "training_check"]
+__all__ = ["MIN_STEPS", "curve", "difference", "training_check"]
+
+#: The fewest steps a check trains: the second's loss is the first after an update.
+MIN_STEPS = 2
 
 
 def curve(search: Search, dtypes: dict[str, str], level: str, steps: int) -> list[float]:
@@ -46,14 +49,17 @@ def difference(losses: list[float], reference: list[float]) -> float:
 def training_check(search: Search, steps: int, deadline: float) -> TrainingCheck:
     """Run the check (see the module docstring) on ``search``'s plan, changing its
     ``dtypes`` and ``why`` for the layers it sends to float32. Fewer than ``steps`` steps
-    run when a float32 step times the steps over ``deadline``; the check says how many."""
+    (``MIN_STEPS`` at least) run when a float32 step times the steps over ``deadline``;
+    the check says how many."""
     start = time.monotonic()
-    first = curve(search, search.uniform("float32"), "O0", 1)
+    curve(search, search.uniform("float32"), "O0", 1)  # a step's time, compiled or not
     per_step = max(time.monotonic() - start, 1e-6)
-    # Two curves of n steps each, at least one more try: what the deadline leaves.
+    # Two curves of n steps each, at least one more try: what the deadline leaves. Two
+    # steps at least, past an overrun deadline too: one step's loss comes before any
+    # update, so a check of one could not fail for training's sake.
     room = (deadline - time.monotonic()) / (3 * per_step)
-    n = max(1, min(steps, int(room)))
-    reference = first if n == 1 else curve(search, search.uniform("float32"), "O0", n)
+    n = max(MIN_STEPS, min(steps, int(room)))
+    reference = curve(search, search.uniform("float32"), "O0", n)
     moved: list[str] = []
     level_from = None
     while True:

@@ -26,7 +26,7 @@ from mixprec._errors import ArgumentError, check_int
 from mixprec._hardware import cpu_fast, probe_cpu, probe_hardware
 from mixprec._rng import same_draws
 from mixprec._warn import warn_at_caller
-from mixprec.autotune.check import training_check
+from mixprec.autotune.check import MIN_STEPS, training_check
 from mixprec.autotune.measure import LayerData, isolated_run, layer_error, reference_pass
 from mixprec.autotune.plan import LayerChoice, Plan
 from mixprec.autotune.search import Search
@@ -154,7 +154,8 @@ def autotune(
     default, 0.05, admits bfloat16 (rounding ~0.4%) and usually float8 (E4M3 ~3%); 0 gives
     the float32 plan. ``time_budget_s``: the whole call ends about then: per-layer measurement
     stops at 30% of it (layers left unmeasured stay float32), the search at 60%, and the
-    training check runs fewer than ``check_steps`` steps if that is all that fits.
+    training check runs fewer than ``check_steps`` steps if that is all that fits (2 at
+    least, past the budget too: the first step's loss precedes any update).
     ``optimizer``: a factory ``params -> torch.optim.Optimizer`` (SGD, lr 0.01), wrapped in
     ``LossScaleOptimizer`` for whole-step timing and the check. ``compile``: time and check
     steps compiled, as ``Trainer(compile=...)``. ``timer``: how to time (``units.Timer``;
@@ -176,7 +177,7 @@ def autotune(
             raise ArgumentError(
                 f"{name}={value!r} is invalid; give a number >= 0" + ", finite" * finite
             )
-    check_int("check_steps", check_steps, 1)
+    check_int("check_steps", check_steps, MIN_STEPS)  # one step's loss precedes any update
     options = compile_options(compile)
     say = progress or (lambda text: None)
     timer = timer or WallTimer()
