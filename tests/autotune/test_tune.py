@@ -14,6 +14,7 @@ import mixprec as mp
 from mixprec._errors import ArgumentError
 from mixprec.autotune import check as check_module
 from mixprec.float8 import cpu_kernel_error
+from mixprec.levels import applied
 
 F = nn.functional
 
@@ -260,6 +261,8 @@ def test_plan_slower_than_float32_falls_back_to_float32():
     sgd = lambda params: torch.optim.SGD(params, lr=0.0)  # noqa: E731 (range, not training)
     plan = tune(model, candidates=("float32", "float16"), timer=timer, optimizer=sgd)
     assert set(plan.dtypes.values()) == {"float32"}
+    # The level it is applied at, not the uniform plan's (O2), which does not run.
+    assert plan.level == "O0" == applied(mp.auto_mixed_precision(mlp(), plan=plan)).level
     assert plan.layers[0].why == "the plan timed slower than float32 (1.25e+04 ms against 3e+03 ms)"
     assert plan.step_times["plan"] == 3.0
 
@@ -344,3 +347,26 @@ def test_a_plan_whose_training_check_failed_in_the_time_left_is_returned_with_a_
     with pytest.warns(UserWarning, match=said):
         plan = tune(mlp(), timer=CostTimer(costs))
     assert plan.check is failed
+
+
+def test_a_layer_the_batch_never_calls_is_planned_float32_and_says_why():
+    # Left out of the plan, it followed the plan's float16 policy, unmeasured.
+    class Branches(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.fc1, self.fc2, self.rare = nn.Linear(16, 32), nn.Linear(32, 4), nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.fc1(x))
+            return self.rare(h) if x.shape[0] == 1 else self.fc2(h)
+
+    timer = CostTimer({"float32": 1.0, "float16": 0.5})
+    plan = mp.autotune(Branches(), batch(), F.cross_entropy, candidates=("float32", "float16"),
+                       check_steps=3, timer=timer)  # fmt: skip
+    assert plan.dtypes == {"fc1": "float16", "fc2": "float16", "rare": "float32"}
+    (rare,) = [r for r in plan.layers if r.name == "rare"]
+    assert rare.why == "not called by the tuning batch: float32, not measured"
+    assert rare.kind == "Linear" and rare.times == {} and rare.headroom is None
+    model = mp.auto_mixed_precision(Branches(), plan=plan)
+    assert model.rare.weight.dtype == torch.float32 and model.fc2.weight.dtype == torch.float16

@@ -41,6 +41,9 @@ from mixprec.autotune.units import (
 )
 from mixprec.doctor._common import check_finite_batch, float32_model
 
+#: Why a layer the tuning batch never called is float32 in the plan.
+NOT_CALLED = "not called by the tuning batch: float32, not measured"
+
 __all__ = ["autotune"]
 
 #: A candidate this many times slower than float32 on its largest layer is left out.
@@ -204,17 +207,21 @@ def autotune(
         )  # fmt: skip
         search.run()
         check = training_check(search, check_steps, start + time_budget_s)
+    # A layer this batch never calls (a branch, an expert) is named float32 too: left out,
+    # it would follow the plan's 16-bit policy unmeasured (float16 without a range look).
     rows = tuple(
         LayerChoice(
             name,
-            data.kind,
+            got.kind,
             search.dtypes[name],
-            dict(data.times),
-            dict(data.errors),
-            data.headroom,
+            dict(got.times),
+            dict(got.errors),
+            got.headroom,
             search.why.get(name, ""),
         )
-        for name, data in layers.items()
+        if (got := layers.get(name)) is not None
+        else LayerChoice(name, type(module).__name__, "float32", why=NOT_CALLED)
+        for name, module in layers_found.items()
     )
     if check.sent_to_float32 or check.level_from:  # the plan changed: time it, if time is left
         search.step_times.pop("plan", None)
@@ -227,5 +234,8 @@ def autotune(
             "time_budget_s"
         )
     machine = (probe_cpu() if device.type == "cpu" else probe_hardware()).detail
-    return Plan(rows, search.level, left_out, dict(search.step_times), float(error_budget),
+    # Every layer float32 (a budget broken everywhere, a plan slower than float32): that
+    # is O0, as applied; the uniform plan's level would say a level that does not run.
+    level = search.level if any(d != "float32" for d in search.dtypes.values()) else "O0"
+    return Plan(rows, level, left_out, dict(search.step_times), float(error_budget),
                 check, machine)  # fmt: skip
