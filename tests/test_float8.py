@@ -163,7 +163,9 @@ def test_keep_entries_by_type_and_name_and_the_head_option():
         lm(), "mixed_float8", keep_float32=["blocks.0.out"], float8=SMALL
     )
     assert converted(model) == {"blocks.0.qkv", "blocks.0.mlp.0", "blocks.0.mlp.2"}
-    assert float8_choice(model.blocks[0].out).reason.startswith("kept float32")
+    assert float8_choice(model.blocks[0].out).reason.startswith(
+        "in a keep_float32 or to_float region"
+    )
     assert model.blocks[0].out.weight.dtype == torch.float32
 
     model = mp.auto_mixed_precision(
@@ -663,6 +665,50 @@ def test_float8_options_that_convert_nothing_say_why():
     with pytest.warns(UserWarning, match=r"float8= converted no Linear layer; '0': "):
         mp.auto_mixed_precision(model, "mixed_float8", float8=Float8Options(min_features=1))
     assert not converted(model)
+
+
+def test_a_linear_shared_under_two_parents_stays_one_module():
+    """torchao swaps it once under each parent: two Float8Linear modules over one weight,
+    so a hook on one name missed the other and describe counted it twice."""
+
+    class TwoParents(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            shared = nn.Linear(32, 32)
+            self.a, self.b = nn.Sequential(shared), nn.Sequential(shared)
+            self.head = nn.Linear(32, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.b(self.a(x)))
+
+    model = mp.auto_mixed_precision(TwoParents(), "mixed_float8", float8=SMALL)
+    assert model.a[0] is model.b[0] and is_float8(model.a[0])
+    assert mp.float8.layer_counts(model) == (1, 2)
+
+
+def test_the_head_is_the_last_linear_outside_attention():
+    """An attention block registered after the head: its out_proj (a Linear subclass, never
+    converted) was taken for the head, and the real head went to float8."""
+
+    class Pooled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj, self.head = nn.Linear(64, 64), nn.Linear(64, 16)
+            self.pool = nn.MultiheadAttention(64, 4, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.proj(x)
+            return self.head(self.pool(h, h, h)[0][:, 0])
+
+    model = mp.auto_mixed_precision(Pooled(), "mixed_float8", float8=SMALL)
+    assert float8_choice(model.head).reason.startswith("output head (the last Linear)")
+    assert is_float8(model.proj) and not is_float8(model.head)
+
+
+def test_a_model_that_is_one_linear_is_refused_with_the_wrap():
+    """torchao returns a new module for a root Linear: the model stayed plain bfloat16."""
+    with pytest.raises(ValueError, match=r"itself an nn.Linear.*nn.Sequential\(linear\)"):
+        mp.auto_mixed_precision(nn.Linear(64, 64), "mixed_float8", float8=SMALL)
 
 
 def test_a_linear_shared_under_two_names_is_converted_at_both():

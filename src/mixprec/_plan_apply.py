@@ -3,8 +3,9 @@
 model is prepared by the one path every other model goes through.
 
 A plan names modules and gives each a dtype: ``float32``, ``bfloat16``, ``float16`` or
-``float8``. Its 16-bit dtype with the most modules is the policy's compute dtype (float8
-layers count as bfloat16: they run in a bfloat16 region); its level is the plan's. Then:
+``float8``. A plan with float8 modules has a bfloat16 policy (``mixed_float8`` computes in
+bfloat16, its float8 layers in bfloat16 regions); otherwise its 16-bit dtype with the most
+modules is the policy's compute dtype. Its level is the plan's. Then:
 
 * ``float32`` modules are ``keep_float32`` entries (float32 regions, float32 weights);
 * modules in the other 16-bit dtype are ``to_float`` regions made before the level is

@@ -247,7 +247,7 @@ def _refusal(
     """Why ``module`` is not converted, or ``None`` when it is."""
     k, n = module.in_features, module.out_features
     if id(module) in float32:
-        return "kept float32 (keep_float32 or to_float)"
+        return "in a keep_float32 or to_float region (its own dtype, not float8)"
     if id(module) in bfloat16:
         return "kept bfloat16 (keep_bfloat16)"
     if id(module) in inside_attention:
@@ -358,19 +358,29 @@ def convert_to_float8(
     (hooks registered on the old ones are not carried over). Returns the choices by name.
     """
     recipe = check_float8(model, recipe, policy_name=policy_name, options=options)
+    if isinstance(model, nn.Linear):  # torchao would return a new module: none in place
+        raise ArgumentError(
+            f"policy {policy_name!r}: the model is itself an nn.Linear, which float8 cannot "
+            "convert in place (the converted layer is a new module); wrap it: "
+            "model = torch.nn.Sequential(linear)"
+        )
     ao = torchao_float8()
     config = ao.Float8LinearConfig.from_recipe_name(recipe)
     if options.fsdp_float8_all_gather:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     forward_dtype = dtype_name(config.cast_config_input.target_dtype)
     linears = [(n, m) for n, m in model.named_modules() if n and isinstance(m, nn.Linear)]
-    head = linears[-1][0] if linears else None
     attention = {
         id(sub)
         for m in model.modules()
         if isinstance(m, nn.MultiheadAttention)
         for sub in m.modules()
     }
+    # The head: the last exact nn.Linear outside attention. A subclass (attention's
+    # out_proj) is never converted; counted, an attention block registered after the head
+    # would leave the real head to float8.
+    heads = [n for n, m in linears if type(m) is nn.Linear and id(m) not in attention]
+    head = heads[-1] if heads else None
     by_id: dict[int, Float8Choice] = {}
     for name, module in linears:
         why = _refusal(name, module, recipe, options, head, float32, bfloat16, attention)
@@ -395,16 +405,19 @@ def convert_to_float8(
         found = by_id.get(id(module))
         return found is not None and found.converted
 
-    ao.convert_to_float8_training(model, module_filter_fn=chosen, config=config)
-    # The converted modules are new objects. torchao swaps a shared Linear at the first name
-    # it meets only: its other names get the same new module, so it stays one module.
-    named = dict(model.named_modules(remove_duplicate=False))
+    # Each name of a converted Linear, with the first name of that Linear.
     first = {id(m): n for n, m in linears}
-    for name in choices:
-        old = named[name]
-        if id(old) in first and chosen(old, name) and named[first[id(old)]] is not old:
+    aliases = {n: first[id(m)] for n, m in model.named_modules(remove_duplicate=False)
+               if n and chosen(m, n)}  # fmt: skip
+    ao.convert_to_float8_training(model, module_filter_fn=chosen, config=config)
+    # The converted modules are new objects. torchao swaps a shared Linear once under each
+    # parent (under one parent, at its first name only): every name gets the module at the
+    # Linear's first name, so it stays one module (one hook, one describe line).
+    named = dict(model.named_modules(remove_duplicate=False))
+    for name, at in aliases.items():
+        if named[name] is not named[at]:
             parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent), attr, named[first[id(old)]])
+            setattr(model.get_submodule(parent), attr, named[at])
     named = dict(model.named_modules(remove_duplicate=False))
     for name, choice in choices.items():
         module = named[name]
