@@ -279,7 +279,8 @@ def ranks_seeded_apart(out: Path, rank: int) -> None:
     # A checkpoint of rank 0's state alone (save_checkpoint by hand): said, not silent.
     t = _dropout_trainer()
     if rank == 0:
-        mp.save_checkpoint(out / "apart-by-hand.safetensors", t.model, t.optimizer)
+        mp.save_checkpoint(out / "apart-by-hand.safetensors", t.model, t.optimizer,
+                           trainer_state=t.resume_state())  # fmt: skip
     dist.barrier()
     torch.manual_seed(100 + rank)
     with warnings.catch_warnings(record=True) as seen:

@@ -284,3 +284,39 @@ def test_a_step_whose_forward_overflowed_is_left_out_of_the_epochs_loss():
     history = t.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False).history
     assert history["skipped_steps"] == [1, 1]
     assert all(math.isfinite(v) for v in history["loss"] + history["accuracy"])
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"batch_size": 16}, "batches 8 then, 4 now; batch_size 8 then, 16 now"),
+        ({"shuffle": False}, "shuffle True then, False now"),
+        ({"n": 48}, "batches 8 then, 6 now; samples 64 then, 48 now"),
+    ],
+)
+def test_a_mid_epoch_resume_over_other_batches_is_refused(tmp_path, change, said):
+    # step_in_epoch counts batches: of another size or order, skipping them skipped other
+    # samples (64 of 160 never seen at twice the batch size).
+    x, y = data()
+    saver = mp.ModelCheckpoint(tmp_path, every_n_epochs=None, every_n_steps=3)
+    with pytest.raises(KeyboardInterrupt):
+        trainer().fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[saver, Interrupt(3)])
+    n = change.get("n", 64)
+    args = {"batch_size": change.get("batch_size", 8), "shuffle": change.get("shuffle", True)}
+    path = tmp_path / "step-00000003.safetensors"
+    with pytest.raises(ValueError, match=rf"stopped 3 batches into an epoch .*\({said}\)"):
+        trainer().fit(x[:n], y[:n], epochs=2, verbose=0, resume_from=path, **args)
+    resumed = trainer().fit(x, y, batch_size=8, epochs=2, verbose=0, resume_from=path)
+    assert len(resumed.epoch) == 2  # the rest of epoch 0, then epoch 1
+
+
+def test_resuming_from_a_checkpoint_without_a_position_is_refused(tmp_path):
+    # Its weights loaded, it ran every epoch again from epoch 0 and global_step 0.
+    x, y = data()
+    t = trainer()
+    t.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    path = mp.save_checkpoint(tmp_path / "c.safetensors", t.model, t.optimizer,
+                              trainer_state={"step": t.global_step})  # fmt: skip
+    with pytest.raises(mp.CheckpointError, match=r"holds no training position \(its "
+                       r"trainer_state has \['step'\], no epoch\)"):  # fmt: skip
+        trainer().fit(x, y, batch_size=16, epochs=3, verbose=0, resume_from=path)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from mixprec import distributed
-from mixprec.checkpoint import load_checkpoint, rng_state
+from mixprec.checkpoint import CheckpointError, load_checkpoint, rng_state
 from mixprec.train.callbacks import Callback
 from mixprec.train.warn import warn
 
@@ -27,6 +27,7 @@ __all__ = [
     "RankRng",
     "ResumePoint",
     "callback_states",
+    "data_shape",
     "keyed",
     "read",
     "replay_epoch",
@@ -48,11 +49,23 @@ class ResumePoint:
     callbacks: dict[str, Any] = field(default_factory=dict)
 
 
+def data_shape(x: Any, y: Any, batch_size: int, shuffle: bool, steps: int) -> dict[str, Any]:
+    """What a checkpoint's ``step_in_epoch`` counts: batches per epoch (``steps``, 0 where a
+    loader has no length) and, for tensors or arrays, the samples, the batch size and
+    whether they are shuffled (a loader's own are not known)."""
+    if y is None:
+        return {"batches": steps}
+    return {"batches": steps, "samples": len(x), "batch_size": batch_size, "shuffle": shuffle}
+
+
 def read(
-    path: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer, steps: int
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: dict[str, Any],
 ) -> ResumePoint:
     """Load a checkpoint into ``model`` and ``optimizer`` (RNG states too) and say where its
-    run stood; ``steps``: batches per epoch (0 where a loader has no length)."""
+    run stood; ``data``: this fit's ``data_shape``, which a mid-epoch resume must match."""
     # The generators the ranks draw differently from now, before the load sets them: on
     # rank 0, which alone warns (None elsewhere and outside torchrun).
     size = distributed.world_size()
@@ -69,8 +82,18 @@ def read(
             f"{held} for {size} ranks now: every rank takes rank 0's, so they draw the same "
             f"random numbers{masks} from here. ModelCheckpoint's checkpoints hold every rank's"
         )
+    if "epoch" not in state:
+        raise CheckpointError(
+            f"fit(resume_from={os.fspath(path)!r}): the checkpoint holds no training position "
+            f"(its trainer_state has {sorted(state) or 'nothing'}, no epoch): resumed, the run "
+            "would start again at epoch 0. Resume from ModelCheckpoint's checkpoints or "
+            "save_checkpoint(path, model, opt, trainer_state=trainer.resume_state()); to train "
+            "on from these weights as a new run, load_checkpoint(path, model, opt) and call "
+            "fit without resume_from (its weights and optimizer are loaded now)"
+        )
     global_step = int(state.get("global_step", 0))
-    epoch, skip = int(state.get("epoch", 0)), int(state.get("step_in_epoch", 0))
+    epoch, skip = int(state["epoch"]), int(state.get("step_in_epoch", 0))
+    steps = data["batches"]
     replay, callbacks = state.get("epoch_rng"), dict(state.get("callbacks") or {})
     if own and distributed.rank() > 0:  # this rank's own (a loader shuffling per rank)
         replay = ranks[distributed.rank()].get("epoch_order", replay)  # type: ignore[index]
@@ -81,7 +104,25 @@ def read(
         return ResumePoint(global_step, epoch + 1, callbacks=callbacks)
     if replay is None:
         return ResumePoint(global_step, epoch + (skip > 0), callbacks=callbacks)
+    _check_same_epochs(path, state.get("data"), data, skip)
     return ResumePoint(global_step, epoch, skip, replay, state.get("meter"), callbacks)
+
+
+def _check_same_epochs(
+    path: str | os.PathLike[str], saved: dict[str, Any] | None, now: dict[str, Any], skip: int
+) -> None:
+    """A mid-epoch resume skips the ``skip`` batches done: of another batch size, sample
+    count or order, those are other samples, and some would train twice or never."""
+    if not saved:  # written before checkpoints said so
+        return
+    differ = [f"{k} {saved[k]!r} then, {now.get(k)!r} now" for k in saved if saved[k] != now.get(k)]
+    if differ:
+        raise ValueError(
+            f"fit(resume_from={os.fspath(path)!r}): the checkpoint stopped {skip} batches into "
+            f"an epoch of other batches ({'; '.join(differ)}); skipping {skip} of these would "
+            "train some samples twice and others never this epoch. Resume with the data, "
+            "batch_size and shuffle it was written with"
+        )
 
 
 class RankRng:

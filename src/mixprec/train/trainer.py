@@ -164,6 +164,7 @@ class Trainer:
         self._rank_rng = resume.RankRng()  # under torchrun, for checkpoints
         self._meter: EpochMeter | None = None  # the running epoch's
         self._callbacks: dict[str, Callback] = {}  # this fit's, by key (resume.keyed)
+        self._data: dict[str, Any] = {}  # this fit's epoch shape (resume.data_shape)
 
     @property
     def policy(self) -> Any:
@@ -205,9 +206,10 @@ class Trainer:
             self._validate(*validation_data)
         batches.check_ranks_agree(x, y, batch_size, epochs, validation_data, resume_from)
         one_epoch, steps, _ = batches.epoch_batches(x, y, batch_size, shuffle, device=self.device)
+        self._data = resume.data_shape(x, y, batch_size, shuffle, steps)
         point = resume.ResumePoint(self.global_step, 0)
         if resume_from is not None:
-            point = resume.read(resume_from, self.model, self.optimizer, steps)
+            point = resume.read(resume_from, self.model, self.optimizer, self._data)
             self.global_step = point.global_step
 
         history = History()
@@ -356,6 +358,7 @@ class Trainer:
             "meter": self._meter.state_dict() if running else None,  # type: ignore[union-attr]
             "callbacks": resume.callback_states(self._callbacks),
             "rank_rng": self._rank_rng.at(_position(self)),  # None: rank 0's stands
+            "data": self._data,  # what step_in_epoch counts batches of
         }
 
     def state_dict(self) -> dict[str, Any]:
