@@ -190,3 +190,53 @@ def test_values_a_narrower_dtype_flushes_to_zero_are_counted_by_tensor(tmp_path,
     converted = mp.convert_checkpoint(path, out, target)
     assert converted.underflow == report.underflow
     assert mp.load_checkpoint(path, make_mlp()).underflow == []  # float32 holds them all
+
+
+def test_optimizer_state_cast_to_16_bit_parameters_goes_through_on_range(tmp_path):
+    # O3 keeps no masters: torch cast Adam's float32 moments to float16 as it loaded them,
+    # a second moment of 9e4 to inf (its weight then never moved) and 1e-10 to 0, unlisted.
+    def model(level: str) -> nn.Module:
+        torch.manual_seed(0)
+        return mp.auto_mixed_precision(nn.Sequential(nn.Linear(4, 4)), "mixed_float16", level)
+
+    source = model("O2")
+    opt = mp.LossScaleOptimizer(torch.optim.Adam(source.parameters(), lr=1e-3))
+    opt.backward(source(torch.randn(8, 4)).float().mean())
+    assert opt.step().applied
+    with torch.no_grad():
+        for state in opt.optimizers[0].state.values():
+            state["exp_avg_sq"].view(-1)[:2] = torch.tensor([9e4, 1e-10])
+    path = mp.save_checkpoint(tmp_path / "o2.safetensors", source, opt)
+
+    def load(**kwargs):
+        target = model("O3")
+        inner = torch.optim.Adam(target.parameters(), lr=1e-3)
+        report = mp.load_checkpoint(path, target, mp.LossScaleOptimizer(inner), **kwargs)
+        return report, inner.state[target[0].weight]["exp_avg_sq"].view(-1)
+
+    name = "optim/optimizers/0/state/0/exp_avg_sq"
+    with pytest.raises(mp.CheckpointError, match=rf"tensor '{name}' has max \|value\| 90000"):
+        load()
+    report, moment = load(on_range="clamp")
+    assert moment.dtype == torch.float16 and moment[0].item() == 65504.0
+    assert (name, 9e4, "float16", "clamp") in report.out_of_range
+    assert (name, 1, "float16") in report.underflow and moment[1].item() == 0.0
+    assert (name, "float32", "float16") in report.converted
+
+
+@pytest.mark.parametrize("built", ["after", "before"])
+def test_clamped_weights_leave_the_other_float32_digits_to_the_masters(tmp_path, built):
+    # The unclamped values were kept on the weight; they do not round to it, so masters
+    # built later started from every value's float16 rounding, not the one clamped.
+    source = make_mlp()
+    with torch.no_grad():
+        source[0].weight[0, 0] = 1e5  # beyond float16's 65504
+    path = mp.save_checkpoint(tmp_path / "big.safetensors", source)
+    expected = source[0].weight.detach().clone()
+    expected[0, 0] = 65504.0
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
+    opt = None if built == "after" else mp.LossScaleOptimizer(torch.optim.SGD(model.parameters()))
+    mp.load_checkpoint(path, model, on_range="clamp")  # optimizer=None: weights alone
+    opt = opt or mp.LossScaleOptimizer(torch.optim.SGD(model.parameters()))
+    opt.state_dict()  # a built optimizer's masters follow the load here
+    assert torch.equal(dict(opt.master_weights())[model[0].weight], expected)

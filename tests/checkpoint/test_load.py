@@ -204,3 +204,28 @@ def test_inner_optimizer_of_another_class_is_refused_and_older_files_still_load(
     rewrite_header(old, lambda meta: meta.pop("optimizer_classes"))
     with pytest.raises(mp.CheckpointError, match="from AdamW, this optimizer is Adam;"):
         mp.load_checkpoint(old, make_mlp(), torch.optim.Adam(make_mlp().parameters()))
+
+
+def test_arguments_of_the_wrong_kind_are_refused_by_name(tmp_path):
+    # strict=None loaded a partial model, strict="false" was strict; a state dict or an
+    # optimizer's name failed as an AttributeError; a complex128 entry as a bare KeyError.
+    import re
+
+    model = make_mlp()
+    path = mp.save_checkpoint(tmp_path / "c.safetensors", model)
+    for name, value in (("strict", None), ("strict", "false"), ("restore_rng", 0)):
+        message = f"load_checkpoint({name}={value!r}) is invalid; valid: True or False"
+        with pytest.raises(mp.ArgumentError, match=re.escape(message)):
+            mp.load_checkpoint(path, make_mlp(), **{name: value})
+    for call in (mp.load_checkpoint, mp.save_checkpoint):
+        with pytest.raises(mp.ArgumentError, match=r"needs an nn.Module, got OrderedDict \(a st"):
+            call(path, model.state_dict())
+        with pytest.raises(mp.ArgumentError, match=r"\(optimizer='adam'\) is invalid; valid: a t"):
+            call(path, model, "adam")
+    with pytest.raises(mp.ArgumentError, match=r"trainer_state=\[1, 2\]\) is invalid; valid: a d"):
+        mp.save_checkpoint(path, model, trainer_state=[1, 2])
+    with pytest.raises(mp.ArgumentError, match=r"'trainer/z'.*dtype complex128 is not one safet"):
+        mp.save_checkpoint(path, model, trainer_state={"z": torch.ones(2, dtype=torch.complex128)})
+    with pytest.raises(mp.ArgumentError, match=r"dict key of type tuple \(\(1, 2\)\)"):
+        mp.save_checkpoint(path, model, trainer_state={(1, 2): 3})
+    assert mp.load_checkpoint(path, make_mlp()).missing == []  # the file is still whole

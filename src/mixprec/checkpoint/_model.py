@@ -11,11 +11,26 @@ import torch
 from torch import nn
 
 from mixprec._dtypes import HALF_DTYPES
+from mixprec._errors import ArgumentError, shown
 from mixprec.checkpoint.format import CheckpointError
 from mixprec.optim import LossScaleOptimizer
 from mixprec.optim.masters import float32_values
 
-__all__ = ["master_tensors", "optimizer_classes"]
+__all__ = ["check_arguments", "master_tensors", "optimizer_classes"]
+
+
+def check_arguments(who: str, model: Any, optimizer: Any) -> None:
+    """``model`` an ``nn.Module`` and ``optimizer`` a torch optimizer or ``None``: a state
+    dict or an optimizer's name failed deep inside, as an ``AttributeError``."""
+    if not isinstance(model, nn.Module):
+        hint = " (a state dict: pass the module it belongs to)" if isinstance(model, dict) else ""
+        got = type(model).__name__
+        raise ArgumentError(f"{who}(model=...) needs an nn.Module, got {got}{hint}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ArgumentError(
+            f"{who}(optimizer={shown(optimizer)}) is invalid; valid: a torch.optim.Optimizer "
+            "(a LossScaleOptimizer, for float32 masters) or None"
+        )
 
 
 def master_tensors(

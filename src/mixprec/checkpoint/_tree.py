@@ -12,7 +12,12 @@ from typing import Any
 
 import torch
 
-from mixprec._errors import ArgumentError
+from mixprec._dtypes import dtype_name
+from mixprec._errors import ArgumentError, shown
+from mixprec.checkpoint._safetensors import _SAFETENSORS_DTYPES
+
+#: The dtypes a safetensors file holds.
+_STORABLE = frozenset(_SAFETENSORS_DTYPES.values())
 
 
 def _flatten(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
@@ -23,9 +28,20 @@ def _flatten(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
                 f"cannot store two tensors under one name {prefix!r} in a checkpoint: rename "
                 "a key (a key holding '/' or an int and a str that print alike)"
             )
+        if obj.dtype not in _STORABLE:  # safetensors' writer failed with a bare KeyError
+            raise ArgumentError(
+                f"cannot store {prefix!r} in a checkpoint: its dtype {dtype_name(obj.dtype)} is "
+                f"not one safetensors holds ({', '.join(sorted(map(dtype_name, _STORABLE)))})"
+            )
         tensors[prefix] = obj.detach().cpu().contiguous()
         return {"__tensor__": prefix}
     if isinstance(obj, dict):
+        for k in obj:
+            if k is not None and not isinstance(k, (bool, int, float, str)):
+                raise ArgumentError(
+                    f"cannot store a dict key of type {type(k).__name__} ({shown(k)}) in a "
+                    f"checkpoint (at {prefix!r}): keys must be str, int, float, bool or None"
+                )
         return {"__dict__": [[k, _flatten(v, f"{prefix}/{k}", tensors)] for k, v in obj.items()]}
     if isinstance(obj, (list, tuple)):
         items = [_flatten(v, f"{prefix}/{i}", tensors) for i, v in enumerate(obj)]

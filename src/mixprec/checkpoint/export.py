@@ -16,7 +16,7 @@ from mixprec._errors import ArgumentError
 from mixprec._version import __version__
 from mixprec.checkpoint._conversion import _check_on_range, _convert, _raise_non_finite
 from mixprec.checkpoint._files import _atomic_write, same_file
-from mixprec.checkpoint._model import _buffer_names, _model_tensors
+from mixprec.checkpoint._model import _buffer_names, _model_tensors, check_arguments
 from mixprec.checkpoint.format import LoadReport, OnRange
 from mixprec.checkpoint.read import read_checkpoint
 
@@ -75,6 +75,7 @@ def export_weights(
     """Write the model's weights in ``dtype`` (float32, bfloat16 or float16) as a plain
     safetensors file for inference; with a ``LossScaleOptimizer``, from its float32 masters.
     Raises ``CheckpointError`` if a value does not fit ``dtype`` or is NaN or inf."""
+    check_arguments("export_weights", model, optimizer)
     tensors, aliases, _ = _model_tensors(model, optimizer)
     weights = {k.removeprefix("model/"): v for k, v in tensors.items()}
     buffers = _buffer_names(model, weights)

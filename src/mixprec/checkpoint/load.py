@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec._errors import shown
+from mixprec._errors import ArgumentError, shown
 from mixprec._float32_copies import keep_loaded_float32
 from mixprec.checkpoint._conversion import (
     _check_on_range,
@@ -29,6 +29,7 @@ from mixprec.checkpoint._model import (
     _buffer_names,
     _parameter_names,
     _unwrapped,
+    check_arguments,
     check_param_names,
     optimizer_classes,
     optimizer_param_names,
@@ -68,6 +69,12 @@ def load_checkpoint(
     ``restore_rng`` under torchrun restores each rank's own state where the checkpoint holds
     one for every rank now running (the Trainer's ``rank_rng``), and else rank 0's.
     """
+    check_arguments("load_checkpoint", model, optimizer)
+    for name, flag in (("strict", strict), ("restore_rng", restore_rng)):
+        if not isinstance(flag, bool):  # strict="false" was true, strict=None false
+            raise ArgumentError(
+                f"load_checkpoint({name}={shown(flag)}) is invalid; valid: True or False"
+            )
     _check_on_range(on_range)
     tensors, header = read_checkpoint(path)
     described = ("policy", "level", "float8", "mixprec_version", "torch_version", "format_version")
@@ -108,14 +115,16 @@ def load_checkpoint(
         for name in _tensor_names(header["optimizer"]):
             _count_non_finite(name, tensors[name], report)
     _raise_non_finite(report, on_range)
+    # Masters are built from the saved values, clamped as their weights were: else the
+    # optimizer's copy-back would put back the values the clamp took out (and masters built
+    # later would find kept values their weights do not round from, and start from 16 bits).
+    clamped = {n: getattr(torch, d) for n, _, d, how in report.out_of_range if how == "clamp"}
+    masters_from = {n: saturate(v, clamped[n]) if n in clamped else v for n, v in saved.items()}
     if optimizer is not None:
         mine = optimizer_param_names(optimizer, model)
         check_param_names(str(path), header.get("optimizer_params"), mine, skip)
-        # Masters are built from the saved values, clamped as their weights were: else the
-        # optimizer's copy-back would put back the values the clamp took out.
-        clamped = {n: getattr(torch, d) for n, _, d, how in report.out_of_range if how == "clamp"}
-        masters_from = {n: saturate(v, clamped[n]) if n in clamped else v for n, v in saved.items()}
         optim_state = _optimizer_state(path, optimizer, model, masters_from, tensors, header)
+        _cast_like_torch(optimizer, optim_state, on_range, report)
     trainer_state = stored_trainer_state(header, tensors)
     rng_state = None
     if restore_rng and header.get("rng") is not None:
@@ -124,7 +133,7 @@ def load_checkpoint(
 
     # Commit: every value was checked above to fit its destination.
     model.load_state_dict(loaded, strict=False)
-    _keep_float32_values(model, saved)
+    _keep_float32_values(model, masters_from)
     if optimizer is not None:
         try:
             optimizer.load_state_dict(optim_state)
@@ -251,6 +260,40 @@ def _optimizer_state(
         masters.append(value.float())
     state["master_weights"] = masters
     return state
+
+
+def _cast_like_torch(
+    optimizer: torch.optim.Optimizer, state: Any, on_range: OnRange, report: LoadReport
+) -> None:
+    """torch's ``load_state_dict`` casts each floating state entry (Adam's moments) to its
+    parameter's dtype, a 16-bit one where no master stands between (O3, a plain optimizer
+    over a 16-bit model): a second moment past 65504 became inf in float16 and froze its
+    weight. Cast here instead, through ``on_range``, each cast in the report."""
+    pairs = (
+        [(f"optim/optimizers/{i}", o, s) for i, (o, s) in
+         enumerate(zip(optimizer.optimizers, state["optimizers"], strict=True))]
+        if isinstance(optimizer, LossScaleOptimizer)
+        else [("optim", optimizer, state)]
+    )  # fmt: skip
+    for prefix, inner, saved in pairs:
+        if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):
+            continue  # a state of its own shape: its optimizer's load decides
+        params = [p for g in inner.param_groups for p in g["params"]]
+        indices = [i for g in saved["param_groups"] for i in g.get("params", [])]
+        by_index = {str(i): p for i, p in zip(indices, params, strict=False)}
+        for index, entry in (saved.get("state") or {}).items():
+            param = by_index.get(str(index))
+            if param is None or not param.is_floating_point() or not isinstance(entry, dict):
+                continue
+            for key, value in entry.items():
+                if (
+                    key != "step"
+                    and isinstance(value, torch.Tensor)
+                    and value.is_floating_point()
+                    and value.dtype != param.dtype
+                ):
+                    name = f"{prefix}/state/{index}/{key}"
+                    entry[key] = _convert(name, value, param.dtype, on_range, report, False)
 
 
 def _check_classes(

@@ -11,12 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec._errors import ArgumentError
+from mixprec._errors import ArgumentError, shown
 from mixprec._version import __version__
 from mixprec.checkpoint._files import _atomic_write
 from mixprec.checkpoint._model import (
     _buffer_names,
     _model_tensors,
+    check_arguments,
     optimizer_classes,
     optimizer_param_names,
 )
@@ -42,6 +43,12 @@ def save_checkpoint(
     be ints >= 0 and ``epoch_rng`` a uint8 tensor (the Trainer's resume state): an
     ``ArgumentError`` (a ``ValueError``) here, rather than a checkpoint that
     ``load_checkpoint`` refuses."""
+    check_arguments("save_checkpoint", model, optimizer)
+    if trainer_state is not None and not isinstance(trainer_state, dict):
+        raise ArgumentError(
+            f"save_checkpoint(trainer_state={shown(trainer_state)}) is invalid; valid: a dict "
+            "(trainer.resume_state(), or your own: {'global_step': step, ...}) or None"
+        )
     target = Path(path)
     _check_target(target)
     pending = optimizer.pending_micro_steps if isinstance(optimizer, LossScaleOptimizer) else 0
