@@ -7,6 +7,7 @@ from mixprec import data, distributed, losses, models
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec._float32_copies import release_float32_copies
 from mixprec._version import __version__
+from mixprec.activation_checkpoint import activation_checkpoint, checkpoint_context
 from mixprec.autotune import Plan, autotune
 from mixprec.casting import cast_floating, to_float
 from mixprec.checkpoint import (
@@ -94,11 +95,13 @@ __all__ = [
     "TrainStep",
     "Trainer",
     "__version__",
+    "activation_checkpoint",
     "all_finite",
     "auto_mixed_precision",
     "autotune",
     "build_train_step",
     "cast_floating",
+    "checkpoint_context",
     "convert_checkpoint",
     "cross_entropy",
     "data",

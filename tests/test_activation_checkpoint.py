@@ -1,0 +1,80 @@
+"""Activation checkpointing of blocks inside a prepared model (``mp.activation_checkpoint``,
+``mp.checkpoint_context``): the recompute computes softmax and normalisation in float32 as
+the forward did, so the gradients equal those of the same model without checkpointing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import mixprec as mp
+
+
+class Block(nn.Module):
+    """Pre-norm block: a LayerNorm module and a functional softmax, both float32 at O2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.norm(x)).softmax(-1)
+
+
+class Net(nn.Module):
+    def __init__(self, wrap=None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(32, 4)
+        self.wrap = wrap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = self.wrap(block, x) if self.wrap else block(x)
+        return self.head(x)
+
+
+def grads(wrap=None, level: str = "O2", compile: bool = False) -> torch.Tensor:
+    model = mp.auto_mixed_precision(Net(wrap), "mixed_bfloat16", level)
+    run = torch.compile(model, fullgraph=True) if compile else model
+    run(torch.randn(8, 32, generator=torch.Generator().manual_seed(1))).square().mean().backward()
+    return torch.cat([p.grad.float().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_checkpointed_block_recomputes_as_its_forward_did(level):
+    # torch's checkpoint restores autocast for the recompute, not the float32 functions
+    # mode: its non-reentrant variant then failed on the recomputed dtypes.
+    with pytest.raises(torch.utils.checkpoint.CheckpointError, match="metadata"):
+        grads(lambda b, x: checkpoint(b, x, use_reentrant=False), level)
+    plain = grads(level=level)
+    assert torch.equal(grads(mp.activation_checkpoint, level), plain)  # bitwise
+    context = lambda b, x: checkpoint(b, x, use_reentrant=False,  # noqa: E731
+                                      context_fn=mp.checkpoint_context)  # fmt: skip
+    assert torch.equal(grads(context, level), plain)
+
+
+def test_outside_a_prepared_model_it_is_torch_checkpoint():
+    torch.manual_seed(0)
+    block = Block()
+    x = torch.randn(4, 32, requires_grad=True)
+    mp.activation_checkpoint(block, x).sum().backward()
+    expected = x.grad.clone()
+    x.grad = None
+    block(x).sum().backward()
+    assert torch.equal(x.grad, expected)
+
+
+def test_compiled_whole_graph_with_checkpointed_blocks():
+    plain = grads(compile=True)
+    # The traced graph holds the casts; its recompute is the graph's own.
+    checked = grads(mp.activation_checkpoint, compile=True)
+    assert torch.allclose(checked, plain, rtol=0.0, atol=2e-2 * plain.abs().max().item())
+
+
+def test_the_reentrant_variant_is_refused_by_name():
+    with pytest.raises(mp.ArgumentError, match=r"use_reentrant=True\) is invalid; valid: False"):
+        mp.activation_checkpoint(nn.Linear(2, 2), torch.randn(1, 2), use_reentrant=True)
