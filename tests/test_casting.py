@@ -314,7 +314,14 @@ def test_float32_functions_keep_an_asked_dtype_and_leave_float64_alone():
         assert F.softmax(h, -1, dtype=torch.float32).dtype == torch.float32
         assert F.softmax(h, -1).dtype == torch.bfloat16
         summed = torch.cumsum(x64, 0)
+        # A dtype given by position counts too (it came back bfloat16), and an out= buffer
+        # is written, in its own dtype (a float32 copy was returned and the buffer left 0).
+        assert torch.log_softmax(h, -1, torch.float32).dtype == torch.float32
+        assert h.softmax(-1, torch.float32).dtype == torch.float32
+        out = torch.zeros(2, 8, dtype=torch.bfloat16)
+        returned = torch.cumsum(h, 1, out=out)
     assert summed.dtype == torch.float64 and torch.equal(summed, torch.cumsum(x64, 0))
+    assert returned is out and torch.equal(out, torch.cumsum(h, 1))
 
 
 def test_keep_float32_none_names_the_argument():

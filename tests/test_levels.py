@@ -469,3 +469,24 @@ def test_describe_says_what_16_bit_batch_and_layer_norm_keep(level: str) -> None
 def test_describe_has_no_note_column_when_no_row_needs_one() -> None:
     model = mp.auto_mixed_precision(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)), "bfloat16")
     assert "note" not in mp.describe(model)
+
+
+def test_values_past_float16s_range_are_refused_before_anything_changes():
+    # Stored in float16 they became inf: a bias of 1e5, or O3's BatchNorm statistics of raw
+    # features (running_var ~1e6), turned the outputs to inf or to one constant.
+    big = nn.Sequential(nn.Linear(4, 2), nn.ReLU(), nn.Linear(2, 2))
+    with torch.no_grad():
+        big[0].bias.fill_(1e5)
+    with pytest.raises(mp.ArgumentError, match=r"'0.bias' has max \|value\| 100000, beyond "
+                       r"float16's 65504.*keep_float32=\['0'\]"):  # fmt: skip
+        mp.auto_mixed_precision(big, "mixed_float16", "O2")
+    assert big[0].weight.dtype == torch.float32 and mp.levels.applied(big) is None
+    kept = mp.auto_mixed_precision(big, "mixed_float16", "O2", keep_float32=["0"])
+    assert kept[0].bias.dtype == torch.float32 and kept[2].weight.dtype == torch.float16
+    norm = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    norm[1].running_var.fill_(1e6)
+    with pytest.raises(mp.ArgumentError, match=r"'1.running_var' has max \|value\| 1e\+06"):
+        mp.auto_mixed_precision(norm, "mixed_float16", "O3")
+    # bfloat16 has float32's range; O2 stores no buffers.
+    mp.auto_mixed_precision(copy.deepcopy(norm), "mixed_bfloat16", "O3")
+    mp.auto_mixed_precision(norm, "mixed_float16", "O2")

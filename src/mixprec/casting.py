@@ -178,18 +178,22 @@ class Float32Functions(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if func not in FLOAT32_FUNCTIONS:
-            return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func not in FLOAT32_FUNCTIONS or kwargs.get("out") is not None:
+            # out=: the caller's buffer, in the caller's dtype, is what gets written.
+            return func(*args, **kwargs)
         first = first_floating(args)
         if first is not None and first.dtype == torch.float64:  # more than float32 already
-            return func(*args, **(kwargs or {}))
+            return func(*args, **kwargs)
         given = args
-        args, kwargs = cast_floating((args, kwargs or {}), torch.float32)
+        args, kwargs = cast_floating((args, kwargs), torch.float32)
         saves = keep_16bit_sources(given, args)
         with saves if saves is not None else contextlib.nullcontext():
             result = func(*args, **kwargs)
-        # A loss, or an output dtype the caller asked for (softmax(..., dtype=...)), stays.
-        if func in FLOAT32_LOSSES or first is None or kwargs.get("dtype") is not None:
+        # A loss, or an output dtype the caller asked for (softmax(x, -1, dtype) or
+        # softmax(x, -1, dtype=dtype)), stays.
+        asked = kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)
+        if func in FLOAT32_LOSSES or first is None or asked:
             return result
         return cast_floating(result, first.dtype)
 

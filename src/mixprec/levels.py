@@ -36,6 +36,7 @@ from torch import nn
 
 from mixprec._dtypes import closest, dtype_name
 from mixprec._errors import ArgumentError
+from mixprec._float16_range import check_float16_range
 from mixprec._float64 import check_float64, lower_float64
 from mixprec._module_kinds import FLOAT32_MODULES, MIXED_NORM_MODULES, NORM_MODULES, is_half_storage
 from mixprec._module_kinds import HALF_STORAGE_MODULES as HALF_STORAGE_MODULES  # re-exported
@@ -265,6 +266,7 @@ def auto_mixed_precision(
     options, recipe = float8 or Float8Options(), resolved.float8_recipe if lvl != "O0" else None
     if recipe is not None:  # refuse what the conversion would refuse before changing anything
         check_float8(model, recipe, policy_name=resolved.name, options=options)
+    check_float16_range(model, lvl, resolved.compute_dtype, fixed)  # what store_as will cast
     _lower_float64(model, lvl)
     _upcast_16bit(model, lvl, o3_masters)  # O0-O2 and MindSpore's O3 keep float32 weights
     if recipe is not None:
