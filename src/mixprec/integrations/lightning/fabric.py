@@ -31,8 +31,9 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
     optimizer is wrapped in a ``LossScaleOptimizer`` then (masters from the float32 values
     kept when the model was prepared), and ``fabric.backward`` scales the loss by the shared
     scaler. ``optimizer.step()`` returns the ``StepResult``: step a scheduler only when
-    ``not result.skipped``. The 16-bit gradients are released after each step, since the
-    optimizer's own ``zero_grad`` only reaches the float32 masters.
+    ``not result.skipped``. The 16-bit gradients are released after each step, and from the
+    first step on ``optimizer.zero_grad()`` clears them too (the torch optimizer's own
+    reaches only the float32 masters, now its groups' parameters).
 
     Inputs (``convert_input``): floating inputs of ``model(...)`` are cast where the prepared
     model casts its own, at O2 and O3, to its compute dtype, as Fabric's ``MixedPrecision``
@@ -49,7 +50,8 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
     def _reset_run(self) -> None:
         super()._reset_run()
         self._last_loss: torch.Tensor | None = None  # see _fabric_lso
-        self._pending: list[dict[str, Any]] = []  # loaded before their optimizer was seen
+        #: States loaded before their optimizer was seen, with its parameters' names.
+        self._pending: list[tuple[list[str] | None, dict[str, Any]]] = []
         self._models: list[weakref.ref[nn.Module]] = []  # every model fabric.setup prepared
         self._backwards = 0  # fabric.backward calls
         #: id(LossScaleOptimizer) -> (self._backwards at its last step, the Fabric wrapper
@@ -111,7 +113,7 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
             return lso
         lso = self._wrap(getattr(optimizer, "_optimizer", optimizer))
         if self._pending:
-            lso.load_state_dict(self._pending.pop(0))
+            lso.load_state_dict(self._take_pending(lso))
         # Backward passes made before Fabric showed us this optimizer (the first step) left
         # gradients scaled by the shared scale: count them as the step's micro-batch.
         held = (p for group in lso.param_groups for p in group["params"])  # no unscale
@@ -132,8 +134,19 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale into the float32 masters (``fabric.clip_gradients`` calls this)."""
         lso = self._fabric_lso(optimizer)
-        self._refuse_double_setup(lso, stepping=False)
+        self._route_zero_grad(lso, self._refuse_double_setup(lso, stepping=False))
         self._unscale(lso)
+
+    @staticmethod
+    def _route_zero_grad(lso: LossScaleOptimizer, wrapper: Any) -> None:
+        """Once wrapped, the torch optimizer's groups hold the float32 masters, so its own
+        ``zero_grad`` (which Fabric's wrapper runs) cleared only theirs: the 16-bit weights'
+        gradients of a backward that was not stepped added into the next step. The
+        optimizer and Fabric's wrapper of it get the ``LossScaleOptimizer``'s, which clears
+        both (an instance attribute comes before the class's method)."""
+        for holder in (wrapper, *lso.optimizers):
+            if holder is not None and "zero_grad" not in vars(holder):
+                holder.zero_grad = lso.zero_grad
 
     def main_params(self, optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:  # type: ignore[override]
         return self._fabric_lso(optimizer).master_params()
@@ -145,19 +158,19 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
                 "LossScaleOptimizer step takes no closure or other arguments"
             )
         lso = self._fabric_lso(optimizer)
-        self._refuse_double_setup(lso, stepping=True)
+        self._route_zero_grad(lso, self._refuse_double_setup(lso, stepping=True))
         self._unscale(lso)
         result = self._apply(lso)
         for half, _ in lso.master_weights():  # spent: the masters' gradients were applied
             half.grad = None
         return result
 
-    def _refuse_double_setup(self, lso: LossScaleOptimizer, stepping: bool) -> None:
+    def _refuse_double_setup(self, lso: LossScaleOptimizer, stepping: bool) -> Any:
         """One optimizer set up twice (``fabric.setup(model, opt, opt)``, or
         ``fabric.setup_optimizers(opt)`` after ``fabric.setup(model, opt)``) gives two Fabric
         wrappers of it; stepping (or clipping) the second after the first stepped, with no
         ``fabric.backward`` between, finds the gradients used. Said here, before the unscale
-        would blame a missing backward."""
+        would blame a missing backward. Returns the wrapper the user called (or None)."""
         wrapper = _calling_wrapper()
         at, ref = self._last_steps.get(id(lso), (-1, None))
         previous = ref() if ref is not None else None
@@ -172,22 +185,56 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
         if stepping:
             now = weakref.ref(wrapper) if wrapper is not None else None
             self._last_steps[id(lso)] = (self._backwards, now)
+        return wrapper
+
+    def _held_names(self, lso: LossScaleOptimizer) -> list[str]:
+        """The names of the model parameters ``lso`` steps: what identifies its state in a
+        checkpoint (the order optimizers first step in may differ after a resume)."""
+        names: dict[int, str] = {}
+        for model in (ref() for ref in self._models):
+            if model is not None:
+                names.update((id(p), n) for n, p in model.named_parameters())
+        masters = {id(m) for _, m in lso.master_weights()}
+        held = [half for half, _ in lso.master_weights()] + [
+            p for g in lso.param_groups for p in g["params"] if id(p) not in masters
+        ]
+        return sorted(names.get(id(p), "?") for p in held)
+
+    def _take_pending(self, lso: LossScaleOptimizer) -> dict[str, Any]:
+        """The loaded state saved for ``lso``'s parameters (by order for a state saved
+        without their names)."""
+        mine = self._held_names(lso)
+        for i, (names, _) in enumerate(self._pending):
+            if names is None or names == mine:
+                return self._pending.pop(i)[1]
+        saved = "; ".join(", ".join(names[:3]) for names, _ in self._pending if names)
+        raise MisuseError(
+            f"{type(self).__name__}: the loaded checkpoint holds no optimizer state for the "
+            f"optimizer over {', '.join(mine[:3])}{'...' * (len(mine) > 3)} (it holds states "
+            f"for optimizers over: {saved}); set up the optimizers over the parameters they "
+            "were saved with"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         if self._scaler is None:
             return {}
+        pending = [state for _, state in self._pending]
         return {
             **self._scaler_state(),
-            "optimizers": [lso.state_dict() for lso in self._lsos] + list(self._pending),
+            "optimizers": [lso.state_dict() for lso in self._lsos] + pending,
+            # Which optimizer each state is: matched by its parameters' names when loaded.
+            "optimizer_params": [self._held_names(lso) for lso in self._lsos]
+            + [names for names, _ in self._pending],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._load_scaler_state(state_dict)
         states = list(state_dict.get("optimizers", []))
-        for lso, state in zip(self._lsos, states, strict=False):
-            lso.load_state_dict(state)
-        # Fabric has not shown us these optimizers yet: they load when it does.
-        self._pending = states[len(self._lsos) :]
+        names = list(state_dict.get("optimizer_params", [None] * len(states)))
+        self._pending = list(zip(names, states, strict=True))
+        for lso in self._lsos:
+            lso.load_state_dict(self._take_pending(lso))
+        # The rest wait for Fabric to show us their optimizers: they load when it does.
 
 
 def _calling_wrapper() -> Any:
