@@ -6,7 +6,9 @@ float32 masters, which the ``LossScaleOptimizer`` holds with the loss scale (in 
 objects in ``state``, and ``accelerator.save_state()`` the prepared models and optimizers and
 the objects given to ``register_for_checkpointing``. A save that takes the model but not the
 holder loses the masters and the scale without a word, and a resume restarts from the
-rounded weights with a fresh scale.
+rounded weights with a fresh scale. Lightning's Trainer builds a weights-only checkpoint
+(``save_checkpoint(weights_only=True)``) without asking the precision plugin: it holds the
+16-bit weights alone, and is said too (a full one holds the masters).
 
 How it is seen: a ``state_dict`` pre-hook on the model (``guard_saves``), which runs on every
 ``model.state_dict()``: a few dictionary lookups and a return unless Fabric or accelerate is
@@ -50,7 +52,12 @@ _MAX_DEPTH = 16
 
 FABRIC_MODULES = ("lightning.fabric.fabric", "lightning_fabric.fabric")
 _ACCELERATE_MODULE = "accelerate.accelerator"
-_SAVE_MODULES = (*FABRIC_MODULES, _ACCELERATE_MODULE)
+#: Lightning's Trainer: ``dump_checkpoint(weights_only)`` builds every checkpoint it writes.
+_LIGHTNING_MODULES = (
+    "lightning.pytorch.trainer.connectors.checkpoint_connector",
+    "pytorch_lightning.trainer.connectors.checkpoint_connector",
+)
+_SAVE_MODULES = (*FABRIC_MODULES, _ACCELERATE_MODULE, *_LIGHTNING_MODULES)
 _MASTERS_AND_SCALE = "the float32 master weights and the loss scale"
 
 
@@ -115,8 +122,8 @@ def _on_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
 
 
 def _enclosing_save(frame: FrameType | None) -> tuple[str, FrameType, int] | None:
-    """``("fabric" | "accelerate", the save's frame, its depth above the hook)``, or None
-    when this ``state_dict()`` call is not made by one of those saves."""
+    """``("fabric" | "accelerate" | "lightning", the save's frame, its depth above the
+    hook)``, or None when this ``state_dict()`` call is not made by one of those saves."""
     depth = 1  # ``frame`` is the hook's caller: Module.state_dict
     while frame is not None and depth <= _MAX_DEPTH:
         name, module = frame.f_code.co_name, frame.f_globals.get("__name__")
@@ -124,15 +131,20 @@ def _enclosing_save(frame: FrameType | None) -> tuple[str, FrameType, int] | Non
             return "fabric", frame, depth
         if name == "save_state" and module == _ACCELERATE_MODULE:
             return "accelerate", frame, depth
+        if name == "dump_checkpoint" and module in _LIGHTNING_MODULES:
+            return "lightning", frame, depth
         frame, depth = frame.f_back, depth + 1
     return None
 
 
 def _saved_objects(kind: str, frame: FrameType) -> list[Any] | None:
-    """What the save takes besides the models: ``Fabric.save``'s ``state`` values, or the
-    Accelerator's registered objects and prepared optimizers; None where it cannot be read
-    (another version of the framework: stay silent rather than guess)."""
+    """What the save takes besides the models: ``Fabric.save``'s ``state`` values, the
+    Accelerator's registered objects and prepared optimizers, nothing for a weights-only
+    Lightning checkpoint; None where it cannot be read (another version of the framework:
+    stay silent rather than guess) or holds them (a full Lightning checkpoint)."""
     local = frame.f_locals
+    if kind == "lightning":  # a full checkpoint holds the optimizers (the masters) and the
+        return [] if local.get("weights_only") is True else None  # plugin's scale
     if kind == "fabric":
         state = local.get("state")
         return list(state.values()) if isinstance(state, dict) else None
@@ -173,6 +185,12 @@ def _covers(optimizer: Any, model: nn.Module) -> bool:
 
 
 def _message(kind: str, lost: str, holder: object | None) -> str:
+    if kind == "lightning":
+        return (
+            f"a weights-only Lightning checkpoint (trainer.save_checkpoint(weights_only=True), "
+            f"ModelCheckpoint(save_weights_only=True)) saves this mixprec model's 16-bit "
+            f"weights without {lost}: a full checkpoint holds them, its state_dict in float32"
+        )
     if kind == "accelerate":
         return (
             f"accelerator.save_state() saves this mixprec model without {lost}, which its "

@@ -666,3 +666,26 @@ def test_toggle_optimizer_at_o2_trains_as_float32(module: type[_ToggledGan]) -> 
     for ours, theirs in zip(mixed.weights, reference.weights, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=2e-3)
     assert all(p.requires_grad for p in mixed.parameters())  # restored after each backward
+
+
+def test_a_full_checkpoint_holds_the_masters_and_a_weights_only_one_warns(tmp_path: Any) -> None:
+    # The state_dict held the 16-bit rounding (load_from_checkpoint gave weights up to 1e-3
+    # off the masters), and a weights-only checkpoint dropped the masters without a word.
+    import warnings
+
+    module = Net()
+    plugin = MixprecPrecision("mixed_bfloat16", level="O2")
+    trainer = _trainer(plugin, max_epochs=1)
+    trainer.fit(module, _data())
+    masters = {id(half): master for half, master in plugin.optimizers[0].master_weights()}
+    trainer.save_checkpoint(tmp_path / "full.ckpt")
+    state = torch.load(tmp_path / "full.ckpt", weights_only=False)["state_dict"]
+    for name, param in module.named_parameters():
+        expected = masters.get(id(param), param)
+        assert state[name].dtype == torch.float32 and torch.equal(state[name], expected.float())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.save_checkpoint(tmp_path / "weights.ckpt", weights_only=True)
+        trainer.save_checkpoint(tmp_path / "again.ckpt", weights_only=True)  # said once
+    said = [w for w in seen if "weights-only Lightning checkpoint" in str(w.message)]
+    assert len(said) == 1 and "float32 master weights" in str(said[0].message)
