@@ -689,3 +689,42 @@ def test_a_full_checkpoint_holds_the_masters_and_a_weights_only_one_warns(tmp_pa
         trainer.save_checkpoint(tmp_path / "again.ckpt", weights_only=True)  # said once
     said = [w for w in seen if "weights-only Lightning checkpoint" in str(w.message)]
     assert len(said) == 1 and "float32 master weights" in str(said[0].message)
+
+
+class _AccumulatedD(L.LightningModule):
+    """Lightning's manual accumulation: G steps every batch, D every second one; G's step
+    moves the shared scale between D's two backwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.g, self.d = nn.Linear(16, 8), nn.Linear(16, 1)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, _ = batch
+        opt_g, opt_d = self.optimizers()
+        self.manual_backward(self.g(x).pow(2).mean())
+        opt_g.step()
+        opt_g.zero_grad()
+        self.manual_backward(self.d(x).pow(2).mean())
+        if batch_idx % 2 == 1:
+            opt_d.step()
+            opt_d.zero_grad()
+
+    def configure_optimizers(self) -> Any:
+        return (torch.optim.SGD(self.g.parameters(), lr=0.1),
+                torch.optim.SGD(self.d.parameters(), lr=0.1))  # fmt: skip
+
+
+def test_gradients_accumulated_across_a_scale_change_unscale_by_their_own_scales() -> None:
+    # The unscale used the last backward's scale for both: D's first micro-batch came out
+    # times scale_then / scale_now (D's update 0.89x 32-true's with a growing scale).
+    reference = _AccumulatedD()
+    _trainer(max_epochs=1, limit_train_batches=4).fit(reference, _data())
+    plugin = MixprecPrecision("float32", level="O0", loss_scaler=mp.DynamicLossScaler(
+        init_scale=16.0, growth_interval=1))  # fmt: skip
+    mixed = _AccumulatedD()
+    _trainer(plugin, max_epochs=1, limit_train_batches=4).fit(mixed, _data())
+    assert plugin.loss_scaler.get_scale() > 16.0  # it moved
+    torch.testing.assert_close(mixed.d.weight, reference.d.weight, rtol=0, atol=1e-6)

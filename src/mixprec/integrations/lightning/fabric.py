@@ -16,7 +16,7 @@ from mixprec._errors import ArgumentError, MisuseError
 from mixprec._save_guard import FABRIC_MODULES, guard_saves
 from mixprec.casting import cast_floating, get_region
 from mixprec.integrations.lightning._lightning import FabricPrecision
-from mixprec.integrations.lightning.precision import _MixprecPlugin
+from mixprec.integrations.lightning.precision import _held_params, _MixprecPlugin
 from mixprec.optim import LossScaleOptimizer, StepResult
 from mixprec.scaling import DynamicLossScaler
 
@@ -194,11 +194,7 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
         for model in (ref() for ref in self._models):
             if model is not None:
                 names.update((id(p), n) for n, p in model.named_parameters())
-        masters = {id(m) for _, m in lso.master_weights()}
-        held = [half for half, _ in lso.master_weights()] + [
-            p for g in lso.param_groups for p in g["params"] if id(p) not in masters
-        ]
-        return sorted(names.get(id(p), "?") for p in held)
+        return sorted(names.get(id(p), "?") for p in _held_params(lso))
 
     def _take_pending(self, lso: LossScaleOptimizer) -> dict[str, Any]:
         """The loaded state saved for ``lso``'s parameters (by order for a state saved
