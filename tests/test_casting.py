@@ -347,3 +347,36 @@ def test_a_user_dict_output_is_cast_like_a_dict():
     out = mp.auto_mixed_precision(Model(), "mixed_bfloat16", "O2")(torch.randn(2, 3))
     assert isinstance(out, Encoded) and out["logits"].dtype == torch.float32
     assert out["ids"].dtype == torch.int64
+
+
+def test_an_output_object_no_cast_walks_is_said_once_per_type():
+    # A SimpleNamespace or a deque came back with bfloat16 tensors where the policy says
+    # float32, without a word.
+    import collections
+    import types
+    import warnings
+
+    class Wrapped(nn.Module):
+        def __init__(self, make) -> None:
+            super().__init__()
+            self.lin, self.make = nn.Linear(4, 4), make
+
+        def forward(self, x: torch.Tensor):
+            return self.make(self.lin(x))
+
+    for make in (lambda h: types.SimpleNamespace(logits=h), lambda h: collections.deque([h])):
+        model = mp.auto_mixed_precision(Wrapped(make), "mixed_bfloat16", "O2")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            model(torch.randn(2, 4))
+            model(torch.randn(2, 4))
+        said = [str(w.message) for w in seen if "does not look inside" in str(w.message)]
+        assert (
+            len(said) == 1
+            and "stay bfloat16 instead of the policy's output dtype float32" in (said[0])
+        )
+        assert seen[0].filename == __file__
+    quiet = mp.auto_mixed_precision(Wrapped(lambda h: {"logits": h}), "mixed_bfloat16", "O2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert quiet(torch.randn(2, 4))["logits"].dtype == torch.float32

@@ -232,7 +232,7 @@ def test_describe_lists_every_module():
     ("kwargs", "error", "match"),
     [
         ({"level": "O4"}, ValueError, r"level='O4' is not a known level; valid: O0, O1, O2, O3"),
-        ({"level": 2}, TypeError, r"level must be a str, got int: 2"),
+        ({"level": 2}, TypeError, r"level=2 is invalid; valid: O0, O1, O2, O3, auto"),
         ({"policy": "mixed_bf16"}, ValueError, r"policy='mixed_bf16' is not a known policy"),
         ({"keep_float32": ["haed"]}, ValueError, r"'haed' matches no module.*closest: 'head'"),
         ({"keep_float32": [3]}, TypeError, r"keep_float32 entries must be .* got int: 3"),
@@ -490,3 +490,17 @@ def test_values_past_float16s_range_are_refused_before_anything_changes():
     # bfloat16 has float32's range; O2 stores no buffers.
     mp.auto_mixed_precision(copy.deepcopy(norm), "mixed_bfloat16", "O3")
     mp.auto_mixed_precision(norm, "mixed_float16", "O2")
+
+
+def test_a_model_with_a_prepared_part_or_inside_a_prepared_one_is_refused():
+    # The submodule of a prepared model was prepared again under another policy (float16
+    # regions inside a bfloat16 model), and a parent of a prepared submodule left its O2
+    # weights in float32, said by a generic upcast warning alone.
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    mp.auto_mixed_precision(model, "mixed_bfloat16", "O2")
+    with pytest.raises(RuntimeError, match="its parameters belong to a model prepared already"):
+        mp.auto_mixed_precision(model[1], "mixed_float16", "O2")
+    parent = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    mp.auto_mixed_precision(parent[1], "mixed_bfloat16", "O2")
+    with pytest.raises(RuntimeError, match=r"its module '1' was prepared already"):
+        mp.auto_mixed_precision(parent, "mixed_bfloat16", "O2")

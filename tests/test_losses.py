@@ -184,3 +184,10 @@ def test_the_gradient_of_the_float32_logits_themselves_through_the_documented_wa
     cloned = torch.autograd.grad(mp.cross_entropy(logits.clone(), x), logits)[0]
     torch.testing.assert_close(kept, reference, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(cloned, reference, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("bad", [1.5, "x", None, True])
+def test_cross_entropy_refuses_an_ignore_index_that_is_no_int(bad):
+    # 1.5 matched no label and gave a loss; F.cross_entropy refuses it.
+    with pytest.raises(mp.ArgumentError, match=rf"ignore_index={bad!r} is not valid; valid: an"):
+        mp.cross_entropy(torch.randn(3, 4), torch.tensor([0, 1, 2]), ignore_index=bad)

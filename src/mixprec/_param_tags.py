@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["TAGS_ATTR", "TagKeeper", "tag"]
+__all__ = ["TAGS_ATTR", "TagKeeper", "refuse_prepared_parts", "tag"]
 
 TAGS_ATTR = "_mixprec_tags"  # the TagKeeper of a module whose parameters were tagged
 
@@ -77,3 +77,21 @@ def _retag(module: nn.Module, incompatible_keys: Any) -> None:
     keeper = module.__dict__.get(TAGS_ATTR)
     if isinstance(keeper, TagKeeper):
         keeper.apply(module)
+
+
+def refuse_prepared_parts(model: nn.Module, applied_attr: str, policy_attr: str) -> None:
+    """Refuse a model one of whose modules was prepared (it has ``applied_attr``), or whose
+    parameters carry a prepared model's ``policy_attr`` tag (it is part of one): a second
+    preparation mixed two policies' regions in one model, or left O2 weights in float32,
+    said by nothing but a generic upcast warning."""
+    inner = next(
+        (n for n, m in model.named_modules() if m is not model and hasattr(m, applied_attr)),
+        None,
+    )
+    if inner is None and not any(hasattr(p, policy_attr) for p in model.parameters()):
+        return
+    where = f"its module {inner!r} was" if inner else "its parameters belong to a model"
+    raise RuntimeError(
+        f"auto_mixed_precision(): {where} prepared already; prepare the whole model once, "
+        "from float32 (keep_float32=, keep_bfloat16= or to_float set parts apart)"
+    )

@@ -1,4 +1,5 @@
-"""Warnings located at the user's line: the first frame outside the mixprec package.
+"""Warnings located at the user's line: the first frame outside the mixprec package (and
+torch's ``Module.__call__``, through which a model's forward is reached).
 
 A warning raised deep inside mixprec (``Trainer.fit`` -> the train step -> ``levels``) is
 about the user's call, however many of mixprec's own frames lie between. A fixed
@@ -12,15 +13,23 @@ import os
 import sys
 import warnings
 
+import torch.nn.modules.module
+
 __all__ = ["caller_stacklevel", "warn_at_caller"]
 
 #: The mixprec package's folder, with a trailing separator (``mixprec_extra/`` is not in it).
 _PACKAGE = os.path.dirname(os.path.realpath(__file__)) + os.sep
 
 
+#: torch's ``Module.__call__`` machinery: a warning from a region's forward is about the
+#: user's ``model(x)`` line above it, not about torch's file.
+_MODULE_CALL = os.path.realpath(torch.nn.modules.module.__file__)
+
+
 def _in_package(filename: str) -> bool:
     # "<stdin>" or "<string>" resolve to no file of the package.
-    return os.path.realpath(filename).startswith(_PACKAGE)
+    path = os.path.realpath(filename)
+    return path.startswith(_PACKAGE) or path == _MODULE_CALL
 
 
 def caller_stacklevel() -> int:

@@ -23,7 +23,7 @@ from torch.overrides import _get_current_function_mode_stack
 from mixprec._errors import ArgumentError
 from mixprec.casting import Float32Functions
 
-__all__ = ["activation_checkpoint", "checkpoint_context"]
+__all__ = ["activation_checkpoint", "checkpoint_context", "checkpoint_kwargs"]
 
 
 def checkpoint_context() -> tuple[
@@ -57,3 +57,19 @@ def activation_checkpoint(
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False, context_fn=checkpoint_context, **kwargs
     )
+
+
+def checkpoint_kwargs(given: dict[str, Any] | None, who: str) -> dict[str, Any]:
+    """The keyword arguments a library's checkpointing (Hugging Face's
+    ``gradient_checkpointing_kwargs``) passes to ``torch.utils.checkpoint``, with
+    ``checkpoint_context`` as their ``context_fn`` where none was given. ``use_reentrant=True``
+    is refused: that variant takes no ``context_fn``."""
+    kwargs = dict(given or {"use_reentrant": False})
+    if kwargs.get("use_reentrant") is not False:
+        raise ArgumentError(
+            f"{who}: use_reentrant={kwargs.get('use_reentrant')!r} in the checkpointing "
+            "arguments; valid: False (the reentrant variant takes no context_fn, so its "
+            "recompute would run normalisation and softmax in 16 bits)"
+        )
+    kwargs.setdefault("context_fn", checkpoint_context)
+    return kwargs

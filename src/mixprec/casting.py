@@ -36,6 +36,7 @@ from mixprec._float32_copies import (
 )
 from mixprec._output_sources import remember_source
 from mixprec._param_tags import tag
+from mixprec._unwalked_outputs import say_if_unwalked
 from mixprec._upcast_saves import keep_16bit_sources
 
 T = TypeVar("T")
@@ -54,9 +55,8 @@ def cast_floating(value: T, dtype: torch.dtype) -> T:
 
     Walks tuples (named tuples and ``torch.return_types`` too), lists, dicts and their
     subclasses (``OrderedDict``, Hugging Face ``ModelOutput``) and dataclass instances,
-    keeping their types. Tensors that are not floating point, and everything that is not a
-    tensor, are returned as they are (the same objects).
-    """
+    keeping their types. Anything else is returned as it is (other objects holding
+    16-bit tensors with a warning, once per type: ``say_if_unwalked``)."""
     return _cast(value, dtype, link=False)
 
 
@@ -103,6 +103,7 @@ def _cast(value: T, dtype: torch.dtype, link: bool) -> T:
         for k, v in value.items():
             out[k] = _cast(v, dtype, link)
         return out
+    say_if_unwalked(value, dtype)
     return value
 
 

@@ -40,7 +40,7 @@ from mixprec._float16_range import check_float16_range
 from mixprec._float64 import check_float64, lower_float64
 from mixprec._module_kinds import FLOAT32_MODULES, MIXED_NORM_MODULES, NORM_MODULES, is_half_storage
 from mixprec._module_kinds import HALF_STORAGE_MODULES as HALF_STORAGE_MODULES  # re-exported
-from mixprec._param_tags import tag
+from mixprec._param_tags import refuse_prepared_parts, tag
 from mixprec._plain_optimizers import watch_plain_optimizers
 from mixprec._plan_apply import PlanLike, plan_arguments
 from mixprec._warn import warn_at_caller
@@ -150,7 +150,7 @@ class Applied:
 def resolve_level(level: str, policy: Policy) -> str:
     """Normalise ``level`` (``"o2"`` -> ``"O2"``) and resolve ``"auto"`` for ``policy``."""
     if not isinstance(level, str):
-        raise ArgumentError(f"level must be a str, got {type(level).__name__}: {level!r}")
+        raise ArgumentError(f"level={level!r} is invalid; valid: {', '.join(LEVELS)}, auto")
     key = level.strip().upper()
     if key == "AUTO":
         if not policy.is_mixed:
@@ -246,6 +246,7 @@ def auto_mixed_precision(
             "auto_mixed_precision() was already applied to this model "
             f"(level {done.level}, policy {done.policy.name}); apply it once, to a float32 model"
         )
+    refuse_prepared_parts(model, _APPLIED_ATTR, POLICY_ATTR)
     check_float64(model)  # before anything changes
     if planned is not None:
         planned.preset()  # the plan's regions in its other 16-bit dtype, which the level keeps

@@ -124,6 +124,11 @@ def cross_entropy(
         raise ArgumentError(
             f"cross_entropy: reduction={reduction!r} is not valid; valid: 'mean', 'sum', 'none'"
         )
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ArgumentError(  # 1.5 matched no label and gave a loss; F.cross_entropy refuses
+            f"cross_entropy: ignore_index={ignore_index!r} is not valid; valid: an int (the "
+            "label to leave out; -100 by default)"
+        )
     classes = logits.shape[-1]
     if torch.compiler.is_compiling():
         # Traced with the model, the loss is one graph: inductor fuses the upcast into the

@@ -384,7 +384,7 @@ def test_resume_from_a_lightning_checkpoint_equals_an_uninterrupted_run(tmp_path
         ({"policy": 16}, TypeError, r"MixprecPrecision: policy must be a str or Policy, got int"),
         ({"level": "O5"}, ValueError,
          r"MixprecPrecision: level='O5' is not a known level; valid: O0, O1, O2, O3, auto"),
-        ({"level": 2}, TypeError, r"MixprecPrecision: level must be a str, got int: 2"),
+        ({"level": 2}, TypeError, r"MixprecPrecision: level=2 is invalid; valid: O0, O1, O2"),
         ({"loss_scaler": torch.amp.GradScaler("cpu")}, TypeError,
          r"MixprecPrecision\(loss_scaler=.*\): expected None \(the policy's default\) or a "
          r"mixprec NoOpLossScaler, StaticLossScaler or DynamicLossScaler, got GradScaler"),

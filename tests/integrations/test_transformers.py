@@ -706,3 +706,22 @@ def test_each_train_starts_from_the_loss_scaler_as_given(tmp_path):
     first = logged(trainer, "loss_scale")
     trainer.train()
     assert logged(trainer, "loss_scale")[-4:] == first == [1024.0, 2048.0, 2048.0, 4096.0]
+
+
+def test_activation_checkpointing_recomputes_as_the_forward_did(tmp_path: Path) -> None:
+    # torch's recompute ran the float32 functions in bfloat16 and failed in the backward
+    # ("Recomputed values ... have different metadata"): the layers' checkpointing
+    # arguments now carry mp.checkpoint_context.
+    data = dataset(32)
+
+    def losses(**overrides: Any) -> list[float]:
+        trainer = MixprecTrainer(
+            model=build(), args=arguments(tmp_path / "gc", max_steps=4, **overrides),
+            train_dataset=data, policy="mixed_bfloat16",
+        )  # fmt: skip
+        trainer.train()
+        return logged(trainer, "loss")
+
+    assert losses(gradient_checkpointing=True) == losses()
+    with pytest.raises(mp.ArgumentError, match=r"use_reentrant=True in the checkpointing"):
+        losses(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})

@@ -29,7 +29,6 @@ the inner optimizer's, the float32 masters and the loss scaler's (scale and coun
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -40,6 +39,10 @@ from transformers.optimization import GreedyLR
 
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec.checkpoint._model import master_tensors
+from mixprec.integrations._hf_arguments import (
+    checkpoint_like_the_forward,
+    refuse_second_mixed_precision,
+)
 from mixprec.integrations._hf_prepare import float32_from_checkpoint, is_prepared_as
 from mixprec.levels import KeepEntry, auto_mixed_precision, keep_list, resolve_level
 from mixprec.optim import LossScaleOptimizer
@@ -129,7 +132,9 @@ class MixprecTrainer(Trainer):
         # A model prepared with this policy and level (by an earlier MixprecTrainer) is used
         # as it is; a conflicting preparation is refused.
         prepared = model is not None and is_prepared_as(model, self.policy, self.level, keep)
-        _refuse_second_mixed_precision(args, self.policy)
+        refuse_second_mixed_precision(args, self.policy)
+        if args is not None:  # a checkpointed layer's recompute computes as its forward
+            checkpoint_like_the_forward(args)
         self._loss_scaler = loss_scaler
         self._keep_float32 = keep
         self._trace_overflow = trace_overflow
@@ -406,43 +411,3 @@ def _check_optimizer_covers(model: nn.Module, optimizer: Any) -> None:
             "it built over another model?): training would change nothing; build it over "
             "this model's parameters, e.g. torch.optim.AdamW(model.parameters())"
         ) from None
-
-
-def _refuse_second_mixed_precision(args: TrainingArguments | None, policy: Policy) -> None:
-    """accelerate's mixed precision (autocast in the forward, its own GradScaler) on top of
-    mixprec's would cast twice and scale twice: refuse the arguments that turn it on."""
-    ours = f"MixprecTrainer(policy={policy.name!r})"
-    fix = "MixprecTrainer does the mixed precision"
-    if args is not None:
-        for flag in ("bf16", "fp16"):
-            if getattr(args, flag, False):
-                raise ArgumentError(
-                    f"TrainingArguments({flag}=True) with {ours}: two mixed precision systems "
-                    f"at once (accelerate's autocast and mixprec's policy); drop {flag}=True, "
-                    f"{fix}"
-                )
-        for flag in ("bf16_full_eval", "fp16_full_eval"):
-            if getattr(args, flag, False):
-                raise ArgumentError(
-                    f"TrainingArguments({flag}=True) with {ours}: it casts the whole prepared "
-                    "model for evaluation, float32 modules and all; drop it (evaluation runs "
-                    "with the policy's dtypes)"
-                )
-        if getattr(args, "deepspeed", None):
-            raise ArgumentError(
-                f"TrainingArguments(deepspeed={args.deepspeed!r}) with {ours}: DeepSpeed brings "
-                "its own mixed precision and optimizer wrapper, which MixprecTrainer does not "
-                "support; use transformers.Trainer with DeepSpeed's bf16/fp16 settings"
-            )
-    # TrainingArguments reads ACCELERATE_MIXED_PRECISION when it is built (args.mixed_precision);
-    # `accelerate launch --mixed_precision` and `accelerate config` set it.
-    env = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    read = getattr(args, "mixed_precision", "no") if args is not None else "no"
-    for value, note in ((env, ""), (read, ", which these TrainingArguments read when built")):
-        if str(value).strip().lower() not in ("", "no"):
-            raise ArgumentError(
-                f"ACCELERATE_MIXED_PRECISION={value!r}{note} (accelerate's mixed precision, as "
-                f"`accelerate launch --mixed_precision` sets it) with {ours}: two mixed "
-                "precision systems at once; unset it or set it to 'no' (then build the "
-                f"TrainingArguments), {fix}"
-            )
