@@ -3,6 +3,8 @@ scaler that applies it."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 import mixprec as mp
@@ -18,7 +20,9 @@ def test_underflowing_gradients_get_the_loss_scale_that_fixes_them():
     scale = report.suggested_loss_scale
     low, high = report.loss_scale_range
     assert low <= scale <= high and scale == 2.0 ** round(torch.tensor(scale).log2().item())
-    assert any(f"StaticLossScaler({scale:g})" in a for a in report.advice)
+    # A power of two written as one (:g rounded 2**49 to 5.6295e+14, no power of two).
+    written = f"2**{int(math.log2(scale))}" if scale >= 2**16 else f"{scale:g}"
+    assert any(f"StaticLossScaler({written})" in a for a in report.advice), report.advice
 
     reference = healthy()
     tiny(reference(x), y).backward()
@@ -35,3 +39,46 @@ def test_underflowing_gradients_get_the_loss_scale_that_fixes_them():
         )
     assert errors["default"] > 0.3  # most of the gradient is lost at 2**16
     assert errors["suggested"] < 0.05  # float16 rounding only
+
+
+class _Loop(torch.nn.Module):
+    """One Linear applied three times (a shared or recurrent block): its outputs reach 85,
+    3.4e3, then 1.4e5, past float16's 65504, in the third call only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(16, 32)
+        self.cell = torch.nn.Linear(32, 32, bias=False)
+        self.head = torch.nn.Linear(32, 4)
+        with torch.no_grad():
+            self.cell.weight.copy_(torch.eye(32) * 40)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for _ in range(3):
+            h = self.cell(h)
+        return self.head(h)
+
+
+def test_a_module_called_several_times_is_named_for_its_overflowing_call():
+    # Only its first call was looked at: the report named 'head' (the next layer) as where
+    # the gradient first became inf, and showed 'cell' at 85 with no flag.
+    x, y = batch()
+    report = mp.diagnose(_Loop(), x, y, CE, policy="mixed_float16", check_steps=0)
+    cell = next(m for m in report.modules if m.name == "cell")
+    assert cell.max_output > 65504 and cell.nonfinite_output > 0
+    assert any("output becomes inf/NaN here first" in r for r in cell.reasons), cell.reasons
+    assert "cell" in report.recommended_keep_float32
+
+
+def test_bfloat16_is_not_advised_where_float32_overflows_too():
+    x, y = batch()
+    model = healthy()
+    with torch.no_grad():
+        for p in list(model.parameters())[2:]:
+            p.mul_(1e20)  # past float32's range in the forward
+    report = mp.diagnose(model, x, y, CE, policy="mixed_float16", level="O1", check_steps=0)
+    assert not math.isfinite(report.loss_float32) and not report.bfloat16_would_help
+    assert "overflows in float32" in report.advice[0]
+    assert not any("avoids the overflow" in a for a in report.advice)

@@ -113,6 +113,33 @@ def inputs_cast_to_inf(inputs: Any, dtype: torch.dtype) -> list[tuple[str, float
     return found
 
 
+def _peak(t: torch.Tensor) -> tuple[float, int]:
+    """(max finite |value|, inf/NaN count) of ``t``."""
+    values = t.detach().float().abs()
+    finite = torch.isfinite(values)
+    peak = float(torch.where(finite, values, 0.0).max()) if values.numel() else 0.0
+    return peak, int((~finite).sum())
+
+
+def _count_call(entry: dict[str, Any], inp: torch.Tensor | None, out: torch.Tensor) -> None:
+    """Add one call of a recorded module to what its entry says it reached."""
+    in_peak, in_bad = _peak(inp) if inp is not None else (0.0, 0)
+    out_peak, out_bad = _peak(out)
+    entry["calls_made"] += 1
+    entry["peak_input"] = max(entry["peak_input"], in_peak)
+    entry["peak_output"] = max(entry["peak_output"], out_peak)
+    entry["nonfinite_out"] += out_bad
+    entry["origin"] = entry["origin"] or (out_bad > 0 and in_bad == 0)
+
+    def grad_hook(g: torch.Tensor) -> None:
+        peak, bad = _peak(g)
+        entry["peak_grad"] = max(entry["peak_grad"], peak)
+        entry["nonfinite_grad_all"] += bad
+
+    if out.requires_grad:
+        out.register_hook(grad_hook)
+
+
 class Recorder:
     """Forward hooks on ``modules`` (name -> module): what each module's first call with a
     floating-point output sees, as a dict in ``calls`` (first-call order) with
@@ -123,9 +150,14 @@ class Recorder:
     gradient of its output) and ``input_grad`` (of its input): ``None`` until then, and for
     tensors no gradient reaches.
 
-    Only the first call is recorded: a module called twice (a shared block, a loop) is
-    compared call for call between runs that way. Use as a context manager; the hooks are
-    removed on exit, and the tensor hooks already registered fire in the backward after it.
+    The tensors are the first call's: a module called twice (a shared block, a loop) is
+    compared call for call between runs that way. Every call counts in ``calls_made`` and in
+    what reaches a limit, so that an overflow in a later call is seen at its module:
+    ``peak_input``/``peak_output``/``peak_grad`` (max finite |value| over the calls),
+    ``nonfinite_out``/``nonfinite_grad_all`` (inf/NaN counts over the calls) and ``origin``
+    (some call made a non-finite output from a finite input). Use as a context manager; the
+    hooks are removed on exit, and the tensor hooks already registered fire in the
+    backward after it.
     """
 
     def __init__(self, modules: Mapping[str, nn.Module]) -> None:
@@ -135,9 +167,12 @@ class Recorder:
     def _hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             out = first_floating(output)
-            if out is None or name in self.calls:  # first call of each module only
+            if out is None:
                 return
             inp = first_floating(args)
+            if name in self.calls:  # a later call: what it reaches, not its tensors
+                _count_call(self.calls[name], inp, out)
+                return
             entry: dict[str, Any] = {
                 "kind": type(module).__name__,
                 "order": len(self.calls),
@@ -147,8 +182,16 @@ class Recorder:
                 "output": out.detach(),
                 "grad": None,
                 "input_grad": None,
+                "calls_made": 0,
+                "peak_input": 0.0,
+                "peak_output": 0.0,
+                "peak_grad": 0.0,
+                "nonfinite_out": 0,
+                "nonfinite_grad_all": 0,
+                "origin": False,
             }
             self.calls[name] = entry
+            _count_call(entry, inp, out)
             if out.requires_grad:
                 out.register_hook(lambda g: entry.__setitem__("grad", g.detach()))
             if inp is not None and inp.requires_grad:

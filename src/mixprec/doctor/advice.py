@@ -13,10 +13,24 @@ from mixprec.doctor.risk import UNDERFLOW_LIMIT
 __all__ = ["advice"]
 
 
+def _scale(value: float) -> str:
+    """A loss scale as the advice writes it: ``2**k`` for a power of two (``:g`` rounded
+    2**49 to 5.6295e+14, which copied is no power of two, and scaling is then inexact)."""
+    k = math.log2(value) if value > 0 else math.nan
+    return f"2**{int(k)}" if math.isfinite(k) and k == int(k) and abs(k) >= 16 else f"{value:g}"
+
+
 def advice(report: Report, compute: torch.dtype, left: set[str]) -> list[str]:
     """What to do about what ``report`` found. ``compute``: the policy's compute dtype;
     ``left``: the leaves still computing in 16 bits with the recommendation applied."""
     said: list[str] = []
+    float32_fails = not math.isfinite(report.loss_float32)
+    if float32_fails:
+        said.append(
+            f"the float32 model's loss is {report.loss_float32} on this batch too: it "
+            "overflows in float32, so no 16-bit dtype or keep list fixes it; bring the "
+            "weights or inputs back into range (a lower learning rate if training diverged)"
+        )
     if report.inputs_overflow:
         where, largest = max(report.inputs_overflow, key=lambda found: found[1])
         said.append(
@@ -36,7 +50,7 @@ def advice(report: Report, compute: torch.dtype, left: set[str]) -> list[str]:
             said.append(
                 "that keeps every module in float32: no float16 keep list fixes this model "
                 "(the gradients before the overflowing layers are as large as their gain)"
-                + ("" if report.bfloat16_would_help else "; train it in float32")
+                + ("" if report.bfloat16_would_help or float32_fails else "; train it in float32")
             )
     if report.bfloat16_would_help:
         said.append(
@@ -49,9 +63,9 @@ def advice(report: Report, compute: torch.dtype, left: set[str]) -> list[str]:
         said.append(
             f"{'with that, ' if report.recommended_keep_float32 else ''}the float16 backward "
             f"holds gradients up to {top.max_backward:.3g} (in {top.name!r}): a "
-            f"DynamicLossScaler starting at {report.loss_scale:g} skips the first "
-            f"{report.backoff_steps} steps backing off to {reached:g}; start it there: "
-            f"LossScaleOptimizer(..., loss_scaler=DynamicLossScaler(init_scale={reached:g}))"
+            f"DynamicLossScaler starting at {_scale(report.loss_scale)} skips the first "
+            f"{report.backoff_steps} steps backing off to {_scale(reached)}; start it there: "
+            f"LossScaleOptimizer(..., loss_scaler=DynamicLossScaler(init_scale={_scale(reached)}))"
         )
     check = report.check
     if check is not None and check.added:
@@ -82,13 +96,13 @@ def advice(report: Report, compute: torch.dtype, left: set[str]) -> list[str]:
         # DynamicLossScaler's default max_scale is 2**24: raise it when more is needed.
         ceiling = ""
         if scale > 2.0**24:
-            ceiling = f", max_scale={2.0 ** math.floor(math.log2(max(high, scale))):g}"
+            ceiling = f", max_scale={_scale(2.0 ** math.floor(math.log2(max(high, scale))))}"
         if any(m.grad_underflow > UNDERFLOW_LIMIT for m in report.modules):
             said.append(
                 f"gradients underflow float16 at loss scale {report.loss_scale:g}: use a "
                 f"loss scale in [{low:.3g}, "
-                f"{high:.3g}], e.g. StaticLossScaler({scale:g}) or "
-                f"DynamicLossScaler(init_scale={scale:g}{ceiling})"
+                f"{high:.3g}], e.g. StaticLossScaler({_scale(scale)}) or "
+                f"DynamicLossScaler(init_scale={_scale(scale)}{ceiling})"
             )
         if low > high:
             said.append(

@@ -268,9 +268,11 @@ def _diagnose(
     bf16_max = float(torch.finfo(torch.bfloat16).max)
     at_risk = any(max(r.input_fraction, r.output_fraction, r.grad_fraction) > headroom
                   for r in reports)  # fmt: skip
+    # Where float32 overflows too (its loss is not finite), bfloat16 overflows with it.
     bf16_helps = (
         compute == torch.float16
         and at_risk
+        and math.isfinite(ref_loss)
         and all(max(r.max_output, r.max_backward) < bf16_max for r in reports)
     )
     report = Report(
@@ -337,13 +339,15 @@ def _module_reports(
                 kind=ref["kind"],
                 order=ref["order"],
                 dtype=dtype_name(mix["output"].dtype) if mix else "?",
-                max_input=max_abs(ref["input"]),
-                max_output=max_abs(ref["output"]),
-                max_grad=max_abs(ref["grad"]),
-                max_output_mixed=max_abs(mix.get("output")),
-                max_grad_mixed=max_abs(mix.get("grad")),
-                nonfinite_output=nonfinite(mix.get("output")),
-                nonfinite_grad=nonfinite(mix.get("scaled_grad", mix.get("grad"))),
+                # Over every call of the module (a loop's later call may be the one that
+                # overflows); the errors compare the first calls.
+                max_input=ref["peak_input"],
+                max_output=ref["peak_output"],
+                max_grad=ref["peak_grad"],
+                max_output_mixed=mix.get("peak_output", 0.0),
+                max_grad_mixed=mix.get("peak_grad", 0.0),
+                nonfinite_output=mix.get("nonfinite_out", 0),
+                nonfinite_grad=mix.get("nonfinite_grad_all", 0),
                 nonfinite_input=nonfinite(mix.get("input")),
                 output_underflow=out_zero,
                 output_subnormal=out_sub,

@@ -54,7 +54,7 @@ def nonfinite(t: torch.Tensor | None) -> int:
 def finite_run(calls: Calls, loss: float) -> bool:
     """A recorded run had a finite loss and no inf/NaN in any output or backward."""
     return math.isfinite(loss) and not any(
-        c["nonfinite_backward"] or nonfinite(c["output"]) for c in calls.values()
+        c["nonfinite_backward"] or c["nonfinite_out"] for c in calls.values()
     )
 
 
@@ -120,11 +120,12 @@ def run(
         module = entry.pop("module")
         params = [p.grad for p in module.parameters(recurse=False) if p.grad is not None]
         entry["param_grad_max"] = max((max_abs(g) for g in params), default=0.0) / scale
-        entry["nonfinite_backward"] = (
-            nonfinite(entry["grad"])
+        entry["nonfinite_backward"] = (  # every call's output gradients
+            entry["nonfinite_grad_all"]
             + nonfinite(entry["input_grad"])
             + sum(nonfinite(g) for g in params)
         )
+        entry["peak_grad"] /= scale
         if scale != 1.0:
             if entry["grad"] is not None:
                 entry["scaled_grad"] = entry["grad"]
@@ -199,13 +200,12 @@ def back_off(
 
 
 def first_nonfinite_leaf(calls: Calls, half: set[str]) -> str | None:
-    """The 16-bit leaf where inf/NaN starts: forward order first (a non-finite output from
-    finite input), then backward order (the leaf run last whose output, input or parameter
-    gradients are non-finite)."""
+    """The 16-bit leaf where inf/NaN starts: forward order first (a call of it made a
+    non-finite output from finite input), then backward order (the leaf run last whose
+    output, input or parameter gradients are non-finite)."""
     ordered = sorted((n for n in calls if n in half), key=lambda n: calls[n]["order"])
     for name in ordered:
-        entry = calls[name]
-        if nonfinite(entry["output"]) and not nonfinite(entry["input"]):
+        if calls[name]["origin"]:
             return name
     for name in reversed(ordered):
         if calls[name]["nonfinite_backward"]:
