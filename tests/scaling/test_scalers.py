@@ -72,9 +72,12 @@ def test_state_dict_round_trip_and_type_check():
         ({"init_scale": float("inf")}, r"init_scale=inf is invalid"),
         ({"init_scale": 0.0}, r"init_scale=0.0 is invalid"),
         ({"init_scale": 2.0**30}, r"init_scale=1073741824.0 is outside \[min_scale, max_scale\]"),
-        ({"init_scale": 1e39, "max_scale": None}, r"init_scale=1e\+39 is beyond float32's range"),
+        ({"init_scale": 1e39, "max_scale": None}, r"init_scale=1e\+39 is invalid; float32 holds"),
         ({"arithmetic": "numpy"}, r"arithmetic='numpy' is invalid; valid: 'torch', 'tf1'"),
         ({"min_scale": 8.0, "max_scale": 4.0, "init_scale": 4.0}, r"min_scale=8.0 is larger"),
+        # Below 2**-126, 1/scale overflows float32: the unscale failed mid-training.
+        ({"min_scale": 2.0**-140, "init_scale": 1.0}, r"min_scale=7.17\d*e-43 is invalid; "),
+        ({"max_scale": "65536"}, r"max_scale must be a number, got str"),  # was taken
     ],
 )
 def test_bad_dynamic_arguments(kwargs, match):
@@ -258,3 +261,37 @@ def test_noop_scaler_keeps_scale_one():
         scaler.set_scale(4096.0)
     assert scaler.get_scale() == 1.0
     scaler.load_state_dict(NoOpLossScaler().state_dict())
+
+
+def test_a_scale_set_by_hand_stays_within_what_loads_again():
+    # set_scale and GradScaler.update(new_scale) took 2**30 past max_scale=2**20, and
+    # 2**-130; the state_dict then refused to load, into this scaler as into a new one.
+    scaler = mp.DynamicLossScaler(max_scale=2.0**20)
+    with pytest.raises(mp.ArgumentError, match=r"set_scale\(1073741824.0\) is outside"):
+        scaler.set_scale(2.0**30)
+    with pytest.raises(mp.ArgumentError, match=r"float32 holds scales in \[2\*\*-126"):
+        scaler.set_scale(2.0**-130)
+    grad_scaler = mp.GradScaler("cpu", init_scale=2.0**16, max_scale=2.0**20)
+    grad_scaler.scale(torch.ones(()))  # started, as torch requires before update()
+    with pytest.raises(mp.ArgumentError, match=r"is outside \[min_scale, max_scale\]"):
+        grad_scaler.update(2.0**30)
+    scaler.set_scale(2.0**19)
+    mp.DynamicLossScaler(max_scale=2.0**20).load_state_dict(scaler.state_dict())
+
+
+def test_a_grad_scaler_state_keeps_its_bounds_and_counters_in_a_dynamic_scaler():
+    # It has torch's _growth_tracker and no "type": read as torch's, its hysteresis, bounds
+    # and counters were dropped for the loading scaler's defaults.
+    source = mp.GradScaler("cpu", init_scale=256.0, hysteresis=3, min_scale=4.0,
+                           max_scale=2.0**20)  # fmt: skip
+    state = source.state_dict()
+    target = mp.DynamicLossScaler()
+    target.load_state_dict(state)
+    assert target.config.hysteresis == 3 and target.config.min_scale == 4.0
+    assert target.config.max_scale == 2.0**20 and target.get_scale() == 256.0
+
+
+def test_scaler_health_names_a_skip_rate_that_is_no_number():
+    # A string failed as a bare TypeError from the comparison.
+    with pytest.raises(mp.ArgumentError, match=r"max_skip_rate='0.5'\) is invalid; use a frac"):
+        mp.ScalerHealth(max_skip_rate="0.5")

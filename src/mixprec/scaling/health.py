@@ -43,7 +43,8 @@ class ScalerHealth:
                             ("window", window), ("floor_skips", floor_skips)):  # fmt: skip
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ArgumentError(f"ScalerHealth({name}={value!r}) is invalid; use an int >= 1")
-        if not 0.0 <= max_skip_rate <= 1.0:
+        number = not isinstance(max_skip_rate, bool) and isinstance(max_skip_rate, (int, float))
+        if not number or not 0.0 <= max_skip_rate <= 1.0:
             raise ArgumentError(
                 f"ScalerHealth(max_skip_rate={max_skip_rate!r}) is invalid; use a fraction "
                 "in [0, 1]"

@@ -195,10 +195,15 @@ def _positive(name: str, value: float) -> float:
 
 
 def _scale_value(name: str, value: float) -> float:
-    """A positive scale, rounded to float32 as a float32 tensor holding it would be."""
+    """A positive scale, rounded to float32 as a float32 tensor holding it would be; a
+    normal float32 number (below 2**-126, ``1 / scale`` is past float32's range: the
+    unscale failed mid-training, and the state would not load again)."""
     rounded = to_float32(_positive(name, value))
-    if math.isinf(rounded):
-        raise ArgumentError(f"{name}={value!r} is beyond float32's range (max ~3.4e38)")
+    if not SMALLEST_NORMAL_F32 <= rounded < math.inf:
+        raise ArgumentError(
+            f"{name}={value!r} is invalid; float32 holds scales in [2**-126, ~3.4e38] "
+            "(normal numbers)"
+        )
     return rounded
 
 
@@ -331,6 +336,17 @@ class DynamicLossScaler(LossScaler):
 
     _ADJUSTS = True
 
+    def set_scale(self, scale: float) -> None:
+        """Set the scale by hand, within ``[min_scale, max_scale]`` (outside, its state
+        would not load again); the counters are unchanged."""
+        value = _scale_value("scale", scale)
+        low, high = self.config.floor, self.config.max_scale
+        if value < low or (high is not None and value > high):
+            raise ArgumentError(
+                f"set_scale({scale!r}) is outside [min_scale, max_scale] = [{low!r}, {high!r}]"
+            )
+        super().set_scale(value)
+
     def _next(self, state: ScalerState, found_inf: bool) -> ScalerState:
         new = next_state(state, found_inf, self.config)
         limit = self.config.max_consecutive_skips
@@ -370,8 +386,11 @@ class DynamicLossScaler(LossScaler):
             raise ArgumentError(
                 f"load_state_dict: torch.amp.GradScaler state lacks {', '.join(missing)}"
             )
+        # mixprec's GradScaler adds its scaler's own keys beside torch's: taken too.
+        extras = {k: v for k, v in state_dict.items() if k in _MIXPREC_KEYS}
         return {
             **self.state_dict(),
+            **extras,
             **{k: state_dict[k] for k in _TORCH_CONFIG},
             "growth_tracker": state_dict["_growth_tracker"],
         }
@@ -379,6 +398,10 @@ class DynamicLossScaler(LossScaler):
 
 # The keys of ``torch.amp.GradScaler().state_dict()`` besides ``_growth_tracker``.
 _TORCH_CONFIG = ("scale", "growth_factor", "backoff_factor", "growth_interval")
+# What a DynamicLossScaler holds besides them: bounds, hysteresis and counters.
+_MIXPREC_KEYS = frozenset(
+    {*DynamicConfig.__dataclass_fields__, *ScalerState.__dataclass_fields__} - {"growth_tracker"}
+)
 
 
 def _check_config(
@@ -399,8 +422,8 @@ def _check_config(
         raise ArgumentError(
             f"backoff_factor={backoff_factor!r} is invalid; it must be in the open interval (0, 1)"
         )
-    low = None if min_scale is None else _positive("min_scale", min_scale)
-    high = None if max_scale is None else _positive("max_scale", float(max_scale))
+    low = None if min_scale is None else _scale_value("min_scale", min_scale)
+    high = None if max_scale is None else _scale_value("max_scale", max_scale)
     if low is not None and high is not None and low > high:
         raise ArgumentError(f"min_scale={min_scale!r} is larger than max_scale={max_scale!r}")
     if arithmetic not in ("torch", "tf1", "mindspore", "mindspore_manager"):
