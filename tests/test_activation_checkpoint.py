@@ -75,6 +75,21 @@ def test_compiled_whole_graph_with_checkpointed_blocks():
     assert torch.allclose(checked, plain, rtol=0.0, atol=2e-2 * plain.abs().max().item())
 
 
-def test_the_reentrant_variant_is_refused_by_name():
-    with pytest.raises(mp.ArgumentError, match=r"use_reentrant=True\) is invalid; valid: False"):
-        mp.activation_checkpoint(nn.Linear(2, 2), torch.randn(1, 2), use_reentrant=True)
+def test_the_reentrant_variant_runs_and_says_once_what_its_recompute_does():
+    # It takes no context_fn: inside a prepared model its recompute runs the float32
+    # functions in 16 bits. Outside one (or at a float32 policy) there is nothing to say.
+    import warnings
+
+    import mixprec.recompute as module
+
+    module._SAID_REENTRANT.clear()
+    reentrant = lambda b, x: mp.activation_checkpoint(b, x, use_reentrant=True)  # noqa: E731
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for policy in ("float32", "mixed_bfloat16", "mixed_bfloat16"):
+            model = mp.auto_mixed_precision(Net(reentrant), policy)
+            # The reentrant variant gives gradients only through inputs that need them.
+            model(torch.randn(8, 32, requires_grad=True)).square().mean().backward()
+            assert all(p.grad is not None for p in model.parameters())
+    said = [w for w in seen if "use_reentrant=True inside a prepared model" in str(w.message)]
+    assert len(said) == 1

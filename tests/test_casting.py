@@ -364,7 +364,14 @@ def test_an_output_object_no_cast_walks_is_said_once_per_type():
         def forward(self, x: torch.Tensor):
             return self.make(self.lin(x))
 
-    for make in (lambda h: types.SimpleNamespace(logits=h), lambda h: collections.deque([h])):
+    # Types of this test's own: the warning is said once per type in a process.
+    class Holder(types.SimpleNamespace):
+        pass
+
+    class Queue(collections.deque):
+        pass
+
+    for make in (lambda h: Holder(logits=h), lambda h: Queue([h])):
         model = mp.auto_mixed_precision(Wrapped(make), "mixed_bfloat16", "O2")
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
@@ -380,3 +387,20 @@ def test_an_output_object_no_cast_walks_is_said_once_per_type():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert quiet(torch.randn(2, 4))["logits"].dtype == torch.float32
+
+    class Batch:  # an input object no cast walks is no output: nothing to say
+        def __init__(self, x: torch.Tensor) -> None:
+            self.x = x
+
+    class TakesBatch(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, batch: Batch) -> torch.Tensor:
+            return self.lin(batch.x)
+
+    model = mp.auto_mixed_precision(TakesBatch(), "mixed_bfloat16", "O2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert model(Batch(torch.randn(2, 4))).dtype == torch.float32

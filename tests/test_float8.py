@@ -704,6 +704,13 @@ def test_the_head_is_the_last_linear_outside_attention():
     assert float8_choice(model.head).reason.startswith("output head (the last Linear)")
     assert is_float8(model.proj) and not is_float8(model.head)
 
+    class Head(nn.Linear):  # a subclass head is the head too (never converted itself)
+        pass
+
+    sub = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), Head(64, 16))
+    mp.auto_mixed_precision(sub, "mixed_float8", float8=SMALL)
+    assert is_float8(sub[2]) and not is_float8(sub[3])
+
 
 def test_a_model_that_is_one_linear_is_refused_with_the_wrap():
     """torchao returns a new module for a root Linear: the model stayed plain bfloat16."""

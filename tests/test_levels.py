@@ -490,6 +490,10 @@ def test_values_past_float16s_range_are_refused_before_anything_changes():
     # bfloat16 has float32's range; O2 stores no buffers.
     mp.auto_mixed_precision(copy.deepcopy(norm), "mixed_bfloat16", "O3")
     mp.auto_mixed_precision(norm, "mixed_float16", "O2")
+    # A model built on the meta device (deferred init) has no values to look at.
+    with torch.device("meta"):
+        deferred = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    assert mp.auto_mixed_precision(deferred, "mixed_float16", "O3")[0].weight.is_meta
 
 
 def test_a_model_with_a_prepared_part_or_inside_a_prepared_one_is_refused():

@@ -7,7 +7,6 @@ from mixprec import data, distributed, losses, models
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec._float32_copies import release_float32_copies
 from mixprec._version import __version__
-from mixprec.activation_checkpoint import activation_checkpoint, checkpoint_context
 from mixprec.autotune import Plan, autotune
 from mixprec.casting import cast_floating, to_float
 from mixprec.checkpoint import (
@@ -28,6 +27,7 @@ from mixprec.losses import cross_entropy
 from mixprec.optim import LossScaleOptimizer, StepResult, split_embedding_parameters
 from mixprec.optim.compensated import CompensatedAdamW, stochastic_round
 from mixprec.policy import Policy, get_policy, global_policy, policy_scope, set_global_policy
+from mixprec.recompute import activation_checkpoint, checkpoint_context
 from mixprec.scaling import (
     DynamicLossScaleManager,
     DynamicLossScaler,

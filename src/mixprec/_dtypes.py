@@ -1,4 +1,5 @@
-"""Floating dtype names and aliases, and parsing them."""
+"""Floating dtype names and aliases, parsing them, and a tensor's largest finite value
+against a dtype's range."""
 
 from __future__ import annotations
 
@@ -70,3 +71,13 @@ def parse_dtype(value: str | torch.dtype, *, argument: str = "dtype") -> torch.d
 
 def finfo_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
+
+
+def finite_peak(t: torch.Tensor) -> float:
+    """The largest finite |value| of ``t`` (0.0 for an empty tensor, one on the meta device,
+    or a tensor subclass such as a DTensor, whose values are not all here): one reduction,
+    no copy of the finite values."""
+    if not t.numel() or t.is_meta or type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return 0.0
+    values = t.detach()
+    return float(torch.where(torch.isfinite(values), values.abs(), 0).amax())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mixprec._dtypes import finite_peak
 from mixprec._errors import ArgumentError
 from mixprec._module_kinds import is_half_storage
 from mixprec.keep import ROOT_NAME
@@ -39,9 +40,7 @@ def check_float16_range(
         for local, t in tensors:
             if not t.is_floating_point() or t.dtype == torch.float16 or not t.numel():
                 continue
-            values = t.detach()
-            finite = values[torch.isfinite(values)]
-            peak = float(finite.abs().max()) if finite.numel() else 0.0
+            peak = finite_peak(t)
             if peak > _FLOAT16_MAX:
                 where = f"{name}.{local}" if name else local
                 keep = repr(name or ROOT_NAME)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mixprec._dtypes import finite_peak
 from mixprec._errors import ArgumentError
 
 __all__ = ["check_float64", "lower_float64"]
@@ -33,8 +34,7 @@ def check_float64(model: nn.Module) -> None:
     """Raises ``ArgumentError`` naming the first float64 tensor holding a finite value past
     float32's range (``3.40282e+38``): lowering it would make it inf."""
     for name, (kind, t) in _float64_tensors(model).items():
-        finite = t.detach()[torch.isfinite(t.detach())]
-        peak = float(finite.abs().max()) if finite.numel() else 0.0
+        peak = finite_peak(t)
         if peak > _FLOAT32_MAX:
             raise ArgumentError(
                 f"auto_mixed_precision(model=...): {kind} {name!r} is float64 with max |value| "

@@ -55,8 +55,7 @@ def cast_floating(value: T, dtype: torch.dtype) -> T:
 
     Walks tuples (named tuples and ``torch.return_types`` too), lists, dicts and their
     subclasses (``OrderedDict``, Hugging Face ``ModelOutput``) and dataclass instances,
-    keeping their types. Anything else is returned as it is (other objects holding
-    16-bit tensors with a warning, once per type: ``say_if_unwalked``)."""
+    keeping their types. Anything else is returned as it is."""
     return _cast(value, dtype, link=False)
 
 
@@ -103,7 +102,8 @@ def _cast(value: T, dtype: torch.dtype, link: bool) -> T:
         for k, v in value.items():
             out[k] = _cast(v, dtype, link)
         return out
-    say_if_unwalked(value, dtype)
+    if link:  # the model's own output (not a region's input): what reaches the loss
+        say_if_unwalked(value, dtype)
     return value
 
 

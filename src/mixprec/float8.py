@@ -376,10 +376,9 @@ def convert_to_float8(
         if isinstance(m, nn.MultiheadAttention)
         for sub in m.modules()
     }
-    # The head: the last exact nn.Linear outside attention. A subclass (attention's
-    # out_proj) is never converted; counted, an attention block registered after the head
-    # would leave the real head to float8.
-    heads = [n for n, m in linears if type(m) is nn.Linear and id(m) not in attention]
+    # The head: the last Linear outside attention (whose out_proj, counted, would leave
+    # the real head to float8 when attention is registered after it).
+    heads = [n for n, m in linears if id(m) not in attention]
     head = heads[-1] if heads else None
     by_id: dict[int, Float8Choice] = {}
     for name, module in linears:

@@ -710,8 +710,8 @@ def test_each_train_starts_from_the_loss_scaler_as_given(tmp_path):
 
 def test_activation_checkpointing_recomputes_as_the_forward_did(tmp_path: Path) -> None:
     # torch's recompute ran the float32 functions in bfloat16 and failed in the backward
-    # ("Recomputed values ... have different metadata"): the layers' checkpointing
-    # arguments now carry mp.checkpoint_context.
+    # ("Recomputed values ... have different metadata"): the layers now checkpoint through
+    # mp.activation_checkpoint.
     data = dataset(32)
 
     def losses(**overrides: Any) -> list[float]:
@@ -723,5 +723,14 @@ def test_activation_checkpointing_recomputes_as_the_forward_did(tmp_path: Path) 
         return logged(trainer, "loss")
 
     assert losses(gradient_checkpointing=True) == losses()
-    with pytest.raises(mp.ArgumentError, match=r"use_reentrant=True in the checkpointing"):
-        losses(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
+    # The arguments are left as given (a function in them broke report_to's JSON, and
+    # torch_compile takes a context_fn for selective checkpointing).
+    args = arguments(tmp_path / "gc", max_steps=1, gradient_checkpointing=True)
+    MixprecTrainer(model=build(), args=args, train_dataset=data).train()
+    assert args.to_json_string() and not args.gradient_checkpointing_kwargs
+    # The reentrant variant takes no context_fn: it trains, and says what its recompute does.
+    with pytest.warns(UserWarning, match="use_reentrant=True inside a prepared model"):
+        reentrant = losses(
+            gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}
+        )
+    assert all(math.isfinite(v) for v in reentrant)

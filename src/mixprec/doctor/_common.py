@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec._dtypes import HALF_DTYPES
+from mixprec._dtypes import HALF_DTYPES, finite_peak
 from mixprec._errors import ArgumentError
 from mixprec._warn import warn_at_caller
 from mixprec.casting import first_floating, upcast_16bit
@@ -115,10 +115,7 @@ def inputs_cast_to_inf(inputs: Any, dtype: torch.dtype) -> list[tuple[str, float
 
 def _peak(t: torch.Tensor) -> tuple[float, int]:
     """(max finite |value|, inf/NaN count) of ``t``."""
-    values = t.detach().float().abs()
-    finite = torch.isfinite(values)
-    peak = float(torch.where(finite, values, 0.0).max()) if values.numel() else 0.0
-    return peak, int((~finite).sum())
+    return finite_peak(t), int((~torch.isfinite(t.detach())).sum())
 
 
 def _count_call(entry: dict[str, Any], inp: torch.Tensor | None, out: torch.Tensor) -> None:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from mixprec._calling import call
+from mixprec._dtypes import finite_peak
 from mixprec.doctor._common import Recorder, relative_error
 from mixprec.doctor.report import ModuleReport
 from mixprec.keep import named_modules
@@ -40,10 +41,7 @@ Calls = dict[str, dict[str, Any]]
 # emulated (slow) on CPUs.
 def max_abs(t: torch.Tensor | None) -> float:
     """Max |value| over the finite values; 0 for an absent or empty tensor."""
-    if t is None or t.numel() == 0:
-        return 0.0
-    values = t.detach().float().abs()
-    return float(torch.where(torch.isfinite(values), values, 0.0).max())
+    return 0.0 if t is None else finite_peak(t)
 
 
 def nonfinite(t: torch.Tensor | None) -> int:

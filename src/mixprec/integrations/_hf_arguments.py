@@ -1,33 +1,16 @@
-"""What ``MixprecTrainer`` takes from ``TrainingArguments``: refused where they turn on a
-second mixed precision system (accelerate's autocast and scaler, DeepSpeed's), and the
-activation checkpointing arguments given ``mp.checkpoint_context``."""
+"""What ``MixprecTrainer`` refuses in ``TrainingArguments``: the arguments that turn on a
+second mixed precision system (accelerate's autocast and scaler, DeepSpeed's)."""
 
 from __future__ import annotations
 
-import json
 import os
 
 from transformers import TrainingArguments
 
 from mixprec._errors import ArgumentError
-from mixprec.activation_checkpoint import checkpoint_kwargs
 from mixprec.policy import Policy
 
-__all__ = ["checkpoint_like_the_forward", "refuse_second_mixed_precision"]
-
-
-def checkpoint_like_the_forward(args: TrainingArguments) -> None:
-    """Activation checkpointing on (``activation_checkpointing``, before transformers 5
-    ``gradient_checkpointing``): its arguments get ``mp.checkpoint_context``, or torch's
-    recompute fails in the backward on the float32 functions' dtypes."""
-    for prefix in ("activation", "gradient"):
-        if getattr(args, f"{prefix}_checkpointing", False):
-            name = f"{prefix}_checkpointing_kwargs"
-            given = getattr(args, name, None)
-            if isinstance(given, str):  # JSON, as the command line gives it
-                given = json.loads(given)
-            setattr(args, name, checkpoint_kwargs(given, f"TrainingArguments({name}=...)"))
-            return
+__all__ = ["refuse_second_mixed_precision"]
 
 
 def refuse_second_mixed_precision(args: TrainingArguments | None, policy: Policy) -> None:

@@ -39,14 +39,12 @@ from transformers.optimization import GreedyLR
 
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec.checkpoint._model import master_tensors
-from mixprec.integrations._hf_arguments import (
-    checkpoint_like_the_forward,
-    refuse_second_mixed_precision,
-)
+from mixprec.integrations._hf_arguments import refuse_second_mixed_precision
 from mixprec.integrations._hf_prepare import float32_from_checkpoint, is_prepared_as
 from mixprec.levels import KeepEntry, auto_mixed_precision, keep_list, resolve_level
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import Policy, PolicyLike, get_policy
+from mixprec.recompute import checkpoint_like_the_forward
 from mixprec.scaling import LossScaler
 from mixprec.train.step import check_optimizer_covers
 
@@ -133,8 +131,6 @@ class MixprecTrainer(Trainer):
         # as it is; a conflicting preparation is refused.
         prepared = model is not None and is_prepared_as(model, self.policy, self.level, keep)
         refuse_second_mixed_precision(args, self.policy)
-        if args is not None:  # a checkpointed layer's recompute computes as its forward
-            checkpoint_like_the_forward(args)
         self._loss_scaler = loss_scaler
         self._keep_float32 = keep
         self._trace_overflow = trace_overflow
@@ -156,6 +152,7 @@ class MixprecTrainer(Trainer):
             # kept for the master weights are too.
             self._prepare(model)
         self.add_callback(_FreeMasterGrads())
+        self.add_callback(_CheckpointLikeTheForward())
 
     # -- model and optimizer ----------------------------------------------------------------
 
@@ -369,6 +366,20 @@ class _AppliedStepsScheduler:
 
     def __repr__(self) -> str:
         return f"_AppliedStepsScheduler({self.scheduler!r})"
+
+
+class _CheckpointLikeTheForward(TrainerCallback):
+    """Activation checkpointing (``activation_checkpointing=True``, which ``train()`` turns
+    on before this hook): each layer's checkpointing function becomes
+    ``mp.activation_checkpoint`` with the same arguments, so that its recompute computes
+    as its forward did; torch's recompute failed in the backward on the float32
+    functions' dtypes. The arguments are left as given (a function in them would not go
+    to JSON, and under ``torch_compile`` torch takes a ``context_fn`` for its own use)."""
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        model = kwargs.get("model")
+        if isinstance(model, nn.Module):
+            checkpoint_like_the_forward(model)
 
 
 class _FreeMasterGrads(TrainerCallback):
