@@ -90,6 +90,12 @@ class ParamGroups:
         self._adopt_added_groups()
         return list(zip(self._weights.half, self._weights.masters, strict=True))
 
+    def model_params(self) -> list[torch.Tensor]:
+        """The model's parameters it steps: the 16-bit ones behind its masters, then those
+        it steps as they are (where the gradients of a backward wait until the unscale)."""
+        self._adopt_added_groups()
+        return self._weights.model_params()
+
     def master_params(self) -> Iterator[torch.Tensor]:
         """The tensors the inner optimizer updates (float32 masters and plain parameters),
         their ``.grad`` the unscaled gradients once ``unscale_()`` ran. Before that (after

@@ -254,12 +254,9 @@ def _held_parameters(optimizer: Any) -> set[int] | None:
     them, or a ``LossScaleOptimizer``), or None for anything else.
 
     A ``LossScaleOptimizer`` holds a 16-bit parameter with a float32 master through that
-    master (``master_weights()`` pairs them); every other parameter is in its groups as
-    it is (``master_params()``)."""
+    master, and every other as it is (``model_params()`` lists both)."""
     if isinstance(optimizer, LossScaleOptimizer):
-        held = {id(p) for p in optimizer.master_params()}
-        held.update(id(half) for half, _ in optimizer.master_weights())
-        return held
+        return {id(p) for p in optimizer.model_params()}
     optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
     plain = [
         isinstance(o, torch.optim.Optimizer) and not isinstance(o, LossScaleOptimizer)

@@ -16,7 +16,7 @@ from mixprec._errors import ArgumentError, MisuseError
 from mixprec._save_guard import FABRIC_MODULES, guard_saves
 from mixprec.casting import cast_floating, get_region
 from mixprec.integrations.lightning._lightning import FabricPrecision
-from mixprec.integrations.lightning.precision import _held_params, _MixprecPlugin
+from mixprec.integrations.lightning.precision import _MixprecPlugin
 from mixprec.optim import LossScaleOptimizer, StepResult
 from mixprec.scaling import DynamicLossScaler
 
@@ -194,7 +194,7 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
         for model in (ref() for ref in self._models):
             if model is not None:
                 names.update((id(p), n) for n, p in model.named_parameters())
-        return sorted(names.get(id(p), "?") for p in _held_params(lso))
+        return sorted(names.get(id(p), "?") for p in lso.model_params())
 
     def _take_pending(self, lso: LossScaleOptimizer) -> dict[str, Any]:
         """The loaded state saved for ``lso``'s parameters (by order for a state saved

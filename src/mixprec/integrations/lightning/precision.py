@@ -64,15 +64,6 @@ def _keep_entries(owner: str, keep_float32: Any) -> tuple[KeepEntry, ...]:
     return entries
 
 
-def _held_params(lso: LossScaleOptimizer) -> list[torch.Tensor]:
-    """The model parameters ``lso`` steps: the 16-bit ones behind its masters, then the
-    ones it steps as they are (where their gradients wait before the unscale)."""
-    masters = {id(m) for _, m in lso.master_weights()}
-    return [half for half, _ in lso.master_weights()] + [
-        p for g in lso.param_groups for p in g["params"] if id(p) not in masters
-    ]
-
-
 @dataclass
 class _Record:
     """Per wrapped optimizer, between Lightning's calls."""
@@ -297,7 +288,7 @@ class _MixprecPlugin:
                 # Manual accumulation: an earlier backward of this step, then another
                 # optimizer's step moved the shared scale. Those gradients are brought to
                 # this scale, so that the one unscale at the step fits them all.
-                grads = [p.grad for p in _held_params(lso) if p.grad is not None]
+                grads = [p.grad for p in lso.model_params() if p.grad is not None]
                 if grads:
                     torch._foreach_mul_(grads, scale / record.backward_scale)
             record.backward_scale = scale
