@@ -16,7 +16,7 @@ from mixprec.checkpoint.format import CheckpointError
 from mixprec.optim import LossScaleOptimizer
 from mixprec.optim.masters import float32_values
 
-__all__ = ["check_arguments", "master_tensors", "optimizer_classes"]
+__all__ = ["check_arguments", "master_tensors", "masters_in_place", "optimizer_classes"]
 
 
 def check_arguments(who: str, model: Any, optimizer: Any) -> None:
@@ -60,6 +60,22 @@ def master_tensors(
             if values is not None:
                 masters.update(dict.fromkeys(found, values))
     return masters
+
+
+def masters_in_place(
+    model: nn.Module, optimizers: Iterable[torch.optim.Optimizer | None] = (None,)
+) -> dict[str, torch.Tensor] | None:
+    """``model.state_dict()`` with each 16-bit weight's float32 master (``master_tensors``,
+    over each of ``optimizers``) in its place under every key of the weight, detached;
+    ``None`` where no weight has one. What a checkpoint's weights hold at O2: the values
+    training reached, not their 16-bit rounding."""
+    masters: dict[str, torch.Tensor] = {}
+    for optimizer in optimizers:
+        masters.update(master_tensors(model, optimizer))
+    if not masters:
+        return None
+    state = model.state_dict()
+    return {key: masters[key].detach() if key in masters else state[key] for key in state}
 
 
 def _model_tensors(

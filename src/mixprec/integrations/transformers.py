@@ -38,7 +38,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.optimization import GreedyLR
 
 from mixprec._errors import ArgumentError, MisuseError
-from mixprec.checkpoint._model import master_tensors
+from mixprec.checkpoint._model import masters_in_place
 from mixprec.integrations._hf_arguments import refuse_second_mixed_precision
 from mixprec.integrations._hf_prepare import float32_from_checkpoint, is_prepared_as
 from mixprec.levels import KeepEntry, auto_mixed_precision, keep_list, resolve_level
@@ -313,15 +313,9 @@ class MixprecTrainer(Trainer):
     def _float32_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The model's state dict with each 16-bit weight's float32 master in its place (a
         tied weight's names all get the same master); ``None`` without masters."""
-        model = self.model
-        if model is None:
-            return None
-        masters = master_tensors(model, self._mixprec_optimizer)
-        if not masters:
-            return None
         # Every key, on the model's device: save_pretrained drops tied duplicates itself.
-        state = model.state_dict()
-        return {key: masters[key].detach() if key in masters else state[key] for key in state}
+        model = self.model
+        return None if model is None else masters_in_place(model, [self._mixprec_optimizer])
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # Training logs ("loss" every logging_steps, "train_loss" in the final metrics, which

@@ -14,7 +14,7 @@ import torch
 
 from mixprec._errors import ArgumentError, check_int
 from mixprec.checkpoint import save_checkpoint, temporary_files
-from mixprec.checkpoint._model import master_tensors
+from mixprec.checkpoint._model import masters_in_place
 from mixprec.train.callbacks import Callback, Logs
 
 __all__ = ["EarlyStopping", "ModelCheckpoint"]
@@ -109,8 +109,8 @@ class EarlyStopping(Callback):
         float32 master: loaded back, O2 keeps those digits for the masters to follow. The
         optimizer, the loss scale and the step count go on from where training stands."""
         model, optimizer = self.attached.model, self.attached.optimizer
-        masters = master_tensors(model, optimizer)
-        return {k: masters.get(k, v).detach().clone() for k, v in model.state_dict().items()}
+        state = masters_in_place(model, [optimizer]) or model.state_dict()
+        return {k: v.detach().clone() for k, v in state.items()}
 
     def state_dict(self) -> dict[str, Any]:
         # The best weights too, where they are to be restored: a checkpoint then holds the
