@@ -284,10 +284,10 @@ def test_validate_float_labels():
 
 def test_validate_label_out_of_range():
     y = torch.tensor([0, 3, 10, 2])
-    with pytest.raises(ValueError, match=r"label 10 at index 2 is out of range.* 0\.\.9"):
+    with pytest.raises(ValueError, match=r"label 10 at sample 2 is out of range.* 0\.\.9"):
         validate_classification(torch.zeros(4, 2), y, num_classes=10)
     validate_classification(torch.zeros(4, 2), y)  # no num_classes: only >= 0 is checked
-    with pytest.raises(ValueError, match=r"label -1 at index 1 is out of range.*>= 0"):
+    with pytest.raises(ValueError, match=r"label -1 at sample 1 is out of range.*>= 0"):
         validate_classification(torch.zeros(2, 2), torch.tensor([0, -1]))
 
 
@@ -328,3 +328,21 @@ def test_a_scalar_is_checked_for_finiteness_as_one_sample():
     check_finite(torch.tensor(1.0), "x")
     with pytest.raises(ValueError, match=r"x has 1 non-finite value\(s\).*sample 0"):
         check_finite(torch.tensor(float("nan")), "x")
+
+
+def test_mnist_splits_of_two_image_sizes_are_refused(tmp_path):
+    # A 32x32 t10k beside a 28x28 train set loaded, to fail later as a shape error.
+    arrays = tiny_mnist()
+    arrays["test_x"] = torch.zeros(4, ROWS + 2, COLS, dtype=torch.uint8)
+    write_all(tmp_path, arrays)
+    with pytest.raises(ValueError, match=r"the train images are .* and the t10k images .*; both"):
+        load_mnist(tmp_path)
+
+
+def test_label_positions_are_named_by_sample_and_ignore_index_must_be_an_int():
+    x = torch.randn(3, 4)
+    y = torch.tensor([[0, 1], [1, 0], [7, 0]])
+    with pytest.raises(ValueError, match=r"label 7 at sample 2, position \(0,\) is out of range"):
+        validate_classification(x, y, num_classes=3)
+    with pytest.raises(ArgumentError, match=r"ignore_index=-100.0 is invalid; it must be an"):
+        validate_classification(x, y % 3, num_classes=3, ignore_index=-100.0)

@@ -130,8 +130,11 @@ def test_keeps_only_its_input_and_one_float_per_row_for_backward():
 
 
 def test_target_out_of_range_raises():
-    with pytest.raises(RuntimeError, match="out of bounds"):
+    # An IndexError naming the target, as F.cross_entropy's (a gather's RuntimeError named
+    # an index of a dimension); an ignored label is no target.
+    with pytest.raises(IndexError, match=r"target 4 is out of bounds; valid: 0\.\.3, or ignore"):
         cross_entropy(torch.randn(2, 4), torch.tensor([1, 4]))
+    cross_entropy(torch.randn(2, 4), torch.tensor([1, -100]))
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mixprec import ArgumentError
 from mixprec.models import (
     MODELS,
     CausalLM,
@@ -239,3 +240,31 @@ def test_synthetic_speech_refuses_a_time_whose_frames_cannot_hold_its_targets():
     frames = model.output_lengths(in_len)
     assert bool((frames >= tgt_len).all())
     assert torch.isfinite(ctc_loss(model(feats), targets, frames, tgt_len))
+
+
+def test_ctc_loss_refuses_labels_its_log_probs_cannot_hold():
+    # torch's CPU kernel read past the log-probs: a label of 1000 gave -3.2e30, the blank as
+    # a label a loss like any other.
+    log_probs = torch.randn(10, 2, 5).log_softmax(-1)
+    lengths, target_lengths = torch.tensor([10, 8]), torch.tensor([2, 2])
+    for bad, value in (([[1, 2], [3, 9]], 9), ([[1, 0], [3, 4]], 0), ([[1, -2], [3, 4]], -2)):
+        with pytest.raises(ArgumentError, match=rf"targets hold the label {value}; valid: 0\.\.4"):
+            ctc_loss(log_probs, torch.tensor(bad), lengths, target_lengths)
+    # Past a sample's length the row is padding: not looked at.
+    padded = torch.tensor([[1, 2, 99], [3, 4, 99]])
+    assert torch.isfinite(ctc_loss(log_probs, padded, lengths, target_lengths))
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: Recommender(dim=0), r"dim=0 is invalid"),
+        (lambda: Recommender(hidden=0), r"hidden=0 is invalid"),
+        (lambda: Recommender(table_sizes=(0, 5)), r"table_sizes entry=0 is invalid"),
+        (lambda: SpeechCTC(n_tokens=1), r"n_tokens=1 is invalid; it must be an int >= 2"),
+        (lambda: SpeechCTC(n_mels=0), r"n_mels=0 is invalid"),
+    ],
+)
+def test_model_sizes_that_cannot_learn_are_refused(make, message):
+    with pytest.raises(ArgumentError, match=message):
+        make()

@@ -139,7 +139,13 @@ def load_mnist(path: str | os.PathLike[str]) -> tuple[Split, Split]:
     directory = Path(path)
     if not directory.is_dir():
         raise FileNotFoundError(f"path={str(path)!r} is not a directory holding the MNIST files")
-    return _load_split(directory, "train"), _load_split(directory, "t10k")
+    train, test = _load_split(directory, "train"), _load_split(directory, "t10k")
+    if train[0].shape[1:] != test[0].shape[1:]:  # a model of one would fail on the other
+        raise ValueError(
+            f"{directory}: the train images are {tuple(train[0].shape[1:])} and the t10k "
+            f"images {tuple(test[0].shape[1:])}; both splits must have one image size"
+        )
+    return train, test
 
 
 def synthetic_classification(
@@ -228,6 +234,10 @@ def validate_classification(
         )
     if num_classes is not None:
         check_int("num_classes", num_classes, 1)
+    if ignore_index is not None and (
+        isinstance(ignore_index, bool) or not isinstance(ignore_index, int)
+    ):
+        raise ArgumentError(f"ignore_index={ignore_index!r} is invalid; it must be an int or None")
     valid = f"0..{num_classes - 1}" if num_classes is not None else ">= 0"
     flat = y.reshape(-1)
     out = flat < 0 if num_classes is None else (flat < 0) | (flat >= num_classes)
@@ -235,7 +245,8 @@ def validate_classification(
         out &= flat != ignore_index
         valid += f", or {ignore_index} (ignored by the loss)"
     if bool(out.any()):
-        i = int(out.nonzero()[0, 0])
+        where = tuple(int(i) for i in (out.reshape(y.shape)).nonzero()[0])
+        at = f"sample {where[0]}" + (f", position {where[1:]}" if len(where) > 1 else "")
         raise ValueError(
-            f"{name}: label {int(flat[i])} at index {i} is out of range; valid labels are {valid}"
+            f"{name}: label {int(y[where])} at {at} is out of range; valid labels are {valid}"
         )

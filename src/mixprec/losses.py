@@ -147,6 +147,14 @@ def cross_entropy(
         _warn_compiled_output()
     flat_target = target.reshape(-1).long()
     valid = flat_target != ignore_index
+    # As F.cross_entropy says it (a gather failed with "index ... out of bounds for
+    # dimension 1", naming no target); on the CPU, where the check costs no device sync.
+    out = valid & ((flat_target < 0) | (flat_target >= classes))
+    if logits.device.type == "cpu" and bool(out.any()):
+        raise IndexError(
+            f"cross_entropy: target {int(flat_target[out][0])} is out of bounds; valid: "
+            f"0..{classes - 1}, or ignore_index={ignore_index}"
+        )
     rows = max(1, _CHUNK_ELEMENTS // max(classes, 1))
     flat_logits = logits.reshape(-1, classes)
     losses: torch.Tensor = _ChunkedCrossEntropy.apply(flat_logits, flat_target, valid, rows)

@@ -180,6 +180,9 @@ class SpeechCTC(nn.Module):
 
     def __init__(self, n_mels: int = 40, n_tokens: int = 29, hidden: int = 128) -> None:
         super().__init__()
+        check_int("n_mels", n_mels, 1)
+        check_int("hidden", hidden, 1)
+        check_int("n_tokens", n_tokens, 2)  # the blank and one label at least
         self.n_mels = n_mels
         self.conv = nn.Conv1d(n_mels, hidden, _KERNEL, stride=_STRIDE, padding=_PADDING)
         self.gru = nn.GRU(hidden, hidden, num_layers=1, batch_first=True)
@@ -209,13 +212,45 @@ def ctc_loss(
     target_lengths: torch.Tensor,
     blank: int = 0,
 ) -> torch.Tensor:
-    """CTC loss (mean over the batch) of ``(T, b, n_tokens)`` log-probs, in float32."""
+    """CTC loss of ``(T, b, n_tokens)`` log-probs, in float32: each sample's loss divided
+    by its target length, then the mean over the batch (torch's ``reduction="mean"``).
+
+    16-bit log-probs are computed from in float32 (rounded already: ``SpeechCTC``'s float32
+    log-softmax keeps its digits under a policy whose output is float32, the default).
+    Refused: targets outside ``[0, n_tokens)`` or equal to ``blank`` within their lengths,
+    which torch's CPU kernel does not check (it read past the log-probs); on other
+    devices and compiled, torch's own checks stand."""
     # float32 whatever the policy (as the TensorFlow 1 mixed precision guide keeps it): the
     # forward-backward recursion adds up log-probabilities over T frames and every alignment;
     # in 16 bits the rounding of each term accumulates and the loss and gradients drift.
+    if log_probs.device.type == "cpu" and not torch.compiler.is_compiling():
+        _check_ctc_targets(targets, target_lengths, log_probs.shape[-1], blank)
     return F.ctc_loss(
         log_probs.float(), targets, input_lengths, target_lengths, blank=blank, reduction="mean"
     )
+
+
+def _check_ctc_targets(
+    targets: torch.Tensor, target_lengths: torch.Tensor, classes: int, blank: int
+) -> None:
+    """Each sample's labels (within its length) in ``[0, classes)`` and not ``blank``."""
+    if targets.dim() == 2:
+        if int(target_lengths.max()) > targets.shape[1]:
+            raise ArgumentError(
+                f"ctc_loss: target_lengths reach {int(target_lengths.max())}, past the "
+                f"targets' {targets.shape[1]} columns"
+            )
+        positions = torch.arange(targets.shape[1], device=targets.device)
+        used = targets[positions < target_lengths.to(targets.device)[:, None]]
+    else:  # one concatenated row, as torch also takes them
+        used = targets[: int(target_lengths.sum())]
+    bad = (used < 0) | (used >= classes) | (used == blank)
+    if bool(bad.any()):
+        value = int(used[bad][0])
+        raise ArgumentError(
+            f"ctc_loss: targets hold the label {value}; valid: 0..{classes - 1} except the "
+            f"blank {blank} (n_tokens={classes}: is the model's vocabulary the data's?)"
+        )
 
 
 def synthetic_speech(
@@ -269,6 +304,10 @@ class Recommender(nn.Module):
         super().__init__()
         if not table_sizes:
             raise ArgumentError("table_sizes=() is invalid; give at least one table size")
+        for size in table_sizes:
+            check_int("table_sizes entry", size, 1)
+        check_int("dim", dim, 1)
+        check_int("hidden", hidden, 1)
         self.tables = nn.ModuleList(nn.Embedding(s, dim, sparse=sparse) for s in table_sizes)
         self.mlp = nn.Sequential(
             nn.Linear(len(table_sizes) * dim, hidden), nn.ReLU(), nn.Linear(hidden, 1)

@@ -69,13 +69,13 @@ def test_out_of_range_labels_from_a_loader_are_a_value_error() -> None:
     loader = DataLoader(TensorDataset(x, y), batch_size=8)
     with pytest.raises(ValueError, match=r"epoch 1, batch 4: Target 7 is out of bounds"):
         trainer.fit(loader, epochs=1, verbose=0)
-    # mp.cross_entropy's gather raises a RuntimeError rather than an IndexError.
+    # mp.cross_entropy's own bounds check, named as F.cross_entropy's is.
     torch.manual_seed(0)
     model = nn.Linear(8, 3)
     chunked = mp.Trainer(model, mp.cross_entropy, torch.optim.SGD(model.parameters(), 0.1),
                          device="cpu")  # fmt: skip
-    with pytest.raises(ValueError, match=r"epoch 1, batch 4: index 7 is out of bounds .* "
-                       r"\(class labels must be in \[0, number of classes\)"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"epoch 1, batch 4: cross_entropy: target 7 is out of "
+                       r"bounds.*\(class labels must be in \[0, number of classes\)"):  # fmt: skip
         chunked.fit(loader, epochs=1, verbose=0)
 
 
@@ -167,7 +167,7 @@ def test_cross_entropy_labels_may_be_its_ignore_index():
     history = t.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert torch.isfinite(torch.tensor(history.history["loss"])).all()
     y[6] = 7
-    with pytest.raises(ValueError, match=r"label 7 at index 6 is out of range; valid labels are "
+    with pytest.raises(ValueError, match=r"label 7 at sample 6 is out of range; valid labels are "
                        r"0\.\.2, or -100 \(ignored by the loss\)"):  # fmt: skip
         t.fit(x, y, batch_size=8, epochs=1, verbose=0)
 
