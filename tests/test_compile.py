@@ -197,6 +197,35 @@ def test_compile_option_is_checked():
     with pytest.raises(ValueError, match=r"unknown torch.compile option\(s\) fulgraph; valid: "):
         mp.Trainer(model, "cross_entropy", opt, "mixed_bfloat16", compile={"fulgraph": True})
     assert applied(model) is None  # a bad option fails before the model is changed
+    # A value torch refuses, too: it failed in torch.compile after the model and the
+    # optimizer were changed, and the retry then found the optimizer over other tensors.
+    for bad, said in (({"mode": "bogus"}, "Unrecognized mode=bogus"),
+                      ({"backend": "no_such_backend"}, "Invalid backend")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"is refused by torch.compile: {said}"):
+            mp.build_train_step(model, opt, "cross_entropy", "mixed_bfloat16", compile=bad)
+    assert applied(model) is None and all(p.dtype == torch.float32 for p in model.parameters())
+    mp.build_train_step(model, opt, "cross_entropy", "mixed_bfloat16", compile=True)
+
+
+def test_past_the_recompile_limit_a_compiled_prepared_model_is_said(monkeypatch):
+    # Each prepared model's forward is compiled anew; past the limit dynamo runs it eagerly.
+    import weakref
+
+    from mixprec import _compile
+
+    monkeypatch.setattr(_compile, "_COMPILED", weakref.WeakSet())
+    monkeypatch.setattr(_compile, "_COUNT", [0])
+    limit = torch._dynamo.config.patch(recompile_limit=2)
+    with limit, warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        steps = []
+        for _ in range(3):
+            model = make_mlp()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            steps.append(mp.build_train_step(model, opt, "cross_entropy", "mixed_bfloat16",
+                                             compile={"backend": "eager"}))  # fmt: skip
+    said = [str(w.message) for w in seen if "prepared models compiled" in str(w.message)]
+    assert said == [said[0]] and "3 prepared models compiled in this process" in said[0]
 
 
 @pytest.mark.parametrize(

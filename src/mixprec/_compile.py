@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -17,6 +18,8 @@ import torch
 from torch import nn
 
 from mixprec._errors import ArgumentError
+from mixprec._warn import warn_at_caller
+from mixprec.casting import get_region
 
 __all__ = ["CompileOption", "compile_options", "compile_step", "recompile_room"]
 
@@ -44,6 +47,15 @@ def compile_options(compile: CompileOption, where: str = "compile") -> dict[str,
             f"{where} has unknown torch.compile option(s) {', '.join(unknown)}; "
             f"valid: {', '.join(valid)}"
         )
+    # The values, as torch checks them when it builds its wrapper (no tracing): a bad mode,
+    # backend or inductor option failed after the model and optimizer had been changed.
+    try:
+        torch.compile(lambda: None, **compile)
+    except Exception as err:  # RuntimeError, InvalidBackend, AssertionError: torch's own
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ArgumentError(
+            f"{where}={dict(compile)!r} is refused by torch.compile: {first}"
+        ) from None
     return dict(compile)
 
 
@@ -52,6 +64,7 @@ def compile_step(fn: F, options: Mapping[str, Any], model: nn.Module) -> F:
     when ``model`` has RNN/GRU/LSTM layers (dynamo refuses to trace them by default, and they
     trace whole-graph when allowed; the setting is restored after each call)."""
     compiled = torch.compile(fn, **options)
+    _say_if_past_recompile_limit(model)
     if not any(isinstance(m, nn.RNNBase) for m in model.modules()):
         return compiled  # type: ignore[return-value]
 
@@ -61,6 +74,34 @@ def compile_step(fn: F, options: Mapping[str, Any], model: nn.Module) -> F:
             return compiled(*args, **kwargs)
 
     return with_rnns  # type: ignore[return-value]
+
+
+# Prepared models compile_step compiled: counted for good (dynamo keeps a dead model's
+# cache entry, and its place under the limit), each once.
+_COMPILED = weakref.WeakSet[nn.Module]()
+_COUNT = [0]
+
+
+def _recompile_limit() -> int:
+    config = torch._dynamo.config
+    return int(getattr(config, "recompile_limit", getattr(config, "cache_size_limit", 8)))
+
+
+def _say_if_past_recompile_limit(model: nn.Module) -> None:
+    """Each prepared model's region forward is an object of its own, on which dynamo guards:
+    the graphs of two prepared models are not shared, and past ``recompile_limit`` of them
+    in one process the forward runs eagerly, said by one torch log line. Said once here."""
+    if get_region(model) is None or model in _COMPILED:
+        return
+    _COMPILED.add(model)
+    _COUNT[0] += 1
+    if _COUNT[0] == _recompile_limit() + 1:
+        warn_at_caller(
+            f"compile: {_COUNT[0]} prepared models compiled in this process; dynamo "
+            "compiles each one's forward anew and, past torch._dynamo.config."
+            f"recompile_limit ({_recompile_limit()}), runs it eagerly (no speed-up). Compile "
+            "each model in a process of its own, or raise that limit"
+        )
 
 
 @contextlib.contextmanager
