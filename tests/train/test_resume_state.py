@@ -304,8 +304,11 @@ def test_a_mid_epoch_resume_over_other_batches_is_refused(tmp_path, change, said
     n = change.get("n", 64)
     args = {"batch_size": change.get("batch_size", 8), "shuffle": change.get("shuffle", True)}
     path = tmp_path / "step-00000003.safetensors"
+    refused = trainer()
+    before = weights(refused).clone()
     with pytest.raises(ValueError, match=rf"stopped 3 batches into an epoch .*\({said}\)"):
-        trainer().fit(x[:n], y[:n], epochs=2, verbose=0, resume_from=path, **args)
+        refused.fit(x[:n], y[:n], epochs=2, verbose=0, resume_from=path, **args)
+    assert torch.equal(weights(refused), before)  # nothing loaded
     resumed = trainer().fit(x, y, batch_size=8, epochs=2, verbose=0, resume_from=path)
     assert len(resumed.epoch) == 2  # the rest of epoch 0, then epoch 1
 
@@ -317,6 +320,9 @@ def test_resuming_from_a_checkpoint_without_a_position_is_refused(tmp_path):
     t.fit(x, y, batch_size=16, epochs=2, verbose=0)
     path = mp.save_checkpoint(tmp_path / "c.safetensors", t.model, t.optimizer,
                               trainer_state={"step": t.global_step})  # fmt: skip
+    fresh = trainer()
+    before = weights(fresh).clone()
     with pytest.raises(mp.CheckpointError, match=r"holds no training position \(its "
                        r"trainer_state has \['step'\], no epoch\)"):  # fmt: skip
-        trainer().fit(x, y, batch_size=16, epochs=3, verbose=0, resume_from=path)
+        fresh.fit(x, y, batch_size=16, epochs=3, verbose=0, resume_from=path)
+    assert torch.equal(weights(fresh), before)  # refused before anything was loaded

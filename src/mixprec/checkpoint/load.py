@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import os
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ def load_checkpoint(
     strict: bool = True,
     on_range: OnRange = "error",
     restore_rng: bool = False,
+    check: Callable[[dict[str, Any]], None] | None = None,
 ) -> LoadReport:
     """Load ``path`` into ``model`` (and ``optimizer``), casting each tensor to the dtype of
     its destination. Returns a ``LoadReport``; with ``strict=True`` missing, unexpected and
@@ -68,6 +70,9 @@ def load_checkpoint(
     ``trainer_state`` counters (``global_step``, ``epoch``, ``step_in_epoch``) are ints >= 0.
     ``restore_rng`` under torchrun restores each rank's own state where the checkpoint holds
     one for every rank now running (the Trainer's ``rank_rng``), and else rank 0's.
+    ``check``: called with the ``trainer_state`` before anything changes; what it raises
+    leaves the model, the optimizer and the RNGs as they were (``fit(resume_from=...)``
+    refuses a checkpoint it cannot resume from so).
     """
     check_arguments("load_checkpoint", model, optimizer)
     for name, flag in (("strict", strict), ("restore_rng", restore_rng)):
@@ -126,6 +131,8 @@ def load_checkpoint(
         optim_state = _optimizer_state(path, optimizer, model, masters_from, tensors, header)
         _cast_like_torch(optimizer, optim_state, on_range, report)
     trainer_state = stored_trainer_state(header, tensors)
+    if check is not None:
+        check(trainer_state)
     rng_state = None
     if restore_rng and header.get("rng") is not None:
         rng_state = _this_ranks(path, _unflatten(header["rng"], tensors), trainer_state)

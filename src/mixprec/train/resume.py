@@ -70,7 +70,9 @@ def read(
     # rank 0, which alone warns (None elsewhere and outside torchrun).
     size = distributed.world_size()
     now = distributed.gather_object(rng_state())  # [mine] outside torchrun: nothing differs
-    state = load_checkpoint(path, model, optimizer, restore_rng=True).trainer_state
+    state = load_checkpoint(
+        path, model, optimizer, restore_rng=True, check=lambda s: _check_resumable(path, s, data)
+    ).trainer_state
     ranks = state.get("rank_rng")
     own = isinstance(ranks, list) and len(ranks) == size > 1
     differ = _differing(now) if now else []
@@ -82,6 +84,34 @@ def read(
             f"{held} for {size} ranks now: every rank takes rank 0's, so they draw the same "
             f"random numbers{masks} from here. ModelCheckpoint's checkpoints hold every rank's"
         )
+    global_step = int(state.get("global_step", 0))
+    epoch, skip, replay, done = _stood(state, data["batches"])
+    callbacks = dict(state.get("callbacks") or {})
+    if own and distributed.rank() > 0:  # this rank's own (a loader shuffling per rank)
+        replay = ranks[distributed.rank()].get("epoch_order", replay)  # type: ignore[index]
+    if done:
+        return ResumePoint(global_step, epoch + 1, callbacks=callbacks)
+    if replay is None:
+        return ResumePoint(global_step, epoch + (skip > 0), callbacks=callbacks)
+    return ResumePoint(global_step, epoch, skip, replay, state.get("meter"), callbacks)
+
+
+def _stood(state: dict[str, Any], steps: int) -> tuple[int, int, torch.Tensor | None, bool]:
+    """Where a checkpoint's run stood: epoch, batches done in it, the RNG state its order
+    was drawn from (``None``: none), and whether the epoch had ended."""
+    epoch, skip = int(state["epoch"]), int(state.get("step_in_epoch", 0))
+    replay = state.get("epoch_rng")
+    done = state.get("epoch_done")
+    if done is None:  # written before checkpoints said so: inferred from the counts
+        done = replay is not None and bool(steps) and skip >= steps
+    return epoch, skip, replay, bool(done)
+
+
+def _check_resumable(
+    path: str | os.PathLike[str], state: dict[str, Any], data: dict[str, Any]
+) -> None:
+    """Before the load changes anything: a training position to resume from, and for one
+    mid-epoch, the epoch's shape it was counted in."""
     if "epoch" not in state:
         raise CheckpointError(
             f"fit(resume_from={os.fspath(path)!r}): the checkpoint holds no training position "
@@ -89,23 +119,11 @@ def read(
             "would start again at epoch 0. Resume from ModelCheckpoint's checkpoints or "
             "save_checkpoint(path, model, opt, trainer_state=trainer.resume_state()); to train "
             "on from these weights as a new run, load_checkpoint(path, model, opt) and call "
-            "fit without resume_from (its weights and optimizer are loaded now)"
+            "fit without resume_from (nothing was loaded)"
         )
-    global_step = int(state.get("global_step", 0))
-    epoch, skip = int(state["epoch"]), int(state.get("step_in_epoch", 0))
-    steps = data["batches"]
-    replay, callbacks = state.get("epoch_rng"), dict(state.get("callbacks") or {})
-    if own and distributed.rank() > 0:  # this rank's own (a loader shuffling per rank)
-        replay = ranks[distributed.rank()].get("epoch_order", replay)  # type: ignore[index]
-    done = state.get("epoch_done")
-    if done is None:  # written before checkpoints said so: inferred from the counts
-        done = replay is not None and bool(steps) and skip >= steps
-    if done:
-        return ResumePoint(global_step, epoch + 1, callbacks=callbacks)
-    if replay is None:
-        return ResumePoint(global_step, epoch + (skip > 0), callbacks=callbacks)
-    _check_same_epochs(path, state.get("data"), data, skip)
-    return ResumePoint(global_step, epoch, skip, replay, state.get("meter"), callbacks)
+    _, skip, replay, done = _stood(state, data["batches"])
+    if not done and replay is not None:
+        _check_same_epochs(path, state.get("data"), data, skip)
 
 
 def _check_same_epochs(
