@@ -131,3 +131,14 @@ def test_a_float32_model_gets_no_float64_note():
         warnings.simplefilter("always")
         mp.auto_mixed_precision(model, "mixed_bfloat16", level="O2")
     assert not [w for w in seen if "float64" in str(w.message)]
+
+
+def test_finite_peak_reads_float8_and_leaves_out_what_is_not_here():
+    # float8 has no isfinite: read in float32. A meta tensor has no values.
+    from mixprec._dtypes import finite_peak
+
+    values = torch.tensor([1.0, -3.0, float("inf")])
+    assert finite_peak(values) == 3.0
+    assert finite_peak(values.to(torch.float8_e5m2)) == 3.0
+    assert finite_peak(torch.empty(3, device="meta")) == 0.0
+    assert finite_peak(torch.empty(0)) == 0.0

@@ -259,3 +259,10 @@ def test_ctc_loss_refuses_labels_its_log_probs_cannot_hold():
     # Past a sample's length the row is padding: not looked at.
     padded = torch.tensor([[1, 2, 99], [3, 4, 99]])
     assert torch.isfinite(ctc_loss(log_probs, padded, lengths, target_lengths))
+    # Lengths as lists or tuples and concatenated 1-D targets, as torch takes them.
+    expected = F.ctc_loss(log_probs, padded, lengths, target_lengths)
+    assert torch.equal(ctc_loss(log_probs, padded, [10, 8], (2, 2)), expected)
+    flat = torch.tensor([1, 2, 3, 4])
+    assert torch.equal(ctc_loss(log_probs, flat, (10, 8), (2, 2)), expected)
+    with pytest.raises(ArgumentError, match=r"targets hold the label 7"):
+        ctc_loss(log_probs, torch.tensor([1, 2, 3, 7]), (10, 8), (2, 2))

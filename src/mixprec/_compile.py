@@ -21,7 +21,13 @@ from mixprec._errors import ArgumentError
 from mixprec._warn import warn_at_caller
 from mixprec.casting import get_region
 
-__all__ = ["CompileOption", "compile_options", "compile_step", "recompile_room"]
+__all__ = [
+    "CompileOption",
+    "compile_options",
+    "compile_step",
+    "recompile_room",
+    "say_if_past_recompile_limit",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -64,7 +70,6 @@ def compile_step(fn: F, options: Mapping[str, Any], model: nn.Module) -> F:
     when ``model`` has RNN/GRU/LSTM layers (dynamo refuses to trace them by default, and they
     trace whole-graph when allowed; the setting is restored after each call)."""
     compiled = torch.compile(fn, **options)
-    _say_if_past_recompile_limit(model)
     if not any(isinstance(m, nn.RNNBase) for m in model.modules()):
         return compiled  # type: ignore[return-value]
 
@@ -87,10 +92,11 @@ def _recompile_limit() -> int:
     return int(getattr(config, "recompile_limit", getattr(config, "cache_size_limit", 8)))
 
 
-def _say_if_past_recompile_limit(model: nn.Module) -> None:
+def say_if_past_recompile_limit(model: nn.Module) -> None:
     """Each prepared model's region forward is an object of its own, on which dynamo guards:
     the graphs of two prepared models are not shared, and past ``recompile_limit`` of them
-    in one process the forward runs eagerly, said by one torch log line. Said once here."""
+    in one process the forward runs eagerly, said by one torch log line. Said once here,
+    for the training steps users build (not autotune's or the bench's own copies)."""
     if get_region(model) is None or model in _COMPILED:
         return
     _COMPILED.add(model)

@@ -7,6 +7,7 @@ import difflib
 
 import torch
 
+from mixprec._dist import is_dtensor
 from mixprec._errors import ArgumentError
 
 #: The dtypes a policy may use, by canonical name.
@@ -75,9 +76,11 @@ def finfo_max(dtype: torch.dtype) -> float:
 
 def finite_peak(t: torch.Tensor) -> float:
     """The largest finite |value| of ``t`` (0.0 for an empty tensor, one on the meta device,
-    or a tensor subclass such as a DTensor, whose values are not all here): one reduction,
-    no copy of the finite values."""
-    if not t.numel() or t.is_meta or type(t) not in (torch.Tensor, torch.nn.Parameter):
+    or a DTensor, whose values are not all here): one reduction, no copy of the finite
+    values. float8 is read in float32 (it has no ``isfinite``)."""
+    if not t.numel() or t.is_meta or is_dtensor(t):
         return 0.0
     values = t.detach()
+    if values.element_size() == 1:  # float8
+        values = values.float()
     return float(torch.where(torch.isfinite(values), values.abs(), 0).amax())

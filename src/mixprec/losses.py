@@ -149,8 +149,10 @@ def cross_entropy(
     valid = flat_target != ignore_index
     # As F.cross_entropy says it (a gather failed with "index ... out of bounds for
     # dimension 1", naming no target); on the CPU, where the check costs no device sync.
-    out = valid & ((flat_target < 0) | (flat_target >= classes))
-    if logits.device.type == "cpu" and bool(out.any()):
+    out = None
+    if logits.device.type == "cpu":
+        out = valid & ((flat_target < 0) | (flat_target >= classes))
+    if out is not None and bool(out.any()):
         raise IndexError(
             f"cross_entropy: target {int(flat_target[out][0])} is out of bounds; valid: "
             f"0..{classes - 1}, or ignore_index={ignore_index}"

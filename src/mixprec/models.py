@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -231,9 +232,10 @@ def ctc_loss(
 
 
 def _check_ctc_targets(
-    targets: torch.Tensor, target_lengths: torch.Tensor, classes: int, blank: int
+    targets: torch.Tensor, target_lengths: Any, classes: int, blank: int
 ) -> None:
     """Each sample's labels (within its length) in ``[0, classes)`` and not ``blank``."""
+    target_lengths = torch.as_tensor(target_lengths)  # torch takes lists and tuples too
     if targets.dim() == 2:
         if int(target_lengths.max()) > targets.shape[1]:
             raise ArgumentError(

@@ -82,3 +82,30 @@ def test_bfloat16_is_not_advised_where_float32_overflows_too():
     assert not math.isfinite(report.loss_float32) and not report.bfloat16_would_help
     assert "overflows in float32" in report.advice[0]
     assert not any("avoids the overflow" in a for a in report.advice)
+
+
+class _SharedAfterBlowUp(torch.nn.Module):
+    """A shared Linear called before and after a x1e5 layer: its second call receives the
+    inf the big layer made, and is not where the overflow starts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared, self.big = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 4)
+        with torch.no_grad():
+            self.big.weight.mul_(1e5)  # outputs ~1.5e5, past 65504
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.shared(self.big(self.shared(x))))
+
+
+def test_a_shared_module_fed_an_upstream_inf_is_not_named_its_origin():
+    # Its outputs counted over every call but its inputs over the first alone: it looked
+    # like a non-finite output from finite input, and was named before the real origin.
+    x, y = batch()
+    report = mp.diagnose(_SharedAfterBlowUp(), x, y, CE, policy="mixed_float16", check_steps=0)
+    named = {m.name: m.overflow_origin for m in report.modules}
+    assert named["big"] and not named["shared"]
+    big = next(m for m in report.modules if m.name == "big")
+    assert any("output becomes inf/NaN here first" in r for r in big.reasons)

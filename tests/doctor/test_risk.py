@@ -24,7 +24,7 @@ def test_nonfinite_origin_is_the_first_leaf_to_make_inf_from_finite_input():
     # 'b' makes inf from finite input; 'c' only inherits it; the container is no leaf.
     reports = [
         module("a", 0),
-        module("b", 1, nonfinite_output=4),
+        module("b", 1, nonfinite_output=4, overflow_origin=True),
         module("c", 2, nonfinite_output=4, nonfinite_input=4),
         module("(model)", 3, nonfinite_output=4),
     ]

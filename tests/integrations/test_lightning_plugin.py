@@ -683,6 +683,11 @@ def test_a_full_checkpoint_holds_the_masters_and_a_weights_only_one_warns(tmp_pa
     for name, param in module.named_parameters():
         expected = masters.get(id(param), param)
         assert state[name].dtype == torch.float32 and torch.equal(state[name], expected.float())
+    # The masters' keys alone are written: the others keep what the strategy put there.
+    marked = {"state_dict": {k: torch.full_like(v, 7) for k, v in module.state_dict().items()}}
+    plugin.on_save_checkpoint(marked)
+    written = {k for k, v in marked["state_dict"].items() if not bool((v == 7).all())}
+    assert written == {n for n, p in module.named_parameters() if id(p) in masters}
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         trainer.save_checkpoint(tmp_path / "weights.ckpt", weights_only=True)

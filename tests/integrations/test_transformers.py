@@ -728,7 +728,11 @@ def test_activation_checkpointing_recomputes_as_the_forward_did(tmp_path: Path) 
     args = arguments(tmp_path / "gc", max_steps=1, gradient_checkpointing=True)
     MixprecTrainer(model=build(), args=args, train_dataset=data).train()
     assert args.to_json_string() and not args.gradient_checkpointing_kwargs
-    # The reentrant variant takes no context_fn: it trains, and says what its recompute does.
+    # The reentrant variant takes no context_fn: it trains, and says what its recompute does
+    # (once in a process: the flag is reset for this test).
+    import mixprec.recompute
+
+    mixprec.recompute._SAID_REENTRANT.clear()
     with pytest.warns(UserWarning, match="use_reentrant=True inside a prepared model"):
         reentrant = losses(
             gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True}

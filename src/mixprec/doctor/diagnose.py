@@ -306,7 +306,7 @@ def _own_arithmetic_origins(model: nn.Module, reports: list[ModuleReport]) -> se
     started it: their own forward's arithmetic did."""
     by_name = {r.name: r for r in reports}
     started = {
-        r.name for r in reports if r.nonfinite_output and not r.nonfinite_input
+        r.name for r in reports if r.overflow_origin
     }  # fmt: skip
     found = set()
     for name, module in model.named_modules():
@@ -349,6 +349,7 @@ def _module_reports(
                 nonfinite_output=mix.get("nonfinite_out", 0),
                 nonfinite_grad=mix.get("nonfinite_grad_all", 0),
                 nonfinite_input=nonfinite(mix.get("input")),
+                overflow_origin=bool(mix.get("origin", False)),
                 output_underflow=out_zero,
                 output_subnormal=out_sub,
                 grad_underflow=grad_zero,

@@ -113,7 +113,7 @@ def recommend(
         if r.name not in leaves or r.float32:
             continue
         peak = max(r.max_input, r.max_output)
-        if peak > edge or (r.nonfinite_output > 0 and r.nonfinite_input == 0):
+        if peak > edge or r.overflow_origin:
             keep.append(r.name)
         if edge < peak <= limit:
             r.risk += EDGE_RISK + peak / limit

@@ -51,6 +51,8 @@ class ModuleReport:
     output_fraction: float = 0.0  # max |output| / max
     grad_fraction: float = 0.0  # max |gradient| x the lowest loss scale reached / max
     small_grad_fraction: float = 0.0  # smallest subnormal / (small |gradient| x loss scale)
+    #: Some call of it (in the 16-bit run) made a non-finite output from a finite input.
+    overflow_origin: bool = False
 
     @property
     def max_backward(self) -> float:

@@ -42,7 +42,7 @@ def nonfinite_origin(reports: list[ModuleReport], leaves: set[str]) -> tuple[str
     backward order (the leaf run last whose output gradient is non-finite)."""
     ordered = sorted((r for r in reports if r.name in leaves), key=lambda r: r.order)
     for r in ordered:
-        if r.nonfinite_output and not r.nonfinite_input:
+        if r.overflow_origin:
             return r.name, "forward"
     for r in reversed(ordered):
         if r.nonfinite_grad:

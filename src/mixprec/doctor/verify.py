@@ -110,7 +110,7 @@ def _origin(calls: Calls, half: set[str]) -> tuple[str, str] | None:
     """The 16-bit leaf where inf/NaN starts and in which pass: ``"forward"`` (a non-finite
     output from finite input) or ``"backward"``."""
     for name in sorted((n for n in calls if n in half), key=lambda n: calls[n]["order"]):
-        if nonfinite(calls[name]["output"]) and not nonfinite(calls[name]["input"]):
+        if calls[name]["origin"]:  # in any of its calls, not only its first
             return name, "forward"
     culprit = first_nonfinite_leaf(calls, half)
     return None if culprit is None else (culprit, "backward")

@@ -20,7 +20,12 @@ import torch
 from torch import nn
 
 from mixprec._calling import call
-from mixprec._compile import CompileOption, compile_options, compile_step
+from mixprec._compile import (
+    CompileOption,
+    compile_options,
+    compile_step,
+    say_if_past_recompile_limit,
+)
 from mixprec._errors import ArgumentError
 from mixprec._plan_apply import PlanLike
 from mixprec._prepare_once import needs_preparation
@@ -65,6 +70,8 @@ class TrainStep:
             if options is None
             else compile_step(self._forward_and_loss, options, model)
         )
+        if options is not None:
+            say_if_past_recompile_limit(model)
         # Compiled: calls _WARMUP.. are timed compiled, then as many eagerly, once, to say
         # when compiling made the step slower (not with accumulation: uneven calls).
         self._calls = 0

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mixprec._errors import ArgumentError, MisuseError
-from mixprec.checkpoint._model import masters_in_place
+from mixprec.checkpoint._model import master_tensors
 from mixprec.integrations.lightning._lightning import GradClipAlgorithmType, Precision, pl
 from mixprec.integrations.lightning.precision import _MixprecPlugin
 from mixprec.integrations.lightning.schedulers import _held_on_skip, _HeldOnSkip
@@ -190,10 +190,11 @@ class MixprecPrecision(_MixprecPlugin, Precision):  # type: ignore[misc]
         module = self._module() if self._module is not None else None
         if not isinstance(state, dict) or module is None:
             return
-        weights = masters_in_place(module, self._lsos) if self._lsos else None
-        for key, value in (weights or {}).items():
-            if key in state:
-                state[key] = value.clone()
+        # The masters' keys alone: the others hold what the strategy wrote (gathered shards).
+        for lso in self._lsos:
+            for key, master in master_tensors(module, lso).items():
+                if key in state:
+                    state[key] = master.detach().clone()
 
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state (scale, counters) with the policy and level. Masters and the
