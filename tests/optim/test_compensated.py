@@ -254,3 +254,21 @@ def test_a_resumed_stochastic_run_rounds_as_the_uninterrupted_one():
     _, half = run(3)
     resumed, _ = run(3, half)
     assert torch.equal(resumed, uninterrupted)
+
+
+def test_a_checkpoint_load_keeps_the_float32_moments(tmp_path):
+    # The loader cast optimizer state to the parameters' 16-bit dtype for torch's own
+    # optimizers; CompensatedAdamW keeps float32 moments beside bfloat16 weights.
+    torch.manual_seed(0)
+    model = mp.auto_mixed_precision(torch.nn.Linear(8, 8), "mixed_bfloat16", "O3")
+    opt = mp.LossScaleOptimizer(mp.CompensatedAdamW(model.parameters(), lr=1e-2))
+    opt.backward(model(torch.randn(4, 8)).float().square().mean())
+    assert opt.step().applied
+    path = mp.save_checkpoint(tmp_path / "c.safetensors", model, opt)
+    fresh = mp.LossScaleOptimizer(mp.CompensatedAdamW(model.parameters(), lr=1e-2))
+    report = mp.load_checkpoint(path, model, fresh)
+    for mine, theirs in zip(fresh.optimizers[0].state.values(),
+                            opt.optimizers[0].state.values(), strict=True):  # fmt: skip
+        assert mine["exp_avg"].dtype == torch.float32
+        assert torch.equal(mine["exp_avg"], theirs["exp_avg"])
+    assert not [c for c in report.converted if "exp_avg" in c[0]]

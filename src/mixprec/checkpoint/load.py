@@ -275,7 +275,8 @@ def _cast_like_torch(
     """torch's ``load_state_dict`` casts each floating state entry (Adam's moments) to its
     parameter's dtype, a 16-bit one where no master stands between (O3, a plain optimizer
     over a 16-bit model): a second moment past 65504 became inf in float16 and froze its
-    weight. Cast here instead, through ``on_range``, each cast in the report."""
+    weight. Cast here instead, through ``on_range``, each cast in the report (not for an
+    optimizer with a ``load_state_dict`` of its own, which keeps what it keeps)."""
     pairs = (
         [(f"optim/optimizers/{i}", o, s) for i, (o, s) in
          enumerate(zip(optimizer.optimizers, state["optimizers"], strict=True))]
@@ -283,6 +284,8 @@ def _cast_like_torch(
         else [("optim", optimizer, state)]
     )  # fmt: skip
     for prefix, inner, saved in pairs:
+        if type(inner).load_state_dict is not torch.optim.Optimizer.load_state_dict:
+            continue  # a load of its own decides its state's dtypes (CompensatedAdamW's)
         if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):
             continue  # a state of its own shape: its optimizer's load decides
         params = [p for g in inner.param_groups for p in g["params"]]
