@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mixprec._dtypes import finite_peak
+from mixprec._dtypes import finfo_max, finite_peak
 from mixprec._errors import ArgumentError
 from mixprec._module_kinds import is_half_storage
 from mixprec.keep import ROOT_NAME
 
 __all__ = ["check_float16_range"]
 
-_FLOAT16_MAX = float(torch.finfo(torch.float16).max)
+_FLOAT16_MAX = finfo_max(torch.float16)
 
 
 def check_float16_range(
@@ -38,7 +38,7 @@ def check_float16_range(
         if buffers:
             tensors += list(module.named_buffers(recurse=False))
         for local, t in tensors:
-            if not t.is_floating_point() or t.dtype == torch.float16 or not t.numel():
+            if not t.is_floating_point() or t.dtype == torch.float16:
                 continue
             peak = finite_peak(t)
             if peak > _FLOAT16_MAX:

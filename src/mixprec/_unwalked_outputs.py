@@ -18,7 +18,7 @@ from mixprec._warn import warn_at_caller
 
 __all__ = ["say_if_unwalked"]
 
-_SAID: set[type] = set()
+_SAID: set[type] = set()  # types said (or with nothing to look at): not looked at again
 
 
 def say_if_unwalked(value: Any, dtype: torch.dtype) -> None:
@@ -32,7 +32,8 @@ def say_if_unwalked(value: Any, dtype: torch.dtype) -> None:
     else:
         try:
             items = list(vars(value).values())
-        except TypeError:  # no __dict__ (slots, a C type): nothing to look at
+        except TypeError:  # no __dict__ (slots, a C type): nothing to look at, ever
+            _SAID.add(kind)
             return
     found = {v.dtype for v in items if isinstance(v, torch.Tensor) and v.is_floating_point()}
     if found - {dtype}:

@@ -16,7 +16,13 @@ from mixprec.checkpoint.format import CheckpointError
 from mixprec.optim import LossScaleOptimizer
 from mixprec.optim.masters import float32_values
 
-__all__ = ["check_arguments", "master_tensors", "masters_in_place", "optimizer_classes"]
+__all__ = [
+    "check_arguments",
+    "master_tensors",
+    "masters_in_place",
+    "masters_of",
+    "optimizer_classes",
+]
 
 
 def check_arguments(who: str, model: Any, optimizer: Any) -> None:
@@ -62,6 +68,16 @@ def master_tensors(
     return masters
 
 
+def masters_of(
+    model: nn.Module, optimizers: Iterable[torch.optim.Optimizer | None]
+) -> dict[str, torch.Tensor]:
+    """``master_tensors`` over each of ``optimizers``, by state-dict key."""
+    masters: dict[str, torch.Tensor] = {}
+    for optimizer in optimizers:
+        masters.update(master_tensors(model, optimizer))
+    return masters
+
+
 def masters_in_place(
     model: nn.Module, optimizers: Iterable[torch.optim.Optimizer | None] = (None,)
 ) -> dict[str, torch.Tensor] | None:
@@ -69,9 +85,7 @@ def masters_in_place(
     over each of ``optimizers``) in its place under every key of the weight, detached;
     ``None`` where no weight has one. What a checkpoint's weights hold at O2: the values
     training reached, not their 16-bit rounding."""
-    masters: dict[str, torch.Tensor] = {}
-    for optimizer in optimizers:
-        masters.update(master_tensors(model, optimizer))
+    masters = masters_of(model, optimizers)
     if not masters:
         return None
     state = model.state_dict()

@@ -30,7 +30,7 @@ from mixprec.checkpoint.format import (
 )
 
 #: safetensors dtype names mixprec reads (the sub-byte F4/F6 types have no torch dtype).
-_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, attr)
     for name, attr in {
         "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
@@ -90,11 +90,11 @@ def _entry(file: Path, name: str, value: Any) -> _Entry:
             f"{file}: corrupt safetensors entry {shown(name)}: {shown(value)}; valid: an "
             "object with dtype, shape and data_offsets"
         )
-    dtype = _SAFETENSORS_DTYPES.get(value["dtype"]) if isinstance(value["dtype"], str) else None
+    dtype = SAFETENSORS_DTYPES.get(value["dtype"]) if isinstance(value["dtype"], str) else None
     if dtype is None:
         raise CheckpointError(
             f"{file}: tensor {shown(name)} has dtype {shown(value['dtype'])}; valid: "
-            f"{', '.join(_SAFETENSORS_DTYPES)}"
+            f"{', '.join(SAFETENSORS_DTYPES)}"
         )
     shape, offsets = value["shape"], value["data_offsets"]
     if not (isinstance(shape, list) and all(_is_count(d) for d in shape) and _fits_int64(shape)):

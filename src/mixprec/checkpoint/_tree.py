@@ -14,10 +14,10 @@ import torch
 
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError, shown
-from mixprec.checkpoint._safetensors import _SAFETENSORS_DTYPES
+from mixprec.checkpoint._safetensors import SAFETENSORS_DTYPES
 
 #: The dtypes a safetensors file holds.
-_STORABLE = frozenset(_SAFETENSORS_DTYPES.values())
+_STORABLE = frozenset(SAFETENSORS_DTYPES.values())
 
 
 def _flatten(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:

@@ -5,16 +5,12 @@ from __future__ import annotations
 import argparse
 import re
 
-import torch
-
 from mixprec._dtypes import dtype_name, parse_dtype
 from mixprec.checkpoint import CheckpointError, convert_checkpoint
 from mixprec.checkpoint._files import same_file
+from mixprec.checkpoint._safetensors import SAFETENSORS_DTYPES
 from mixprec.checkpoint.format import underflow_line
 from mixprec.cli._common import UsageError, output_file
-
-#: safetensors' names of the dtypes ``--dtype`` takes.
-_SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 HELP = "rewrite a checkpoint's weights as safetensors in one dtype"
 
@@ -58,15 +54,12 @@ def run(args: argparse.Namespace) -> int:
         raise CheckpointError(re.sub(r"on_range='(\w+)'", r"--on-range \1", str(err))) from None
     from safetensors import safe_open
 
-    target = _SAFETENSORS_NAMES[parse_dtype(args.dtype)]
+    target = parse_dtype(args.dtype)
     with safe_open(args.output, "pt") as written:
         names = list(written.keys())
-        # Integer, bool and complex tensors keep their dtype (a cast would lose them).
-        own = [
-            dtype_name(written.get_tensor(k).dtype)
-            for k in names
-            if written.get_slice(k).get_dtype() != target
-        ]
+        dtypes = [SAFETENSORS_DTYPES[written.get_slice(k).get_dtype()] for k in names]
+    # Integer, bool and complex tensors keep their dtype (a cast would lose them).
+    own = [dtype_name(d) for d in dtypes if d != target]
     count = len(names)
     kept = f", {len(own)} kept in their own dtype ({', '.join(sorted(set(own)))})" if own else ""
     print(

@@ -113,25 +113,24 @@ def inputs_cast_to_inf(inputs: Any, dtype: torch.dtype) -> list[tuple[str, float
     return found
 
 
-def _peak(t: torch.Tensor) -> tuple[float, int]:
-    """(max finite |value|, inf/NaN count) of ``t``."""
-    return finite_peak(t), int((~torch.isfinite(t.detach())).sum())
+def _bad(t: torch.Tensor) -> int:
+    """The inf/NaN count of ``t`` (float8 read in float32: it has no ``isfinite``)."""
+    values = t.detach()
+    return int((~torch.isfinite(values.float() if values.element_size() == 1 else values)).sum())
 
 
 def _count_call(entry: dict[str, Any], inp: torch.Tensor | None, out: torch.Tensor) -> None:
     """Add one call of a recorded module to what its entry says it reached."""
-    in_peak, in_bad = _peak(inp) if inp is not None else (0.0, 0)
-    out_peak, out_bad = _peak(out)
-    entry["calls_made"] += 1
-    entry["peak_input"] = max(entry["peak_input"], in_peak)
-    entry["peak_output"] = max(entry["peak_output"], out_peak)
+    out_bad = _bad(out)
+    entry["peak_input"] = max(entry["peak_input"], 0.0 if inp is None else finite_peak(inp))
+    entry["peak_output"] = max(entry["peak_output"], finite_peak(out))
     entry["nonfinite_out"] += out_bad
-    entry["origin"] = entry["origin"] or (out_bad > 0 and in_bad == 0)
+    if out_bad and not entry["origin"]:  # the input is read only then
+        entry["origin"] = inp is None or _bad(inp) == 0
 
     def grad_hook(g: torch.Tensor) -> None:
-        peak, bad = _peak(g)
-        entry["peak_grad"] = max(entry["peak_grad"], peak)
-        entry["nonfinite_grad_all"] += bad
+        entry["peak_grad"] = max(entry["peak_grad"], finite_peak(g))
+        entry["nonfinite_grad_all"] += _bad(g)
 
     if out.requires_grad:
         out.register_hook(grad_hook)
@@ -148,8 +147,8 @@ class Recorder:
     tensors no gradient reaches.
 
     The tensors are the first call's: a module called twice (a shared block, a loop) is
-    compared call for call between runs that way. Every call counts in ``calls_made`` and in
-    what reaches a limit, so that an overflow in a later call is seen at its module:
+    compared call for call between runs that way. Every call counts in what reaches a
+    limit, so that an overflow in a later call is seen at its module:
     ``peak_input``/``peak_output``/``peak_grad`` (max finite |value| over the calls),
     ``nonfinite_out``/``nonfinite_grad_all`` (inf/NaN counts over the calls) and ``origin``
     (some call made a non-finite output from a finite input). Use as a context manager; the
@@ -179,7 +178,6 @@ class Recorder:
                 "output": out.detach(),
                 "grad": None,
                 "input_grad": None,
-                "calls_made": 0,
                 "peak_input": 0.0,
                 "peak_output": 0.0,
                 "peak_grad": 0.0,

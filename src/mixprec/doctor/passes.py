@@ -31,6 +31,7 @@ __all__ = [
     "max_abs",
     "min_nonzero",
     "nonfinite",
+    "nonfinite_start",
     "run",
 ]
 
@@ -197,15 +198,21 @@ def back_off(
     return keep, floor, steps_to_floor, half
 
 
-def first_nonfinite_leaf(calls: Calls, half: set[str]) -> str | None:
-    """The 16-bit leaf where inf/NaN starts: forward order first (a call of it made a
-    non-finite output from finite input), then backward order (the leaf run last whose
-    output, input or parameter gradients are non-finite)."""
+def nonfinite_start(calls: Calls, half: set[str]) -> tuple[str, str] | None:
+    """The 16-bit leaf where inf/NaN starts and in which pass: ``"forward"`` (forward order
+    first: a call of it made a non-finite output from finite input), else ``"backward"``
+    (the leaf run last whose output, input or parameter gradients are non-finite)."""
     ordered = sorted((n for n in calls if n in half), key=lambda n: calls[n]["order"])
     for name in ordered:
         if calls[name]["origin"]:
-            return name
+            return name, "forward"
     for name in reversed(ordered):
         if calls[name]["nonfinite_backward"]:
-            return name
+            return name, "backward"
     return None
+
+
+def first_nonfinite_leaf(calls: Calls, half: set[str]) -> str | None:
+    """The 16-bit leaf where inf/NaN starts, in either pass (``nonfinite_start``)."""
+    start = nonfinite_start(calls, half)
+    return None if start is None else start[0]

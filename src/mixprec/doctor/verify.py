@@ -30,7 +30,7 @@ from torch import nn
 from mixprec._calling import call
 from mixprec._errors import ArgumentError
 from mixprec.casting import first_floating
-from mixprec.doctor.passes import Calls, first_nonfinite_leaf, nonfinite, prepared_keeping, run
+from mixprec.doctor.passes import nonfinite, nonfinite_start, prepared_keeping, run
 from mixprec.doctor.report import PlanCheck
 from mixprec.levels import module_dtypes
 from mixprec.optim import LossScaleOptimizer
@@ -106,16 +106,6 @@ def _describe(optimizer: torch.optim.Optimizer) -> str:
     return f"{name}(lr={lr:g})" if isinstance(lr, float) else name
 
 
-def _origin(calls: Calls, half: set[str]) -> tuple[str, str] | None:
-    """The 16-bit leaf where inf/NaN starts and in which pass: ``"forward"`` (a non-finite
-    output from finite input) or ``"backward"``."""
-    for name in sorted((n for n in calls if n in half), key=lambda n: calls[n]["order"]):
-        if calls[name]["origin"]:  # in any of its calls, not only its first
-            return name, "forward"
-    culprit = first_nonfinite_leaf(calls, half)
-    return None if culprit is None else (culprit, "backward")
-
-
 @dataclass
 class _Round:
     """What one round of the check saw."""
@@ -156,7 +146,7 @@ def _round(
             continue
         # A skipped step changed no weight: the same pass again, recorded, says where.
         calls, loss = run(prepared, inputs, targets, loss_fn, scale, rewind)
-        origin = _origin(calls, half)
+        origin = nonfinite_start(calls, half)
         if origin is not None and (origin[1] == "forward" or scale <= floor):
             return _Round(applied, scale, True, (origin[0], origin[1], step))
         if scale <= floor:  # the forward's loss says whether the forward is finite still
@@ -168,7 +158,7 @@ def _round(
     if finite:
         return _Round(applied, end, True)
     calls, _ = run(prepared, inputs, targets, loss_fn, end, rewind)
-    origin = _origin(calls, half)
+    origin = nonfinite_start(calls, half)
     return _Round(applied, end, False, None if origin is None else (*origin, steps + 1))
 
 

@@ -53,6 +53,7 @@ class ParamGroups:
         self._adopt_added_groups()
         if self._book.found_inf is not None:
             raise MisuseError(_BETWEEN)
+        # Adopted before it is added: a parameter refused (held already) adds no group.
         group = dict(param_group)
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
@@ -106,4 +107,9 @@ class ParamGroups:
         book = self._book
         if book.fresh and book.found_inf is None and book.micro >= self.accumulation_steps:
             say_if_grads_unfilled(self._weights, self._loss_scaler.get_scale(), book)
-        return iter([p for group in self.param_groups for p in group["params"]])
+        return iter(self._held())
+
+    def _held(self) -> list[torch.Tensor]:
+        """What the inner optimizers update, as adopted: ``master_params()`` without its
+        adoption and its warning, for the optimizer's own use (clipping in the step)."""
+        return [p for group in self.param_groups for p in group["params"]]

@@ -323,8 +323,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         self._read_device_steps()  # earlier steps decided on the device count first
         norm = None
         if self.max_grad_norm is not None:
-            held = (p for group in self.param_groups for p in group["params"])  # adopted
-            dense = [p for p in held if p.grad is not None and not p.grad.is_sparse]
+            dense = [p for p in self._held() if p.grad is not None and not p.grad.is_sparse]
             norm = nn.utils.clip_grad_norm_(dense, self.max_grad_norm, foreach=True)
             if is_dtensor(norm):  # FSDP2: the norm over every shard
                 norm = norm.full_tensor()  # type: ignore[attr-defined]

@@ -116,10 +116,7 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
             lso.load_state_dict(self._take_pending(lso))
         # Backward passes made before Fabric showed us this optimizer (the first step) left
         # gradients scaled by the shared scale: count them as the step's micro-batch.
-        held = (p for group in lso.param_groups for p in group["params"])  # no unscale
-        waiting = any(p.grad is not None for p in held) or any(
-            half.grad is not None for half, _ in lso.master_weights()
-        )
+        waiting = any(p.grad is not None for p in lso.model_params())  # masters: new, none
         if waiting and self._last_loss is not None:
             lso.get_scaled_loss(self._last_loss)
         return lso

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mixprec._errors import ArgumentError, MisuseError
-from mixprec.checkpoint._model import master_tensors
+from mixprec.checkpoint._model import masters_of
 from mixprec.integrations.lightning._lightning import GradClipAlgorithmType, Precision, pl
 from mixprec.integrations.lightning.precision import _MixprecPlugin
 from mixprec.integrations.lightning.schedulers import _held_on_skip, _HeldOnSkip
@@ -191,10 +191,9 @@ class MixprecPrecision(_MixprecPlugin, Precision):  # type: ignore[misc]
         if not isinstance(state, dict) or module is None:
             return
         # The masters' keys alone: the others hold what the strategy wrote (gathered shards).
-        for lso in self._lsos:
-            for key, master in master_tensors(module, lso).items():
-                if key in state:
-                    state[key] = master.detach().clone()
+        for key, master in masters_of(module, self._lsos).items():
+            if key in state:
+                state[key] = master.detach().clone()
 
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state (scale, counters) with the policy and level. Masters and the

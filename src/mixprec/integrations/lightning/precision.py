@@ -303,8 +303,12 @@ class _MixprecPlugin:
         record = self._records[id(lso)]
         if record.unscaled:
             return
+        # Two optimizers, backward both, then step both (a GAN): the first step's scale
+        # update moved the shared scale these gradients were not scaled by; they are
+        # brought to it in the unscale's own pass, before its inf/NaN check.
+        now, then = self.loss_scaler.get_scale(), record.backward_scale
         try:
-            lso.unscale_()
+            lso.unscale_(now / then if then is not None else 1.0)
         except MisuseError as err:
             raise MisuseError(
                 f"{type(self).__name__}: optimizer step without a backward through the "
@@ -312,14 +316,6 @@ class _MixprecPlugin:
                 f"not loss.backward() ({err})"
             ) from None
         record.unscaled = True
-        # Two optimizers, backward both, then step both (a GAN): the first step's scale
-        # update moved the shared scale that these gradients were not scaled by.
-        now = self.loss_scaler.get_scale()
-        if record.backward_scale is not None and record.backward_scale != now:
-            grads = [p.grad for p in lso.master_params() if p.grad is not None]
-            with torch.no_grad():
-                for grad in grads:
-                    grad.mul_(now / record.backward_scale)
         record.backward_scale = None
 
     def _apply(self, lso: LossScaleOptimizer) -> StepResult:
