@@ -20,9 +20,10 @@ from mixprec.checkpoint import (
 )
 from mixprec.doctor import ModuleReport, Report, diagnose
 from mixprec.doctor.float8 import Float8LayerReport, Float8Report, diagnose_float8
+from mixprec.dtype_table import describe, module_dtypes
 from mixprec.float8 import Float8Options
 from mixprec.grad_scaler import GradScaler
-from mixprec.levels import LEVELS, auto_mixed_precision, describe, module_dtypes
+from mixprec.levels import LEVELS, auto_mixed_precision
 from mixprec.losses import cross_entropy
 from mixprec.optim import LossScaleOptimizer, StepResult, split_embedding_parameters
 from mixprec.optim.compensated import CompensatedAdamW, stochastic_round

@@ -49,9 +49,10 @@ from mixprec.doctor.passes import (
 from mixprec.doctor.report import ModuleReport, Report
 from mixprec.doctor.risk import SCALE_FLOOR, loss_scale_range, nonfinite_origin, score
 from mixprec.doctor.verify import CHECK_STEPS, OptimizerLike, check_optimizer, check_plan
+from mixprec.dtype_table import module_dtypes
 from mixprec.float8 import Float8Options
 from mixprec.keep import ROOT_NAME
-from mixprec.levels import KeepEntry, applied, auto_mixed_precision, module_dtypes
+from mixprec.levels import KeepEntry, applied, auto_mixed_precision
 from mixprec.policy import PolicyLike, get_policy
 
 if TYPE_CHECKING:

@@ -18,8 +18,9 @@ from mixprec._calling import call
 from mixprec._dtypes import finite_peak
 from mixprec.doctor._common import Recorder, relative_error
 from mixprec.doctor.report import ModuleReport
+from mixprec.dtype_table import module_dtypes
 from mixprec.keep import named_modules
-from mixprec.levels import auto_mixed_precision, module_dtypes
+from mixprec.levels import auto_mixed_precision
 from mixprec.policy import Policy
 
 __all__ = [

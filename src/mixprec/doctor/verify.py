@@ -32,7 +32,7 @@ from mixprec._errors import ArgumentError
 from mixprec.casting import first_floating
 from mixprec.doctor.passes import nonfinite, nonfinite_start, prepared_keeping, run
 from mixprec.doctor.report import PlanCheck
-from mixprec.levels import module_dtypes
+from mixprec.dtype_table import module_dtypes
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import Policy
 from mixprec.scaling import DynamicLossScaler
