@@ -12,13 +12,8 @@ from torch import nn
 
 import mixprec as mp
 from mixprec._float32_copies import remember_float32
-from mixprec.casting import (
-    Float32Functions,
-    cast_floating,
-    get_region,
-    needs_float32_functions,
-    upcast_16bit,
-)
+from mixprec.casting import Float32Functions, cast_floating, upcast_16bit
+from mixprec.region import get_region, needs_float32_functions
 
 ALL_DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -245,7 +240,7 @@ def test_region_forward_keeps_signature_and_survives_deepcopy():
         twin[0].bias.zero_()
     assert twin(x).dtype == torch.float32 and not twin(x).any()
     assert model(x).any()
-    mp.casting.clear_region(model)
+    mp.region.clear_region(model)
     assert "forward" not in model.__dict__ and model(x.bfloat16()).dtype == torch.bfloat16
 
 

@@ -8,7 +8,7 @@ from mixprec._errors import ArgumentError, MisuseError
 from mixprec._float32_copies import release_float32_copies
 from mixprec._version import __version__
 from mixprec.autotune import Plan, autotune
-from mixprec.casting import cast_floating, to_float
+from mixprec.casting import cast_floating
 from mixprec.checkpoint import (
     CheckpointError,
     LoadReport,
@@ -29,6 +29,7 @@ from mixprec.optim import LossScaleOptimizer, StepResult, split_embedding_parame
 from mixprec.optim.compensated import CompensatedAdamW, stochastic_round
 from mixprec.policy import Policy, get_policy, global_policy, policy_scope, set_global_policy
 from mixprec.recompute import activation_checkpoint, checkpoint_context
+from mixprec.region import to_float
 from mixprec.scaling import (
     DynamicLossScaleManager,
     DynamicLossScaler,

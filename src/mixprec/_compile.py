@@ -19,7 +19,7 @@ from torch import nn
 
 from mixprec._errors import ArgumentError
 from mixprec._warn import warn_at_caller
-from mixprec.casting import get_region
+from mixprec.region import get_region
 
 __all__ = [
     "CompileOption",

@@ -31,9 +31,9 @@ from torch import nn
 from mixprec._dtypes import closest
 from mixprec._errors import ArgumentError
 from mixprec._warn import warn_at_caller
-from mixprec.casting import to_float
 from mixprec.float8 import Float8Options, linear_refusal
 from mixprec.keep import keep_list
+from mixprec.region import to_float
 
 __all__ = ["PLAN_DTYPES", "PlanArguments", "PlanLike", "plan_arguments"]
 

@@ -13,10 +13,10 @@ from torch import nn
 
 from mixprec._dtypes import dtype_name
 from mixprec._module_kinds import MIXED_NORM_MODULES
-from mixprec.casting import get_region
 from mixprec.float8 import float8_choice, layer_counts
 from mixprec.keep import ROOT_NAME
 from mixprec.levels import applied
+from mixprec.region import get_region
 
 __all__ = ["ModuleDtypes", "describe", "module_dtypes"]
 

@@ -58,8 +58,8 @@ from torch import nn
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
 from mixprec._warn import warn_at_caller
-from mixprec.casting import Region, set_region
 from mixprec.policy import parse_float8_recipe
+from mixprec.region import Region, set_region
 
 __all__ = ["FLOAT8_ATTR", "Float8Choice", "Float8Options", "float8_choice", "is_float8"]
 

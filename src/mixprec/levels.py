@@ -44,17 +44,7 @@ from mixprec._param_tags import refuse_prepared_parts, tag
 from mixprec._plain_optimizers import watch_plain_optimizers
 from mixprec._plan_apply import PlanLike, plan_arguments
 from mixprec._warn import warn_at_caller
-from mixprec.casting import (
-    LEVEL_ATTR,
-    MASTERS_ATTR,
-    POLICY_ATTR,
-    Region,
-    get_region,
-    set_region,
-    store_as,
-    to_float,
-    upcast_16bit,
-)
+from mixprec.casting import LEVEL_ATTR, MASTERS_ATTR, POLICY_ATTR, store_as, upcast_16bit
 from mixprec.float8 import (
     Float8Options,
     check_float8,
@@ -65,6 +55,7 @@ from mixprec.keep import KeepEntry as KeepEntry  # re-exported: callers import i
 from mixprec.keep import inside, kept_modules
 from mixprec.keep import keep_list as keep_list  # re-exported too
 from mixprec.policy import UNSET, Policy, PolicyLike, get_policy, global_policy
+from mixprec.region import Region, get_region, set_region, to_float
 from mixprec.trace import remember_model
 
 M = TypeVar("M", bound=nn.Module)

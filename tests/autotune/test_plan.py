@@ -13,8 +13,8 @@ from torch import nn
 import mixprec as mp
 from mixprec._errors import ArgumentError
 from mixprec.autotune import LayerChoice, Plan, TrainingCheck
-from mixprec.casting import get_region
 from mixprec.levels import applied
+from mixprec.region import get_region
 
 
 def tiny(seed: int = 0) -> nn.Module:

@@ -44,7 +44,6 @@ from torch import nn
 from mixprec._calling import call
 from mixprec._errors import ArgumentError
 from mixprec._rng import same_draws
-from mixprec.casting import get_region
 from mixprec.doctor._common import (
     Recorder,
     check_finite_batch,
@@ -72,6 +71,7 @@ from mixprec.doctor.float8_report import Float8LayerReport, Float8Report
 from mixprec.float8 import Float8Options, float8_choice, is_float8, torchao_float8
 from mixprec.levels import KeepEntry, auto_mixed_precision, keep_list, resolve_level
 from mixprec.policy import FLOAT8_PRESETS, PolicyLike, get_policy
+from mixprec.region import get_region
 
 __all__ = [
     "FLOAT8_GRAD_ERROR_LIMIT",

@@ -14,10 +14,11 @@ from torch import nn
 
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec._save_guard import FABRIC_MODULES, guard_saves
-from mixprec.casting import cast_floating, get_region
+from mixprec.casting import cast_floating
 from mixprec.integrations.lightning._lightning import FabricPrecision
 from mixprec.integrations.lightning.precision import _MixprecPlugin
 from mixprec.optim import LossScaleOptimizer, StepResult
+from mixprec.region import get_region
 from mixprec.scaling import DynamicLossScaler
 
 _FABRIC_WRAPPERS = ("lightning.fabric.wrappers", "lightning_fabric.wrappers")
