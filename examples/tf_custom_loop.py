@@ -65,12 +65,14 @@ def part1_digits(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("keras loop", "one call"):
         model = mp.auto_mixed_precision(copy.deepcopy(base), POLICY, args.level)
         params = list(model.parameters())
-        # Keras' LossScaleOptimizer(initial_scale, dynamic_growth_steps): a scale high
-        # enough that the first steps overflow float16 and are skipped while it backs off.
-        scaler = mp.DynamicLossScaler(
-            init_scale=args.initial_scale, growth_interval=args.growth_steps
+        # Keras' LossScaleOptimizer(initial_scale, dynamic_growth_steps), with Keras 3's
+        # schedule (no ceiling): a scale high enough that the first steps overflow float16
+        # and are skipped while it backs off.
+        opt = mp.LossScaleOptimizer(
+            torch.optim.Adam(params, lr=args.lr),
+            initial_scale=args.initial_scale,
+            dynamic_growth_steps=args.growth_steps,
         )
-        opt = mp.LossScaleOptimizer(torch.optim.Adam(params, lr=args.lr), loss_scaler=scaler)
         order = torch.Generator().manual_seed(args.seed)  # the same batches in both runs
         epoch_losses, skipped = [], 0
         for _ in range(args.epochs):
