@@ -1,7 +1,8 @@
-"""Which 16-bit parameters need a float32 master, and the guard that warns when a plain
-torch optimizer steps such parameters itself. It sits below both ``levels`` (which installs
-the guard when it stores weights in 16 bits) and ``optim`` (whose masters follow the same
-rule), so neither imports the other for it."""
+"""Which 16-bit parameters need a float32 master, and the step guard: it warns when a
+plain torch optimizer steps such parameters itself, and refuses a step called on the
+optimizer a ``LossScaleOptimizer`` wraps. It sits below both ``levels`` (which installs the
+guard when it stores weights in 16 bits) and ``optim`` (whose masters follow the same rule),
+so neither imports the other for it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch.optim import optimizer as _torch_optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from mixprec._dtypes import HALF_DTYPES, dtype_name
+from mixprec._errors import MisuseError
 from mixprec.casting import LEVEL_ATTR, MASTERS_ATTR
 
 
@@ -27,6 +29,7 @@ def needs_master(p: torch.Tensor) -> bool:
 
 _HOOK: list[Any] = []  # the handle, once installed
 _CHECKED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_WRAPPED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 def watch_plain_optimizers() -> None:
@@ -34,10 +37,29 @@ def watch_plain_optimizers() -> None:
     steps a prepared model's 16-bit parameters itself (no float32 master behind them).
 
     Each optimizer is looked at once, at its first step; after that the hook is one
-    membership test. ``LossScaleOptimizer``'s inner optimizers hold the masters, so they
-    pass."""
+    membership test. Called at every preparation, which stores weights in 16 bits under
+    optimizers that may have been looked at already (float32 warm-up steps): each is
+    looked at again at its next step."""
+    _install()
+    _CHECKED.clear()
+
+
+def _install() -> None:
     if not _HOOK:
         _HOOK.append(register_optimizer_step_pre_hook(_first_step))
+
+
+def watch_wrapped(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer`` is stepped by a ``LossScaleOptimizer``: a step the user calls on it
+    directly, before the wrapper ever stepped it, raises (it would skip the unscale, the
+    inf/NaN check and the float32 masters' copy-back)."""
+    _install()
+    _WRAPPED.add(optimizer)
+
+
+def wrapper_steps(optimizer: torch.optim.Optimizer) -> None:
+    """The wrapper is about to step ``optimizer``: the hook lets it through."""
+    _CHECKED.add(optimizer)
 
 
 def no_other_global_hooks() -> bool:
@@ -53,6 +75,14 @@ def no_other_global_hooks() -> bool:
 def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if torch.compiler.is_compiling() or optimizer in _CHECKED:
         return
+    if optimizer in _WRAPPED:
+        kind = type(optimizer)
+        raise MisuseError(
+            f"{kind.__name__}.step() was called on the optimizer a LossScaleOptimizer wraps: "
+            "that step skips the loss scale's unscale, the inf/NaN check and the float32 "
+            "master weights (at O2 the model's 16-bit weights would never move). Step the "
+            "wrapper instead: opt = mp.LossScaleOptimizer(inner); opt.backward(loss); opt.step()"
+        )
     _CHECKED.add(optimizer)
     bare = [
         p

@@ -99,6 +99,50 @@ def test_no_warning_for_a_loss_scale_optimizer_or_pure_16bit_o3():
         plain.step()
 
 
+INNER_STEP = (
+    r"SGD.step\(\) was called on the optimizer a LossScaleOptimizer wraps: .*inf/NaN check "
+    r"and the float32 master weights"
+)
+
+
+@pytest.mark.parametrize(("policy", "level"), [("mixed_bfloat16", "O2"), ("mixed_float16", "O1")])
+def test_stepping_the_wrapped_optimizer_itself_is_refused(policy, level):
+    """The wrapper's inner optimizer stepped by the user: at O2 it holds the masters, which
+    have no gradients (the 16-bit weights never moved); under float16 at O1 it applied the
+    scaled gradients unchecked (every weight NaN within 10 steps). Neither said a word."""
+    model = mp.auto_mixed_precision(make_mlp(), policy, level)
+    before = _weights(model)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = mp.LossScaleOptimizer(inner)
+    opt.backward(loss_of(model))
+    with pytest.raises(mp.MisuseError, match=INNER_STEP):
+        inner.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, _weights(model), strict=True))
+    assert opt.step().applied  # the wrapper's own step goes on, through the inner one
+    assert not all(torch.equal(a, b) for a, b in zip(before, _weights(model), strict=True))
+    opt.zero_grad()
+    opt.backward(loss_of(model))
+    assert opt.step().applied
+
+
+def test_a_plain_optimizer_is_looked_at_again_when_its_model_is_prepared():
+    """Float32 warm-up steps, then the model prepared at O2 under the same plain optimizer:
+    the guard had looked at that optimizer already (any model prepared earlier in the
+    process installed it) and let its 16-bit steps through."""
+    mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")  # the guard installed
+    model = make_mlp()
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_of(model).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain.step()  # float32: nothing to say
+    mp.auto_mixed_precision(model, "mixed_bfloat16", "O2")
+    plain.zero_grad()
+    loss_of(model).backward()
+    with pytest.warns(UserWarning, match=r"SGD steps .* bfloat16 parameters .* directly"):
+        plain.step()
+
+
 @pytest.mark.parametrize(("policy", "level"), [("float32", "O0"), ("mixed_float16", "O2")])
 def test_a_step_without_gradients_applies_nothing_and_says_so_once(policy, level):
     model = mp.auto_mixed_precision(make_mlp(), policy, level)

@@ -20,6 +20,7 @@ from torch import nn
 
 from mixprec._dist import agree_found_inf, is_distributed, is_dtensor
 from mixprec._errors import ArgumentError, MisuseError
+from mixprec._plain_optimizers import watch_wrapped, wrapper_steps
 from mixprec._save_guard import guard_saves
 from mixprec.optim.arguments import checked_arguments, make_tracer
 from mixprec.optim.checks import (
@@ -157,6 +158,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
                 warn_if_eps_vanishes(group, f"{type(inner).__name__} param_groups[{i}]")
         say_if_masters_lost(self._weights.lost)
         for inner in self.optimizers:
+            watch_wrapped(inner)
             for group in inner.param_groups:
                 _fuse(inner, group)
         groups = [len(inner.param_groups) for inner in self.optimizers]
@@ -346,6 +348,8 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             for inner in self.optimizers:
                 if self._weights.saw_sparse:
                     _unfuse_sparse(inner)
+                if not torch.compiler.is_compiling():
+                    wrapper_steps(inner)
                 inner.step()
             # Inline: dynamo runs this eagerly after the graph break in the loop above, where
             # a MasterWeights method would compile as a graph of its own (torch 2.13).
