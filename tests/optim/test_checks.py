@@ -255,3 +255,76 @@ def test_an_o3_model_back_in_float32_trains_on_and_is_not_looked_at_again():
         opt.backward(nn.functional.cross_entropy(model(x), y))
         assert opt.step().applied
         assert not opt._setup.due(opt._weights)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradients_cleared_inside_an_accumulation_group_are_refused(set_to_none):
+    """``model.zero_grad()`` before each backward, in a loop given ``accumulation_steps=4``:
+    each micro-batch's gradients were dropped, and the group's step applied the last one
+    alone, still divided by 4 (its update 0.39 where the group's was 0.69), saying
+    nothing."""
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=4)
+    model.zero_grad(set_to_none=set_to_none)
+    opt.backward(loss_of(model))
+    opt.step()
+    model.zero_grad(set_to_none=set_to_none)
+    with pytest.raises(mp.MisuseError, match=r"first 1 micro-batch were cleared .*opt.zero_grad"):
+        opt.backward(loss_of(model))
+
+
+def test_an_accumulation_loop_that_keeps_its_gradients_is_not_stopped():
+    """opt.zero_grad() between micro-batches keeps them; a gradient edited in place (noise
+    added, not cleared) is the loop's own business."""
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=3)
+    for i in range(6):
+        opt.zero_grad()
+        opt.backward(loss_of(model))
+        if i == 1:
+            with torch.no_grad():
+                next(model.parameters()).grad.add_(1e-3)
+        result = opt.step()
+        assert result.applied == (i % 3 == 2)
+
+
+def test_clipping_the_scaled_gradients_before_the_unscale_warns_once():
+    """The torch.amp habit without its unscale: under float16 the clip saw gradients about
+    65536 times too large and cut them by that (the loss 1.48 after 100 steps where
+    max_grad_norm= reached 0.001), saying nothing."""
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def step(clip_first: bool) -> None:
+        opt.zero_grad()
+        opt.backward(loss_of(model))
+        if not clip_first:
+            opt.unscale_()
+        nn.utils.clip_grad_norm_(model.parameters() if clip_first else opt.master_params(), 1.0)
+        opt.step()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(clip_first=False)  # unscale_() first, as the docs say: nothing to say
+    with pytest.warns(
+        UserWarning, match=r"while still multiplied by the loss scale \(65536\)"
+    ) as got:
+        step(clip_first=True)
+    said = [w for w in got if "loss scale" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(clip_first=True)  # said once
+
+
+def test_clipping_before_the_step_at_scale_one_is_not_warned_about():
+    """bfloat16: no loss scale, so a clip before the step clips the real gradients."""
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(4):
+            opt.zero_grad()
+            opt.backward(loss_of(model))
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            assert opt.step().applied

@@ -9,6 +9,9 @@ silently in the wrong precision, and what a step says about the run.
   ``mixprec._plain_optimizers``, which ``auto_mixed_precision`` installs.)
 - ``no_gradients``: a step where no parameter has a gradient applies nothing, and says so.
 - ``refuse_accelerate_wrapper``: ``accelerator.prepare`` given a ``LossScaleOptimizer``.
+- ``BackwardLook``: over the first steps, the gradients a backward left, looked at again at
+  the next backward of an accumulation group (cleared in between: ``model.zero_grad()``)
+  and at the step (changed while still multiplied by the loss scale: a clip too early).
 - ``watch_health``: the loss scaler's health (``ScalerHealth``) after every step, so custom
   loops hear, once, of a run stuck at the scaler's floor or of runs of skipped steps.
 """
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
     from mixprec.optim.loss_scale_optimizer import _Bookkeeping
 
 __all__ = [
+    "BackwardLook",
     "SetupCheck",
     "no_gradients",
     "refuse_accelerate_wrapper",
@@ -252,3 +256,68 @@ def say_if_masters_lost(count: int) -> None:
             "16-bit values. Build the new optimizer while the old one lives, or resume from "
             "a checkpoint, to keep them"
         )
+
+
+class BackwardLook:
+    """The gradients' version counters after each ``opt.backward`` of the first
+    ``STEPS`` steps (a loop's habits show at once; after that it costs nothing), looked at:
+
+    - at the next backward of the same accumulation group: a gradient gone (``None``) or
+      zeroed in place since means the earlier micro-batches were cleared
+      (``model.zero_grad()`` between them), and only the last one would be applied;
+    - at the step, under a loss scale above 1: every gradient changed since the last
+      backward and before the unscale (``clip_grad_norm_(model.parameters())`` as with
+      torch.amp, which multiplies them all) was clipped while still multiplied by the scale,
+      so the clip cut it by about the scale. An edit of some (a mask) is not said.
+    """
+
+    STEPS = 3
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.versions: list[int] | None = None
+
+    def after_backward(self, params: list[torch.Tensor]) -> None:
+        if not torch.compiler.is_compiling():
+            self.versions = grad_versions(params)
+
+    def before_backward(self, params: list[torch.Tensor], micro: int, steps: int) -> None:
+        then = self.versions
+        if then is None or not 0 < micro < steps:
+            return
+        for p, version in zip(params, then, strict=False):
+            grad = p.grad
+            if version == -1 or (grad is not None and grad._version == version):
+                continue
+            if grad is None or not bool(grad.any()):
+                self.versions = None
+                raise MisuseError(
+                    f"the gradients of this accumulation group's first {micro} micro-batch"
+                    f"{'es' if micro > 1 else ''} were cleared before this backward "
+                    "(model.zero_grad() between micro-batches?): with accumulation_steps="
+                    f"{steps} only the last micro-batch would be applied, still divided by "
+                    f"{steps}. Clear with opt.zero_grad(), which keeps them until the group's "
+                    "step, or not at all between micro-batches"
+                )
+
+    def before_unscale(self, params: list[torch.Tensor], scale: float) -> None:
+        then, self.versions = self.versions, None
+        if then is None or torch.compiler.is_compiling():
+            return
+        self.steps += 1
+        # Every gradient still there written since: a clip (clip_grad_norm_ multiplies them
+        # all), not a mask or an edit of a few (gone ones are no_gradients' to say).
+        present = [
+            (p.grad, v)
+            for p, v in zip(params, then, strict=False)
+            if v != -1 and p.grad is not None
+        ]
+        if scale != 1.0 and present and all(g._version != v for g, v in present):
+            self.steps = self.STEPS  # said once
+            warn_at_caller(
+                "the gradients changed between backward() and the unscale while still "
+                f"multiplied by the loss scale ({scale:g}): clip_grad_norm_(model.parameters()"
+                ", ...) as with torch.amp? That clip saw the scaled gradients and cut them by "
+                "about the scale. Call opt.unscale_() first and clip opt.master_params(), or "
+                "pass LossScaleOptimizer(..., max_grad_norm=...)"
+            )

@@ -24,6 +24,7 @@ from mixprec._plain_optimizers import watch_wrapped, wrapper_steps
 from mixprec._save_guard import guard_saves
 from mixprec.optim.arguments import checked_arguments, make_tracer
 from mixprec.optim.checks import (
+    BackwardLook,
     SetupCheck,
     grad_versions,
     no_gradients,
@@ -75,6 +76,7 @@ class _Bookkeeping:
     # were clipped (or edited) where step() does not read them.
     unscaled_versions: list[int] | None = None
     unscale_checks: int = 0  # explicit unscale_() calls checked so far (UNSCALE_CHECKS)
+    look: BackwardLook = field(default_factory=BackwardLook)  # the first steps' gradients
     # register_step_post_hook's hooks, run after the copy-back of an applied step.
     # An OrderedDict: RemovableHandle holds a weak reference, which a dict does not take.
     post_hooks: OrderedDict[int, Callable[..., Any]] = field(default_factory=OrderedDict)
@@ -215,7 +217,14 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``(loss * scale / accumulation_steps).backward(**kwargs)``."""
+        look = self._book.look
+        if look.steps >= look.STEPS:  # the first steps only: no cost after them
+            self.get_scaled_loss(loss).backward(**kwargs)
+            return
+        params = self._weights.model_params()
+        look.before_backward(params, self._book.micro, self.accumulation_steps)
         self.get_scaled_loss(loss).backward(**kwargs)
+        look.after_backward(params)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients, except between the micro-batches of an accumulation."""
@@ -251,6 +260,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
                 f"{self.accumulation_steps} accumulation micro-batches; call it after the last"
             )
         self._adopt_added_groups()  # step() adopts before its own unscale
+        self._book.look.before_unscale(self._weights.model_params(), self._loss_scaler.get_scale())
         self._unscale(float(factor))
         if self._book.unscale_checks < UNSCALE_CHECKS:  # the habit shows at once: no more cost
             self._book.unscale_checks += 1
@@ -280,6 +290,10 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         if self._book.micro < self.accumulation_steps:
             return StepResult(False, False, self._loss_scaler.get_scale(), accumulating=True)
         self._adopt_added_groups()
+        if self._book.look.versions is not None and self._book.found_inf is None:
+            self._book.look.before_unscale(
+                self._weights.model_params(), self._loss_scaler.get_scale()
+            )
         if self._book.unscaled_versions is not None:
             say_if_half_grads_changed(self._book.unscaled_versions, self._weights.half)
             self._book.unscaled_versions = None
