@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -51,3 +53,30 @@ def test_keras_unscaled_gradients_of_16_bit_weights_are_float32():
     assert unscaled[0].dtype == torch.float32
     assert unscaled[0].abs().max() > 0
     assert opt.apply_gradients(zip(unscaled, params, strict=True)).applied
+
+
+def test_unscaling_the_gradients_of_a_loss_never_scaled_warns_once():
+    """A Keras loop that forgot get_scaled_loss: its gradients came out 65536 times too
+    small under float16 (loss 1.48 after 100 steps where the right loop reached 0.001),
+    saying nothing."""
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    params = list(model.parameters())
+
+    def step(scaled: bool) -> None:
+        loss = loss_of(model)
+        grads = torch.autograd.grad(opt.get_scaled_loss(loss) if scaled else loss, params)
+        opt.apply_gradients(zip(opt.get_unscaled_gradients(grads), params, strict=True))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(scaled=True)
+    with pytest.warns(UserWarning, match=r"no loss was multiplied by it .* 65536 times too small"):
+        step(scaled=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(scaled=False)  # said once
+        bf16 = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+        plain = mp.LossScaleOptimizer(torch.optim.SGD(bf16.parameters(), lr=0.1))
+        grads = torch.autograd.grad(loss_of(bf16), list(bf16.parameters()))
+        plain.get_unscaled_gradients(grads)  # scale 1: nothing to divide, nothing to say

@@ -19,6 +19,7 @@ import torch
 
 from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import ArgumentError, MisuseError
+from mixprec._warn import warn_at_caller
 from mixprec.optim.checks import SetupCheck, watch_health
 from mixprec.optim.masters import MasterWeights
 from mixprec.optim.step_result import StepResult
@@ -67,6 +68,7 @@ class KerasMethods:
             )
         self._book.micro += 1
         self._book.fresh = True
+        self._book.scaled_loss = True
         factor = self._loss_scaler.get_scale() / self.accumulation_steps
         return loss * factor if factor != 1.0 else loss
 
@@ -76,6 +78,7 @@ class KerasMethods:
         ``apply_gradients(zip(get_unscaled_gradients(grads), params))``. To train,
         use ``backward(loss)``, which also counts the micro-batch."""
         scale = self._loss_scaler.get_scale()
+        self._book.scaled_loss = True
         return loss * scale if scale != 1.0 else loss
 
     def get_unscaled_gradients(
@@ -85,7 +88,17 @@ class KerasMethods:
 
         16-bit gradients come back in float32 (the dtype of their masters): unscaled in
         float16, small values would flush to zero."""
-        inv = 1.0 / self._loss_scaler.get_scale()
+        scale = self._loss_scaler.get_scale()
+        book = self._book
+        if scale != 1.0 and not book.scaled_loss and not book.said_unscaled:
+            book.said_unscaled = True
+            warn_at_caller(
+                f"get_unscaled_gradients() divides the gradients by the loss scale ({scale:g}), "
+                "but no loss was multiplied by it since the last apply_gradients(): gradients "
+                f"of the plain loss come out {scale:g} times too small. Take them of "
+                "opt.get_scaled_loss(loss) (or opt.scale_loss(loss))"
+            )
+        inv = 1.0 / scale
         return [
             None if g is None else (g.float() if g.dtype in HALF_DTYPES else g) * inv for g in grads
         ]
@@ -136,7 +149,7 @@ class KerasMethods:
             # A copy even in the same dtype: clipping then works on it, not on the caller's.
             target.grad = grad.detach().to(target.dtype, copy=True)
         self._book.micro = self.accumulation_steps
-        self._book.fresh = False
+        self._book.fresh = self._book.scaled_loss = False
         grads = weights.step_grads()
         self._book.no_grads = not grads
         self._book.found_inf = unscale_grads_(grads, 1.0, self._device)

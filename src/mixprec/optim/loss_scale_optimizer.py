@@ -88,6 +88,10 @@ class _Bookkeeping:
     host_path: bool = False
     said_no_grads: bool = False  # the no-gradient step was warned about (once)
     said_unfilled: bool = False  # master_params() before unscale_() was warned about (once)
+    # A loss multiplied by the scale (get_scaled_loss, scale_loss) since the last
+    # apply_gradients: get_unscaled_gradients divides by it; without one, said once.
+    scaled_loss: bool = False
+    said_unscaled: bool = False
     # The inner optimizers' steps as direct fused-kernel calls (host_step uses them).
     fused: list[FusedStep] = field(default_factory=list)
     # How many param groups of each inner optimizer were adopted (masters, fusing).
