@@ -57,6 +57,15 @@ def watch_wrapped(optimizer: torch.optim.Optimizer) -> None:
     _WRAPPED.add(optimizer)
 
 
+def is_wrapped(optimizer: object) -> bool:
+    """Whether a ``LossScaleOptimizer`` wraps ``optimizer`` (its state alone holds neither
+    the loss scale nor which 16-bit weight each float32 master stands for)."""
+    try:
+        return optimizer in _WRAPPED
+    except TypeError:  # not weak-referenceable: no optimizer
+        return False
+
+
 def wrapper_steps(optimizer: torch.optim.Optimizer) -> None:
     """The wrapper is about to step ``optimizer``: the hook lets it through."""
     _CHECKED.add(optimizer)

@@ -119,3 +119,23 @@ def test_disk_full_names_the_path_and_keeps_the_previous_checkpoint(tmp_path, mo
     )
     assert target.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]
+
+
+def test_the_optimizer_a_loss_scale_optimizer_wraps_is_refused(tmp_path):
+    """``save_checkpoint(path, model, inner)`` with the torch optimizer the wrapper holds:
+    the loss scale went back from 524288 to 65536 on resume and the masters came back
+    rounded to 16 bits (2.6e-3 apart after 10 steps), saying nothing."""
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
+    inner = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = mp.LossScaleOptimizer(inner)
+    path = tmp_path / "c.safetensors"
+    mp.save_checkpoint(path, model, opt)
+    before = path.read_bytes()
+    refused = r"\(optimizer=Adam\) is the optimizer a LossScaleOptimizer wraps: .*Pass the Loss"
+    with pytest.raises(mp.ArgumentError, match="save_checkpoint" + refused):
+        mp.save_checkpoint(path, model, inner)
+    assert path.read_bytes() == before  # the checkpoint there is left as it was
+    with pytest.raises(mp.ArgumentError, match="load_checkpoint" + refused):
+        mp.load_checkpoint(path, model, inner)
+    with pytest.raises(mp.ArgumentError, match="export_weights" + refused):
+        mp.export_weights(model, tmp_path / "w.safetensors", optimizer=inner)

@@ -12,6 +12,7 @@ from torch import nn
 
 from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import ArgumentError, shown
+from mixprec._plain_optimizers import is_wrapped
 from mixprec.checkpoint.format import CheckpointError
 from mixprec.optim import LossScaleOptimizer
 from mixprec.optim.masters import float32_values
@@ -36,6 +37,13 @@ def check_arguments(who: str, model: Any, optimizer: Any) -> None:
         raise ArgumentError(
             f"{who}(optimizer={shown(optimizer)}) is invalid; valid: a torch.optim.Optimizer "
             "(a LossScaleOptimizer, for float32 masters) or None"
+        )
+    if is_wrapped(optimizer):
+        raise ArgumentError(
+            f"{who}(optimizer={type(optimizer).__name__}) is the optimizer a "
+            "LossScaleOptimizer wraps: its state holds neither the loss scale nor which "
+            "weight each float32 master stands for, so a resume would start from a fresh "
+            "scale and 16-bit-rounded masters. Pass the LossScaleOptimizer itself"
         )
 
 
