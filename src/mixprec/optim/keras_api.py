@@ -22,6 +22,7 @@ from mixprec._errors import ArgumentError, MisuseError
 from mixprec._warn import warn_at_caller
 from mixprec.optim.checks import SetupCheck, watch_health
 from mixprec.optim.masters import MasterWeights
+from mixprec.optim.norm_statistics import reset_nonfinite_statistics
 from mixprec.optim.step_result import StepResult
 from mixprec.scaling import DynamicLossScaler, LossScaler, unscale_grads_
 from mixprec.scaling.health import ScalerHealth
@@ -158,6 +159,8 @@ class KerasMethods:
         except BaseException:
             self._drop_unscaled()  # as step(): else the next backward would be refused
             raise
+        if result.found_inf is True:
+            reset_nonfinite_statistics(weights.model_params())
         watch_health(self.health, result, self._loss_scaler)
         return result
 

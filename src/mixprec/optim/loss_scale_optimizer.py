@@ -39,6 +39,7 @@ from mixprec.optim.groups import ParamGroups
 from mixprec.optim.host_step import host_step
 from mixprec.optim.keras_api import KerasMethods, keras_scaler
 from mixprec.optim.masters import MasterWeights, warn_if_eps_vanishes
+from mixprec.optim.norm_statistics import reset_nonfinite_statistics
 from mixprec.optim.state_dict import StateDictMethods
 from mixprec.optim.state_view import InnerViews, StepHooks
 from mixprec.optim.step_result import StepResult
@@ -208,6 +209,8 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         """One step decided on the device, now read: count it and watch the health."""
         self._loss_scaler.update(found_inf)
         result = StepResult(not found_inf, found_inf, self._loss_scaler.get_scale())
+        if found_inf:
+            reset_nonfinite_statistics(self._weights.model_params())
         watch_health(self.health, result, self._loss_scaler)
 
     def broadcast_masters(self, src: int = 0) -> None:
@@ -310,6 +313,8 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         except BaseException:
             self._drop_unscaled()
             raise
+        if result.found_inf is True:  # decided on the host (a device flag: at its read)
+            reset_nonfinite_statistics(self._weights.model_params())
         watch_health(self.health, result, self._loss_scaler)
         return result
 
