@@ -88,7 +88,6 @@ def test_region_context_is_closed_when_forward_raises():
     with pytest.raises(ValueError, match="boom"):
         m(torch.ones(2))
     assert not torch.is_autocast_enabled("cpu")
-    assert torch.randn(2, 2) @ torch.randn(2, 2) is not None
     assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
 
 

@@ -180,7 +180,8 @@ def test_trainer_and_build_train_step_take_plan_and_refuse_another():
     with pytest.raises(mp.ArgumentError, match=r"plan=: the model was already prepared with "
                        r"policy mixed_bfloat16; build the model again"):  # fmt: skip
         mp.build_train_step(other, "sgd", "mse", plan=plan)
-    with pytest.raises(mp.ArgumentError, match="plan"):
+    beside = r"sets the policy, level and per-module dtypes itself; got policy='mixed_bfloat16'"
+    with pytest.raises(mp.ArgumentError, match=beside):
         mp.Trainer(tiny(), "mse", "sgd", "mixed_bfloat16", plan=plan)  # plan alone
 
 

@@ -70,8 +70,9 @@ def test_a_run_prints_and_appends_its_figures(peer_case, monkeypatch, tmp_path, 
 
 def test_a_case_it_does_not_have_is_refused(peer_case, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["peer_case.py", "default", "lm"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as raised:
         peer_case.main()
+    assert raised.value.code == 2  # argparse's usage error
     assert "invalid choice: 'lm'" in capsys.readouterr().err
 
 
@@ -87,8 +88,9 @@ def test_a_case_it_does_not_have_is_refused(peer_case, monkeypatch, capsys):
 )  # fmt: skip
 def test_an_option_for_another_side_or_case_is_refused(peer_case, monkeypatch, capsys, argv, error):
     monkeypatch.setattr(sys, "argv", ["peer_case.py", *argv])
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as raised:
         peer_case.main()
+    assert raised.value.code == 2  # argparse's usage error
     assert error in capsys.readouterr().err
 
 

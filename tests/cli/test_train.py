@@ -280,11 +280,29 @@ def test_an_error_in_the_worker_process_is_one_line_exit_2(tmp_path, capsys):
     assert len(err.splitlines()) == 1
 
 
-def test_main_job_defaults_reach_the_stated_accuracy(capsys):
-    """README command 1 as it runs: float32, and the mixed run where this CPU has fast
-    bfloat16 (a timed probe where it has not), both above 0.95 and within 0.01."""
+def test_main_job_defaults_reach_the_stated_accuracy(monkeypatch, capsys):
+    """README command 1 as it runs: float32 and the mixed run both above 0.95, within 0.01
+    of each other, and with the same final training loss (the table's "loss" column)."""
+    runs = []
+    real = train.run_training
+
+    def run_training(config):  # the table rounds the loss to 4 places; keep it unrounded
+        runs.append(real(config))
+        return runs[-1]
+
+    monkeypatch.setattr(train, "run_training", run_training)
     assert cli.main(["train", "--quiet", "--in-process"]) == 0
     table = rows(capsys.readouterr().out)
-    accuracies = [float(cells[0]) for cells in table.values()]
-    assert "float32" in table and all(a >= 0.95 for a in accuracies), table
-    assert max(accuracies) - min(accuracies) <= 0.01, table
+    assert float(table["float32"][0]) >= 0.95, table
+    auto = Policy("auto")
+    if not auto.is_mixed:
+        assert set(table) == {"float32"}, table
+        pytest.skip(f"auto picks float32 here ({auto.reason}): no mixed row to compare")
+    assert set(table) == {"float32", auto.name}, table
+    accuracy32, accuracy16 = float(table["float32"][0]), float(table[auto.name][0])
+    assert accuracy16 >= 0.95 and abs(accuracy16 - accuracy32) <= 0.01, table
+    # Measured on a CPU with AMX (mixed_bfloat16, O2), final loss ~0.0027: float32 and mixed
+    # 2e-6 to 3.1e-5 apart over seeds 0-2 (4e-6 at the default seed 0). Without masters
+    # (--level O3) it rose to 0.0043 while the accuracy (0.981 vs 0.983) still passed.
+    loss32, loss16 = (r["final_loss"] for r in runs)
+    assert abs(loss16 - loss32) <= 1e-4, (loss32, loss16)

@@ -121,8 +121,45 @@ def test_weights_loaded_into_a_16_bit_model_are_kept(load_after_optimizer):
 
 
 def test_o3_keeps_no_hidden_float32_copies():
-    model = mp.auto_mixed_precision(make_mlp(), "bfloat16", "O3")
-    assert not any(hasattr(p, "_mixprec_fp32") for p in model.parameters())
+    # O2 keeps a float32 copy on each 16-bit parameter until its optimizer's masters start
+    # from it (the bytes released, non-zero); O3 keeps none.
+    o2 = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    assert mp.release_float32_copies(o2) > 0
+    o3 = mp.auto_mixed_precision(make_mlp(), "bfloat16", "O3")
+    assert mp.release_float32_copies(o3) == 0
+
+
+@pytest.mark.parametrize("name", ["float16", "bfloat16"])
+def test_masters_keep_updates_the_16_bit_weights_cannot_hold(name):
+    """A weight of 1.0 and 20 SGD updates of eps/8 each (2**-13 in float16, 2**-10 in
+    bfloat16; loss = w * 1, so the gradient is exactly 1 and the scale 1 keeps it so): a
+    quarter of the ulp just below 1.0 (eps/2), so one update rounds away in 16 bits. The
+    float32 master sums them exactly to 1 - 20 * eps/8, which the 16-bit weight then holds
+    (a multiple of eps/2); at O3, with no master, the weight never moves."""
+    dtype = getattr(torch, name)
+    update = torch.finfo(dtype).eps / 8
+    for level in ("O2", "O3"):
+        lin = nn.Linear(1, 1, bias=False)
+        nn.init.ones_(lin.weight)
+        model = mp.auto_mixed_precision(nn.Sequential(lin), f"mixed_{name}", level)
+        sgd = torch.optim.SGD(model.parameters(), lr=update)
+        opt = mp.LossScaleOptimizer(sgd, loss_scaler=mp.StaticLossScaler(1.0))
+        weights = []
+        for _ in range(20):
+            opt.zero_grad()
+            opt.backward(model(torch.ones(1, 1)).sum())
+            assert opt.step().applied
+            weights.append(lin.weight.item())
+        assert lin.weight.dtype == dtype
+        if level == "O3":
+            assert opt.master_weights() == [] and weights == [1.0] * 20
+            continue
+        ((weight, master),) = opt.master_weights()
+        assert weight is lin.weight and master.dtype == F32
+        assert master.item() == 1 - 20 * update
+        # After each step the 16-bit weight is the master's sum so far, rounded.
+        rounded = [torch.tensor(1 - k * update).to(dtype).item() for k in range(1, 21)]
+        assert weights == rounded and weights[0] == 1.0 and weights[-1] == 1 - 20 * update
 
 
 def _push_past_float16(scaler: mp.LossScaler | None) -> tuple[mp.LossScaleOptimizer, list[bool]]:

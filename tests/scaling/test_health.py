@@ -132,7 +132,8 @@ def test_the_stuck_tracer_is_removed_when_a_step_raises(one_thread):
     scaler = mp.DynamicLossScaler(init_scale=4.0, max_consecutive_skips=5)
     trainer = mp.Trainer(model, "cross_entropy", torch.optim.Adam(model.parameters(), 1e-3),
                          loss_scaler=scaler, device="cpu")  # fmt: skip
-    with pytest.raises(RuntimeError), warnings.catch_warnings():
+    limit = r"^6 overflowing steps in a row \(more than max_consecutive_skips=5\)"
+    with pytest.raises(RuntimeError, match=limit), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(x.repeat(3, 1), y.repeat(3), batch_size=16, epochs=1, verbose=0)
     assert sum(len(m._forward_hooks) for m in model.modules()) == hooks

@@ -46,14 +46,18 @@ def test_keras_style_fit_evaluate_predict(capsys):
 
 def test_mixed_tracks_float32_through_fit():
     x, y = classification_data(n=400)
-    results = {}
+    epochs, results = {}, {}
     for policy in ("float32", "mixed_bfloat16"):
         torch.manual_seed(0)  # same shuffling
         t = trainer(policy)
-        t.fit(x, y, batch_size=32, epochs=3, verbose=0)
-        results[policy] = t.evaluate(x, y)
-    # bfloat16 rounding over 36 steps: a few hundredths of loss at most (measured 0.003).
-    assert abs(results["float32"]["loss"] - results["mixed_bfloat16"]["loss"]) < 0.05
+        epochs[policy] = t.fit(x, y, batch_size=32, epochs=3, verbose=0).history["loss"]
+        results[policy] = t.evaluate(x, y)["loss"]
+    # bfloat16 rounding over 39 steps, measured (losses 2.2, 1.75, 1.35; 1.10 evaluated):
+    # epoch gaps 3.8e-4, 1.3e-3, 8.5e-4 and 1.8e-3 evaluated (at most 3.3e-3 and 3.1e-3 over
+    # data seeds 1-7). Without masters (level O3) the last epoch is 0.021-0.028 above
+    # float32 and the evaluated loss 0.036-0.043, which the old bound of 0.05 let pass.
+    assert epochs["mixed_bfloat16"] == pytest.approx(epochs["float32"], abs=4e-3)
+    assert results["mixed_bfloat16"] == pytest.approx(results["float32"], abs=6e-3)
 
 
 def test_fit_on_a_dataloader_and_mindspore_train(capsys):
