@@ -270,6 +270,32 @@ def test_norm_layers_at_o2():
     assert model[1].running_mean.abs().sum() > 0
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_sigmoid_module_computes_and_hands_on_float32(level):
+    """A model ending in nn.Sigmoid (Keras' Dense(1, activation='sigmoid')) ran it in
+    bfloat16: every probability above 0.998 came out exactly 1.0, and binary cross-entropy
+    clamped a wrong one's loss at 100 with no gradient (4 noisy labels made 97% of the loss:
+    0.2005 where float32 had 0.0059). It is a float32 module now, as nn.Softmax is."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 1), nn.Sigmoid())
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+        model[0].bias.zero_()
+    x = torch.tensor([[1.0, 1.0, 2.0, 3.0]])  # logit 7: p = 0.99909, 1.0 in bfloat16
+    expected = torch.sigmoid(torch.tensor(7.0))
+    mp.auto_mixed_precision(model, "mixed_bfloat16", level)
+    seen = {}
+    model[1].register_forward_hook(lambda m, a, o: seen.update(dtype=o.dtype))
+    p = model(x)
+    assert seen == {"dtype": F32} and p.dtype == F32
+    assert p.item() < 1.0 and p.item() == pytest.approx(expected.item(), abs=4e-3)
+    y = torch.zeros(1, 1)  # the wrong label: a finite loss and a gradient back
+    loss = nn.functional.binary_cross_entropy(p, y)
+    assert loss.item() == pytest.approx(7.0, abs=0.3)
+    loss.backward()
+    assert model[0].bias.grad.float().abs().item() > 0.9  # sigmoid's p - y, not 0
+
+
 def test_migrant_mistakes_get_clear_messages():
     with pytest.raises(ValueError, match=r"policy='O2' looks like a level.*level='O2'"):
         mp.auto_mixed_precision(make_mlp(), "O2")

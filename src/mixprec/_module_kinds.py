@@ -28,10 +28,13 @@ NORM_MODULES: tuple[type[nn.Module], ...] = (
 #: workload, BatchNorm islands made O2 ~1.2x float32 against autocast's ~2x.
 MIXED_NORM_MODULES: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm)
 
-#: Modules that stay float32 at O1 and O2, outputs included: softmax, losses. (Normalisation
-#: is a float32 island too, but hands its output back in the input's dtype: NORM_MODULES.)
+#: Modules that stay float32 at O1 and O2, outputs included: softmax, sigmoid, losses.
+#: (Normalisation is a float32 island too, but hands its output back in the input's dtype:
+#: NORM_MODULES.) A sigmoid in bfloat16 rounds every probability above 0.998 to exactly 1.0:
+#: binary cross-entropy then clamps a wrong one's loss at 100 with no gradient, and a gate
+#: at 1.0 passes none back (s * (1 - s) = 0).
 FLOAT32_MODULES: tuple[type[nn.Module], ...] = (
-    nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.modules.loss._Loss,
+    nn.Softmax, nn.LogSoftmax, nn.Softmin, nn.Sigmoid, nn.LogSigmoid, nn.modules.loss._Loss,
 )  # fmt: skip
 
 
