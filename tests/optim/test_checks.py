@@ -328,3 +328,29 @@ def test_clipping_before_the_step_at_scale_one_is_not_warned_about():
             opt.backward(loss_of(model))
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             assert opt.step().applied
+
+
+def test_two_wrappers_over_one_loss_are_pointed_to_one_wrapper_over_both():
+    """opt_a.backward(loss); opt_a.step(); opt_b.step(): the refusal said to call
+    opt_b.backward(loss) first, and following it added every gradient twice (each update
+    exactly 2.00x too large). It now names one LossScaleOptimizer over both."""
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
+    body = [p for name, p in model.named_parameters() if not name.startswith("5.")]
+    inner_a = torch.optim.SGD(body, lr=0.01)
+    inner_b = torch.optim.SGD(model[5].parameters(), lr=0.1)
+    opt_a, opt_b = mp.LossScaleOptimizer(inner_a), mp.LossScaleOptimizer(inner_b)
+    opt_a.backward(loss_of(model))
+    assert opt_a.step().applied
+    with pytest.raises(
+        mp.MisuseError, match=r"did not run .*mp.LossScaleOptimizer\(\[opt_a, opt_b\]\)"
+    ):
+        opt_b.step()
+    both = mp.LossScaleOptimizer(
+        [torch.optim.SGD(body, lr=0.01), torch.optim.SGD(model[5].parameters(), lr=0.1)]
+    )
+    before = _weights(model)
+    both.zero_grad()
+    both.backward(loss_of(model))
+    assert both.step().applied
+    moved = [not torch.equal(a, b) for a, b in zip(before, _weights(model), strict=True)]
+    assert all(moved)

@@ -43,6 +43,7 @@ __all__ = [
     "BackwardLook",
     "SetupCheck",
     "no_gradients",
+    "other_backward_hint",
     "refuse_accelerate_wrapper",
     "say_if_grads_unfilled",
     "watch_health",
@@ -319,5 +320,20 @@ class BackwardLook:
                 f"multiplied by the loss scale ({scale:g}): clip_grad_norm_(model.parameters()"
                 ", ...) as with torch.amp? That clip saw the scaled gradients and cut them by "
                 "about the scale. Call opt.unscale_() first and clip opt.master_params(), or "
-                "pass LossScaleOptimizer(..., max_grad_norm=...)"
+                "pass LossScaleOptimizer(..., max_grad_norm=...). (Or a second backward through "
+                "them, another LossScaleOptimizer's, added to them: one loss for two wrappers "
+                "is one wrapper over both, mp.LossScaleOptimizer([opt_a, opt_b]))"
             )
+
+
+def other_backward_hint(params: list[torch.Tensor]) -> str:
+    """For ``step()`` with no backward of its own: parameters that hold gradients anyway got
+    them from another backward (a second ``LossScaleOptimizer``'s, over the same loss)."""
+    if not any(p.grad is not None for p in params):
+        return ""
+    return (
+        ". Its parameters hold gradients from a backward it did not run (another "
+        "LossScaleOptimizer's opt.backward(loss)?): for one loss over the parameters of two "
+        "optimizers, wrap both in one, mp.LossScaleOptimizer([opt_a, opt_b]) (one scale, "
+        "one backward); a backward per wrapper would add every gradient twice"
+    )

@@ -28,6 +28,7 @@ from mixprec.optim.checks import (
     SetupCheck,
     grad_versions,
     no_gradients,
+    other_backward_hint,
     say_if_half_grads_changed,
     say_if_masters_lost,
     watch_health,
@@ -292,6 +293,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             raise MisuseError(
                 "LossScaleOptimizer.step() called without a new backward since the last step(): "
                 "call opt.backward(loss) (or backward on opt.get_scaled_loss(loss)) first"
+                + other_backward_hint(self._weights.model_params())
             )
         self._book.fresh = False
         if self._book.micro < self.accumulation_steps:
