@@ -395,6 +395,26 @@ def _ddp_without_its_optimizer(out: Path, rank: int, name: str, load_on_zero: bo
     torch.save({"model": state}, out / f"{name}-{rank}.pt")
 
 
+def plain_ddp_after_optimizer(out: Path, rank: int) -> None:
+    """Ranks seeded apart, the optimizer built first, then torch's own DDP: its broadcast
+    gave the other ranks rank 0's weights but left their masters rounded ones, and the
+    replicas never agreed again."""
+    model = mp.auto_mixed_precision(make_mlp(seed=rank), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    x, y = global_batch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            opt.zero_grad()
+            opt.backward(CE(ddp(x[rank::2]), y[rank::2]))
+            opt.step()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    masters = [m.detach().clone() for _, m in opt.master_weights()]
+    warned = [str(w.message) for w in caught if "replicas" in str(w.message)]
+    torch.save({"model": state, "masters": masters, "warned": warned}, out / f"plain-ddp-{rank}.pt")
+
+
 def main(out: str) -> None:
     assert mpd.init_from_env(timeout_s=120)
     rank = mpd.rank()
@@ -403,6 +423,7 @@ def main(out: str) -> None:
         overflow_agreement(path, rank)
         subgroup_allreduce(path, rank)
         ddp_without_its_optimizer(path, rank)
+        plain_ddp_after_optimizer(path, rank)
         ddp_losses(path, rank, fp32_allreduce=False)
         ddp_losses(path, rank, fp32_allreduce=True)
         ddp_losses(path, rank, fp32_allreduce=False, level="O1")

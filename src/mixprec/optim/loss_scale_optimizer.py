@@ -41,6 +41,7 @@ from mixprec.optim.host_step import host_step
 from mixprec.optim.keras_api import KerasMethods, keras_scaler
 from mixprec.optim.masters import MasterWeights, warn_if_eps_vanishes
 from mixprec.optim.norm_statistics import reset_nonfinite_statistics
+from mixprec.optim.replicas import masters_of_rank0_if_replicas
 from mixprec.optim.state_dict import StateDictMethods
 from mixprec.optim.state_view import InnerViews, StepHooks
 from mixprec.optim.step_result import StepResult
@@ -93,6 +94,7 @@ class _Bookkeeping:
     # A loss multiplied by the scale (get_scaled_loss, scale_loss) since the last
     # apply_gradients: get_unscaled_gradients divides by it; without one, said once.
     scaled_loss: bool = False
+    replicas_checked: bool = False  # see optim.replicas
     said_unscaled: bool = False
     # The inner optimizers' steps as direct fused-kernel calls (host_step uses them).
     fused: list[FusedStep] = field(default_factory=list)
@@ -276,6 +278,9 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
 
     def _unscale(self, factor: float = 1.0) -> None:
         self._weights.follow_external_writes(stepping=True)
+        if not self._book.replicas_checked and not torch.compiler.is_compiling():
+            self._book.replicas_checked = True  # the first step: a DDP built since
+            masters_of_rank0_if_replicas(self._weights)
         self._weights.load_master_grads()
         grads = self._weights.step_grads()
         self._book.no_grads = not grads
