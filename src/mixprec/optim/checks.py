@@ -18,7 +18,9 @@ silently in the wrong precision, and what a step says about the run.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -42,8 +44,8 @@ if TYPE_CHECKING:
 __all__ = [
     "BackwardLook",
     "SetupCheck",
+    "no_backward_error",
     "no_gradients",
-    "other_backward_hint",
     "refuse_accelerate_wrapper",
     "say_if_grads_unfilled",
     "watch_health",
@@ -278,11 +280,18 @@ class BackwardLook:
         self.steps = 0
         self.versions: list[int] | None = None
 
-    def after_backward(self, params: list[torch.Tensor]) -> None:
-        if not torch.compiler.is_compiling():
-            self.versions = grad_versions(params)
+    @contextlib.contextmanager
+    def around_backward(self, weights: MasterWeights, micro: int, steps: int) -> Iterator[None]:
+        """A backward, looked at before (cleared gradients) and after (their versions)."""
+        if self.steps >= self.STEPS or torch.compiler.is_compiling():
+            yield  # the first steps only: no cost after them
+            return
+        params = weights.model_params()
+        self._before_backward(params, micro, steps)
+        yield
+        self.versions = grad_versions(params)
 
-    def before_backward(self, params: list[torch.Tensor], micro: int, steps: int) -> None:
+    def _before_backward(self, params: list[torch.Tensor], micro: int, steps: int) -> None:
         then = self.versions
         if then is None or not 0 < micro < steps:
             return
@@ -301,11 +310,12 @@ class BackwardLook:
                     "step, or not at all between micro-batches"
                 )
 
-    def before_unscale(self, params: list[torch.Tensor], scale: float) -> None:
+    def before_unscale(self, weights: MasterWeights, scale: float) -> None:
         then, self.versions = self.versions, None
         if then is None or torch.compiler.is_compiling():
             return
         self.steps += 1
+        params = weights.model_params()
         # Every gradient still there written since: a clip (clip_grad_norm_ multiplies them
         # all), not a mask or an edit of a few (gone ones are no_gradients' to say).
         present = [
@@ -326,14 +336,17 @@ class BackwardLook:
             )
 
 
-def other_backward_hint(params: list[torch.Tensor]) -> str:
-    """For ``step()`` with no backward of its own: parameters that hold gradients anyway got
+def no_backward_error(params: list[torch.Tensor]) -> MisuseError:
+    """``step()`` with no backward of its own; parameters that hold gradients anyway got
     them from another backward (a second ``LossScaleOptimizer``'s, over the same loss)."""
-    if not any(p.grad is not None for p in params):
-        return ""
-    return (
+    hint = (
         ". Its parameters hold gradients from a backward it did not run (another "
         "LossScaleOptimizer's opt.backward(loss)?): for one loss over the parameters of two "
         "optimizers, wrap both in one, mp.LossScaleOptimizer([opt_a, opt_b]) (one scale, "
         "one backward); a backward per wrapper would add every gradient twice"
+    )
+    return MisuseError(
+        "LossScaleOptimizer.step() called without a new backward since the last step(): "
+        "call opt.backward(loss) (or backward on opt.get_scaled_loss(loss)) first"
+        + (hint if any(p.grad is not None for p in params) else "")
     )

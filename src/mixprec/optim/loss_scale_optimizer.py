@@ -27,8 +27,8 @@ from mixprec.optim.checks import (
     BackwardLook,
     SetupCheck,
     grad_versions,
+    no_backward_error,
     no_gradients,
-    other_backward_hint,
     say_if_half_grads_changed,
     say_if_masters_lost,
     watch_health,
@@ -117,10 +117,8 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
 
     ``optimizer`` may be a list, e.g. ``[SparseAdam(embeddings), Adam(dense)]`` from
     ``split_embedding_parameters``: one loss scale, one backward, one finiteness check, and
-    all of them step or all skip.
-
-    It is a ``torch.optim.Optimizer``, so learning-rate schedulers accept it; their
-    ``param_groups`` are the inner optimizers'.
+    all of them step or all skip. It is a ``torch.optim.Optimizer`` (schedulers accept it)
+    whose ``param_groups`` are the inner optimizers'.
 
     Keras 3's keywords ``initial_scale=`` and ``dynamic_growth_steps=`` give Keras 3's
     schedule (start at ``2**15``, double after ``2000`` clean steps, halve on overflow, no
@@ -129,9 +127,9 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
     ``keep_grad_buffers=True`` keeps the masters' float32 gradients across ``zero_grad``: 4
     bytes a parameter more at the peak, no fresh allocation (page faults) each step.
 
-    Build it after ``auto_mixed_precision``: the first backward raises ``MisuseError`` when the
-    model was prepared later. ``health`` (a ``ScalerHealth``; ``None`` turns it off) warns once
-    when steps keep being skipped. A step where no parameter has a gradient applies nothing.
+    Build it after ``auto_mixed_precision`` (the first backward raises ``MisuseError`` when
+    the model was prepared later). ``health`` (a ``ScalerHealth``; ``None`` turns it off)
+    warns once when steps keep being skipped.
     """
 
     def __init__(
@@ -227,14 +225,9 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``(loss * scale / accumulation_steps).backward(**kwargs)``."""
-        look = self._book.look
-        if look.steps >= look.STEPS:  # the first steps only: no cost after them
+        book = self._book
+        with book.look.around_backward(self._weights, book.micro, self.accumulation_steps):
             self.get_scaled_loss(loss).backward(**kwargs)
-            return
-        params = self._weights.model_params()
-        look.before_backward(params, self._book.micro, self.accumulation_steps)
-        self.get_scaled_loss(loss).backward(**kwargs)
-        look.after_backward(params)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients, except between the micro-batches of an accumulation."""
@@ -270,7 +263,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
                 f"{self.accumulation_steps} accumulation micro-batches; call it after the last"
             )
         self._adopt_added_groups()  # step() adopts before its own unscale
-        self._book.look.before_unscale(self._weights.model_params(), self._loss_scaler.get_scale())
+        self._book.look.before_unscale(self._weights, self._loss_scaler.get_scale())
         self._unscale(float(factor))
         if self._book.unscale_checks < UNSCALE_CHECKS:  # the habit shows at once: no more cost
             self._book.unscale_checks += 1
@@ -278,9 +271,8 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
 
     def _unscale(self, factor: float = 1.0) -> None:
         self._weights.follow_external_writes(stepping=True)
-        if not self._book.replicas_checked and not torch.compiler.is_compiling():
-            self._book.replicas_checked = True  # the first step: a DDP built since
-            masters_of_rank0_if_replicas(self._weights)
+        if not self._book.replicas_checked:  # the first step: a DDP built since the wrap
+            self._book.replicas_checked = masters_of_rank0_if_replicas(self._weights)
         self._weights.load_master_grads()
         grads = self._weights.step_grads()
         self._book.no_grads = not grads
@@ -295,19 +287,13 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         if closure is not None:
             raise MisuseError("LossScaleOptimizer.step() does not take a closure")
         if not self._book.fresh:
-            raise MisuseError(
-                "LossScaleOptimizer.step() called without a new backward since the last step(): "
-                "call opt.backward(loss) (or backward on opt.get_scaled_loss(loss)) first"
-                + other_backward_hint(self._weights.model_params())
-            )
+            raise no_backward_error(self._weights.model_params())
         self._book.fresh = False
         if self._book.micro < self.accumulation_steps:
             return StepResult(False, False, self._loss_scaler.get_scale(), accumulating=True)
         self._adopt_added_groups()
-        if self._book.look.versions is not None and self._book.found_inf is None:
-            self._book.look.before_unscale(
-                self._weights.model_params(), self._loss_scaler.get_scale()
-            )
+        if self._book.found_inf is None:  # else unscale_() looked
+            self._book.look.before_unscale(self._weights, self._loss_scaler.get_scale())
         if self._book.unscaled_versions is not None:
             say_if_half_grads_changed(self._book.unscaled_versions, self._weights.half)
             self._book.unscaled_versions = None

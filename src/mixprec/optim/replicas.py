@@ -37,9 +37,12 @@ def _sums(weights: MasterWeights) -> torch.Tensor:
 
 def masters_of_rank0_if_replicas(weights: MasterWeights) -> bool:
     """At the first step: make every rank's masters rank 0's where the ranks' 16-bit
-    weights are replicas and their masters are not. Returns whether it did."""
-    if not is_distributed() or any(is_dtensor(p) for p in weights.half[:1]):
+    weights are replicas and their masters are not. Returns whether the look was taken (not
+    while compiling: dynamo would trace the collective; the next eager step takes it)."""
+    if torch.compiler.is_compiling():
         return False
+    if not is_distributed() or any(is_dtensor(p) for p in weights.half[:1]):
+        return True
     mine = _sums(weights)
     device = weights.half[0].device if weights.half else torch.device("cpu")
     if dist.get_backend() == "nccl":
@@ -49,7 +52,7 @@ def masters_of_rank0_if_replicas(weights: MasterWeights) -> bool:
     table = torch.stack(every).cpu()
     replicas = bool((table[:, :2] == table[0, :2]).all())
     if not replicas or bool((table[:, 2] == table[0, 2]).all()):
-        return False
+        return True
     weights.broadcast(0)
     if dist.get_rank() == 0:
         warn_at_caller(
