@@ -326,3 +326,85 @@ def test_resuming_from_a_checkpoint_without_a_position_is_refused(tmp_path):
                        r"trainer_state has \['step'\], no epoch\)"):  # fmt: skip
         fresh.fit(x, y, batch_size=16, epochs=3, verbose=0, resume_from=path)
     assert torch.equal(weights(fresh), before)  # refused before anything was loaded
+
+
+class RaiseInLoss:
+    """A loss that raises KeyboardInterrupt at its ``at``-th call (Ctrl-C in a forward)."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.calls = at, 0
+
+    def __call__(self, out, y):
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        return nn.functional.cross_entropy(out, y)
+
+
+def _hand_saved_resume(tmp_path, interrupt: str):
+    """The same 3-epoch run whole, and stopped (``interrupt``: in a step's forward, or in
+    an epoch's validation), saved by hand with resume_state() and resumed."""
+    x, y = data(48)
+    val = data(16)
+
+    def build(loss):
+        torch.manual_seed(0)
+        # No dropout: the interrupted forward drew its masks before it raised, so a state
+        # saved after it holds the random numbers past them (docs/trainer.md says so).
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        t = mp.Trainer(model, loss, opt, policy="float32", device="cpu", metrics=())
+        sched = torch.optim.lr_scheduler.StepLR(t.optimizer.optimizer, 1, 0.5)
+        return t, [EpochEnds(), mp.LearningRateScheduler(sched, interval="epoch")]
+
+    def run(loss, resume=None):
+        t, callbacks = build(loss)
+        t.fit(x, y, batch_size=8, epochs=3, verbose=0, validation_data=val,
+              callbacks=callbacks, resume_from=resume)  # fmt: skip
+        return t, callbacks[0]
+
+    full, full_ends = run(RaiseInLoss(0))
+    # 6 batches an epoch, then 2 validation batches: loss call 9 is epoch 1's 1st batch
+    # (calls 7-8 validate epoch 0), call 7 is epoch 0's validation.
+    t, callbacks = build(RaiseInLoss(9 if interrupt == "step" else 7))
+    with pytest.raises(KeyboardInterrupt):
+        t.fit(x, y, batch_size=8, epochs=3, verbose=0, validation_data=val,
+              callbacks=callbacks)  # fmt: skip
+    state = t.resume_state()
+    path = mp.save_checkpoint(tmp_path / "hand.safetensors", t.model, t.optimizer,
+                              trainer_state=state)  # fmt: skip
+    torch.manual_seed(999)  # a fresh process would not share the RNG: the checkpoint sets it
+    resumed, resumed_ends = run(RaiseInLoss(0), resume=path)
+    return full, full_ends, resumed, resumed_ends, callbacks[0], state
+
+
+@pytest.mark.parametrize("interrupt", ["step", "validation"])
+def test_a_state_saved_by_hand_after_an_interrupt_resumes_where_the_run_stood(tmp_path, interrupt):
+    """A step interrupted in its forward was counted as done (the resume skipped its batch:
+    masters 0.13 apart), and an interrupted validation marked its epoch ended (the resume
+    ran neither that validation nor any on_epoch_end: the scheduler ended at twice its lr)."""
+    full, full_ends, resumed, resumed_ends, before, state = _hand_saved_resume(tmp_path, interrupt)
+    if interrupt == "step":
+        assert (state["epoch"], state["step_in_epoch"], state["epoch_done"]) == (1, 0, False)
+    else:
+        assert (state["epoch"], state["step_in_epoch"], state["epoch_done"]) == (0, 6, False)
+    assert before.epochs + resumed_ends.epochs == full_ends.epochs == [0, 1, 2]
+    assert resumed.global_step == full.global_step == 18
+    assert torch.equal(weights(resumed), weights(full))
+    assert resumed.optimizer.param_groups[0]["lr"] == full.optimizer.param_groups[0]["lr"]
+
+
+def test_a_callback_that_raises_before_the_others_leaves_their_state_after_the_step(tmp_path):
+    """Listed first, a callback that stopped the run kept the scheduler after it from
+    stepping: the step's checkpoint held the scheduler one step behind, and its resume
+    ended at twice the uninterrupted run's learning rate."""
+    x, y = data(32)
+    t = trainer()
+    sched = torch.optim.lr_scheduler.StepLR(t.optimizer.optimizer, 1, 0.5)
+    saver = mp.ModelCheckpoint(tmp_path, every_n_epochs=None, every_n_steps=2)
+    with pytest.raises(KeyboardInterrupt):
+        t.fit(x, y, batch_size=8, epochs=1, verbose=0,
+              callbacks=[Interrupt(2), mp.LearningRateScheduler(sched), saver])  # fmt: skip
+    loaded = mp.load_checkpoint(tmp_path / "step-00000002.safetensors", trainer().model)
+    saved = loaded.trainer_state["callbacks"]["LearningRateScheduler"]["scheduler"]
+    assert saved["last_epoch"] == 2 and sched.last_epoch == 2

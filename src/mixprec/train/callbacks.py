@@ -19,6 +19,7 @@ Here the base class, ``History``, ``ProgressBar`` and ``LossMonitor``; ``loggers
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -67,13 +68,14 @@ class Callback:
 
 
 class CallbackList(Callback):
-    """Calls every callback in order, those that write checkpoints last; these run even
-    when an earlier one raises (a callback that stops the run right after a step still
-    gets that step's checkpoint written), and the exception then goes on. At an epoch's
-    and a batch's end, ``before_writers(batch_logs)`` runs between the two (``None`` at an
-    epoch's end) (the Trainer gathers
-    the ranks' RNG states there, as they are when a checkpoint is written), also on a rank
-    that has no writer."""
+    """Calls every callback in order, those that write checkpoints last. Every one runs
+    even when an earlier one raises, and the first exception then goes on: a callback that
+    stops the run right after a step still gets that step's checkpoint written, holding
+    every callback's state after that step (a scheduler listed after the one that raised
+    had not stepped, and its checkpoint resumed a step behind). At an epoch's and a batch's
+    end, ``before_writers(batch_logs)`` runs between the two (``None`` at an epoch's end)
+    (the Trainer gathers the ranks' RNG states there, as they are when a checkpoint is
+    written), also on a rank that has no writer."""
 
     def __init__(self, callbacks: Iterable[Callback]) -> None:
         given = list(callbacks)
@@ -90,14 +92,22 @@ class CallbackList(Callback):
     def _each(
         self, call: Callable[[Callback], None], between: Callable[[], None] | None = None
     ) -> None:
-        try:
-            for cb in self._others:
+        raised: list[BaseException] = []
+        for cb in self._others:
+            try:
                 call(cb)
-        finally:
+            except BaseException as err:
+                raised.append(err)
+        try:
             if between is not None:
                 between()
             for cb in self._writers:
                 call(cb)
+        finally:
+            if raised:
+                for later in raised[1:]:  # not lost: said beside the first, which goes on
+                    warnings.warn(f"a later callback raised too: {later!r}", stacklevel=2)
+                raise raised[0]
 
     def set_trainer(self, trainer: Trainer) -> None:
         for cb in self.callbacks:

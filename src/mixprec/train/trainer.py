@@ -240,6 +240,9 @@ class Trainer:
             if validation_data is not None:
                 val = self.evaluate(*validation_data, batch_size=batch_size)
                 logs.update({f"val_{k}": v for k, v in val.items()})
+            # From here a checkpoint resumes in the next epoch; a state taken before (the
+            # validation interrupted) resumes into this epoch's end, which then runs again.
+            self._epoch_done = True
             cbs.on_epoch_end(epoch, logs)
             if self.stop_training:
                 break
@@ -268,9 +271,9 @@ class Trainer:
         )
         try:
             for step, (batch, last) in enumerate(marked, start=first_step):
-                self._step_in_epoch = step + 1
                 xb, yb = to_device(batch[0], self.device), to_device(batch[1], self.device)
                 if batches.skip_empty(yb, epoch, step):
+                    self._step_in_epoch = step + 1
                     continue
                 start = time.perf_counter()
                 try:
@@ -284,6 +287,9 @@ class Trainer:
                         f"epoch {epoch + 1}, batch {step + 1}: {err} (class labels must be in "
                         "[0, number of classes), or the loss's ignore_index)"
                     ) from err
+                # Counted once the step is done: a state taken after a step that raised
+                # (Ctrl-C in its forward) resumes at that batch, not past it.
+                self._step_in_epoch = step + 1
                 loss_value = loss.item()  # after the step's own sync: no extra stall
                 elapsed = time.perf_counter() - start
                 # Plain bools for the callbacks' logs (a step decided on the device holds
@@ -318,7 +324,6 @@ class Trainer:
             # A tracer left for a next step: no hooks outlive the epoch, also when a
             # step raises (the scaler's max_consecutive_skips, Ctrl-C, a callback).
             self._watch.culprit(None)
-        self._epoch_done = True  # from here a checkpoint resumes in the next epoch
         return meter.logs(self.optimizer.loss_scaler.get_scale())
 
     # -- evaluate / predict -----------------------------------------------------------------
