@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import math
+import warnings
 
 import pytest
 import torch
@@ -408,3 +409,21 @@ def test_a_callback_that_raises_before_the_others_leaves_their_state_after_the_s
     loaded = mp.load_checkpoint(tmp_path / "step-00000002.safetensors", trainer().model)
     saved = loaded.trainer_state["callbacks"]["LearningRateScheduler"]["scheduler"]
     assert saved["last_epoch"] == 2 and sched.last_epoch == 2
+
+
+def test_a_new_run_in_a_folder_with_a_best_checkpoint_says_it_replaces_it(tmp_path):
+    """The script run again in the same folder without resume_from: its first epoch's
+    best.safetensors replaced the earlier run's (val_loss 0.697 by 1.466), unsaid."""
+    x, y = data(32)
+    val = data(16)
+
+    def run():
+        saver = mp.ModelCheckpoint(tmp_path, monitor="val_loss")
+        trainer().fit(x, y, batch_size=8, epochs=1, verbose=0, validation_data=val,
+                      callbacks=[saver])  # fmt: skip
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run()  # a fresh folder: nothing to say
+    with pytest.warns(UserWarning, match=r"best.safetensors holds an earlier run's best"):
+        run()

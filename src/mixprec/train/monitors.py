@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from mixprec._errors import ArgumentError, check_int
+from mixprec._warn import warn_at_caller
 from mixprec.checkpoint import save_checkpoint, temporary_files
 from mixprec.checkpoint._model import masters_in_place
 from mixprec.train.callbacks import Callback, Logs
@@ -197,9 +198,17 @@ class ModelCheckpoint(Callback):
             # better than NaN, and best.safetensors held the diverged weights for good.
             better = self.best is None or _better(self.mode, current, self.best)
             if math.isfinite(current) and better:
+                best = self.dirpath / "best.safetensors"
+                if self.best is None and best.exists():  # not this run's, nor resumed from
+                    warn_at_caller(
+                        f"ModelCheckpoint: {best} holds an earlier run's best, and this run "
+                        f"(not resumed from that run: fit(resume_from=...)) replaces it with "
+                        f"its own ({self.monitor} {current:.6g}). Give each run a directory "
+                        "of its own to keep both"
+                    )
                 # Noted before the saves below, so that they hold it.
                 self.best = current
-                self._write(self.dirpath / "best.safetensors")
+                self._write(best)
         n = self.every_n_epochs
         if n and (epoch + 1) % n == 0:
             self._save(f"epoch-{epoch + 1:04d}.safetensors")
