@@ -354,3 +354,68 @@ def test_two_wrappers_over_one_loss_are_pointed_to_one_wrapper_over_both():
     assert both.step().applied
     moved = [not torch.equal(a, b) for a, b in zip(before, _weights(model), strict=True)]
     assert all(moved)
+
+
+class _FailsInBackward(torch.autograd.Function):
+    """Identity whose backward raises (an out-of-memory half way through a backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise MemoryError("simulated: out of memory in the backward")
+
+
+def test_a_backward_that_raises_drops_its_accumulation_group():
+    """The failed micro-batch had added its last layers' gradients but not its first's,
+    and was counted: the next group applied after fewer batches, a mix that included the
+    failed batch in one layer and not in another (0.31 and 0.43 from either reference)."""
+    x, y = classification_data(n=32)
+
+    def build():
+        model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model, mp.LossScaleOptimizer(sgd, accumulation_steps=2)
+
+    model, opt = build()
+    opt.backward(nn.functional.cross_entropy(model(x[:8]), y[:8]))
+    # Between the layers: the head's gradients are added, then the backward raises.
+    hook = model[2].register_forward_hook(lambda m, a, out: _FailsInBackward.apply(out))
+    with pytest.raises(MemoryError):
+        opt.backward(nn.functional.cross_entropy(model(x[8:16]), y[8:16]))
+    hook.remove()
+    assert opt.pending_micro_steps == 0
+    assert all(p.grad is None for p in model.parameters())
+    twin, twin_opt = build()  # the same two batches, with nothing before them
+    for m, o in ((model, opt), (twin, twin_opt)):
+        for i in (16, 24):
+            o.backward(nn.functional.cross_entropy(m(x[i : i + 8]), y[i : i + 8]))
+            result = o.step()
+        assert result.applied
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True)
+    )
+
+
+def test_a_fit_after_one_stopped_mid_group_drops_that_group_and_says_so():
+    """Ctrl-C between two micro-batches of a group, then fit again: the new fit added its
+    first batches to the old group's gradients (a group spanning two fit calls)."""
+    x, y = classification_data(n=32)
+    model = make_mlp()
+    trainer = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), lr=0.1),
+                         policy="mixed_bfloat16", device="cpu", metrics=(),
+                         accumulation_steps=4)  # fmt: skip
+
+    class StopAt(mp.Callback):
+        def on_train_batch_end(self, step, logs):
+            if step == 1:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[StopAt()])
+    assert trainer.optimizer.pending_micro_steps == 2
+    with pytest.warns(UserWarning, match=r"2 of 4 micro-batches of a group an earlier fit left"):
+        trainer.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert trainer.optimizer.pending_micro_steps == 0

@@ -225,8 +225,8 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``(loss * scale / accumulation_steps).backward(**kwargs)``."""
-        book = self._book
-        with book.look.around_backward(self._weights, book.micro, self.accumulation_steps):
+        book, steps = self._book, self.accumulation_steps
+        with book.look.around_backward(self._weights, book.micro, steps), self.dropped_if_raised():
             self.get_scaled_loss(loss).backward(**kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -7,9 +7,10 @@ refused whole, so that a bad one changes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,6 +48,22 @@ class StateDictMethods:
         """Backward passes accumulated toward the next update: 0 between steps (what a
         state or a checkpoint taken now cannot hold)."""
         return self._book.micro if self._book.micro < self.accumulation_steps else 0
+
+    def drop_gradients(self) -> None:
+        """Drop the gradients held and the accumulation group they belong to (a backward
+        that raised half way through, or a group a stopped ``fit`` left unfinished)."""
+        self._book.micro, self._book.found_inf, self._book.fresh = 0, None, False
+        self._weights.zero_grad(set_to_none=True)
+
+    @contextlib.contextmanager
+    def dropped_if_raised(self) -> Iterator[None]:
+        """A backward that raises has added part of its gradients (the last layers', not
+        the first): the whole group goes, or the next step would apply that mix."""
+        try:
+            yield
+        except BaseException:
+            self.drop_gradients()
+            raise
 
     def state_dict(self) -> dict[str, Any]:
         """Inner optimizer state, float32 master weights and the loss scaler's state.

@@ -18,6 +18,7 @@ import torch
 
 from mixprec import distributed
 from mixprec._errors import ArgumentError, check_int
+from mixprec._warn import warn_at_caller
 from mixprec.data import check_finite, validate_classification
 from mixprec.train.metrics import LossFn, ignore_index_of
 from mixprec.train.warn import warn
@@ -383,3 +384,16 @@ def skip_empty(targets: Any, epoch: int, step: int) -> bool:
         )
     warn(f"epoch {epoch + 1}, batch {step + 1} is empty: skipped (not a step)")
     return True
+
+
+def drop_unfinished_group(optimizer: Any) -> None:
+    """An accumulation group a stopped ``fit`` left unfinished (Ctrl-C between its
+    micro-batches): dropped, and said, so that no group spans two ``fit`` calls."""
+    pending = optimizer.pending_micro_steps
+    if pending:
+        warn_at_caller(
+            f"fit: the optimizer holds the gradients of {pending} of "
+            f"{optimizer.accumulation_steps} micro-batches of a group an earlier fit left "
+            "unfinished; they are dropped, so that no group spans two fit calls"
+        )
+        optimizer.drop_gradients()

@@ -205,6 +205,7 @@ class Trainer:
         if validation_data is not None:
             self._validate(*validation_data)
         batches.check_ranks_agree(x, y, batch_size, epochs, validation_data, resume_from)
+        batches.drop_unfinished_group(self.optimizer)
         one_epoch, steps, _ = batches.epoch_batches(x, y, batch_size, shuffle, device=self.device)
         self._data = resume.data_shape(x, y, batch_size, shuffle, steps)
         point = resume.ResumePoint(self.global_step, 0)
