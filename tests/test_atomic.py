@@ -4,10 +4,14 @@ results left the previous file truncated (they were written in place)."""
 from __future__ import annotations
 
 import errno
+import os
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
+import mixprec as mp
 from mixprec import _atomic, cli
 
 
@@ -46,3 +50,29 @@ def test_a_symlink_stays_and_its_target_is_replaced(tmp_path):
     link.symlink_to(target)
     _atomic.write_text_atomically(link, "new")
     assert link.is_symlink() and target.read_text() == "new"
+
+
+def test_a_folder_sync_that_fails_after_the_rename_says_the_new_file_is_there(
+    tmp_path, monkeypatch
+):
+    """The folder's fsync raising EIO after the rename: save_checkpoint said "the previous
+    checkpoint there is intact" while the file held the new checkpoint."""
+    model = nn.Linear(2, 2)
+    path = mp.save_checkpoint(tmp_path / "c.safetensors", model)
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with torch.no_grad():
+        model.weight.fill_(3.0)
+    with pytest.raises(OSError, match=r"was written, but syncing its folder failed") as err:
+        mp.save_checkpoint(path, model)
+    assert "intact" not in str(err.value) and err.value.errno == errno.EIO
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    fresh = nn.Linear(2, 2)
+    mp.load_checkpoint(path, fresh)
+    assert torch.equal(fresh.weight, torch.full((2, 2), 3.0))  # the new one is there

@@ -10,7 +10,12 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["write_atomically", "write_text_atomically"]
+__all__ = ["FolderSyncError", "write_atomically", "write_text_atomically"]
+
+
+class FolderSyncError(OSError):
+    """The new file is in place, but the sync of its folder failed: the rename may not
+    survive a power loss. (Not the "previous file intact" of a failure before it.)"""
 
 
 def write_atomically(path: Path, write: Callable[[str], object]) -> None:
@@ -41,11 +46,18 @@ def write_atomically(path: Path, write: Callable[[str], object]) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     if hasattr(os, "O_DIRECTORY"):
-        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+            dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as err:
+            raise FolderSyncError(
+                err.errno,
+                f"{path} was written, but syncing its folder failed ({err.strerror}): the "
+                "new file is in place, and may not survive a power loss",
+            ) from err
 
 
 def write_text_atomically(path: str | os.PathLike[str], text: str) -> Path:

@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from mixprec._atomic import write_atomically
+from mixprec._atomic import FolderSyncError, write_atomically
 from mixprec.checkpoint.format import CheckpointError
 
 
@@ -25,6 +25,8 @@ def _atomic_write(tensors: dict[str, torch.Tensor], metadata: dict[str, str], pa
     an ``OSError`` with its errno, naming ``path`` and saying what is left there."""
     try:
         write_atomically(path, lambda tmp: save_file(tensors, tmp, metadata))
+    except FolderSyncError:
+        raise  # after the rename: the new checkpoint is there, not the previous one
     except (OSError, SafetensorError) as err:
         # safetensors reports the system's error in its own exception's text.
         code = err.errno if isinstance(err, OSError) else _os_error(str(err))
