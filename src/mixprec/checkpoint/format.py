@@ -74,6 +74,8 @@ class LoadReport:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    #: ``strict=False``: keys of one (tied) tensor whose saved values differ; the last won.
+    tied_conflicts: list[list[str]] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
     trainer_state: dict[str, Any] = field(default_factory=dict)
     #: ``convert_checkpoint``: the state of the source that the weights-only output leaves out.
@@ -96,8 +98,11 @@ class LoadReport:
             for label, names in (("missing", self.missing), ("unexpected", self.unexpected))
             if names
         ]
+        lines += [f"  shape mismatch {n}: saved {a}, model {b}" for n, a, b in self.mismatched]
         return lines + [
-            f"  shape mismatch {n}: saved {a}, model {b}" for n, a, b in self.mismatched
+            f"  tied: {', '.join(names)} are one tensor here and differ in the file; "
+            f"{names[-1]}'s value was loaded"
+            for names in self.tied_conflicts
         ]
 
 

@@ -103,8 +103,14 @@ def load_checkpoint(
             f"{path}: does not match the model (strict=False loads what matches)\n{details}"
         )
 
-    if strict:
-        _check_tied(path, current, saved)
+    report.tied_conflicts = _tied_conflicts(current, saved)
+    if strict and report.tied_conflicts:
+        raise CheckpointError(
+            f"{path}: {', '.join(report.tied_conflicts[0])} are one tensor in this model "
+            "(tied) and hold different values in the checkpoint (saved untied): one would "
+            "be lost. Tie or untie the model as it was saved, or pass strict=False (the "
+            "last key's value wins, said in the LoadReport)"
+        )
     # Check and prepare everything; nothing changes before the commit below.
     skip = {k for k, _, _ in report.mismatched}
     buffers = _buffer_names(model, current)
@@ -156,12 +162,12 @@ def load_checkpoint(
     return report
 
 
-def _check_tied(
-    path: str | os.PathLike[str], current: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]
-) -> None:
-    """Keys of one tensor of the model (tied weights) must hold one value in the file: a
-    checkpoint of an untied model would otherwise load both into the one tensor, the last
-    key's value winning and the other's lost without a word."""
+def _tied_conflicts(
+    current: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]
+) -> list[list[str]]:
+    """Keys of one tensor of the model (tied weights) whose values in the file differ: a
+    checkpoint of an untied model loads both into the one tensor, the last key's value
+    winning and the other's lost. Each group in load order (the last one wins)."""
     keys: dict[tuple[Any, ...], list[str]] = defaultdict(list)
     for key, value in current.items():
         if value.numel() and key in saved:
@@ -171,16 +177,11 @@ def _check_tied(
             except RuntimeError:  # a tensor subclass with no storage of its own
                 continue
             keys[(storage, value.storage_offset(), value.stride(), tuple(value.shape))].append(key)
-    for names in keys.values():
-        first = saved[names[0]]
-        differing = [n for n in names[1:] if not _same_values(saved[n], first)]
-        if differing:
-            raise CheckpointError(
-                f"{path}: {', '.join([names[0], *differing])} are one tensor in this model "
-                "(tied) and hold different values in the checkpoint (saved untied): one would "
-                "be lost. Tie or untie the model as it was saved, or pass strict=False (the "
-                "last key's value wins)"
-            )
+    return [
+        names
+        for names in keys.values()
+        if any(not _same_values(saved[n], saved[names[0]]) for n in names[1:])
+    ]
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
