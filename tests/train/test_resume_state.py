@@ -427,3 +427,19 @@ def test_a_new_run_in_a_folder_with_a_best_checkpoint_says_it_replaces_it(tmp_pa
         run()  # a fresh folder: nothing to say
     with pytest.warns(UserWarning, match=r"best.safetensors holds an earlier run's best"):
         run()
+
+
+def test_restoring_best_weights_from_a_checkpoint_that_kept_none_is_said(tmp_path):
+    """EarlyStopping(restore_best_weights=True) resumed from a run saved with False: its
+    best value came back, its weights could not, and nothing said so."""
+    x, y = data(32)
+    val = data(16)
+    saver = mp.ModelCheckpoint(tmp_path)
+    plain = mp.EarlyStopping(monitor="val_loss", patience=5)
+    trainer().fit(x, y, batch_size=8, epochs=1, verbose=0, validation_data=val,
+                  callbacks=[plain, saver])  # fmt: skip
+    restoring = mp.EarlyStopping(monitor="val_loss", patience=5, restore_best_weights=True)
+    first = tmp_path / "epoch-0001.safetensors"
+    with pytest.warns(UserWarning, match=r"kept no best weights .*best val_loss [0-9.]+ cannot"):
+        trainer().fit(x, y, batch_size=8, epochs=2, verbose=0, validation_data=val,
+                      callbacks=[restoring], resume_from=first)  # fmt: skip

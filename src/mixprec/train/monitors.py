@@ -124,6 +124,13 @@ class EarlyStopping(Callback):
         if isinstance(best, dict) and "global_step" in best:  # a checkpoint before 2026-11-26
             best = best["model"]  # held the whole trainer; the weights are what is restored
         self._best_state = best
+        if self.restore_best_weights and best is None and math.isfinite(self._best):
+            warn_at_caller(
+                f"EarlyStopping(restore_best_weights=True) resumed from a checkpoint that kept "
+                f"no best weights (saved with restore_best_weights=False): its best "
+                f"{self.monitor} {self._best:.6g} cannot be restored. Only an epoch from here "
+                "that beats it will be; the run ends with its last weights otherwise"
+            )
 
 
 class ModelCheckpoint(Callback):
