@@ -18,11 +18,9 @@ silently in the wrong precision, and what a step says about the run.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Iterator
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,7 +37,7 @@ from mixprec.scaling import LossScaler, NoOpLossScaler
 from mixprec.scaling.health import ScalerHealth, scale_floor
 
 if TYPE_CHECKING:
-    from mixprec.optim.loss_scale_optimizer import _Bookkeeping
+    from mixprec.optim.loss_scale_optimizer import LossScaleOptimizer, _Bookkeeping
 
 __all__ = [
     "BackwardLook",
@@ -280,15 +278,15 @@ class BackwardLook:
         self.steps = 0
         self.versions: list[int] | None = None
 
-    @contextlib.contextmanager
-    def around_backward(self, weights: MasterWeights, micro: int, steps: int) -> Iterator[None]:
-        """A backward, looked at before (cleared gradients) and after (their versions)."""
-        if self.steps >= self.STEPS or torch.compiler.is_compiling():
-            yield  # the first steps only: no cost after them
+    def backward(self, opt: LossScaleOptimizer, loss: torch.Tensor, kwargs: dict[str, Any]) -> None:
+        """``opt``'s backward of one of the first steps, looked at before (cleared
+        gradients) and after (their versions)."""
+        if torch.compiler.is_compiling():
+            opt.get_scaled_loss(loss).backward(**kwargs)
             return
-        params = weights.model_params()
-        self._before_backward(params, micro, steps)
-        yield
+        params = opt._weights.model_params()
+        self._before_backward(params, opt._book.micro, opt.accumulation_steps)
+        opt.get_scaled_loss(loss).backward(**kwargs)
         self.versions = grad_versions(params)
 
     def _before_backward(self, params: list[torch.Tensor], micro: int, steps: int) -> None:

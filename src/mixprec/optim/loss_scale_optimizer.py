@@ -224,10 +224,17 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
     # -- gradients --------------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``(loss * scale / accumulation_steps).backward(**kwargs)``."""
-        book, steps = self._book, self.accumulation_steps
-        with book.look.around_backward(self._weights, book.micro, steps), self.dropped_if_raised():
-            self.get_scaled_loss(loss).backward(**kwargs)
+        """``(loss * scale / accumulation_steps).backward(**kwargs)``. One that raises half
+        way has added some layers' gradients: its whole group goes (``drop_gradients``)."""
+        look = self._book.look
+        try:
+            if look.steps < look.STEPS:  # the first steps: looked at around it (checks.py)
+                look.backward(self, loss, kwargs)
+            else:
+                self.get_scaled_loss(loss).backward(**kwargs)
+        except BaseException:
+            self.drop_gradients()
+            raise
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients, except between the micro-batches of an accumulation."""
@@ -292,7 +299,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         if self._book.micro < self.accumulation_steps:
             return StepResult(False, False, self._loss_scaler.get_scale(), accumulating=True)
         self._adopt_added_groups()
-        if self._book.found_inf is None:  # else unscale_() looked
+        if self._book.look.versions is not None and self._book.found_inf is None:
             self._book.look.before_unscale(self._weights, self._loss_scaler.get_scale())
         if self._book.unscaled_versions is not None:
             say_if_half_grads_changed(self._book.unscaled_versions, self._weights.half)
@@ -310,13 +317,6 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             reset_nonfinite_statistics(self._weights.model_params())
         watch_health(self.health, result, self._loss_scaler)
         return result
-
-    def _drop_unscaled(self) -> None:
-        """After a step that raised (a float16 weight past 65504, the scaler's
-        max_consecutive_skips, Ctrl-C): no unscaled gradients left to the next step, which
-        would apply them instead of its own (or refuse its backward)."""
-        self._book.micro = 0
-        self._book.found_inf = None
 
     def _finish(self) -> StepResult:
         # Flags agreed across ranks in one collective: this step's found_inf, and whether the

@@ -7,10 +7,9 @@ refused whole, so that a bad one changes nothing.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,18 +51,16 @@ class StateDictMethods:
     def drop_gradients(self) -> None:
         """Drop the gradients held and the accumulation group they belong to (a backward
         that raised half way through, or a group a stopped ``fit`` left unfinished)."""
-        self._book.micro, self._book.found_inf, self._book.fresh = 0, None, False
+        self._drop_unscaled()
+        self._book.fresh = False
         self._weights.zero_grad(set_to_none=True)
 
-    @contextlib.contextmanager
-    def dropped_if_raised(self) -> Iterator[None]:
-        """A backward that raises has added part of its gradients (the last layers', not
-        the first): the whole group goes, or the next step would apply that mix."""
-        try:
-            yield
-        except BaseException:
-            self.drop_gradients()
-            raise
+    def _drop_unscaled(self) -> None:
+        """After a step that raised (a float16 weight past 65504, the scaler's
+        max_consecutive_skips, Ctrl-C): no unscaled gradients left to the next step, which
+        would apply them instead of its own (or refuse its backward)."""
+        self._book.micro = 0
+        self._book.found_inf = None
 
     def state_dict(self) -> dict[str, Any]:
         """Inner optimizer state, float32 master weights and the loss scaler's state.
