@@ -412,7 +412,17 @@ def plain_ddp_after_optimizer(out: Path, rank: int) -> None:
     state = {k: v.clone() for k, v in model.state_dict().items()}
     masters = [m.detach().clone() for _, m in opt.master_weights()]
     warned = [str(w.message) for w in caught if "replicas" in str(w.message)]
-    torch.save({"model": state, "masters": masters, "warned": warned}, out / f"plain-ddp-{rank}.pt")
+    # O1 has no masters to align: its first step has nothing to compare (it raised under
+    # NCCL, whose group has no CPU tensors, when it compared anyway).
+    o1 = mp.auto_mixed_precision(make_mlp(seed=rank), "mixed_bfloat16", "O1")
+    o1_opt = mp.LossScaleOptimizer(torch.optim.SGD(o1.parameters(), lr=0.1))
+    o1_ddp = nn.parallel.DistributedDataParallel(o1)
+    o1_opt.backward(CE(o1_ddp(x[rank::2]), y[rank::2]))
+    o1_applied = bool(o1_opt.step().applied)
+    torch.save(
+        {"model": state, "masters": masters, "warned": warned, "o1_applied": o1_applied},
+        out / f"plain-ddp-{rank}.pt",
+    )
 
 
 def main(out: str) -> None:

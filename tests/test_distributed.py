@@ -236,6 +236,7 @@ def test_torchs_own_ddp_built_after_the_optimizer_gets_rank_zeros_masters(runs):
     assert all(torch.equal(a, b) for a, b in zip(r0["masters"], r1["masters"], strict=True))
     assert len(r0["warned"]) == 1 and "distributed_data_parallel(model, opt)" in r0["warned"][0]
     assert r1["warned"] == []  # said once, by rank 0
+    assert r0["o1_applied"] and r1["o1_applied"]
 
 
 def test_the_float32_allreduce_stays_in_ddps_process_group(runs):

@@ -29,7 +29,11 @@ def needs_master(p: torch.Tensor) -> bool:
 
 _HOOK: list[Any] = []  # the handle, once installed
 _CHECKED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-_WRAPPED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+# Each wrapped optimizer -> its wrapper's bookkeeping (``stepping_inner`` is True while the
+# wrapper steps it), weakly: once the wrapper is gone, the optimizer is a plain one again.
+_WRAPPED: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[Any]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def watch_plain_optimizers() -> None:
@@ -49,31 +53,39 @@ def _install() -> None:
         _HOOK.append(register_optimizer_step_pre_hook(_first_step))
 
 
-def watch_wrapped(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer`` is stepped by a ``LossScaleOptimizer``: a step the user calls on it
-    directly, before the wrapper ever stepped it, raises (it would skip the unscale, the
-    inf/NaN check and the float32 masters' copy-back)."""
+def watch_wrapped(optimizer: torch.optim.Optimizer, book: Any) -> None:
+    """``optimizer`` is stepped by a ``LossScaleOptimizer`` whose bookkeeping is ``book``:
+    while that wrapper lives, a step called on the optimizer other than through
+    ``step_inner`` raises (it would skip the unscale, the inf/NaN check and the float32
+    masters' copy-back)."""
     _install()
-    _WRAPPED.add(optimizer)
+    _WRAPPED[optimizer] = weakref.ref(book)
 
 
 def is_wrapped(optimizer: object) -> bool:
-    """Whether a ``LossScaleOptimizer`` wraps ``optimizer`` (its state alone holds neither
-    the loss scale nor which 16-bit weight each float32 master stands for)."""
+    """Whether a live ``LossScaleOptimizer`` wraps ``optimizer`` (its state alone holds
+    neither the loss scale nor which 16-bit weight each float32 master stands for)."""
     try:
-        return optimizer in _WRAPPED
+        ref = _WRAPPED.get(optimizer)  # type: ignore[call-overload]
     except TypeError:  # not weak-referenceable: no optimizer
         return False
+    return ref is not None and ref() is not None
 
 
-def wrapper_steps(optimizer: torch.optim.Optimizer) -> None:
-    """The wrapper is about to step ``optimizer``: the hook lets it through."""
-    _CHECKED.add(optimizer)
+def step_inner(optimizer: torch.optim.Optimizer, book: Any) -> None:
+    """The wrapper's step of ``optimizer``, which the hook lets through (a flag on the
+    wrapper's own bookkeeping, so that another thread's preparation changes nothing)."""
+    book.stepping_inner = True
+    try:
+        optimizer.step()
+    finally:
+        book.stepping_inner = False
 
 
 def no_other_global_hooks() -> bool:
-    """No global optimizer step hook is installed but this guard (which does nothing after
-    an optimizer's first step): ``optim.direct`` may then skip ``Optimizer.step``'s hook
+    """No global optimizer step hook is installed but this guard (which lets a wrapper's
+    own steps through, and does nothing after a plain optimizer's first step):
+    ``optim.direct``, which a wrapper's step calls, may then skip ``Optimizer.step``'s hook
     calls."""
     pre = _torch_optimizer._global_optimizer_pre_hooks
     return not _torch_optimizer._global_optimizer_post_hooks and all(
@@ -82,9 +94,13 @@ def no_other_global_hooks() -> bool:
 
 
 def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if torch.compiler.is_compiling() or optimizer in _CHECKED:
+    if torch.compiler.is_compiling():
         return
-    if optimizer in _WRAPPED:
+    ref = _WRAPPED.get(optimizer)
+    book = ref() if ref is not None else None
+    if book is not None:
+        if book.stepping_inner:
+            return
         kind = type(optimizer)
         raise MisuseError(
             f"{kind.__name__}.step() was called on the optimizer a LossScaleOptimizer wraps: "
@@ -92,6 +108,8 @@ def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
             "master weights (at O2 the model's 16-bit weights would never move). Step the "
             "wrapper instead: opt = mp.LossScaleOptimizer(inner); opt.backward(loss); opt.step()"
         )
+    if optimizer in _CHECKED:
+        return
     _CHECKED.add(optimizer)
     bare = [
         p

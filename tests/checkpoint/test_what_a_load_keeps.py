@@ -99,6 +99,16 @@ def test_an_untied_checkpoint_into_a_tied_model_is_refused(tmp_path):
         "head.weight's value was loaded" in str(report)
     )
     assert torch.equal(tied.emb.weight, torch.full_like(tied.emb.weight, 2.0))
+
+    # A key skipped for its shape loads nothing, and loses nothing: no conflict to name.
+    class Wide(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(4, 3), nn.Linear(3, 5, bias=False)
+
+    wide = mp.save_checkpoint(tmp_path / "w.safetensors", Wide())
+    report = mp.load_checkpoint(wide, Tied(tie=True), strict=False)
+    assert report.tied_conflicts == [] and [k for k, _, _ in report.mismatched] == ["head.weight"]
     same = mp.save_checkpoint(tmp_path / "t.safetensors", Tied(tie=True))
     mp.load_checkpoint(same, Tied(tie=True))
 

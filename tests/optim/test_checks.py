@@ -123,6 +123,25 @@ def test_stepping_the_wrapped_optimizer_itself_is_refused(policy, level):
     opt.zero_grad()
     opt.backward(loss_of(model))
     assert opt.step().applied
+    # After the wrapper's own steps too (a loop calling both stepped twice: 1.83x).
+    opt.zero_grad()
+    opt.backward(loss_of(model))
+    with pytest.raises(mp.MisuseError, match=INNER_STEP):
+        inner.step()
+
+
+def test_the_inner_optimizer_is_its_own_again_once_its_wrapper_is_gone():
+    import gc
+
+    model = make_mlp()  # float32: an optimizer that needs no wrapper
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = mp.LossScaleOptimizer(inner)
+    del opt
+    gc.collect()
+    loss_of(model).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        inner.step()
 
 
 def test_a_plain_optimizer_is_looked_at_again_when_its_model_is_prepared():
@@ -307,7 +326,9 @@ def test_clipping_the_scaled_gradients_before_the_unscale_warns_once():
         warnings.simplefilter("error")
         step(clip_first=False)  # unscale_() first, as the docs say: nothing to say
     with pytest.warns(
-        UserWarning, match=r"while still multiplied by the loss scale \(65536\)"
+        UserWarning,
+        match=r"rewritten between backward\(\) and the unscale, while still multiplied by the "
+        r"loss scale \(65536\)",
     ) as got:
         step(clip_first=True)
     said = [w for w in got if "loss scale" in str(w.message)]

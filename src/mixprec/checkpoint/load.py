@@ -103,7 +103,8 @@ def load_checkpoint(
             f"{path}: does not match the model (strict=False loads what matches)\n{details}"
         )
 
-    report.tied_conflicts = _tied_conflicts(current, saved)
+    mismatched = {k for k, _, _ in report.mismatched}  # not loaded: no value to lose
+    report.tied_conflicts = _tied_conflicts(current, saved, mismatched)
     if strict and report.tied_conflicts:
         raise CheckpointError(
             f"{path}: {', '.join(report.tied_conflicts[0])} are one tensor in this model "
@@ -163,14 +164,14 @@ def load_checkpoint(
 
 
 def _tied_conflicts(
-    current: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]
+    current: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], skipped: set[str]
 ) -> list[list[str]]:
     """Keys of one tensor of the model (tied weights) whose values in the file differ: a
     checkpoint of an untied model loads both into the one tensor, the last key's value
     winning and the other's lost. Each group in load order (the last one wins)."""
     keys: dict[tuple[Any, ...], list[str]] = defaultdict(list)
     for key, value in current.items():
-        if value.numel() and key in saved:
+        if value.numel() and key in saved and key not in skipped:
             value = _unwrapped(value)  # torchao's float8 all-gather weights wrap their tensor
             try:
                 storage = value.untyped_storage().data_ptr()

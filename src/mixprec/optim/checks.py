@@ -324,13 +324,14 @@ class BackwardLook:
         if scale != 1.0 and present and all(g._version != v for g, v in present):
             self.steps = self.STEPS  # said once
             warn_at_caller(
-                "the gradients changed between backward() and the unscale while still "
-                f"multiplied by the loss scale ({scale:g}): clip_grad_norm_(model.parameters()"
-                ", ...) as with torch.amp? That clip saw the scaled gradients and cut them by "
-                "about the scale. Call opt.unscale_() first and clip opt.master_params(), or "
-                "pass LossScaleOptimizer(..., max_grad_norm=...). (Or a second backward through "
-                "them, another LossScaleOptimizer's, added to them: one loss for two wrappers "
-                "is one wrapper over both, mp.LossScaleOptimizer([opt_a, opt_b]))"
+                "every gradient was rewritten between backward() and the unscale, while still "
+                f"multiplied by the loss scale ({scale:g}). A clip_grad_norm_(model.parameters()"
+                ", ...) there, as with torch.amp, saw the scaled gradients and cut them by about "
+                "the scale: call opt.unscale_() first and clip opt.master_params(), or pass "
+                "LossScaleOptimizer(..., max_grad_norm=...). A second backward through them "
+                "(another LossScaleOptimizer's) added to them: wrap both optimizers in one, "
+                "mp.LossScaleOptimizer([opt_a, opt_b]). (A linear edit, such as averaging them "
+                "over ranks yourself, is exact under the scale: then nothing is wrong; said once)"
             )
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mixprec._dist import is_distributed
-from mixprec._plain_optimizers import wrapper_steps
+from mixprec._plain_optimizers import step_inner
 from mixprec.optim import deferred
 from mixprec.optim.checks import no_gradients
 from mixprec.optim.fused import _unfuse_sparse
@@ -69,8 +69,7 @@ def host_step(opt: LossScaleOptimizer) -> StepResult | None:
             if weights.saw_sparse:
                 _unfuse_sparse(inner)
             if not fused.step():
-                wrapper_steps(inner)
-                inner.step()
+                step_inner(inner, opt._book)
         if weights.half:
             weights.copy_back()
         opt._run_post_hooks()

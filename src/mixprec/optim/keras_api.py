@@ -95,9 +95,10 @@ class KerasMethods:
             book.said_unscaled = True
             warn_at_caller(
                 f"get_unscaled_gradients() divides the gradients by the loss scale ({scale:g}), "
-                "but no loss was multiplied by it since the last apply_gradients(): gradients "
-                f"of the plain loss come out {scale:g} times too small. Take them of "
-                "opt.get_scaled_loss(loss) (or opt.scale_loss(loss))"
+                "but no loss was multiplied by it through this optimizer since the last "
+                f"apply_gradients(): gradients of the plain loss come out {scale:g} times too "
+                "small. Take them of opt.get_scaled_loss(loss) (or opt.scale_loss(loss), which "
+                "the scaler's own scale(loss) is too, unseen here)"
             )
         inv = 1.0 / scale
         return [

@@ -20,7 +20,7 @@ from torch import nn
 
 from mixprec._dist import agree_found_inf, is_distributed, is_dtensor
 from mixprec._errors import ArgumentError, MisuseError
-from mixprec._plain_optimizers import watch_wrapped, wrapper_steps
+from mixprec._plain_optimizers import step_inner, watch_wrapped
 from mixprec._save_guard import guard_saves
 from mixprec.optim.arguments import checked_arguments, make_tracer
 from mixprec.optim.checks import (
@@ -95,6 +95,7 @@ class _Bookkeeping:
     # apply_gradients: get_unscaled_gradients divides by it; without one, said once.
     scaled_loss: bool = False
     replicas_checked: bool = False  # see optim.replicas
+    stepping_inner: bool = False  # an inner optimizer's step is this wrapper's (step_inner)
     said_unscaled: bool = False
     # The inner optimizers' steps as direct fused-kernel calls (host_step uses them).
     fused: list[FusedStep] = field(default_factory=list)
@@ -166,7 +167,6 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
                 warn_if_eps_vanishes(group, f"{type(inner).__name__} param_groups[{i}]")
         say_if_masters_lost(self._weights.lost)
         for inner in self.optimizers:
-            watch_wrapped(inner)
             for group in inner.param_groups:
                 _fuse(inner, group)
         groups = [len(inner.param_groups) for inner in self.optimizers]
@@ -182,6 +182,8 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             fused=[FusedStep(inner) for inner in self.optimizers],
             groups=groups,
         )
+        for inner in self.optimizers:  # its own step() refused while this wrapper lives
+            watch_wrapped(inner, self._book)
         self._decide_host_path()
         self.health: ScalerHealth | None = ScalerHealth()
         self._tracer = make_tracer(trace_overflow, model_params)
@@ -364,9 +366,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             for inner in self.optimizers:
                 if self._weights.saw_sparse:
                     _unfuse_sparse(inner)
-                if not torch.compiler.is_compiling():
-                    wrapper_steps(inner)
-                inner.step()
+                step_inner(inner, self._book)
             # Inline: dynamo runs this eagerly after the graph break in the loop above, where
             # a MasterWeights method would compile as a graph of its own (torch 2.13).
             if self._weights.half:

@@ -7,10 +7,11 @@ rounded to 16 bits. The ranks then step different masters from the same gradient
 agree again (670 of 2372 weights apart after 200 steps, in one run), without a word.
 (``mixprec.distributed.distributed_data_parallel`` broadcasts the masters itself.)
 
-So at the first step under ``torch.distributed``, every rank's sums of its 16-bit weights
-and of its masters are gathered (one collective of three numbers, once): where the weights
-agree on every rank and the masters do not, rank 0's masters are broadcast, and said.
-Ranks that hold different weights (models of their own, pipeline stages) are left alone.
+So at the first step under ``torch.distributed``, the ranks compare the sums of their
+16-bit weights and of their masters (one all-reduce of six numbers, once, on the weights'
+device): where the weights agree on every rank and the masters do not, rank 0's masters are
+broadcast, and said. Ranks that hold different weights (models of their own, pipeline
+stages) are left alone, as are models with no masters (O1; FSDP2, whose shards are them).
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ __all__ = ["masters_of_rank0_if_replicas"]
 
 
 def _sums(weights: MasterWeights) -> torch.Tensor:
+    """The count and the sums of the 16-bit weights and of the masters, each with its
+    negation (one all-reduce of the maxima gives every rank the maxima and the minima)."""
     with torch.no_grad():
-        half = sum((p.double().sum() for p in weights.half), torch.zeros((), dtype=torch.float64))
-        masters = sum(
-            (m.double().sum() for m in weights.masters), torch.zeros((), dtype=torch.float64)
-        )
-    count = float(sum(p.numel() for p in weights.half))
-    return torch.stack([torch.tensor(count, dtype=torch.float64), half.cpu(), masters.cpu()])
+        half = torch.stack([p.double().sum() for p in weights.half]).sum()
+        masters = torch.stack([m.double().sum() for m in weights.masters]).sum()
+        count = torch.tensor(float(sum(p.numel() for p in weights.half)), device=half.device)
+        sums = torch.stack([count.double(), half, masters])
+    return torch.cat([sums, -sums])
 
 
 def masters_of_rank0_if_replicas(weights: MasterWeights) -> bool:
@@ -41,17 +43,14 @@ def masters_of_rank0_if_replicas(weights: MasterWeights) -> bool:
     while compiling: dynamo would trace the collective; the next eager step takes it)."""
     if torch.compiler.is_compiling():
         return False
-    if not is_distributed() or any(is_dtensor(p) for p in weights.half[:1]):
-        return True
-    mine = _sums(weights)
-    device = weights.half[0].device if weights.half else torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        mine = mine.to(device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    table = torch.stack(every).cpu()
-    replicas = bool((table[:, :2] == table[0, :2]).all())
-    if not replicas or bool((table[:, 2] == table[0, 2]).all()):
+    if not is_distributed() or not weights.half or is_dtensor(weights.half[0]):
+        return True  # no masters to align (O1, FSDP2's shards are the masters)
+    # On the weights' device, as the step's own found_inf all-reduce: NCCL has no CPU.
+    bounds = _sums(weights)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+    high, low = bounds[:3].tolist(), (-bounds[3:]).tolist()
+    replicas = high[0] == low[0] and high[1] == low[1]
+    if not replicas or high[2] == low[2]:
         return True
     weights.broadcast(0)
     if dist.get_rank() == 0:
