@@ -3,15 +3,18 @@ each value against a computation by hand on small tensors."""
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import mixprec as mp
-from mixprec.train import metrics
+from mixprec.train import batches, metrics
 from mixprec.train.metrics import get_loss, get_metric
 
 LOSS_NAMES = (
@@ -255,3 +258,103 @@ def test_padding_labels_pass_the_check_for_each_cross_entropy(loss):
         trainer.fit(x, bad, epochs=1, batch_size=8, verbose=0)
     assert metrics.ignore_index_of(nn.CrossEntropyLoss(ignore_index=0)) == 0
     assert metrics.ignore_index_of(nn.MSELoss()) is None
+
+
+# -- habits from Keras and from other losses --------------------------------------------------
+
+
+def _tagger_data(pad: int):
+    """Sequences of 12 with the first 7 positions padding (label ``pad``): (x, y)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 12, 8, generator=g)
+    y = torch.randint(1, 4, (64, 12), generator=g)
+    y[:, :7] = pad
+    return x, y
+
+
+def test_accuracy_leaves_out_the_labels_the_loss_leaves_out():
+    """ignore_index=0 on the loss: accuracy scored the padded positions too (0.128 logged
+    where the labels the loss uses gave 0.376)."""
+    x, y = _tagger_data(pad=0)
+    model = nn.Linear(8, 4)
+    loss = functools.partial(mp.cross_entropy, ignore_index=0)
+    trainer = mp.Trainer(model, loss, torch.optim.SGD(model.parameters(), lr=0.1),
+                         policy="float32", device="cpu", metrics=["accuracy"])  # fmt: skip
+    with torch.no_grad():
+        out = model(x)
+    kept = y != 0
+    expected = ((out.argmax(-1) == y) & kept).sum() / kept.sum()
+    got = trainer.evaluate(x, y, batch_size=64)["accuracy"]
+    assert got == pytest.approx(expected.item(), abs=1e-6)
+
+
+def test_accuracy_of_probability_targets_under_cross_entropy_compares_argmaxes():
+    """One-hot (or mixup) targets with cross-entropy: accuracy compared them class by
+    class as a one-logit output (0.491 for an untrained model whose true accuracy was
+    0.164)."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(128, 8, generator=g), torch.randint(0, 6, (128,), generator=g)
+    model = nn.Linear(8, 6)
+    trainer = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), lr=0.1),
+                         policy="float32", device="cpu", metrics=["accuracy"])  # fmt: skip
+    with torch.no_grad():
+        expected = (model(x).argmax(-1) == y).float().mean().item()
+    onehot = DataLoader(TensorDataset(x, F.one_hot(y, 6).float()), batch_size=128)
+    assert trainer.evaluate(onehot)["accuracy"] == pytest.approx(expected)
+    # Multi-label targets under a binary loss are still scored element by element.
+    multi = (torch.rand(8, 6, generator=g) > 0.5).float()
+    logits = torch.randn(8, 6, generator=g)
+    assert metrics.accuracy(logits, multi) == ((logits > 0).float() == multi).float().mean()
+
+
+def test_a_metric_returned_in_16_bits_is_summed_in_float32():
+    """A custom metric returning bfloat16 was summed over the epoch in bfloat16 (0.926
+    logged for 0.821)."""
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(8192, 8, generator=g), torch.randint(0, 4, (8192,), generator=g)
+    model = nn.Linear(8, 4)
+
+    def acc16(o, t):
+        return (o.argmax(-1) == t).to(torch.bfloat16).mean()
+
+    trainer = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), lr=0.0),
+                         policy="float32", device="cpu", metrics={"acc16": acc16})  # fmt: skip
+    history = trainer.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False)
+    with torch.no_grad():
+        expected = (model(x).argmax(-1) == y).float().mean().item()
+    assert history.history["acc16"][0] == pytest.approx(expected, abs=1e-5)
+
+
+def test_batches_with_a_third_element_say_it_is_not_used():
+    """(x, y, sample_weight) batches: the weights were dropped without a word."""
+    batches._SAID_EXTRA.clear()
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(32, 8, generator=g), torch.randint(0, 4, (32,), generator=g)
+    loader = DataLoader(TensorDataset(x, y, torch.rand(32, generator=g)), batch_size=8)
+    model = nn.Linear(8, 4)
+    trainer = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), lr=0.1),
+                         policy="float32", device="cpu", metrics=())  # fmt: skip
+    with pytest.warns(UserWarning, match=r"a batch has 3 elements: .*sample weights"):
+        trainer.fit(loader, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize(
+    ("last", "loss"),
+    [(nn.Softmax(-1), "sparse_categorical_crossentropy"), (nn.Softmax(-1), nn.CrossEntropyLoss()),
+     (nn.Sigmoid(), "binary_crossentropy")],
+)  # fmt: skip
+def test_a_probability_output_under_a_logits_loss_is_said(last, loss):
+    """Keras' habit (probability outputs, losses with from_logits=False): the softmax or
+    sigmoid was applied twice, and accuracy of sigmoid outputs read 0.465 (every
+    probability > 0) where the model was 0.785 right."""
+    model = nn.Sequential(nn.Linear(8, 4 if isinstance(last, nn.Softmax) else 1), last)
+    with pytest.warns(
+        UserWarning, match=r"the model ends in nn\.(Softmax|Sigmoid) .*applied twice"
+    ):
+        mp.Trainer(model, loss, torch.optim.SGD(model.parameters(), lr=0.1),
+                   policy="float32", device="cpu")  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain = nn.Sequential(nn.Linear(8, 4))
+        mp.Trainer(plain, loss, torch.optim.SGD(plain.parameters(), lr=0.1),
+                   policy="float32", device="cpu")  # fmt: skip

@@ -35,6 +35,23 @@ def to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
+_SAID_EXTRA: list[bool] = []  # batches with more than (inputs, targets): said once
+
+
+def xy(batch: Batch, device: torch.device) -> tuple[Any, Any]:
+    """A batch's inputs and targets, on ``device``. Elements past those two are not used:
+    said once, for Keras takes a third as sample weights (the losses came out unweighted)."""
+    if len(batch) > 2 and not _SAID_EXTRA:
+        _SAID_EXTRA.append(True)
+        warn_at_caller(
+            f"a batch has {len(batch)} elements: the Trainer uses the first two (inputs, "
+            "targets) and ignores the rest. Keras would take a third as sample weights; "
+            "here the loss is unweighted: pass targets that carry the weights and a loss "
+            "that reads them, loss(output, targets)"
+        )
+    return to_device(batch[0], device), to_device(batch[1], device)
+
+
 def length(data: Any) -> int:
     """``len(data)``: a tensor's or array's samples, a loader's batches; -1 where there is
     none (an iterable dataset's loader has ``__len__`` but raises ``TypeError``)."""

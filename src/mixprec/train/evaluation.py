@@ -53,7 +53,7 @@ def evaluate(trainer: Trainer, x: Any, y: Any, batch_size: int) -> dict[str, flo
     samples = 0
     with torch.no_grad(), eval_mode(trainer.model):
         for batch in epoch_batches():
-            xb, yb = to_device(batch[0], trainer.device), to_device(batch[1], trainer.device)
+            xb, yb = batches.xy(batch, trainer.device)
             if batches.is_empty(yb):  # its mean loss is NaN: no samples to count
                 continue
             output = model_output(call(trainer.model, xb)).float()

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from mixprec import distributed
+from mixprec._dtypes import HALF_DTYPES
 from mixprec.optim import StepResult
 from mixprec.train.callbacks import Logs
 from mixprec.train.metrics import Metric
@@ -62,9 +63,11 @@ class EpochMeter:
         if output is not None:
             with torch.no_grad():
                 for name, fn in self.metrics.items():
-                    self.metric_sums[name] = (
-                        self.metric_sums[name] + fn(output.float(), targets) * size
-                    )
+                    # In float32 at least: a metric returned in 16 bits and summed over an
+                    # epoch in 16 bits drifted (0.926 logged for 0.821).
+                    value = torch.as_tensor(fn(output.float(), targets))
+                    value = value.float() if value.dtype in HALF_DTYPES else value
+                    self.metric_sums[name] = self.metric_sums[name] + value * size
 
     def sync(self) -> None:
         """Sum the loss, sample and metric sums over every rank, for a checkpoint taken

@@ -11,6 +11,7 @@ from torch import nn
 
 from mixprec._dtypes import closest
 from mixprec._errors import ArgumentError
+from mixprec._warn import warn_at_caller
 from mixprec.losses import cross_entropy
 
 Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -25,11 +26,22 @@ IGNORE_INDEX = -100
 RESERVED = ("loss", "ms_per_step", "samples_per_s", "loss_scale", "skipped_steps")
 
 
-def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def accuracy(
+    output: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    categorical: bool = False,
+) -> torch.Tensor:
     """Mean of correct predictions: argmax over two or more classes, leaving out labels of
-    -100 (cross-entropy's padding); logit > 0 for one output (``(N,)`` or ``(N, 1)``)."""
+    ``ignore_index`` (cross-entropy's padding, -100 unless the loss says otherwise); logit
+    > 0 for one output (``(N,)`` or ``(N, 1)``) and for each of several (multi-label).
+    ``categorical`` (the Trainer's, under a cross-entropy loss): targets shaped as the
+    output are class probabilities (one-hot, mixup), compared by their argmax as Keras'
+    categorical accuracy does, not class by class."""
+    if categorical and output.shape == target.shape and output.shape[-1] > 1:
+        return (output.argmax(dim=-1) == target.argmax(dim=-1)).float().mean()
     if output.dim() == target.dim() + 1 and output.shape[-1] > 1:
-        kept = target != IGNORE_INDEX
+        kept = target != ignore_index
         hits = (output.argmax(dim=-1) == target) & kept
         # A batch of padding alone counts 0 (its loss is NaN, and left out of the means).
         return hits.sum().float() / kept.sum().clamp(min=1)
@@ -109,10 +121,13 @@ def get_metric(metric: str | Metric) -> tuple[str, Metric]:
 
 def get_metrics(
     metrics: str | Metric | Sequence[str | Metric] | Mapping[str, str | Metric],
+    loss_fn: LossFn | None = None,
 ) -> dict[str, Metric]:
     """The Trainer's ``metrics``: names or callables (one, a sequence, or a mapping from
     the name to log to either). Two of one name (two lambdas, two instances of a class) or
-    a name the Trainer logs itself would overwrite each other without a word: refused."""
+    a name the Trainer logs itself would overwrite each other without a word: refused.
+    Under a cross-entropy ``loss_fn``, ``accuracy`` leaves out the labels the loss leaves
+    out, and reads probability targets by their argmax."""
     if isinstance(metrics, str) or callable(metrics):
         metrics = [metrics]  # one metric, not the letters of its name
     if isinstance(metrics, Mapping):
@@ -133,6 +148,10 @@ def get_metrics(
                 "name them apart: metrics={'first': fn1, 'second': fn2}"
             )
         named[name] = fn
+    ignore = None if loss_fn is None else ignore_index_of(loss_fn)
+    if ignore is not None:
+        as_loss = functools.partial(accuracy, ignore_index=ignore, categorical=True)
+        named = {k: as_loss if fn is accuracy else fn for k, fn in named.items()}
     return named
 
 
@@ -160,4 +179,31 @@ def get_loss(loss: str | LossFn) -> LossFn:
     raise ArgumentError(
         f"loss={loss!r} is not a known loss; valid: {', '.join(LOSSES)} or a callable "
         "(output, target) -> scalar" + (f" (closest: {hint!r})" if hint else "")
+    )
+
+
+def say_if_probabilities(model: nn.Module, loss_fn: LossFn, loss: object) -> None:
+    """A model that ends in ``nn.Softmax`` (``nn.Sigmoid``) under a loss that takes logits,
+    cross-entropy (binary cross-entropy with logits): the Keras habit of probability
+    outputs (whose losses default to ``from_logits=False``) trains worse and its accuracy
+    reads wrong (every probability is > 0). Said once, at the Trainer's construction, for
+    a model whose last module can be told (an ``nn.Sequential``)."""
+    last = model
+    while isinstance(last, nn.Sequential) and len(last):
+        last = last[-1]
+    func = loss_fn.func if isinstance(loss_fn, functools.partial) else loss_fn
+    logits_bce = func in (_bce_with_logits, F.binary_cross_entropy_with_logits) or isinstance(
+        func, nn.BCEWithLogitsLoss
+    )
+    if isinstance(last, nn.Softmax) and ignore_index_of(loss_fn) is not None:
+        fix, ending = "nn.Softmax", "cross-entropy, which applies log_softmax itself"
+    elif isinstance(last, nn.Sigmoid) and logits_bce:
+        fix, ending = "nn.Sigmoid", "binary cross-entropy with logits, which applies the sigmoid"
+    else:
+        return
+    name = loss if isinstance(loss, str) else type(loss).__name__
+    warn_at_caller(
+        f"the model ends in {fix} and the loss ({name}) is {ending}: it would be applied "
+        f"twice (Keras' losses take probabilities by default; these take logits). Drop the "
+        f"final {fix} from the model and apply it to predict()'s outputs"
     )

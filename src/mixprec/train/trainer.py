@@ -30,10 +30,10 @@ from mixprec.scaling import LossScaler
 from mixprec.scaling.health import ScalerHealth, scale_floor
 from mixprec.trace import Overflow, OverflowTracer
 from mixprec.train import batches, evaluation, resume
-from mixprec.train.batches import Batch, to_device
+from mixprec.train.batches import Batch
 from mixprec.train.callbacks import Callback, CallbackList, History, Logs, ProgressBar
 from mixprec.train.meter import EpochMeter
-from mixprec.train.metrics import LossFn, Metric, get_loss, get_metrics
+from mixprec.train.metrics import LossFn, Metric, get_loss, get_metrics, say_if_probabilities
 from mixprec.train.step import build_train_step
 from mixprec.train.warn import warn
 
@@ -132,7 +132,8 @@ class Trainer:
         self.device = resolve_device(device)
         model.to(self.device)  # before the dtype changes, so kept float32 copies live there too
         self.loss_fn = get_loss(loss)
-        self.metrics: dict[str, Metric] = get_metrics(metrics)
+        say_if_probabilities(model, self.loss_fn, loss)
+        self.metrics: dict[str, Metric] = get_metrics(metrics, self.loss_fn)
         self.step = build_train_step(
             model,
             optimizer,
@@ -272,7 +273,7 @@ class Trainer:
         )
         try:
             for step, (batch, last) in enumerate(marked, start=first_step):
-                xb, yb = to_device(batch[0], self.device), to_device(batch[1], self.device)
+                xb, yb = batches.xy(batch, self.device)
                 if batches.skip_empty(yb, epoch, step):
                     self._step_in_epoch = step + 1
                     continue
