@@ -554,3 +554,28 @@ def test_a_global_policy_over_an_unprepared_model_is_said():
         assert len(said) == (0 if prepare else 1), said
         if not prepare:
             assert "'mixed_float16'" in said[0] and "mp.auto_mixed_precision(model)" in said[0]
+
+
+def test_a_write_through_data_after_the_second_step_is_what_a_save_holds(tmp_path):
+    """A max-norm constraint (or an average) applied through .data after the second step:
+    the save wrote the masters the model no longer held (the model evaluated was not the
+    model saved, 0.182 apart), saying nothing. The save now takes the weights' values, and
+    the masters follow them."""
+    model = _o2()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    _train(model, opt, steps=3)
+    with torch.no_grad():
+        model[0].weight.data.mul_(0.5)  # unseen by the version counters
+    written = model[0].weight.detach().clone()
+    with pytest.warns(UserWarning, match=r"1 16-bit weight\(s\) differ from their float32"):
+        mp.export_weights(model, tmp_path / "w.safetensors", optimizer=opt)
+    fresh = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    mp.load_checkpoint(tmp_path / "w.safetensors", fresh)
+    assert torch.equal(fresh[0].weight.to(written.dtype), written)  # the written values
+    master = dict(opt.master_weights())[model[0].weight]
+    assert torch.equal(master.to(written.dtype), written)  # the master follows them
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp.save_checkpoint(tmp_path / "c.safetensors", model, opt)  # said once
+    _train(model, opt)  # the next step starts from the written weights, not undone
+    assert (model[0].weight.float() - written.float()).abs().max() < 0.1

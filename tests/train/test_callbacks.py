@@ -255,3 +255,23 @@ def test_model_checkpoint_never_keeps_a_nan_epoch_as_best(tmp_path):
                     callbacks=[NanFirstEvaluation(), ckpt])  # fmt: skip
     losses = history.history["val_loss"]
     assert math.isnan(losses[0]) and ckpt.best == min(losses[1:])
+
+
+def test_ema_copied_into_an_o2_model_is_what_evaluate_and_a_save_see(tmp_path):
+    """The average applied with p.data.copy_ over model.parameters(): evaluate saw it, a
+    save wrote the masters instead (0.182 apart). copy_to_model() writes the masters and
+    their 16-bit weights, so both hold the float32 average."""
+    x, y = classification_data(n=64)
+    t = trainer()
+    ema = mp.EMA(decay=0.9)
+    t.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[ema])
+    ema.copy_to_model()
+    masters = dict(t.optimizer.master_weights())
+    averages = dict(zip([id(p) for p in t.optimizer.master_params()], ema.shadow, strict=True))
+    for weight, master in masters.items():
+        assert torch.equal(master, averages[id(master)])
+        assert torch.equal(weight, averages[id(master)].to(weight.dtype))
+    path = mp.export_weights(t.model, tmp_path / "ema.safetensors", optimizer=t.optimizer)
+    tensors, _ = mp.read_checkpoint(path)
+    first = t.model[0].weight
+    assert torch.equal(tensors["model/0.weight"], masters[first])  # the float32 average

@@ -62,6 +62,7 @@ def master_tensors(
         # A weight written since the last step (pretrained weights loaded) is what is saved,
         # not the master it is about to replace.
         optimizer._weights.follow_external_writes()
+        optimizer._weights.follow_data_writes()  # and those through .data, which it writes
         for param, master in optimizer.master_weights():
             for name in names.get(id(param), []):
                 masters[name] = master

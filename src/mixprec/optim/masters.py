@@ -108,6 +108,7 @@ class MasterWeights:
         # Steps that looked for external writes, counted to 2: the second also looks for
         # writes the version counters miss (through .data).
         self.step_looks = 0
+        self.said_data_saves = False  # follow_data_writes said its warning
 
     def adopt(
         self, inner: torch.optim.Optimizer, params: list[torch.Tensor], where: str
@@ -191,6 +192,34 @@ class MasterWeights:
             self.step_looks += 1
             if self.step_looks == 2:  # the first step's copy-back came before it
                 self._say_writes_through_data()
+
+    def follow_data_writes(self) -> None:
+        """Before a save, which writes the masters: 16-bit weights that differ from their
+        masters by more than rounding, written through ``.data`` (an average applied with
+        ``p.data.copy_``, a constraint), give their masters those values, element by
+        element, and are said once. Else the save wrote the masters the model no longer
+        holds (the model evaluated was not the model saved), and the next step undid the
+        write. A save reads every weight anyway; steps do not look (see below)."""
+        moved = 0
+        with torch.no_grad():
+            for p, m in zip(self.half, self.masters, strict=True):
+                if is_dtensor(p):
+                    continue
+                w = p.float()
+                ulp, tiny = torch.finfo(p.dtype).eps, torch.finfo(p.dtype).tiny
+                far = ((w - m).abs() > 2 * ulp * m.abs() + tiny) & torch.isfinite(w)
+                if bool(far.any()):
+                    m.copy_(torch.where(far, w, m))
+                    moved += 1
+        if moved and not self.said_data_saves:
+            self.said_data_saves = True
+            warn_at_caller(
+                f"{moved} 16-bit weight(s) differ from their float32 masters by more than "
+                "rounding: written through .data (p.data.copy_(...), p.data.mul_(...)), which "
+                "the optimizer does not see. This save takes the weights' values (the masters "
+                "now follow them); a step before a save undoes such a write. Write on the "
+                "weight itself under torch.no_grad() (p.copy_(...)), which the optimizer follows"
+            )
 
     def _say_writes_through_data(self) -> None:
         """Once, at the second step: 16-bit weights that moved away from their masters by

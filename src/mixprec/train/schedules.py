@@ -69,6 +69,21 @@ class EMA(Callback):
             torch._foreach_lerp_(self.shadow, weights, 1.0 - self.decay)
             self.updates += 1
 
+    def copy_to_model(self) -> None:
+        """Put the average into the model (to evaluate or save it): each float32 master
+        takes its average and its 16-bit weight the rounding of it, so that the optimizer
+        and a save hold the average too (``p.data.copy_`` of the model's parameters wrote
+        the weights alone: a save then wrote the masters, and a step undid it). Training
+        on from here trains from the average."""
+        optimizer = self.attached.optimizer
+        behind = {id(m): w for w, m in optimizer.master_weights()}
+        with torch.no_grad():
+            for target, average in zip(optimizer.master_params(), self.shadow, strict=True):
+                target.copy_(average)
+                weight = behind.get(id(target))
+                if weight is not None:  # the master's 16-bit weight, followed as a write
+                    weight.copy_(average)
+
     def state_dict(self) -> dict[str, Any]:
         return {"shadow": list(self.shadow), "updates": self.updates}
 
