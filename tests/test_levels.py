@@ -534,3 +534,13 @@ def test_a_model_with_a_prepared_part_or_inside_a_prepared_one_is_refused():
     mp.auto_mixed_precision(parent[1], "mixed_bfloat16", "O2")
     with pytest.raises(RuntimeError, match=r"its module '1' was prepared already"):
         mp.auto_mixed_precision(parent, "mixed_bfloat16", "O2")
+
+
+def test_amp_level_takes_a_global_policy_that_was_set():
+    """set_global_policy('mixed_bfloat16') then amp_level='O2' trained in float16 with a
+    dynamic loss scale, the policy set ignored, where level='O2' gave bfloat16."""
+    with mp.policy_scope("mixed_bfloat16"):
+        model = mp.auto_mixed_precision(nn.Sequential(nn.Linear(4, 4)), amp_level="O2")
+    assert model[0].weight.dtype == BF16
+    plain = mp.auto_mixed_precision(nn.Sequential(nn.Linear(4, 4)), amp_level="O2")
+    assert plain[0].weight.dtype == torch.float16  # none set: MindSpore's default dtype

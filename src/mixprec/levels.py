@@ -214,8 +214,8 @@ def auto_mixed_precision(
                 "(MindSpore's levels)"
             )
         level, o3_masters = key, key == "O3"
-        if policy is None:
-            policy = "mixed_float16"
+        if policy is None:  # MindSpore's default dtype, unless a mixed global policy is set
+            policy = global_policy() if global_policy().is_mixed else "mixed_float16"
     if isinstance(policy, str) and policy.strip().upper() in LEVELS:
         raise ArgumentError(
             f"policy={policy!r} looks like a level: auto_mixed_precision(model, policy, level); "
