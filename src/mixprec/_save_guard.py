@@ -8,7 +8,10 @@ the objects given to ``register_for_checkpointing``. A save that takes the model
 holder loses the masters and the scale without a word, and a resume restarts from the
 rounded weights with a fresh scale. Lightning's Trainer builds a weights-only checkpoint
 (``save_checkpoint(weights_only=True)``) without asking the precision plugin: it holds the
-16-bit weights alone, and is said too (a full one holds the masters).
+16-bit weights alone, and is said too (a full one holds the masters). So is Hugging
+Face's ``model.save_pretrained()`` without a ``state_dict``, which writes the model's own
+16-bit weights (``MixprecTrainer.save_model`` writes the masters; ``quiet_saves`` marks
+the saves of 16-bit weights it makes by the user's choice).
 
 How it is seen: a ``state_dict`` pre-hook on the model (``guard_saves``), which runs on every
 ``model.state_dict()``: a few dictionary lookups and a return unless Fabric or accelerate is
@@ -34,16 +37,18 @@ recognised by its ``master_weights()`` method (``LossScaleOptimizer``), through 
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Protocol
 
 from torch import nn
 
-__all__ = ["FABRIC_MODULES", "Holder", "guard_saves"]
+__all__ = ["FABRIC_MODULES", "Holder", "guard_saves", "quiet_saves"]
 
 #: How many frames above the hook a save's own frame may be (Fabric: save,
 #: save_checkpoint, _convert_stateful_objects_in_state, get_module_state_dict, a wrapper's
@@ -57,7 +62,10 @@ _LIGHTNING_MODULES = (
     "lightning.pytorch.trainer.connectors.checkpoint_connector",
     "pytorch_lightning.trainer.connectors.checkpoint_connector",
 )
-_SAVE_MODULES = (*FABRIC_MODULES, _ACCELERATE_MODULE, *_LIGHTNING_MODULES)
+#: Hugging Face's ``PreTrainedModel.save_pretrained``, given no ``state_dict``: it writes
+#: the model's own, the 16-bit weights (and a config that says so), not the masters.
+_TRANSFORMERS_MODULE = "transformers.modeling_utils"
+_SAVE_MODULES = (*FABRIC_MODULES, _ACCELERATE_MODULE, *_LIGHTNING_MODULES, _TRANSFORMERS_MODULE)
 _MASTERS_AND_SCALE = "the float32 master weights and the loss scale"
 
 
@@ -79,6 +87,18 @@ class _Guard:
 
 
 _GUARDS: weakref.WeakKeyDictionary[nn.Module, _Guard] = weakref.WeakKeyDictionary()
+_QUIET = [0]  # saves inside quiet_saves(): chosen, not lost
+
+
+@contextlib.contextmanager
+def quiet_saves() -> Iterator[None]:
+    """Saves that write the 16-bit weights by the user's choice (``MixprecTrainer(
+    save_masters=False)``), or with the masters beside them: nothing to say."""
+    _QUIET[0] += 1
+    try:
+        yield
+    finally:
+        _QUIET[0] -= 1
 
 
 def guard_saves(model: nn.Module, holder: Holder | None = None) -> None:
@@ -102,8 +122,10 @@ def guard_saves(model: nn.Module, holder: Holder | None = None) -> None:
 
 def _on_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
     guard = _GUARDS.get(module)
-    if guard is None or guard.warned or not any(m in sys.modules for m in _SAVE_MODULES):
-        return  # a save by neither framework: no frame walk on every state_dict() call
+    if guard is None or guard.warned or _QUIET[0]:
+        return
+    if not any(m in sys.modules for m in _SAVE_MODULES):
+        return  # a save by no such framework: no frame walk on every state_dict() call
     found = _enclosing_save(sys._getframe(1))
     if found is None:
         return
@@ -133,6 +155,8 @@ def _enclosing_save(frame: FrameType | None) -> tuple[str, FrameType, int] | Non
             return "accelerate", frame, depth
         if name == "dump_checkpoint" and module in _LIGHTNING_MODULES:
             return "lightning", frame, depth
+        if name == "save_pretrained" and module == _TRANSFORMERS_MODULE:
+            return "transformers", frame, depth
         frame, depth = frame.f_back, depth + 1
     return None
 
@@ -143,6 +167,8 @@ def _saved_objects(kind: str, frame: FrameType) -> list[Any] | None:
     Lightning checkpoint; None where it cannot be read (another version of the framework:
     stay silent rather than guess) or holds them (a full Lightning checkpoint)."""
     local = frame.f_locals
+    if kind == "transformers":  # the model's own weights, nothing else
+        return []
     if kind == "lightning":  # a full checkpoint holds the optimizers (the masters) and the
         return [] if local.get("weights_only") is True else None  # plugin's scale
     if kind == "fabric":
@@ -185,6 +211,14 @@ def _covers(optimizer: Any, model: nn.Module) -> bool:
 
 
 def _message(kind: str, lost: str, holder: object | None) -> str:
+    if kind == "transformers":
+        return (
+            "model.save_pretrained() writes this mixprec model's 16-bit weights (its config "
+            "then says so), not the float32 master weights its LossScaleOptimizer trained: "
+            "the files hold the trained values rounded to 16 bits. MixprecTrainer's "
+            "trainer.save_model() writes the masters, as does "
+            "mp.export_weights(model, path, optimizer=opt)"
+        )
     if kind == "lightning":
         return (
             f"a weights-only Lightning checkpoint (trainer.save_checkpoint(weights_only=True), "

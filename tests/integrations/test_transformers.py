@@ -425,7 +425,9 @@ def test_save_model_writes_the_float32_masters(tmp_path, save_masters):
     trainer.train()
     masters, stored = float32_values(trainer), weights(trainer.model)
     out = tmp_path / "final"
-    trainer.save_model(str(out))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the save the user asked for: nothing to say
+        trainer.save_model(str(out))
     assert weights(trainer.model).keys() == stored.keys()
     assert all(torch.equal(p, stored[n]) for n, p in weights(trainer.model).items())
     from safetensors.torch import load_file
@@ -442,6 +444,11 @@ def test_save_model_writes_the_float32_masters(tmp_path, save_masters):
         assert {p.dtype for p in loaded.parameters()} == {torch.float32}
         for name, value in weights(loaded).items():
             assert torch.equal(value, masters[name]), name
+        # The model's own save_pretrained writes its 16-bit weights: said, with the fix.
+        with pytest.warns(
+            UserWarning, match=r"save_pretrained\(\) writes this mixprec .*save_model"
+        ):
+            trainer.model.save_pretrained(str(tmp_path / "own"))
 
 
 def test_an_evaluation_only_trainer_saves_the_float32_weights_it_was_given(tmp_path):

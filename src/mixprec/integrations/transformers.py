@@ -38,6 +38,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.optimization import GreedyLR
 
 from mixprec._errors import ArgumentError, MisuseError
+from mixprec._save_guard import quiet_saves
 from mixprec.checkpoint._model import masters_in_place
 from mixprec.integrations._hf_arguments import refuse_second_mixed_precision
 from mixprec.integrations._hf_prepare import float32_from_checkpoint, is_prepared_as
@@ -275,7 +276,8 @@ class MixprecTrainer(Trainer):
     ) -> None:
         masters = self._float32_state_dict() if state_dict is None and self.save_masters else None
         if masters is None:  # no masters (O0, O1, O3, before train()) or a given state dict
-            super()._save(output_dir, state_dict)
+            with quiet_saves():  # or save_masters=False: the 16-bit weights, as asked
+                super()._save(output_dir, state_dict)
             return
         config = getattr(self.model, "config", None)
         before = getattr(config, "dtype", None)
