@@ -526,13 +526,16 @@ def test_a_write_through_data_is_said_at_the_second_step(through_data):
                     with torch.no_grad():
                         p.clamp_(-0.01, 0.01)
     said = [str(w.message) for w in seen if "written through .data" in str(w.message)]
-    masters = opt.state_dict()["master_weights"]
     if through_data:
         assert len(said) == 1 and said[0].startswith("4 16-bit weight(s) moved")
-        assert max(float(m.abs().max()) for m in masters) > 0.1  # undone: what it says
+        assert max(float(m.abs().max()) for _, m in opt.master_weights()) > 0.1  # undone
+        # A save, which writes the masters, gives them the weights' values first.
+        with pytest.warns(UserWarning, match=r"differ from their float32 masters"):
+            masters = opt.state_dict()["master_weights"]
     else:
         assert said == []
-        assert max(float(m.abs().max()) for m in masters) <= 0.0101
+        masters = opt.state_dict()["master_weights"]
+    assert max(float(m.abs().max()) for m in masters) <= 0.0101
 
 
 def test_a_global_policy_over_an_unprepared_model_is_said():

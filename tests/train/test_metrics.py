@@ -358,3 +358,22 @@ def test_a_probability_output_under_a_logits_loss_is_said(last, loss):
         plain = nn.Sequential(nn.Linear(8, 4))
         mp.Trainer(plain, loss, torch.optim.SGD(plain.parameters(), lr=0.1),
                    policy="float32", device="cpu")  # fmt: skip
+
+
+def test_probability_targets_of_several_positions_compare_along_the_class_dimension():
+    """(N, C, L) logits with one-hot (N, C, L) targets, torch's layout: the argmax was taken
+    over the last dimension (0.4167 for a model always right)."""
+    g = torch.Generator().manual_seed(4)
+    labels = torch.randint(0, 3, (4, 6), generator=g)
+    onehot = F.one_hot(labels, 3).permute(0, 2, 1).float()  # (N, C, L)
+    logits = onehot * 5.0
+    assert metrics.accuracy(logits, onehot, categorical=True) == 1.0
+
+
+def test_a_batch_given_as_a_mapping_is_refused_naming_the_pairs_it_takes():
+    loader = [{"x": torch.randn(4, 8), "y": torch.zeros(4, dtype=torch.long), "mask": None}]
+    model = nn.Linear(8, 4)
+    trainer = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), lr=0.1),
+                         policy="float32", device="cpu", metrics=())  # fmt: skip
+    with pytest.raises(mp.ArgumentError, match=r"a batch is a mapping \('x', 'y', 'mask'\)"):
+        trainer.fit(loader, epochs=1, verbose=0)

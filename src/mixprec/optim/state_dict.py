@@ -73,6 +73,7 @@ class StateDictMethods:
         # A weight written since the last step (a pretrained load) is saved, not the master
         # it is about to replace.
         self._weights.follow_external_writes()
+        self._weights.follow_data_writes()  # and through .data: the masters are saved
         if self.pending_micro_steps:
             warn_at_caller(
                 f"state_dict() taken {self._book.micro} of {self.accumulation_steps} "

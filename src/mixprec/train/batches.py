@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -41,6 +41,12 @@ _SAID_EXTRA: list[bool] = []  # batches with more than (inputs, targets): said o
 def xy(batch: Batch, device: torch.device) -> tuple[Any, Any]:
     """A batch's inputs and targets, on ``device``. Elements past those two are not used:
     said once, for Keras takes a third as sample weights (the losses came out unweighted)."""
+    if isinstance(batch, Mapping):
+        raise ArgumentError(
+            f"a batch is a mapping ({', '.join(map(repr, list(batch)[:4]))}): the Trainer "
+            "takes (inputs, targets) pairs; have the loader yield (x, y), or a model and "
+            "loss that take the rest from x"
+        )
     if len(batch) > 2 and not _SAID_EXTRA:
         _SAID_EXTRA.append(True)
         warn_at_caller(

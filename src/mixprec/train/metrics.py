@@ -39,7 +39,8 @@ def accuracy(
     output are class probabilities (one-hot, mixup), compared by their argmax as Keras'
     categorical accuracy does, not class by class."""
     if categorical and output.shape == target.shape and output.shape[-1] > 1:
-        return (output.argmax(dim=-1) == target.argmax(dim=-1)).float().mean()
+        dim = 1 if output.dim() > 2 else -1  # torch's class dimension, (N, C, d1, ...)
+        return (output.argmax(dim=dim) == target.argmax(dim=dim)).float().mean()
     if output.dim() == target.dim() + 1 and output.shape[-1] > 1:
         kept = target != ignore_index
         hits = (output.argmax(dim=-1) == target) & kept
@@ -201,7 +202,8 @@ def say_if_probabilities(model: nn.Module, loss_fn: LossFn, loss: object) -> Non
         fix, ending = "nn.Sigmoid", "binary cross-entropy with logits, which applies the sigmoid"
     else:
         return
-    name = loss if isinstance(loss, str) else type(loss).__name__
+    given = loss.func if isinstance(loss, functools.partial) else loss
+    name = loss if isinstance(loss, str) else getattr(given, "__name__", type(given).__name__)
     warn_at_caller(
         f"the model ends in {fix} and the loss ({name}) is {ending}: it would be applied "
         f"twice (Keras' losses take probabilities by default; these take logits). Drop the "
