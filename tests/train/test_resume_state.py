@@ -164,20 +164,26 @@ def test_a_loader_without_length_resumes_after_a_finished_epoch(tmp_path):
     assert ends.epochs == [1, 2]
 
 
-def test_a_checkpoint_holds_callback_state_after_the_step_whatever_the_order(tmp_path):
+@pytest.mark.parametrize("order", ["writer first", "raiser first"])
+def test_a_checkpoint_holds_callback_state_after_the_step_whatever_the_order(tmp_path, order):
     """ModelCheckpoint listed first still saves the scheduler as it is after the step, and
-    a callback that raises before it still gets the step's checkpoint written."""
+    a callback that raises before it still gets the step's checkpoint written. Listed
+    first, the raiser kept the scheduler after it from stepping: the checkpoint held it a
+    step behind, and its resume ended at twice the uninterrupted run's learning rate."""
     x, y = data(32)
     t = trainer()
     sched = torch.optim.lr_scheduler.StepLR(t.optimizer.optimizer, 1, 0.5)
     saver = mp.ModelCheckpoint(tmp_path, every_n_epochs=None, every_n_steps=2)
+    scheduler = mp.LearningRateScheduler(sched)
+    callbacks = [saver, scheduler, Interrupt(2)]
+    if order == "raiser first":
+        callbacks = [Interrupt(2), scheduler, saver]
     with pytest.raises(KeyboardInterrupt):
-        t.fit(x, y, batch_size=8, epochs=1, verbose=0,
-              callbacks=[saver, mp.LearningRateScheduler(sched), Interrupt(2)])  # fmt: skip
+        t.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=callbacks)
     loaded = mp.load_checkpoint(tmp_path / "step-00000002.safetensors", trainer().model)
     assert loaded.trainer_state["epoch_done"] is False
     saved = loaded.trainer_state["callbacks"]["LearningRateScheduler"]["scheduler"]
-    assert saved["last_epoch"] == 2
+    assert saved["last_epoch"] == 2 and sched.last_epoch == 2
 
 
 def test_a_state_without_its_callback_and_a_callback_without_its_state_are_said(tmp_path):
@@ -393,22 +399,6 @@ def test_a_state_saved_by_hand_after_an_interrupt_resumes_where_the_run_stood(tm
     assert resumed.global_step == full.global_step == 18
     assert torch.equal(weights(resumed), weights(full))
     assert resumed.optimizer.param_groups[0]["lr"] == full.optimizer.param_groups[0]["lr"]
-
-
-def test_a_callback_that_raises_before_the_others_leaves_their_state_after_the_step(tmp_path):
-    """Listed first, a callback that stopped the run kept the scheduler after it from
-    stepping: the step's checkpoint held the scheduler one step behind, and its resume
-    ended at twice the uninterrupted run's learning rate."""
-    x, y = data(32)
-    t = trainer()
-    sched = torch.optim.lr_scheduler.StepLR(t.optimizer.optimizer, 1, 0.5)
-    saver = mp.ModelCheckpoint(tmp_path, every_n_epochs=None, every_n_steps=2)
-    with pytest.raises(KeyboardInterrupt):
-        t.fit(x, y, batch_size=8, epochs=1, verbose=0,
-              callbacks=[Interrupt(2), mp.LearningRateScheduler(sched), saver])  # fmt: skip
-    loaded = mp.load_checkpoint(tmp_path / "step-00000002.safetensors", trainer().model)
-    saved = loaded.trainer_state["callbacks"]["LearningRateScheduler"]["scheduler"]
-    assert saved["last_epoch"] == 2 and sched.last_epoch == 2
 
 
 def test_a_new_run_in_a_folder_with_a_best_checkpoint_says_it_replaces_it(tmp_path):
