@@ -103,8 +103,8 @@ def load_checkpoint(
             f"{path}: does not match the model (strict=False loads what matches)\n{details}"
         )
 
-    mismatched = {k for k, _, _ in report.mismatched}  # not loaded: no value to lose
-    report.tied_conflicts = _tied_conflicts(current, saved, mismatched)
+    skip = {k for k, _, _ in report.mismatched}  # not loaded: no value to lose
+    report.tied_conflicts = _tied_conflicts(current, saved, skip)
     if strict and report.tied_conflicts:
         raise CheckpointError(
             f"{path}: {', '.join(report.tied_conflicts[0])} are one tensor in this model "
@@ -113,7 +113,6 @@ def load_checkpoint(
             "last key's value wins, said in the LoadReport)"
         )
     # Check and prepare everything; nothing changes before the commit below.
-    skip = {k for k, _, _ in report.mismatched}
     buffers = _buffer_names(model, current)
     loaded = {
         k: _convert(k, saved[k], current[k].dtype, on_range, report, k not in buffers)

@@ -31,6 +31,7 @@ from mixprec._warn import caller_stacklevel, warn_at_caller
 from mixprec.casting import POLICY_ATTR
 from mixprec.optim.fused import needs_scaling
 from mixprec.optim.masters import MasterWeights, needs_master
+from mixprec.optim.norm_statistics import reset_nonfinite_statistics
 from mixprec.optim.step_result import DeviceFlag, StepResult
 from mixprec.policy import global_policy
 from mixprec.scaling import LossScaler, NoOpLossScaler
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BackwardLook",
     "SetupCheck",
+    "after_step",
     "no_backward_error",
     "no_gradients",
     "refuse_accelerate_wrapper",
@@ -177,6 +179,17 @@ def watch_health(health: ScalerHealth | None, result: StepResult, scaler: LossSc
         _observe_eagerly(health, result, scaler)
     else:
         _observe(health, result, scaler)
+
+
+def after_step(
+    health: ScalerHealth | None, result: StepResult, scaler: LossScaler, weights: MasterWeights
+) -> None:
+    """What follows every step once it is decided (on the host, or when its device flag is
+    read): a skipped one's forward may have made running statistics inf/NaN (reset and
+    said, ``norm_statistics``), then the scaler's health (``watch_health``)."""
+    if result.found_inf is True:  # decided; a DeviceFlag is observed at its read
+        reset_nonfinite_statistics(weights.model_params())
+    watch_health(health, result, scaler)
 
 
 def _observe(health: ScalerHealth, result: StepResult, scaler: LossScaler) -> None:

@@ -20,9 +20,8 @@ import torch
 from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec._warn import warn_at_caller
-from mixprec.optim.checks import SetupCheck, watch_health
+from mixprec.optim.checks import SetupCheck, after_step
 from mixprec.optim.masters import MasterWeights
-from mixprec.optim.norm_statistics import reset_nonfinite_statistics
 from mixprec.optim.step_result import StepResult
 from mixprec.scaling import DynamicLossScaler, LossScaler, unscale_grads_
 from mixprec.scaling.health import ScalerHealth
@@ -160,9 +159,7 @@ class KerasMethods:
         except BaseException:
             self._drop_unscaled()  # as step(): else the next backward would be refused
             raise
-        if result.found_inf is True:
-            reset_nonfinite_statistics(weights.model_params())
-        watch_health(self.health, result, self._loss_scaler)
+        after_step(self.health, result, self._loss_scaler, weights)
         return result
 
 

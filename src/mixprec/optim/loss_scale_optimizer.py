@@ -26,12 +26,12 @@ from mixprec.optim.arguments import checked_arguments, make_tracer
 from mixprec.optim.checks import (
     BackwardLook,
     SetupCheck,
+    after_step,
     grad_versions,
     no_backward_error,
     no_gradients,
     say_if_half_grads_changed,
     say_if_masters_lost,
-    watch_health,
 )
 from mixprec.optim.deferred import Deferred, device_tail, on_device
 from mixprec.optim.direct import FusedStep
@@ -40,7 +40,6 @@ from mixprec.optim.groups import ParamGroups
 from mixprec.optim.host_step import host_step
 from mixprec.optim.keras_api import KerasMethods, keras_scaler
 from mixprec.optim.masters import MasterWeights, warn_if_eps_vanishes
-from mixprec.optim.norm_statistics import reset_nonfinite_statistics
 from mixprec.optim.replicas import masters_of_rank0_if_replicas
 from mixprec.optim.state_dict import StateDictMethods
 from mixprec.optim.state_view import InnerViews, StepHooks
@@ -212,9 +211,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         """One step decided on the device, now read: count it and watch the health."""
         self._loss_scaler.update(found_inf)
         result = StepResult(not found_inf, found_inf, self._loss_scaler.get_scale())
-        if found_inf:
-            reset_nonfinite_statistics(self._weights.model_params())
-        watch_health(self.health, result, self._loss_scaler)
+        after_step(self.health, result, self._loss_scaler, self._weights)
 
     def broadcast_masters(self, src: int = 0) -> None:
         """Make every rank's float32 masters (and so 16-bit weights) those of rank ``src``.
@@ -301,7 +298,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         if self._book.micro < self.accumulation_steps:
             return StepResult(False, False, self._loss_scaler.get_scale(), accumulating=True)
         self._adopt_added_groups()
-        if self._book.look.versions is not None and self._book.found_inf is None:
+        if self._book.look.versions is not None:  # None after unscale_(), which looked
             self._book.look.before_unscale(self._weights, self._loss_scaler.get_scale())
         if self._book.unscaled_versions is not None:
             say_if_half_grads_changed(self._book.unscaled_versions, self._weights.half)
@@ -315,9 +312,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         except BaseException:
             self._drop_unscaled()
             raise
-        if result.found_inf is True:  # decided on the host (a device flag: at its read)
-            reset_nonfinite_statistics(self._weights.model_params())
-        watch_health(self.health, result, self._loss_scaler)
+        after_step(self.health, result, self._loss_scaler, self._weights)
         return result
 
     def _finish(self) -> StepResult:

@@ -208,8 +208,7 @@ class MasterWeights:
                 if is_dtensor(p) or torch.equal(m.to(p.dtype), p):
                     continue
                 w = p.float()
-                ulp, tiny = torch.finfo(p.dtype).eps, torch.finfo(p.dtype).tiny
-                far = ((w - m).abs() > 2 * ulp * m.abs() + tiny) & torch.isfinite(w)
+                far = _moved(w, m, p.dtype)
                 if bool(far.any()):
                     m.copy_(torch.where(far, w, m))
                     moved += 1
@@ -241,10 +240,7 @@ class MasterWeights:
                 # ones raised the main job's peak memory by 20-50 MB.
                 stride = max(1, p.numel() // _DATA_SAMPLE)
                 w, v = p.reshape(-1)[::stride].float(), m.reshape(-1)[::stride]
-                ulp, tiny = torch.finfo(p.dtype).eps, torch.finfo(p.dtype).tiny
-                # A float16 weight past 65504 is inf beside its finite master: no write.
-                far = (w - v).abs() > 2 * ulp * v.abs() + tiny
-                flags.append((far & torch.isfinite(w)).any())
+                flags.append(_moved(w, v, p.dtype).any())
             moved = sum(torch.stack(flags).tolist())
         if moved:
             warn_at_caller(
@@ -387,3 +383,11 @@ def _check_param(p: Any, where: str) -> None:
 def _local(p: torch.Tensor) -> torch.Tensor:
     """The local shard of an FSDP2 parameter, else the parameter."""
     return p.to_local() if is_dtensor(p) else p  # type: ignore[attr-defined,no-any-return]
+
+
+def _moved(weight: torch.Tensor, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where a weight (read in float32) is further from its master than ``dtype``'s
+    rounding of it: written since, not rounded (a float16 weight past 65504 is inf beside
+    its finite master: no write)."""
+    ulp, tiny = torch.finfo(dtype).eps, torch.finfo(dtype).tiny
+    return ((weight - master).abs() > 2 * ulp * master.abs() + tiny) & torch.isfinite(weight)

@@ -18,7 +18,6 @@ import torch
 
 from mixprec import distributed
 from mixprec._errors import ArgumentError, check_int
-from mixprec._warn import warn_at_caller
 from mixprec.data import check_finite, validate_classification
 from mixprec.train.metrics import LossFn, ignore_index_of
 from mixprec.train.warn import warn
@@ -49,7 +48,7 @@ def xy(batch: Batch, device: torch.device) -> tuple[Any, Any]:
         )
     if len(batch) > 2 and not _SAID_EXTRA:
         _SAID_EXTRA.append(True)
-        warn_at_caller(
+        warn(
             f"a batch has {len(batch)} elements: the Trainer uses the first two (inputs, "
             "targets) and ignores the rest. Keras would take a third as sample weights; "
             "here the loss is unweighted: pass targets that carry the weights and a loss "
@@ -414,7 +413,7 @@ def drop_unfinished_group(optimizer: Any) -> None:
     micro-batches): dropped, and said, so that no group spans two ``fit`` calls."""
     pending = optimizer.pending_micro_steps
     if pending:
-        warn_at_caller(
+        warn(
             f"fit: the optimizer holds the gradients of {pending} of "
             f"{optimizer.accumulation_steps} micro-batches of a group an earlier fit left "
             "unfinished; they are dropped, so that no group spans two fit calls"
