@@ -67,3 +67,35 @@ def test_a_copy_traces_its_own_overflows():
     result = opt.step()
     assert not result.applied and result.overflow is not None
     assert "0" in str(result.overflow)  # the first Linear, by its name in the copy
+
+
+def test_a_load_that_replaces_o2_weights_held_by_an_optimizer_says_so():
+    # assign=True made float32 parameters in place of the O2 bfloat16 ones, and the optimizer
+    # built before kept stepping the old ones: the model never moved, with no word but a
+    # "did zero_grad() run" hint.
+    float32_state = {k: v.clone() for k, v in net().state_dict().items()}
+    model = mp.auto_mixed_precision(net(), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.warns(UserWarning) as got:
+        model.load_state_dict(float32_state, assign=True)
+    said = [str(w.message) for w in got if "assign=True" in str(w.message)]
+    assert len(said) == 1, said
+    assert "replaced 4 parameters" in said[0]
+    assert "4 changed dtype ('0.weight': bfloat16 -> float32)" in said[0]
+    assert "4 old ones are still held elsewhere" in said[0]
+    assert got[0].filename == __file__  # at the user's load line
+    assert len(opt.master_weights()) == 4  # still the old ones: the warning is the news
+
+
+def test_a_load_into_the_weights_or_of_their_own_dtype_is_quiet(recwarn):
+    model = mp.auto_mixed_precision(net(), "mixed_bfloat16", "O2")
+    model.load_state_dict({k: v.clone() for k, v in net().state_dict().items()})  # copies in
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    # Prepared on the meta device, then given its bfloat16 values: nothing held, no change.
+    with torch.device("meta"):
+        empty = net()
+    empty = mp.auto_mixed_precision(empty, "mixed_bfloat16", "O2")
+    state = {k: v.to(torch.bfloat16) for k, v in net().state_dict().items()}
+    empty.load_state_dict(state, assign=True)
+    assert empty[0].weight.device.type == "cpu" and empty[0].weight.dtype == torch.bfloat16
+    assert not [w for w in recwarn if "assign=True" in str(w.message)]

@@ -7,18 +7,30 @@ well, so that it outlives the parameter objects.
 the data alone) and in ``load_state_dict(..., assign=True)``: a copy of a float16 model
 would then train without loss scaling, and an O3 copy with float32 masters, with no word.
 The ``TagKeeper`` on the module puts them back in both cases.
+
+``assign=True`` does more than drop the notes: the model holds new parameters, which an
+optimizer built before the load does not, and float32 values replace O2's 16-bit weights.
+The keeper remembers the parameters it tagged, and says so when a load replaced them.
 """
 
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import Any
 
+import torch
 from torch import nn
+
+from mixprec._warn import warn_at_caller
 
 __all__ = ["TAGS_ATTR", "TagKeeper", "refuse_prepared_parts", "tag"]
 
 TAGS_ATTR = "_mixprec_tags"  # the TagKeeper of a module whose parameters were tagged
+
+# A parameter a load replaced: its name, whether the old one is still held somewhere, the
+# old dtype and the new one.
+Replaced = tuple[str, bool, torch.dtype, torch.dtype]
 
 
 class TagKeeper:
@@ -27,6 +39,10 @@ class TagKeeper:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.notes: dict[str, dict[str, Any]] = {}
+        # During a load: the parameter objects before it, and their dtypes, by name, so a
+        # load that replaced them (assign=True) is told apart from one that wrote into them.
+        self.held: dict[str, tuple[weakref.ref[nn.Parameter], torch.dtype]] = {}
+        self.watch_loads = False  # the whole prepared model's keeper says replacements
         # Run with a copy and its parameters when the module is deep-copied (trace.py).
         self.on_copy: list[Any] = []
 
@@ -37,6 +53,21 @@ class TagKeeper:
             if name in params:
                 params[name].__dict__.update(attrs)
 
+    def hold(self, module: nn.Module) -> None:
+        self.held = {
+            name: (weakref.ref(p), p.dtype)
+            for name, p in module.named_parameters(remove_duplicate=False)
+        }
+
+    def replaced(self, module: nn.Module) -> list[Replaced]:
+        """Each parameter that is no longer the object held before the load."""
+        out = []
+        for name, new in module.named_parameters(remove_duplicate=False):
+            ref_dtype = self.held.get(name)
+            if ref_dtype is not None and ref_dtype[0]() is not new:
+                out.append((name, ref_dtype[0]() is not None, ref_dtype[1], new.dtype))
+        return out
+
     def __deepcopy__(self, memo: dict[int, Any]) -> TagKeeper:
         # Called while the module is being copied: its copy (in memo) is still empty, so the
         # notes go onto the copies of the original's parameters, the very objects the copy's
@@ -44,6 +75,7 @@ class TagKeeper:
         new = TagKeeper(copy.deepcopy(self.module, memo))
         new.notes = {name: dict(attrs) for name, attrs in self.notes.items()}
         new.on_copy = list(self.on_copy)
+        new.watch_loads = self.watch_loads
         originals = dict(self.module.named_parameters(remove_duplicate=False))
         copies = {name: copy.deepcopy(p, memo) for name, p in originals.items()}
         for name, attrs in new.notes.items():
@@ -54,10 +86,13 @@ class TagKeeper:
         return new
 
 
-def tag(module: nn.Module, attrs: dict[str, Any]) -> None:
-    """Set ``attrs`` on each of ``module``'s parameters, and keep them on the module."""
+def tag(module: nn.Module, attrs: dict[str, Any], watch_loads: bool = False) -> None:
+    """Set ``attrs`` on each of ``module``'s parameters, and keep them on the module;
+    ``watch_loads``: say when a load replaces them (the prepared model's own keeper)."""
     keeper = keeper_of(module)
-    for name, param in module.named_parameters(remove_duplicate=False):
+    keeper.watch_loads |= watch_loads
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for name, param in params.items():
         param.__dict__.update(attrs)
         keeper.notes.setdefault(name, {}).update(attrs)
 
@@ -68,15 +103,62 @@ def keeper_of(module: nn.Module) -> TagKeeper:
     if not isinstance(keeper, TagKeeper):
         keeper = TagKeeper(module)
         object.__setattr__(module, TAGS_ATTR, keeper)
+        public = getattr(module, "register_load_state_dict_pre_hook", None)
+        if public is not None:
+            public(_hold)
+        else:  # torch 2.4: the private form, with the module passed first as well
+            module._register_load_state_dict_pre_hook(_hold, with_module=True)
         module.register_load_state_dict_post_hook(_retag)
     return keeper
+
+
+def _hold(module: nn.Module, *_: Any) -> None:
+    keeper = module.__dict__.get(TAGS_ATTR)
+    if isinstance(keeper, TagKeeper) and keeper.watch_loads:
+        keeper.hold(module)
 
 
 def _retag(module: nn.Module, incompatible_keys: Any) -> None:
     """After a load (``assign=True`` makes new parameters), the notes again."""
     keeper = module.__dict__.get(TAGS_ATTR)
     if isinstance(keeper, TagKeeper):
+        replaced = keeper.replaced(module)
+        keeper.held = {}
+        if replaced:
+            _say_replaced(replaced)
         keeper.apply(module)
+
+
+def _say_replaced(replaced: list[Replaced]) -> None:
+    """A load that made new parameters (``assign=True``) on a prepared model: said when an
+    old one is still held (an optimizer built before steps it, not the model) or when the
+    dtype changed (float32 values in place of O2's 16-bit weights: O1's memory, unsaid)."""
+    held = [name for name, alive, _, _ in replaced if alive]
+    changed = [(name, was, now) for name, _, was, now in replaced if was != now]
+    if not held and not changed:
+        return
+    said = []
+    if changed:
+        name, was, now = changed[0]
+        said.append(
+            f"{len(changed)} changed dtype ({name!r}: {_short(was)} -> {_short(now)}), so "
+            "the model no longer computes and stores as it was prepared to"
+        )
+    if held:
+        said.append(
+            f"{len(held)} old ones are still held elsewhere ({held[0]!r}): an optimizer "
+            "built before the load steps those, not the model"
+        )
+    warn_at_caller(
+        f"load_state_dict(assign=True) replaced {len(replaced)} parameters of a model "
+        f"prepared by mixprec; {'; '.join(said)}. Load without assign=True (the values are "
+        "copied into the prepared weights, and their float32 masters follow), or load "
+        "first, then prepare the model and build its optimizer"
+    )
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def refuse_prepared_parts(model: nn.Module, applied_attr: str, policy_attr: str) -> None:

@@ -331,7 +331,7 @@ def auto_mixed_precision(
     notes: dict[str, Any] = {POLICY_ATTR: resolved, LEVEL_ATTR: lvl}
     if o3_masters:
         notes[MASTERS_ATTR] = True
-    tag(model, notes)  # on the parameters, and kept by the model for its copies
+    tag(model, notes, watch_loads=True)  # on the parameters, and kept for copies and loads
     remember_model(model)
     setattr(
         model,

@@ -161,7 +161,9 @@ def no_gradients(book: _Bookkeeping, scale: float) -> StepResult:
             "LossScaleOptimizer.step(): no parameter has a gradient, so nothing was applied "
             "(applied=False). Did zero_grad() run between backward() and step()? Clear the "
             "gradients before the forward or after the step: opt.zero_grad(); "
-            "opt.backward(loss_fn(model(x), y)); opt.step()",
+            "opt.backward(loss_fn(model(x), y)); opt.step(). Or were the model's parameters "
+            "replaced after the optimizer was built (load_state_dict(assign=True), "
+            "model.to_empty())? Then build the optimizer for the model's new parameters",
             UserWarning,
             stacklevel=4,
         )
