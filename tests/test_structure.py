@@ -43,7 +43,7 @@ def test_module_is_small(path):
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(SRC)))
 def test_imports_flow_one_way(path):
     """No module imports the package root (it imports them: a cycle), and no module imports
-    another subpackage's private name."""
+    another subpackage's private name or private module."""
     here = _name(path)
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -65,3 +65,9 @@ def test_imports_flow_one_way(path):
                 a.name for a in node.names if a.name.startswith("_") and not a.name.endswith("__")
             ]
             assert not private, f"{here} imports private {private} from {node.module}"
+            # Nor from another subpackage's private module: what it shares, its package
+            # re-exports (the root's private leaves, ``mixprec._dtypes``, are shared).
+            inner = node.module.split(".")[2:]
+            assert not any(part.startswith("_") for part in inner), (
+                f"{here} imports from {node.module}, a private module of another subpackage"
+            )

@@ -26,7 +26,7 @@ from torch import nn
 
 from mixprec._calling import call
 from mixprec.casting import cast_floating, first_floating
-from mixprec.doctor._common import Recorder, relative_error
+from mixprec.doctor import Recorder, relative_error
 from mixprec.doctor.passes import max_abs
 from mixprec.float8 import Float8Options, convert_to_float8
 

@@ -17,7 +17,7 @@ from typing import Any
 from mixprec._errors import ArgumentError
 from mixprec._plan_apply import PLAN_DTYPES
 from mixprec.autotune.plan import LayerChoice, Plan, TrainingCheck
-from mixprec.doctor._common import to_json
+from mixprec.doctor import to_json
 from mixprec.levels import LEVELS
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "plan_from_json", "plan_to_json"]

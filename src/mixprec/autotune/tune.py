@@ -39,7 +39,7 @@ from mixprec.autotune.units import (
     float8_ready,
     units,
 )
-from mixprec.doctor._common import check_finite_batch, float32_model
+from mixprec.doctor import check_finite_batch, float32_model
 
 #: Why a layer the tuning batch never called is float32 in the plan.
 NOT_CALLED = "not called by the tuning batch: float32, not measured"

@@ -7,11 +7,19 @@ safetensors framing (``_safetensors``), the header's schema (``_schema``), dtype
 (``_conversion``), nested state (``_tree``), RNG states (``_rng``) and the model's stored
 tensors (``_model``).
 
-One private name is re-exported: ``_checksum``, with which tests rewrite headers.
+One private name is re-exported: ``_checksum``, with which tests rewrite headers. Four
+names of the private modules are re-exported for mixprec's other subpackages (not in
+``__all__``): a model's state with its masters in place (``masters_in_place``,
+``masters_of``: the Trainer's best weights, the integrations' saves), ``same_file`` and
+``SAFETENSORS_DTYPES`` (``mixprec convert``).
 """
 
+from mixprec.checkpoint._files import same_file as same_file
 from mixprec.checkpoint._files import temporary_files
+from mixprec.checkpoint._model import masters_in_place as masters_in_place
+from mixprec.checkpoint._model import masters_of as masters_of
 from mixprec.checkpoint._rng import rng_state
+from mixprec.checkpoint._safetensors import SAFETENSORS_DTYPES as SAFETENSORS_DTYPES
 from mixprec.checkpoint.export import convert_checkpoint, export_weights
 from mixprec.checkpoint.format import (
     FORMAT,

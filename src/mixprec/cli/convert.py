@@ -6,9 +6,7 @@ import argparse
 import re
 
 from mixprec._dtypes import dtype_name, parse_dtype
-from mixprec.checkpoint import CheckpointError, convert_checkpoint
-from mixprec.checkpoint._files import same_file
-from mixprec.checkpoint._safetensors import SAFETENSORS_DTYPES
+from mixprec.checkpoint import SAFETENSORS_DTYPES, CheckpointError, convert_checkpoint, same_file
 from mixprec.checkpoint.format import underflow_line
 from mixprec.cli._common import UsageError, output_file
 

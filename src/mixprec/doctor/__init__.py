@@ -7,6 +7,13 @@ a non-finite batch); ``diagnose``, ``passes``, ``risk``, ``headroom``, ``verify`
 ``float8_report`` the float8 doctor.
 """
 
+# What the autotuner measures with, as the doctors do: for mixprec's other subpackages,
+# which do not reach into the private module (not in __all__).
+from mixprec.doctor._common import Recorder as Recorder
+from mixprec.doctor._common import check_finite_batch as check_finite_batch
+from mixprec.doctor._common import float32_model as float32_model
+from mixprec.doctor._common import relative_error as relative_error
+from mixprec.doctor._common import to_json as to_json
 from mixprec.doctor.diagnose import diagnose
 from mixprec.doctor.report import ModuleReport, PlanCheck, Report
 

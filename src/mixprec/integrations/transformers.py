@@ -39,7 +39,7 @@ from transformers.optimization import GreedyLR
 
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec._save_guard import quiet_saves
-from mixprec.checkpoint._model import masters_in_place
+from mixprec.checkpoint import masters_in_place
 from mixprec.integrations._hf_arguments import refuse_second_mixed_precision
 from mixprec.integrations._hf_prepare import float32_from_checkpoint, is_prepared_as
 from mixprec.levels import KeepEntry, auto_mixed_precision, keep_list, resolve_level

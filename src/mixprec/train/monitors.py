@@ -14,8 +14,7 @@ import torch
 
 from mixprec._errors import ArgumentError, check_int
 from mixprec._warn import warn_at_caller
-from mixprec.checkpoint import save_checkpoint, temporary_files
-from mixprec.checkpoint._model import masters_in_place
+from mixprec.checkpoint import masters_in_place, save_checkpoint, temporary_files
 from mixprec.train.callbacks import Callback, Logs
 
 __all__ = ["EarlyStopping", "ModelCheckpoint"]

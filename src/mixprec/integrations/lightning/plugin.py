@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mixprec._errors import ArgumentError, MisuseError
-from mixprec.checkpoint._model import masters_of
+from mixprec.checkpoint import masters_of
 from mixprec.integrations.lightning._lightning import GradClipAlgorithmType, Precision, pl
 from mixprec.integrations.lightning.precision import _MixprecPlugin
 from mixprec.integrations.lightning.schedulers import _held_on_skip, _HeldOnSkip
