@@ -15,6 +15,7 @@ from torch import nn
 
 from mixprec._dist import is_dtensor
 from mixprec._dtypes import HALF_DTYPES
+from mixprec._param_tags import add_load_pre_hook
 
 __all__ = [
     "FP32_COPY_ATTR",
@@ -94,11 +95,7 @@ def keep_float32_on_load(module: nn.Module) -> None:
     if module.__dict__.get(_HOOKED):
         return
     module.__dict__[_HOOKED] = True
-    public = getattr(module, "register_load_state_dict_pre_hook", None)
-    if public is not None:
-        public(_note_float32_values)
-    else:  # torch 2.4: the private form, with the module passed first as well
-        module._register_load_state_dict_pre_hook(_note_float32_values, with_module=True)
+    add_load_pre_hook(module, _note_float32_values)
     module.register_load_state_dict_post_hook(_keep_noted_values)
 
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from mixprec._warn import warn_at_caller
 
-__all__ = ["TAGS_ATTR", "TagKeeper", "refuse_prepared_parts", "tag"]
+__all__ = ["TAGS_ATTR", "TagKeeper", "add_load_pre_hook", "refuse_prepared_parts", "tag"]
 
 TAGS_ATTR = "_mixprec_tags"  # the TagKeeper of a module whose parameters were tagged
 
@@ -103,13 +103,18 @@ def keeper_of(module: nn.Module) -> TagKeeper:
     if not isinstance(keeper, TagKeeper):
         keeper = TagKeeper(module)
         object.__setattr__(module, TAGS_ATTR, keeper)
-        public = getattr(module, "register_load_state_dict_pre_hook", None)
-        if public is not None:
-            public(_hold)
-        else:  # torch 2.4: the private form, with the module passed first as well
-            module._register_load_state_dict_pre_hook(_hold, with_module=True)
+        add_load_pre_hook(module, _hold)
         module.register_load_state_dict_post_hook(_retag)
     return keeper
+
+
+def add_load_pre_hook(module: nn.Module, hook: Any) -> None:
+    """``hook(module, state_dict, prefix, ...)`` before ``module`` loads a state dict."""
+    public = getattr(module, "register_load_state_dict_pre_hook", None)
+    if public is not None:
+        public(hook)
+    else:  # torch 2.4: the private form, with the module passed first as well
+        module._register_load_state_dict_pre_hook(hook, with_module=True)
 
 
 def _hold(module: nn.Module, *_: Any) -> None:
