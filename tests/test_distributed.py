@@ -5,6 +5,7 @@ is compared with a single process on the same global batch."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +91,9 @@ def test_fsdp2_matches_one_process(runs, policy):
     r0, r1 = runs(f"fsdp-{policy}")
     assert r0["losses"] == r1["losses"] and all(r0["applied"])
     assert r0["head_local"] == 32 and r1["head_local"] == 0  # rank 1: no shard, no gradient
+    # The shards carry no tags: fsdp_mixed_precision's float16 policy brings the scaling.
+    expected = "DynamicLossScaler" if policy == "mixed_float16" else "NoOpLossScaler"
+    assert r0["default_scaler"] == r1["default_scaler"] == expected
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(),
                           nn.Linear(32, 1))  # fmt: skip
@@ -140,13 +144,39 @@ def test_ranks_with_different_data_sizes_fail_on_every_rank_with_a_clear_error(r
     r0, r1 = runs("mismatch")
     assert r0["message"] == r1["message"]
     assert r0["message"].startswith(
-        "fit()'s data sizes differ between ranks (rank 0: samples_or_batches=64, batch_size=16, "
-        "epochs=1, validation_samples=-1, resume_from=0; rank 1: samples_or_batches=48, "
+        "fit()'s data differ between ranks (rank 0: samples_or_batches=64, batch_size=16, "
+        "epochs=1, validation_samples=-1, resume_from=0, data_checksum="
     )
+    assert "; rank 1: samples_or_batches=48, " in r0["message"]
     assert "every rank must pass the same global data, batch_size and epochs" in r0["message"]
     assert r0["resumed-alone"] == r1["resumed-alone"]
-    assert "validation_samples=-1, resume_from=1; rank 1: " in r0["resumed-alone"]
+    assert "validation_samples=-1, resume_from=1, data_checksum=" in r0["resumed-alone"]
     assert r0["resumed-alone"].endswith("and resume_from on every rank or none")
+    # Same sizes, each rank's own samples: rank 1's half was never trained on, unsaid.
+    assert r0["own-shards"] == r1["own-shards"]
+    assert r0["own-shards"].startswith("fit()'s data differ between ranks (rank 0: ")
+    checksums = re.findall(r"data_checksum=(-?\d+)", r0["own-shards"])
+    assert len(checksums) == 2 and checksums[0] != checksums[1]
+
+
+def test_ranks_that_part_ways_are_told_or_kept_together(runs):
+    r0, r1 = runs("parted")
+    for case in ("position", "weights"):  # a hang, or different weights trained on unsaid
+        assert r0[case] == r1[case]
+        assert r0[case].startswith("the checkpoints resumed differ between ranks (rank 0: ")
+        assert r0[case].endswith("every rank must resume from the same checkpoint file "
+                                 "(ModelCheckpoint writes one, from rank 0)")  # fmt: skip
+    assert "epoch=2" in r0["position"] and "epoch=1" in r0["position"]
+    # A stop asked on rank 0 alone, after its second batch: every rank stops there (it was
+    # a raw gloo abort on one rank and a connection reset on the other).
+    assert r0["stopped_at"] == r1["stopped_at"] == 2
+
+
+def test_a_checkpoint_loaded_on_rank_zero_alone_gives_every_rank_its_scale_and_moments(runs):
+    r0, r1 = runs("rank0-state")
+    assert r0["scale"] == r1["scale"] == 256.0  # 3 clean steps: no growth yet
+    assert all(torch.equal(a, b) for a, b in zip(r0["moments"], r1["moments"], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(r0["masters"], r1["masters"], strict=True))
 
 
 def test_trainer_under_torchrun_checkpoints_and_resumes(runs):

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from mixprec._dist import note_fsdp_float16
 from mixprec._errors import ArgumentError
 from mixprec.optim import LossScaleOptimizer
 from mixprec.optim.masters import live_master
@@ -25,6 +26,7 @@ from mixprec.policy import PolicyLike, get_policy
 __all__ = [
     "all_gather_object",
     "all_reduce_sum",
+    "any_rank",
     "barrier",
     "broadcast_",
     "check_batch",
@@ -183,6 +185,16 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return [float(v) for v in tensor.tolist()]
 
 
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank (one collective; ``flag`` outside torchrun)."""
+    if world_size() == 1:
+        return flag
+    device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+    tensor = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return bool(tensor.item())
+
+
 def shard(indices: torch.Tensor, pad: bool = True) -> torch.Tensor:
     """This rank's share of ``indices``, as ``DistributedSampler`` deals them (padded by
     wrapping around, so every rank gets as many)."""
@@ -287,6 +299,8 @@ def fsdp_mixed_precision(policy: PolicyLike = None, reduce_dtype: torch.dtype | 
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     resolved = get_policy(policy)
+    if resolved.compute_dtype == torch.float16:
+        note_fsdp_float16()  # the shards' LossScaleOptimizer then scales (optim.fused)
     return MixedPrecisionPolicy(
         param_dtype=resolved.compute_dtype,
         reduce_dtype=reduce_dtype or torch.float32,

@@ -251,3 +251,29 @@ def test_only_large_cpu_batches_for_a_gpu_go_through_pinned_memory():
     assert not _Staging.applies(images, y, cuda, rows)  # the buffers would drop its layout
     assert _Staging.applies(images.contiguous(), y, cuda, rows)
     assert not _Staging.applies(x.requires_grad_(), y, cuda, rows)  # out= would refuse it
+
+
+def test_a_distributed_sampler_is_told_each_epoch():
+    """fit never called set_epoch: a DistributedSampler then gave every epoch epoch 0's
+    order (under torchrun, on every rank), unsaid. Lightning tells it; so does fit, also
+    for the epoch a resume replays."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    x, y = classification_data(n=32, seed=3)
+
+    class Recording(DistributedSampler):
+        orders: list[list[int]] = []
+
+        def __iter__(self):
+            order = list(super().__iter__())
+            self.orders.append(order)
+            return iter(order)
+
+    # Rank 0 of 2, given by hand: no process group needed to deal its half.
+    sampler = Recording(TensorDataset(x, y), num_replicas=2, rank=0, shuffle=True, seed=1)
+    loader = DataLoader(TensorDataset(x, y), batch_size=8, sampler=sampler)
+    trainer().fit(loader, epochs=3, verbose=0)
+    assert sampler.epoch == 2
+    assert len(sampler.orders) == 3
+    assert all(len(order) == 16 for order in sampler.orders)  # rank 0's half each epoch
+    assert sampler.orders[0] != sampler.orders[1] != sampler.orders[2]

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mixprec._dist import is_dtensor
+from mixprec._dist import fsdp_float16_made, is_dtensor
 from mixprec.casting import COMPUTE_ATTR, LEVEL_ATTR, POLICY_ATTR
 from mixprec.policy import Policy, global_policy
 
@@ -35,9 +35,12 @@ _FUSED_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
 
 
 def needs_scaling(params: list[torch.Tensor]) -> bool:
-    """Float16 math needs loss scaling; decide from how the params' model was prepared."""
+    """Float16 math needs loss scaling; decide from how the params' model was prepared, or
+    for FSDP2's shards (new parameters, untagged), from ``fsdp_mixed_precision``'s policy."""
     tagged = False
+    shards = False
     for p in params:
+        shards = shards or is_dtensor(p)
         if p.dtype == torch.float16 or getattr(p, COMPUTE_ATTR, None) == torch.float16:
             return True
         policy = getattr(p, POLICY_ATTR, None)
@@ -45,6 +48,8 @@ def needs_scaling(params: list[torch.Tensor]) -> bool:
             tagged = True
             if policy.loss_scaling == "dynamic" and getattr(p, LEVEL_ATTR, None) != "O0":
                 return True
+    if not tagged and shards and fsdp_float16_made():
+        return True
     return not tagged and global_policy().loss_scaling == "dynamic"
 
 

@@ -40,7 +40,7 @@ from mixprec.optim.groups import ParamGroups
 from mixprec.optim.host_step import host_step
 from mixprec.optim.keras_api import KerasMethods, keras_scaler
 from mixprec.optim.masters import MasterWeights, warn_if_eps_vanishes
-from mixprec.optim.replicas import masters_of_rank0_if_replicas
+from mixprec.optim.replicas import masters_of_rank0_if_replicas, state_of_rank
 from mixprec.optim.state_dict import StateDictMethods
 from mixprec.optim.state_view import InnerViews, StepHooks
 from mixprec.optim.step_result import StepResult
@@ -214,11 +214,13 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         after_step(self.health, result, self._loss_scaler, self._weights)
 
     def broadcast_masters(self, src: int = 0) -> None:
-        """Make every rank's float32 masters (and so 16-bit weights) those of rank ``src``.
+        """Make every rank's float32 masters (and so 16-bit weights) those of rank ``src``,
+        and its loss scale and inner optimizer state where a rank's differ (replicas.py).
 
         DDP broadcasts rank 0's 16-bit weights when it wraps a model; this sends the
         float32 masters behind them too, so no rank starts from rounded values."""
         self._weights.broadcast(src)
+        state_of_rank(self, src)
 
     # -- gradients --------------------------------------------------------------------------
 

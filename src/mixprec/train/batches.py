@@ -332,13 +332,39 @@ def check_ranks_agree(
         "validation_samples": -1 if validation_data is None else length(validation_data[0]),
         "resume_from": int(resume_from is not None),
     }
+    if y is not None:  # each rank's own shard of the same size would lose the others' half
+        sizes["data_checksum"] = _checksum(x, y)
     distributed.check_same_on_every_rank(
-        "fit()'s data sizes",
+        "fit()'s data",
         sizes,
         "every rank must pass the same global data, batch_size and epochs (the Trainer "
         "deals each rank its share), or loaders of the same length, and resume_from on "
         "every rank or none",
     )
+
+
+def _checksum(x: Any, y: Any) -> int:
+    """A number that differs where ranks pass different samples: sums of 8 rows spread over
+    ``x`` and of ``y``, in float64 (the ranks' own shards, passed where the global data is
+    meant, trained on rank 0's half alone, unsaid)."""
+    xt, yt = as_tensor(x, "x"), as_tensor(y, "y")
+    if len(xt) == 0:
+        return 0
+    rows = torch.linspace(0, len(xt) - 1, min(8, len(xt))).long().to(xt.device)
+    total = xt[rows].sum(dtype=torch.float64) + yt.sum(dtype=torch.float64)
+    return hash(float(total))
+
+
+def set_sampler_epoch(loader: Any, epoch: int) -> None:
+    """Tell a loader's ``DistributedSampler`` (or any sampler with ``set_epoch``) the epoch
+    before it is iterated, as Lightning does: it shuffles by epoch, and untold it gave every
+    epoch epoch 0's order."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for sampler in (getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None)):
+        set_epoch = getattr(sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+            return
 
 
 def validate(x: Any, y: Any, loss_fn: LossFn, count_classes: Callable[[torch.Tensor], int]) -> None:

@@ -27,6 +27,7 @@ __all__ = [
     "RankRng",
     "ResumePoint",
     "callback_states",
+    "check_ranks_resumed_alike",
     "data_shape",
     "keyed",
     "read",
@@ -56,6 +57,28 @@ def data_shape(x: Any, y: Any, batch_size: int, shuffle: bool, steps: int) -> di
     if y is None:
         return {"batches": steps}
     return {"batches": steps, "samples": len(x), "batch_size": batch_size, "shuffle": shuffle}
+
+
+def check_ranks_resumed_alike(point: ResumePoint, model: nn.Module) -> None:
+    """Under torchrun, after every rank loaded its checkpoint: the same position and the
+    same weights on each (one collective). Ranks given different checkpoints hung in DDP's
+    all-reduce, or, at one position, trained on from different weights without a word (DDP
+    broadcast the weights when it wrapped the model, before this load)."""
+    if distributed.world_size() == 1:
+        return
+    with torch.no_grad():
+        total = sum(float(p.detach().sum(dtype=torch.float64)) for p in model.parameters())
+    distributed.check_same_on_every_rank(
+        "the checkpoints resumed",
+        {
+            "global_step": point.global_step,
+            "epoch": point.epoch,
+            "batches_done": point.skip,
+            "weights_checksum": hash(total),
+        },
+        "every rank must resume from the same checkpoint file (ModelCheckpoint writes one, "
+        "from rank 0)",
+    )
 
 
 def read(

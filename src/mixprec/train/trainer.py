@@ -213,6 +213,7 @@ class Trainer:
         if resume_from is not None:
             point = resume.read(resume_from, self.model, self.optimizer, self._data)
             self.global_step = point.global_step
+            resume.check_ranks_resumed_alike(point, self.model)
 
         history = History()
         chosen = [history, *([ProgressBar()] if verbose else []), *callbacks]
@@ -233,10 +234,12 @@ class Trainer:
             skip, meter = 0, None
             if point.replay is not None:  # the interrupted epoch: its order, its sums
                 self._epoch_rng = point.replay
+                batches.set_sampler_epoch(x, epoch)
                 epoch_data = resume.replay_epoch(one_epoch, point.replay, point.skip)
                 skip, meter, point.replay = point.skip, point.meter, None
             else:
                 self._epoch_rng = torch.get_rng_state()
+                batches.set_sampler_epoch(x, epoch)
                 epoch_data = iter(one_epoch())
             logs = self._run_epoch(epoch, epoch_data, cbs, skip, meter)
             if validation_data is not None:
@@ -246,7 +249,7 @@ class Trainer:
             # validation interrupted) resumes into this epoch's end, which then runs again.
             self._epoch_done = True
             cbs.on_epoch_end(epoch, logs)
-            if self.stop_training:
+            if self._agreed_stop():
                 break
         cbs.on_train_end({})
         distributed.barrier()  # rank 0's checkpoints are written when any rank returns
@@ -320,13 +323,21 @@ class Trainer:
                 )
                 # Asked by a callback (Keras: after this batch); an accumulation group ends
                 # first, or its gradients would be left for the next fit to add to.
-                if self.stop_training and not self.optimizer.pending_micro_steps:
+                if self._agreed_stop() and not self.optimizer.pending_micro_steps:
                     break
         finally:
             # A tracer left for a next step: no hooks outlive the epoch, also when a
             # step raises (the scaler's max_consecutive_skips, Ctrl-C, a callback).
             self._watch.culprit(None)
         return meter.logs(self.optimizer.loss_scaler.get_scale())
+
+    def _agreed_stop(self) -> bool:
+        """``stop_training``, agreed by every rank under torchrun (one small all-reduce): a
+        rank that stopped alone left the others in DDP's all-reduce, a raw gloo abort or a
+        hang (a callback's own condition, or a monitor of a rank's own timings)."""
+        if self.distributed:
+            self.stop_training = distributed.any_rank(self.stop_training)
+        return self.stop_training
 
     # -- evaluate / predict -----------------------------------------------------------------
 
