@@ -94,8 +94,13 @@ def fsdp_losses(out: Path, rank: int, policy: str) -> None:
         applied.append(opt.step().applied)
         losses.append(mpd.all_reduce_sum([loss.item()])[0] / 2)
     local = model[4].weight.to_local().numel()
+    try:  # one file of one rank's shards, or the raw "invalid python storage" error
+        mp.save_checkpoint(out / f"fsdp-{rank}.safetensors", model, opt)
+        refused = None
+    except mp.ArgumentError as err:
+        refused = str(err)
     torch.save({"losses": losses, "applied": applied, "head_local": local,
-                "default_scaler": type(default).__name__},
+                "default_scaler": type(default).__name__, "refused": refused},
                out / f"fsdp-{policy}-{rank}.pt")  # fmt: skip
 
 

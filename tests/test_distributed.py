@@ -94,6 +94,10 @@ def test_fsdp2_matches_one_process(runs, policy):
     # The shards carry no tags: fsdp_mixed_precision's float16 policy brings the scaling.
     expected = "DynamicLossScaler" if policy == "mixed_float16" else "NoOpLossScaler"
     assert r0["default_scaler"] == r1["default_scaler"] == expected
+    assert r0["refused"] == r1["refused"]
+    assert r0["refused"].startswith(
+        "save_checkpoint(): the model's parameters are DTensor shards ('0.weight'; FSDP2's "
+    )
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(),
                           nn.Linear(32, 1))  # fmt: skip

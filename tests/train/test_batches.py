@@ -3,6 +3,8 @@ come (empty batches, labels out of range), and the data sizes every rank must ag
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 from torch import nn
@@ -262,7 +264,7 @@ def test_a_distributed_sampler_is_told_each_epoch():
     x, y = classification_data(n=32, seed=3)
 
     class Recording(DistributedSampler):
-        orders: list[list[int]] = []
+        orders: ClassVar[list[list[int]]] = []
 
         def __iter__(self):
             order = list(super().__iter__())

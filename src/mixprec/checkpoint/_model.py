@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec._dist import is_dtensor
 from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import ArgumentError, shown
 from mixprec._plain_optimizers import is_wrapped
@@ -37,6 +38,18 @@ def check_arguments(who: str, model: Any, optimizer: Any) -> None:
         raise ArgumentError(
             f"{who}(optimizer={shown(optimizer)}) is invalid; valid: a torch.optim.Optimizer "
             "(a LossScaleOptimizer, for float32 masters) or None"
+        )
+    sharded = next((n for n, p in model.named_parameters() if is_dtensor(p)), None)
+    if sharded is not None:
+        # Each rank holds part of each weight: the raw "invalid python storage" error of
+        # the first tensor read, or a file of one rank's shards.
+        raise ArgumentError(
+            f"{who}(): the model's parameters are DTensor shards ({sharded!r}; FSDP2's "
+            "fully_shard or tensor parallelism): each rank holds part of each weight, which "
+            "this one-file format does not gather. Use torch.distributed.checkpoint: "
+            "dcp.save(get_state_dict(model, optimizer)) (torch.distributed.checkpoint."
+            "state_dict), or get_model_state_dict(model, options=StateDictOptions("
+            "full_state_dict=True, cpu_offload=True)) for one full file on rank 0"
         )
     if is_wrapped(optimizer):
         raise ArgumentError(
