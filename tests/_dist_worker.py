@@ -94,13 +94,22 @@ def fsdp_losses(out: Path, rank: int, policy: str) -> None:
         applied.append(opt.step().applied)
         losses.append(mpd.all_reduce_sum([loss.item()])[0] / 2)
     local = model[4].weight.to_local().numel()
+    # An O2 model sharded: its first step died in torch's raw _foreach_copy_ error.
+    o2 = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    fully_shard(o2, mp_policy=mixed)
+    try:
+        mp.LossScaleOptimizer(torch.optim.SGD(o2.parameters(), lr=0.05))
+        o2_refused = None
+    except mp.ArgumentError as err:
+        o2_refused = str(err)
     try:  # one file of one rank's shards, or the raw "invalid python storage" error
         mp.save_checkpoint(out / f"fsdp-{rank}.safetensors", model, opt)
         refused = None
     except mp.ArgumentError as err:
         refused = str(err)
     torch.save({"losses": losses, "applied": applied, "head_local": local,
-                "default_scaler": type(default).__name__, "refused": refused},
+                "default_scaler": type(default).__name__, "refused": refused,
+                "o2_refused": o2_refused},
                out / f"fsdp-{policy}-{rank}.pt")  # fmt: skip
 
 

@@ -95,6 +95,11 @@ def test_fsdp2_matches_one_process(runs, policy):
     expected = "DynamicLossScaler" if policy == "mixed_float16" else "NoOpLossScaler"
     assert r0["default_scaler"] == r1["default_scaler"] == expected
     assert r0["refused"] == r1["refused"]
+    assert r0["o2_refused"] == r1["o2_refused"]
+    assert r0["o2_refused"].startswith(
+        "param_groups[0]['params'][0] is a torch.bfloat16 DTensor shard: a model prepared at "
+        "O2 or O3 and then sharded by fully_shard."
+    )
     assert r0["refused"].startswith(
         "save_checkpoint(): the model's parameters are DTensor shards ('0.weight'; FSDP2's "
     )

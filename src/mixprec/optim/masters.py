@@ -130,6 +130,7 @@ class MasterWeights:
             if p.dtype == torch.float16:
                 self.checked.append(_local(p))
             if needs_master(p):
+                _refuse_sharded(p, f"{where}['params'][{j}]")
                 master, lost = _starting_values(p)
                 self.lost += lost
                 master.requires_grad_(True)
@@ -391,3 +392,16 @@ def _moved(weight: torch.Tensor, master: torch.Tensor, dtype: torch.dtype) -> to
     its finite master: no write)."""
     ulp, tiny = torch.finfo(dtype).eps, torch.finfo(dtype).tiny
     return ((weight - master).abs() > 2 * ulp * master.abs() + tiny) & torch.isfinite(weight)
+
+
+def _refuse_sharded(p: torch.Tensor, where: str) -> None:
+    """A 16-bit DTensor shard (an O2/O3 model given to FSDP2's fully_shard) gets no master:
+    its first step died in torch's raw "no sharding strategy for _foreach_copy_". FSDP2's
+    own float32 shards are the masters."""
+    if is_dtensor(p):
+        raise ArgumentError(
+            f"{where} is a {p.dtype} DTensor shard: a model prepared at O2 or O3 and then "
+            "sharded by fully_shard. FSDP2 keeps float32 shards as the master weights: "
+            "shard the float32 model (level O0, or unprepared) with "
+            "fully_shard(..., mp_policy=mixprec.distributed.fsdp_mixed_precision(policy))"
+        )
