@@ -86,7 +86,7 @@ def test_plot_draws_on_its_own_figure(tmp_path):
          "--candidates '' names no dtype; valid:"),
         (["--error-budget", "-1"], "--error-budget must be a number >= 0, got -1"),
         (["--time-budget", "nan"], "--time-budget must be a finite number >= 0, got nan"),
-        (["--check-steps", "-3"], "--check-steps must be >= 1, got -3"),
+        (["--check-steps", "-3"], "--check-steps must be an int >= 2, got -3"),
     ],
 )  # fmt: skip
 def test_options_that_do_not_apply_are_refused_not_ignored(options, said, capsys):

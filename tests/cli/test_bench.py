@@ -272,3 +272,111 @@ def test_max_batch_passes_the_compile_mode_and_refuses_json_and_plot(monkeypatch
         assert cli.main([*argv, *extra]) == 2
         assert "--json and --plot write the timing run's results" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("device", ["mps", "xpu", "meta"])
+def test_bench_refuses_a_device_it_cannot_measure(device, fake_steps, capsys):
+    """`--device mps|xpu|meta` passed the check (CUDA only) and ended in a traceback."""
+    assert cli.main(["bench", "mlp-b64", "--device", device, *FAST]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        f"mixprec bench: error: --device {device!r}: mixprec bench runs on CPU or CUDA only; "
+        "valid: auto, cpu, cuda, cuda:N\n"
+    )
+
+
+def test_bench_refuses_a_cuda_index_past_the_last_gpu(monkeypatch, fake_steps, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert cli.main(["bench", "mlp-b64", "--device", "cuda:1", *FAST]) == 2
+    assert capsys.readouterr().err == (
+        "mixprec bench: error: --device 'cuda:1': this machine has 1 CUDA device(s); valid: "
+        "cuda:0 to cuda:0\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--compile-mode", "max-autotune"],
+         "--compile-mode max-autotune applies to compiled modes; give --compile, or "
+         "MODE+compile in --modes"),
+        (["--float8-min-features", "16"],
+         "--float8-min-features 16 applies to float8 modes (O2-fp8, O2-fp8-rowwise, "
+         "O2-fp8-rowwise_with_gw_hp); the modes to run (float32, O2-bf16) have none: give one "
+         "in --modes, or --policy mixed_float8"),
+        (["--batch-limit", "300"],
+         "--batch-limit 300 caps the batches --max-batch tries; give --max-batch too, or leave "
+         "--batch-limit out"),
+    ],
+)  # fmt: skip
+def test_bench_refuses_an_option_that_does_not_apply(options, message, fake_steps, capsys):
+    """Each was ignored: the bench ran as if it had not been given."""
+    argv = ["bench", "mlp-b64", "--modes", "float32,O2-bf16", *options, *FAST]
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"mixprec bench: error: {message}\n"
+
+
+def test_bench_compile_mode_applies_to_modes_compiled_by_name(monkeypatch, capsys):
+    """A MODE+compile in --modes is a compiled mode: --compile-mode applies without
+    --compile."""
+    from mixprec import bench
+
+    seen = []
+    monkeypatch.setattr(bench, "max_batch", lambda *a, progress=None, compile_mode=None:
+                        seen.append(compile_mode) or 1)  # fmt: skip
+    argv = ["bench", "mlp-b64", "--small", "--modes", "O2-bf16+compile", "--max-batch", "9",
+            "--compile-mode", "max-autotune-no-cudagraphs"]  # fmt: skip
+    assert cli.main(argv) == 0 and seen == ["max-autotune-no-cudagraphs"]
+
+
+def _fake_pool(monkeypatch, mb_per_sample: float) -> None:
+    """``max_batch``'s fresh-process probes, in this process, where a step peaks at
+    ``mb_per_sample`` MB a sample."""
+    from mixprec.bench import memory
+
+    class Pool:
+        def __init__(self, processes: int) -> None: ...
+
+        def __enter__(self) -> Pool:
+            return self
+
+        def __exit__(self, *exc: object) -> None: ...
+
+        def apply(self, fn, args):
+            return fn(*args)
+
+    class Context:
+        def Pool(self, processes: int) -> Pool:  # noqa: N802 (multiprocessing's name)
+            return Pool(processes)
+
+    monkeypatch.setattr(memory.multiprocessing, "get_context", lambda method: Context())
+    monkeypatch.setattr(memory, "_peak_memory", lambda args: mb_per_sample * args[5])
+
+
+def test_max_batch_probes_the_limit_and_says_where_it_stopped(monkeypatch, capsys):
+    """With --batch-limit 300 and every probe within the budget, 256 was printed as the
+    largest batch within it, though 300 was never tried; and its ratio to float32 with it."""
+    from mixprec import bench
+
+    _fake_pool(monkeypatch, 0.1)  # 300 samples: 30 MB, within 50
+    probes: list[tuple[int, bool]] = []
+    found = bench.max_batch("mlp-b64", "float32", 50, small=True, limit=300,
+                            progress=lambda batch, fits: probes.append((batch, fits)))  # fmt: skip
+    assert found == 300 and probes[-2:] == [(256, True), (300, True)]
+    # Where the limit does not fit, the search bisects below it.
+    _fake_pool(monkeypatch, 0.18)  # 277 samples fit 50 MB, 278 do not
+    assert 256 <= bench.max_batch("mlp-b64", "float32", 50, small=True, limit=300) < 278
+
+    found_by_mode = {"float32": 300, "O2-bf16": 300, "O1-bf16": 150}
+    monkeypatch.setattr(bench, "max_batch", lambda w, mode, *a, **k: found_by_mode[mode])
+    argv = ["bench", "mlp-b64", "--small", "--modes", "float32,O2-bf16,O1-bf16",
+            "--max-batch", "50", "--batch-limit", "300"]  # fmt: skip
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "workload mlp-b64: largest batch within 50 MB",
+        "  float32                 >= 300 (reached --batch-limit)",
+        "  O2-bf16                 >= 300 (reached --batch-limit)",
+        "  O1-bf16                    150",  # no ratio against a float32 that reached the cap
+    ]

@@ -31,7 +31,10 @@ def checkpoint_and_file(tmp_path):
         (["convert", "{ckpt}", "{tmp}/adir"], "output '{tmp}/adir' is a directory; give a file"),
         (["convert", "{ckpt}", "{tmp}/afile/x.st"], "'{tmp}/afile' is not a directory"),
         (["convert", "{ckpt}", "{tmp}/no/such/x.st"], "'{tmp}/no/such' does not exist"),
-        (["convert", "{tmp}/adir", "{tmp}/x.st"], "'{tmp}/adir' is a directory, not a checkpoint"),
+        (
+            ["convert", "{tmp}/adir", "{tmp}/x.safetensors"],
+            "'{tmp}/adir' is a directory, not a checkpoint",
+        ),
         (["inspect", "{tmp}/adir"], "'{tmp}/adir' is a directory, not a checkpoint file"),
         (["train", "--save", "{tmp}/afile"], "--save '{tmp}/afile' is an existing file"),
         (["train", "--plot", "{tmp}/afile/p.png"], "'{tmp}/afile' is not a directory"),
@@ -141,3 +144,50 @@ def test_sigterm_is_one_line_and_exit_143_and_the_handler_is_restored(monkeypatc
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert capsys.readouterr().err.strip() == "mixprec train: interrupted (SIGTERM)"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train", "--save", ""], "--save '' is empty; give a directory"),
+        (["train", "--plot", ""], "--plot '' is empty; give a .png file path"),
+        (["doctor", "--json", ""], "--json '' is empty; give a file path"),
+        (["doctor", "--plot", ""], "--plot '' is empty; give a .png file path"),
+        (["bench", "mlp-b64", "--small", "--json", ""], "--json '' is empty; give a file path"),
+        (
+            ["bench", "mlp-b64", "--small", "--plot", ""],
+            "--plot '' is empty; give a .png file path",
+        ),
+        (["autotune", "--json", ""], "--json '' is empty; give a file path"),
+        (["autotune", "--plot", ""], "--plot '' is empty; give a .png file path"),
+        (["convert", "{ckpt}", ""], "output '' is empty; give a file path"),
+    ],
+)
+def test_an_empty_output_path_is_refused_not_ignored(argv, message, checkpoint_and_file, capsys):
+    """`--save ""`, `--json ""` and `--plot ""` were taken as not given: the command ran and
+    wrote nothing, without a word."""
+    tmp, ckpt = checkpoint_and_file
+    argv = [a.format(ckpt=ckpt) for a in argv]
+    if argv[0] == "train":
+        argv += ["--quiet", "--in-process"]
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"mixprec {argv[0]}: error: {message}\n"
+    assert sorted(p.name for p in tmp.iterdir()) == ["adir", "afile", "c.safetensors"]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs mkfifo")
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_an_output_that_is_a_fifo_is_refused(option, tmp_path, capsys):
+    """A device, pipe or socket at an output path was replaced by the atomic write."""
+    import stat
+
+    fifo = tmp_path / ("out.png" if option == "--plot" else "out.json")
+    os.mkfifo(fifo)
+    assert cli.main(["doctor", option, str(fifo)]) == 2
+    valid = "a .png file path" if option == "--plot" else "a file path"
+    assert capsys.readouterr().err == (
+        f"mixprec doctor: error: {option} {str(fifo)!r} is not a regular file (a device, pipe "
+        f"or socket); give {valid}\n"
+    )
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)

@@ -1,8 +1,11 @@
-"""``mixprec convert``: non-finite values and ``--on-range``."""
+"""``mixprec convert``: non-finite values and ``--on-range``; what OUT may be."""
 
 from __future__ import annotations
 
+import os
 import re
+
+import pytest
 
 from mixprec import cli
 
@@ -94,7 +97,7 @@ def test_convert_names_its_option_as_typed_and_counts_values_flushed_to_zero(tmp
     with torch.no_grad():
         model[0].weight[0, 0] = 1e6  # beyond float16's 65504
     mp.save_checkpoint(ckpt, model)
-    assert cli.main(["convert", str(ckpt), str(out), "--dtype", "float16"]) == 2
+    assert cli.main(["convert", str(ckpt), str(out), "--dtype", "float16", "--overwrite"]) == 2
     err = capsys.readouterr().err
     assert "pass --on-range clamp to saturate or --on-range ignore to cast as is" in err
 
@@ -175,3 +178,100 @@ def test_complex64_in_a_torch_file_loads_and_converts_as_safetensors_does(tmp_pa
     tensors, _ = mp.read_checkpoint(out)
     assert tensors["model/freq"].dtype == torch.complex64
     assert torch.equal(tensors["model/freq"], source.freq)
+
+
+@pytest.fixture
+def training_checkpoint(tmp_path):
+    """A checkpoint with optimizer, trainer and RNG state, as ``mixprec train --save``
+    writes one."""
+    import torch
+
+    import mixprec as mp
+    from tests.conftest import make_mlp
+
+    model = make_mlp()
+    optimizer = torch.optim.Adam(model.parameters())
+    return mp.save_checkpoint(tmp_path / "run.safetensors", model, optimizer, {"global_step": 7})
+
+
+def test_convert_refuses_an_existing_output_unless_overwrite(training_checkpoint, capsys):
+    """An OUT that is another training checkpoint was replaced silently: its optimizer and
+    trainer state were lost. Only OUT == IN was guarded."""
+    other = training_checkpoint.with_name("other.safetensors")
+    other.write_bytes(training_checkpoint.read_bytes())
+    before = other.read_bytes()
+    assert cli.main(["convert", str(training_checkpoint), str(other)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and other.read_bytes() == before
+    assert err == (
+        f"mixprec convert: error: output {str(other)!r} exists (a mixprec checkpoint with "
+        "optimizer, trainer and RNG state) and would be replaced; give another output, or "
+        "--overwrite to replace it\n"
+    )
+    assert cli.main(["convert", str(training_checkpoint), str(other), "--overwrite"]) == 0
+    assert capsys.readouterr().out.startswith(
+        f"wrote {other} (replaced a mixprec checkpoint with optimizer, trainer and RNG state): "
+    )
+    # A weights file is named as what it is.
+    assert cli.main(["convert", str(training_checkpoint), str(other)]) == 2
+    assert "exists (a safetensors file of 8 tensors) and would be" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs mkfifo")
+def test_convert_refuses_an_output_that_is_a_fifo(training_checkpoint, capsys):
+    """The atomic write renamed a regular file over the FIFO (or device) at OUT."""
+    import stat
+
+    fifo = training_checkpoint.with_name("pipe.safetensors")
+    os.mkfifo(fifo)
+    assert cli.main(["convert", str(training_checkpoint), str(fifo), "--overwrite"]) == 2
+    assert capsys.readouterr().err == (
+        f"mixprec convert: error: output {str(fifo)!r} is not a regular file (a device, pipe "
+        "or socket); give a file path\n"
+    )
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_convert_refuses_an_empty_output(training_checkpoint, capsys):
+    """``convert IN ""`` said that '' is a directory."""
+    assert cli.main(["convert", str(training_checkpoint), ""]) == 2
+    assert (
+        capsys.readouterr().err == "mixprec convert: error: output '' is empty; give a file path\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("out.pt", "has the suffix '.pt'"),
+        ("out", "has no suffix"),
+        ("o.ckpt", "has the suffix '.ckpt'"),
+    ],
+)
+def test_convert_refuses_an_output_that_is_not_named_safetensors(
+    name, said, training_checkpoint, capsys
+):
+    """``convert ckpt.safetensors out.pt`` wrote safetensors under a name torch.load fails on."""
+    out = training_checkpoint.with_name(name)
+    assert cli.main(["convert", str(training_checkpoint), str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"mixprec convert: error: output {str(out)!r} {said}; convert writes safetensors, not a "
+        "torch.save file: give a .safetensors file path\n"
+    )
+    assert not out.exists()
+
+
+def test_convert_in_place_says_a_torch_file_becomes_safetensors(tmp_path, capsys):
+    """In place on a torch.save file, the output did not say that its format changed."""
+    import torch
+
+    path = tmp_path / "model.pt"
+    torch.save(torch.nn.Linear(2, 2).state_dict(), path)
+    assert cli.main(["convert", str(path), str(path), "--in-place"]) == 0
+    assert (
+        f"  in place: {path} is now a safetensors file, not a torch.save one: torch.load no "
+        "longer reads it (mixprec and safetensors do)\n" in capsys.readouterr().out
+    )
+    # A safetensors file converted in place says nothing of the kind.
+    assert cli.main(["convert", str(path), str(path), "--in-place", "--dtype", "bfloat16"]) == 0
+    assert "is now a safetensors file" not in capsys.readouterr().out

@@ -82,3 +82,16 @@ def test_train_help_explains_a_user_model_and_data(capsys):
         "torch.nn.Module" in flat
     )
     assert "((x_train, y_train), (x_test, y_test))" in flat and "PYTHONPATH" in flat
+
+
+def test_the_docs_count_and_list_every_subcommand():
+    """docs/cli.md said "six subcommands" beside a table of seven."""
+    from pathlib import Path
+
+    from mixprec.cli.parser import COMMANDS
+
+    text = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
+    count = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+    assert f"has {count[len(COMMANDS)]} subcommands:" in text
+    table = [line for line in text.splitlines() if line.startswith("| `mixprec ")]
+    assert sorted(line.split("`")[1] for line in table) == sorted(f"mixprec {n}" for n in COMMANDS)

@@ -36,11 +36,11 @@ def test_convert_and_inspect(tmp_path, capsys):
     with torch.no_grad():
         big[0].weight[0, 0] = 1e6
     torch.save(big.state_dict(), tmp_path / "big.pt")
-    assert cli.main(["convert", str(tmp_path / "big.pt"), str(tmp_path / "o.st"),
+    assert cli.main(["convert", str(tmp_path / "big.pt"), str(tmp_path / "o.safetensors"),
                      "--dtype", "float16"]) == 2  # fmt: skip
     err = capsys.readouterr().err
     assert "mixprec convert: error:" in err and "'0.weight' has max |value| 1e+06" in err
-    assert cli.main(["convert", str(tmp_path / "big.pt"), str(tmp_path / "o.st"),
+    assert cli.main(["convert", str(tmp_path / "big.pt"), str(tmp_path / "o.safetensors"),
                      "--dtype", "float16", "--on-range", "clamp"]) == 0  # fmt: skip
     assert "exceeds float16 (clamp)" in capsys.readouterr().out
     assert cli.main(["inspect", str(tmp_path / "absent")]) == 2

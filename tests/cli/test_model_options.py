@@ -86,13 +86,25 @@ def float_labels():
 def three_things():
     x, y = blobs()
     return x, y, x
+
+
+def raises():
+    raise RuntimeError("boom")
 """
+
+# Modules that fail as they are imported: not a missing module, a failing one.
+BROKEN = {
+    "mixprec_user_syntaxerr": "def f(:\n",
+    "mixprec_user_raises_at_import": "raise RuntimeError('boom at import')\n",
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def user_module(tmp_path_factory):
     folder = tmp_path_factory.mktemp("user")
     (folder / f"{M}.py").write_text(textwrap.dedent(SOURCE))
+    for name, source in BROKEN.items():
+        (folder / f"{name}.py").write_text(source)
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(folder))
         yield folder
@@ -239,3 +251,56 @@ def test_nonsense_numbers_are_one_line_exit_2(argv, message, monkeypatch, capsys
     assert cli.main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(f"mixprec {argv[0]}: error: ") and message in err, err
+
+
+MODEL_FACTORY = "give a function that takes no arguments and returns a torch.nn.Module"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "mixprec_user_syntaxerr:f"],
+         r"--model 'mixprec_user_syntaxerr:f': cannot import module 'mixprec_user_syntaxerr' "
+         r"\(SyntaxError: .*\(mixprec_user_syntaxerr\.py, line 1\)\); " + MODEL_FACTORY),
+        (["--model", "mixprec_user_raises_at_import:f"],
+         r"--model 'mixprec_user_raises_at_import:f': cannot import module "
+         r"'mixprec_user_raises_at_import' \(RuntimeError: boom at import\); " + MODEL_FACTORY),
+        (["--model", f"{M}:raises"],
+         rf"--model '{M}:raises': {M}\.raises\(\) raised RuntimeError: boom"),
+        (["--data", f"{M}:raises"],
+         rf"--data '{M}:raises': {M}\.raises\(\) raised RuntimeError: boom"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("command", ["doctor", "train"])
+def test_a_module_or_factory_that_fails_as_it_runs_is_one_line(command, argv, message, capsys):
+    """Only ImportError was caught: a SyntaxError or any exception as the module imported,
+    or one the factory raised, was a traceback and exit 1."""
+    extra = ["--quiet"] if command == "train" else []  # checked before any worker starts
+    assert cli.main([command, *argv, *extra]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert re.fullmatch(f"mixprec {command}: error: {message}\n", err), err
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("mixprec_user_syntaxerr:f",
+         r"cannot import module 'mixprec_user_syntaxerr' \(SyntaxError: .*line 1\)\)"),
+        (f"{M}:raises", rf"{M}\.raises\(\) raised RuntimeError: boom"),
+    ],
+)  # fmt: skip
+def test_a_bench_workload_that_fails_as_it_runs_is_one_line(spec, message, capsys):
+    assert cli.main(["bench", spec, "--small", "--no-memory"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert re.fullmatch(f"mixprec bench: error: workload '{spec}': {message}\n", err), err
+
+
+def test_doctor_names_the_data_option_of_a_missing_mnist_directory(capsys):
+    """The loader's keyword (`path='/nonexist' is not a directory ...`) was the message."""
+    assert cli.main(["doctor", "--batch-size", "16", "--data", "mnist:/nonexist"]) == 2
+    assert capsys.readouterr().err == (
+        "mixprec doctor: error: --data 'mnist:/nonexist': '/nonexist' is not a directory; give "
+        "mnist:DIR, DIR holding MNIST's IDX files\n"
+    )

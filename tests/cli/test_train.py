@@ -98,7 +98,11 @@ def test_train_a_float8_policy_at_o0_trains_in_float32(capsys):
         (["--float8-min-features", "32"], "--float8-min-features applies to float8 policies"),
         (["--data", "mnist:"], "--data mnist: needs the directory of MNIST's IDX files"),
         (["--compare", "params=foo"], "--compare 'params=foo': "),
-        (["--data", "mnist:/nonexistent"], "is not a directory"),
+        (
+            ["--data", "mnist:/nonexistent"],
+            "--data 'mnist:/nonexistent': '/nonexistent' is not a directory; give mnist:DIR, DIR "
+            "holding MNIST's IDX files",
+        ),
     ],
 )
 def test_train_errors_exit_2_with_one_line(args, message, capsys):
@@ -276,7 +280,9 @@ def test_an_error_in_the_worker_process_is_one_line_exit_2(tmp_path, capsys):
     assert cli.main(["train", "--quiet", "--data", f"mnist:{tmp_path}",
                      "--compare", "none", "--epochs", "1"]) == 2  # fmt: skip
     err = capsys.readouterr().err.strip()
-    assert err.startswith("mixprec train: error: MNIST file not found in")
+    assert err.startswith(
+        f"mixprec train: error: --data 'mnist:{tmp_path}': MNIST file not found in"
+    )
     assert len(err.splitlines()) == 1
 
 
@@ -306,3 +312,95 @@ def test_main_job_defaults_reach_the_stated_accuracy(monkeypatch, capsys):
     # (--level O3) it rose to 0.0043 while the accuracy (0.981 vs 0.983) still passed.
     loss32, loss16 = (r["final_loss"] for r in runs)
     assert abs(loss16 - loss32) <= 1e-4, (loss32, loss16)
+
+
+SMALL = ["--hidden", "64", "--data", "synthetic", "--epochs", "1", "--quiet", "--in-process"]
+
+
+def test_save_refuses_a_checkpoint_path_that_is_a_directory_before_any_run(
+    tmp_path, monkeypatch, capsys
+):
+    """DIR/mixed.safetensors as a directory was found after both runs had trained, in an
+    error that named the API (`save_checkpoint: path`)."""
+    (tmp_path / "mixed.safetensors").mkdir()
+    monkeypatch.setattr(train, "run_training", lambda config: pytest.fail("a run started"))
+    assert cli.main(["train", *SMALL, "--save", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        f"mixprec train: error: --save {str(tmp_path)!r}: the mixed run's checkpoint "
+        f"{str(tmp_path / 'mixed.safetensors')!r} is a directory; give a directory where it "
+        "can be written\n"
+    )
+    # Only the checkpoints that will be written are checked: no baseline with --compare none.
+    (tmp_path / "mixed.safetensors").rmdir()
+    (tmp_path / "baseline.safetensors").mkdir()
+    monkeypatch.undo()
+    assert cli.main(["train", *SMALL, "--compare", "none", "--policy", "float32",
+                     "--save", str(tmp_path)]) == 0  # fmt: skip
+
+
+def test_save_says_each_checkpoint_it_writes_and_which_it_replaced(tmp_path, capsys):
+    """--save overwrote earlier checkpoints in DIR without a word, and never said what it
+    wrote."""
+    argv = ["train", *SMALL, "--policy", "mixed_bfloat16", "--save", str(tmp_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    for label in ("baseline", "mixed"):
+        assert f"\ncheckpoint written to {tmp_path / label}.safetensors\n" in out, out
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    for label in ("baseline", "mixed"):
+        line = f"checkpoint written to {tmp_path / label}.safetensors (replaced the file there)"
+        assert f"\n{line}\n" in out, out
+
+
+def test_an_allocation_failure_is_one_line_naming_the_size_options(capsys):
+    """--hidden 10**12 ended in two chained tracebacks (DefaultCPUAllocator), exit 1."""
+    assert cli.main(["train", "--epochs", "1", "--hidden", "1000000000000", "--quiet",
+                     "--in-process"]) == 2  # fmt: skip
+    out, err = capsys.readouterr()
+    assert out == "training float32 (level O0) ...\n"
+    assert re.fullmatch(
+        r"mixprec train: error: out of memory: DefaultCPUAllocator: can't allocate memory: you "
+        r"tried to allocate \d+ bytes\. .*; a smaller --hidden or --batch-size may fit\n",
+        err,
+    ), err
+
+
+def test_only_an_allocation_failure_is_caught_among_runtime_errors(monkeypatch, capsys):
+    def fails(error):
+        def run(args):
+            raise error
+
+        monkeypatch.setattr(train, "run", run)
+
+    fails(MemoryError())
+    assert cli.main(["train"]) == 2
+    assert capsys.readouterr().err == (
+        "mixprec train: error: out of memory: MemoryError (no size given); a smaller --hidden "
+        "or --batch-size may fit\n"
+    )
+    fails(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert cli.main(["train"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "mixprec train: error: out of memory: CUDA out of memory. Tried to allocate 2.00 GiB; "
+    )
+    fails(RuntimeError("a bug"))  # a traceback, as any bug's
+    with pytest.raises(RuntimeError, match="^a bug$"):
+        cli.main(["train"])
+
+
+def test_float16_weights_that_overflow_are_reported_as_a_diverged_run(capsys):
+    """float16 weights past 65504 raised FloatingPointError through two tracebacks (exit
+    1), where a float32 or bfloat16 run that diverged printed the table and one line."""
+    code = cli.main(["train", *SMALL, "--epochs", "2", "--lr", "1e30", "--compare", "none",
+                     "--policy", "mixed_float16"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 1
+    assert set(rows(out)) == {"mixed_float16"}
+    line = out.splitlines()[-1]
+    assert line.startswith(
+        "mixed_float16 (O2) diverged: float16 weights became inf or NaN in the last applied "
+        "update: 1.weight (float16; its float32 master's largest |value| is "
+    ), line
+    assert line.endswith("; a smaller --lr may train"), line

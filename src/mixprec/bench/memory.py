@@ -125,8 +125,9 @@ def max_batch(
     compile_mode: str | None = None,
 ) -> int:
     """The largest batch of ``workload`` whose training step, in ``mode`` alone in a fresh
-    process, peaks within ``budget_mb``: doubling, then bisection (0 if none fits).
-    ``progress(batch, fits)`` is called after each probe."""
+    process, peaks within ``budget_mb``: doubling, then bisection (0 if none fits). The
+    search goes no further than ``limit``: where ``limit`` itself fits it is returned, and a
+    larger batch may fit too. ``progress(batch, fits)`` is called after each probe."""
     check_mode(mode)
     require_float8([mode])
     ctx = multiprocessing.get_context("spawn")
@@ -145,8 +146,10 @@ def max_batch(
     low, high = 0, 1
     while high <= limit and fits(high):
         low, high = high, high * 2
-    if high > limit:
-        return low
+    if high > limit:  # doubling overshot the limit: the limit itself is probed, not skipped
+        if low == limit or fits(limit):
+            return limit
+        high = limit
     while high - low > max(1, low // 16):  # within ~6%
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)

@@ -125,6 +125,10 @@ def workload_factory(spec: str) -> Callable[[], object]:
         found = getattr(importlib.import_module(module), func, None)
     except ImportError as err:
         raise ArgumentError(f"workload {spec!r}: cannot import module {module!r} ({err})") from None
+    except Exception as err:  # the user's module failed as it ran: SyntaxError, any raise
+        raise ArgumentError(
+            f"workload {spec!r}: cannot import module {module!r} ({_first_line(err)})"
+        ) from None
     if not callable(found):
         raise ArgumentError(f"workload {spec!r}: module {module!r} has no function {func!r}")
     try:
@@ -143,12 +147,27 @@ def workload_factory(spec: str) -> Callable[[], object]:
 _FACTORY = "give a function that takes no arguments and returns a mixprec.bench.Workload"
 
 
+def _first_line(err: BaseException) -> str:
+    """``Type: first line of the message``, for a one-line error about a user's code."""
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
+
+
+def call_factory(spec: str, factory: Callable[[], object], named: str) -> object:
+    """``factory()``, where ``spec`` named it; an exception it raises is one line naming
+    ``named`` (``workload 'm:f'``, ``--model 'm:f'``), not the user's traceback."""
+    try:
+        return factory()
+    except Exception as err:
+        module, _, func = spec.partition(":")
+        raise ArgumentError(f"{named}: {module}.{func}() raised {_first_line(err)}") from None
+
+
 def get_workload(spec: str, small: bool = False, batch: int | None = None) -> Workload:
     """A named workload (at ``batch`` samples if given), or ``module:function`` returning
     a ``Workload`` (``workload_factory``); anything else it returns is refused."""
     if ":" in spec:
         module, _, func = spec.partition(":")
-        work = workload_factory(spec)()
+        work = call_factory(spec, workload_factory(spec), f"workload {spec!r}")
         if not isinstance(work, Workload):
             raise ArgumentError(
                 f"workload {spec!r}: {module}.{func}() returned {type(work).__name__}, not a "

@@ -83,17 +83,33 @@ def policy_option(kind: str, value: str, extra: Sequence[str] = ()) -> None:
 def output_file(option: str, path: str, suffix: str | None = None) -> str:
     """Check, before any work, that ``path`` can be written; return the path that will be
     (matplotlib adds ``.png`` to a name without a suffix). A directory, or a path that ends
-    in a separator, is refused as it is given: ``DIR`` is not taken for ``DIR.png``."""
+    in a separator, is refused as it is given: ``DIR`` is not taken for ``DIR.png``. So is
+    an empty path (not taken for "no output") and a device, pipe or socket, which the
+    atomic write would replace with a regular file."""
     valid = f"a {suffix} file path" if suffix else "a file path"
+    if not path:
+        raise UsageError(f"{option} {path!r} is empty; give {valid}")
     target = Path(path)
     if target.is_dir() or path.endswith(("/", os.sep)):
         raise UsageError(f"{option} {path!r} is a directory; give {valid}")
     if suffix and not target.suffix:
         target = target.with_name(target.name + suffix)
-        if target.is_dir():
-            raise UsageError(f"{option} {path!r}: {str(target)!r} is a directory; give {valid}")
+    problem = in_the_way(target)
+    if problem:
+        shown = f"{option} {path!r}" + (f": {str(target)!r}" if str(target) != path else "")
+        raise UsageError(f"{shown} {problem}; give {valid}")
     _check_parent(option, path, target.parent, valid)
     return str(target)
+
+
+def in_the_way(path: Path) -> str | None:
+    """What makes the existing ``path`` no file to write (``"is a directory"``, ``"is not a
+    regular file ..."``); ``None`` where it is one, or does not exist."""
+    if path.is_dir():
+        return "is a directory"
+    if path.exists() and not path.is_file():
+        return "is not a regular file (a device, pipe or socket)"
+    return None
 
 
 def plot_file(option: str, path: str) -> str:
@@ -112,7 +128,10 @@ def plot_file(option: str, path: str) -> str:
 
 
 def output_dir(option: str, path: str) -> str:
-    """Check that ``path`` is, or can be made, a writable directory."""
+    """Check that ``path`` is, or can be made, a writable directory; an empty path is
+    refused, not taken for "no output" or the current directory."""
+    if not path:
+        raise UsageError(f"{option} {path!r} is empty; give a directory")
     target = Path(path)
     if target.exists() and not target.is_dir():
         raise UsageError(f"{option} {path!r} is an existing file; give a directory")

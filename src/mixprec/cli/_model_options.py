@@ -17,6 +17,7 @@ on two samples of the data, before any training, each bad spec one line.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 from collections.abc import Callable
@@ -116,6 +117,11 @@ def check_model_and_data(args: argparse.Namespace) -> None:
         _name_or_spec("data", args.data, DATA)
     elif args.data == "mnist:":  # not the current directory, searched without a word
         raise UsageError("--data mnist: needs the directory of MNIST's IDX files: mnist:DIR")
+    elif args.data.startswith("mnist:") and not os.path.isdir(args.data.removeprefix("mnist:")):
+        raise UsageError(  # named as typed, not as the loader's path=
+            f"--data {args.data!r}: {args.data.removeprefix('mnist:')!r} is not a directory; "
+            "give mnist:DIR, DIR holding MNIST's IDX files"
+        )
     if args.model == "cnn" and args.data == "synthetic":  # before any run starts
         raise UsageError(
             "--model cnn needs image data (n, H, W); --data synthetic is feature vectors: "
@@ -155,9 +161,20 @@ def load_factory(option: str, spec: str, returns: str) -> Callable[[], object]:
     found = getattr(sys.modules.get(module), func, None)
     if found is not None and not callable(found):
         reason = f"{module}.{func} is not a function (it is a {type(found).__name__})"
-    elif reason.startswith("cannot import"):
+    elif reason.startswith("cannot import") and "(No module named " in reason:
         reason += " (its directory must be on sys.path: PYTHONPATH=DIR)"
     raise UsageError(f"{option} {spec!r}: {reason}; give {returns}")
+
+
+def call_factory(option: str, spec: str, returns: str) -> Any:
+    """What the ``module:function`` named by ``spec`` returns; an exception raised as it
+    runs is one line naming ``option``, not the user's traceback."""
+    from mixprec.bench.workloads import call_factory as call
+
+    try:
+        return call(spec, load_factory(option, spec, returns), f"{option} {spec!r}")
+    except ArgumentError as err:
+        raise UsageError(str(err)) from None
 
 
 def load_data(data: str, seed: int) -> Splits:
@@ -167,7 +184,10 @@ def load_data(data: str, seed: int) -> Splits:
     if data == "digits":
         return datasets.load_digits(seed=seed)
     if data.startswith("mnist:"):
-        return datasets.load_mnist(data.removeprefix("mnist:"))
+        try:
+            return datasets.load_mnist(data.removeprefix("mnist:"))
+        except (OSError, ValueError) as err:  # a missing or malformed file: which --data
+            raise UsageError(f"--data {data!r}: {err}") from None
     if data == "synthetic":
         x, y = datasets.synthetic_classification(n=2048, seed=seed)
         cut = int(0.8 * len(x))
@@ -189,7 +209,7 @@ def build_model(
     (the ``--data`` named ``data``)."""
     if is_spec(model):
         module, _, func = model.partition(":")
-        made = load_factory("--model", model, MODEL_FACTORY)()
+        made = call_factory("--model", model, MODEL_FACTORY)
         if not isinstance(made, nn.Module):
             raise UsageError(
                 f"--model {model!r}: {module}.{func}() returned {type(made).__name__}, not a "
@@ -238,7 +258,7 @@ def _check_forward(spec: str, model: nn.Module, x: torch.Tensor, classes: int, d
 def _user_data(spec: str, seed: int) -> Splits:
     """The splits a ``--data module:function`` returns (see the module's docstring)."""
     module, _, func = spec.partition(":")
-    made: Any = load_factory("--data", spec, DATA_FACTORY)()
+    made = call_factory("--data", spec, DATA_FACTORY)
     returned = f"--data {spec!r}: {module}.{func}() returned"
     if isinstance(made, torch.utils.data.DataLoader):
         raise UsageError(

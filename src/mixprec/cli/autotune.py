@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from mixprec._plan_apply import PLAN_DTYPES
+from mixprec.autotune.check import MIN_STEPS
 from mixprec.cli._common import UsageError, output_file, plot_file
 from mixprec.cli._model_options import (
     SPEC_HELP,
@@ -25,6 +26,7 @@ from mixprec.cli._model_options import (
 
 HELP = "choose each layer's dtype by its measured speed and error on this machine"
 EPILOG = SPEC_HELP
+MEMORY_HINT = "a smaller --batch-size, or --small beside --workload"  # where allocation fails
 
 
 def add_arguments(sub: argparse.ArgumentParser) -> None:
@@ -86,8 +88,11 @@ def _check_options(args: argparse.Namespace) -> tuple[str, ...]:
         raise UsageError(f"--error-budget must be a number >= 0, got {args.error_budget:g}")
     if not 0 <= args.time_budget < math.inf:
         raise UsageError(f"--time-budget must be a finite number >= 0, got {args.time_budget:g}")
-    if args.check_steps < 1:
-        raise UsageError(f"--check-steps must be >= 1, got {args.check_steps}")
+    if args.check_steps < MIN_STEPS:  # the first step's loss comes before any update
+        raise UsageError(f"--check-steps must be an int >= {MIN_STEPS}, got {args.check_steps}")
+    # Both paths: the seed seeds the workload's weights too (--workload skips the check below).
+    if not 0 <= args.seed < 2**63:
+        raise UsageError(f"--seed must be an int in [0, 2**63), got {args.seed}")
     candidates = tuple(c.strip() for c in args.candidates.split(",") if c.strip())
     if not candidates:
         raise UsageError(
@@ -120,8 +125,8 @@ def run(args: argparse.Namespace) -> int:
     from mixprec.autotune.plot import plot_plan
 
     candidates = _check_options(args)
-    json_path = output_file("--json", args.json) if args.json else None
-    plot_path = plot_file("--plot", args.plot) if args.plot else None
+    json_path = output_file("--json", args.json) if args.json is not None else None
+    plot_path = plot_file("--plot", args.plot) if args.plot is not None else None
     model, batch, loss_fn = _problem(args)
     with tqdm(desc="autotune", unit=" measurements", file=sys.stderr, leave=False) as bar:
 

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from mixprec.float8 import Float8Options
 
 HELP = "time mixprec's modes against float32 and torch.autocast in one run"
+MEMORY_HINT = "--small, or another workload"  # said where an allocation fails
+BATCH_LIMIT = 1 << 16  # --batch-limit's default
 
 
 #: The help's last part, in place of the lists of modes and workloads (``_BenchHelp``).
@@ -124,8 +126,11 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
         "--max-batch", type=float, metavar="MB",
         help="instead of timing: the largest batch per mode within this peak-memory budget",
     )  # fmt: skip
-    sub.add_argument("--batch-limit", type=int, default=1 << 16, metavar="N",
-                     help="the largest batch --max-batch tries (default: %(default)s)")  # fmt: skip
+    # Default None: given without --max-batch, it is refused, not ignored.
+    sub.add_argument(
+        "--batch-limit", type=int, metavar="N",
+        help=f"the largest batch --max-batch tries (default: {BATCH_LIMIT})",
+    )  # fmt: skip
     sub.add_argument(
         "--outputs-16bit", action="store_true",
         help="the models return their compute dtype (policy output=compute) to a loss that "
@@ -162,13 +167,18 @@ def run(args: argparse.Namespace) -> int:
         else:
             _user_workload(w, args.small)
     _check_device(args.device)
-    json_path = output_file("--json", args.json) if args.json else None
-    plot_path = plot_file("--plot", args.plot) if args.plot else None
+    json_path = output_file("--json", args.json) if args.json is not None else None
+    plot_path = plot_file("--plot", args.plot) if args.plot is not None else None
     if args.max_batch is not None and not (math.isfinite(args.max_batch) and args.max_batch > 0):
         raise UsageError(
             f"--max-batch must be a memory budget in MB, a finite number > 0, got "
             f"{args.max_batch:g}"
         )
+    if args.batch_limit is not None and args.max_batch is None:
+        raise UsageError(f"--batch-limit {args.batch_limit} caps the batches --max-batch tries; "
+                         "give --max-batch too, or leave --batch-limit out")  # fmt: skip
+    if args.batch_limit is None:
+        args.batch_limit = BATCH_LIMIT
     if args.batch_limit < 1:
         raise UsageError(f"--batch-limit must be >= 1, got {args.batch_limit}")
     given = _listed_modes(args.modes)
@@ -194,11 +204,23 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--modes {','.join(m for m in modes if bench.is_float8_mode(m))}: "
                          f"{err}") from err  # fmt: skip
     float8 = float8_sizes(args.float8_min_features)
+    if float8 is not None and not any(bench.is_float8_mode(m) for m in modes):
+        raise UsageError(
+            f"--float8-min-features {args.float8_min_features} applies to float8 modes "
+            f"({', '.join(bench.FLOAT8_MODES)}); "
+            f"the modes to run ({', '.join(modes)}) have none: give one in --modes, or "
+            "--policy mixed_float8"
+        )
     if args.compile:
         modes = bench.with_compiled(modes)
     if args.compile_mode is not None and args.compile_mode not in bench.compile_modes():
         raise UsageError(f"--compile-mode {args.compile_mode!r} is not a torch.compile mode; "
                          f"valid: {', '.join(bench.compile_modes())}")  # fmt: skip
+    if args.compile_mode is not None and not any(m.endswith(bench.COMPILED) for m in modes):
+        raise UsageError(
+            f"--compile-mode {args.compile_mode} applies to compiled modes; give --compile, "
+            f"or MODE{bench.COMPILED} in --modes"
+        )
     for name in ("repeats", "steps"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -293,8 +315,14 @@ def _max_batches(
             with bar.external_write_mode(file=sys.stdout):
                 print(f"workload {w}: largest batch within {args.max_batch:g} MB")
                 for m, b in found.items():
-                    ratio = f" ({b / base:.2f}x float32)" if base else ""
-                    print(f"  {m:<22} {b:>7d}{ratio}", flush=True)
+                    # At the cap the search stopped, not the budget: a larger batch may
+                    # fit, and a ratio with it would be a guess.
+                    capped = args.batch_limit in (b, base)
+                    ratio = f" ({b / base:.2f}x float32)" if base and not capped else ""
+                    if b == args.batch_limit:
+                        print(f"  {m:<22} {f'>= {b}':>7} (reached --batch-limit)", flush=True)
+                    else:
+                        print(f"  {m:<22} {b:>7d}{ratio}", flush=True)
 
 
 def _progress_bar(total: int, unit: str) -> tqdm[NoReturn]:
@@ -356,13 +384,21 @@ def _user_workload(spec: str, small: bool) -> None:
 
 
 def _check_device(device: str) -> None:
+    """auto, cpu, cuda or cuda:N, where there is that GPU: the devices the bench measures
+    (its timing and memory probes know CPU and CUDA alone)."""
     if device == "auto":
         return
+    valid = "valid: auto, cpu, cuda, cuda:N"
     try:
         parsed = torch.device(device)
     except RuntimeError:
-        raise UsageError(
-            f"--device {device!r} is not a device; valid: auto, cpu, cuda, cuda:N"
-        ) from None
+        raise UsageError(f"--device {device!r} is not a device; {valid}") from None
+    if parsed.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device!r}: mixprec bench runs on CPU or CUDA only; {valid}")
     if parsed.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {device!r}: CUDA is not available on this machine")
+    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
+        raise UsageError(
+            f"--device {device!r}: this machine has {torch.cuda.device_count()} CUDA "
+            f"device(s); valid: cuda:0 to cuda:{torch.cuda.device_count() - 1}"
+        )

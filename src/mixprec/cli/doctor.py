@@ -22,6 +22,7 @@ from mixprec.policy import Policy
 
 HELP = "per-layer numerics of one batch in 16 bits against float32"
 EPILOG = SPEC_HELP  # what --model and --data module:function must name
+MEMORY_HINT = "a smaller --batch-size"  # said where an allocation fails
 
 
 def add_arguments(sub: argparse.ArgumentParser) -> None:
@@ -35,8 +36,8 @@ def run(args: argparse.Namespace) -> int:
     """Diagnose one batch of the chosen data with the chosen (untrained) model."""
     check_model_options(args)
     torch.manual_seed(args.seed)
-    json_path = output_file("--json", args.json) if args.json else None
-    plot_path = plot_file("--plot", args.plot) if args.plot else None
+    json_path = output_file("--json", args.json) if args.json is not None else None
+    plot_path = plot_file("--plot", args.plot) if args.plot is not None else None
     is_float8 = Policy(args.policy).float8_recipe is not None
     if is_float8 and plot_path:
         raise UsageError("--plot: the float8 doctor's report is a table; use --json")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Sequence
 
@@ -78,6 +79,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, OSError, ValueError) as err:  # OSError: a path that went bad mid-run
         print(f"mixprec {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except (MemoryError, RuntimeError) as err:  # other RuntimeErrors are bugs: traceback
+        said = _out_of_memory(err)
+        if said is None:
+            raise
+        hint = getattr(COMMANDS[args.command], "MEMORY_HINT", None)
+        print(f"mixprec {args.command}: error: out of memory: {said}"
+              + (f"; {hint} may fit" if hint else ""), file=sys.stderr)  # fmt: skip
+        return 2
     except KeyboardInterrupt:
         print(f"mixprec {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -88,3 +97,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Under torchrun: leave the process group cleanly (gloo aborts the process otherwise);
         # no barrier, as another rank may have failed.
         distributed.shutdown(wait=False)
+
+
+# What torch's allocators say when an allocation fails (CPU, CUDA, MPS, XPU).
+_NO_MEMORY = re.compile(r"can't allocate memory|cannot allocate memory|out of memory", re.I)
+
+
+def _out_of_memory(err: BaseException) -> str | None:
+    """The first line of an allocation failure's message (without the C++ assertion's
+    ``[enforce fail at ...]`` prefix); ``None`` for any other error."""
+    text = str(err).strip()
+    # torch's OutOfMemoryError (CUDA's, since 2.5 torch's own) says "out of memory" too.
+    if not (isinstance(err, MemoryError) or _NO_MEMORY.search(text)):
+        return None
+    first = (text.splitlines() or [""])[0]
+    first = re.sub(r"^\[enforce fail at [^\]]*\][^.]*\.\s*", "", first)  # and its condition
+    return first or f"{type(err).__name__} (no size given)"

@@ -1,26 +1,17 @@
 """``mixprec train``: train a model in mixed precision and in a baseline policy, and compare
 their accuracy, speed and memory.
 
-Each run trains in a fresh process by default, so that its peak memory is its own. That
-worker never outlives the command: SIGINT or SIGTERM to the main process alone stops it
-(SIGTERM, then SIGKILL after a grace period) before the command exits 130 or 143, and a
-worker whose main process is gone (even by SIGKILL) stops itself.
+Each run trains in a fresh process by default, so that its peak memory is its own; that
+worker never outlives the command (``_train_worker``).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import multiprocessing
-import multiprocessing.connection
 import os
-import pickle
-import signal
-import threading
 import time
-import traceback
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch
@@ -34,6 +25,7 @@ from mixprec.cli._common import (
     UsageError,
     float8_rule,
     float8_sizes,
+    in_the_way,
     output_dir,
     plot_file,
     policy_option,
@@ -48,14 +40,17 @@ from mixprec.cli._model_options import (
     is_spec,
     load_data,
 )
+from mixprec.cli._train_worker import in_subprocess
 from mixprec.float8 import layer_counts
 from mixprec.levels import applied, auto_mixed_precision, resolve_level
 from mixprec.policy import Policy
 from mixprec.train import Trainer
 from mixprec.train.batches import to_device
+from mixprec.train.callbacks import History
 
 HELP = "train a model in mixed precision and compare it with float32"
 EPILOG = SPEC_HELP  # what --model and --data module:function must name
+MEMORY_HINT = "a smaller --hidden or --batch-size"  # said where an allocation fails
 
 # The main job's defaults: a step whose matmuls dominate (64 -> 2048 -> 2048 -> 10 at batch
 # 256 is ~8 GFLOP a step), so that the precision of the matmuls decides its speed. At width
@@ -85,7 +80,11 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
         help="the baseline policy trained beside --policy, or 'none'",
     )  # fmt: skip
     sub.add_argument("--plot", metavar="FILE.png", help="write the loss curves of both runs")
-    sub.add_argument("--save", metavar="DIR", help="save each run's final trainer state")
+    sub.add_argument(
+        "--save", metavar="DIR",
+        help="save each run's final trainer state as DIR/baseline.safetensors and "
+        "DIR/mixed.safetensors (replacing earlier ones, which the output says)",
+    )  # fmt: skip
     sub.add_argument("--quiet", action="store_true", help="no progress output")
     sub.add_argument(
         "--compile", action="store_true", help="torch.compile each run's forward and loss"
@@ -137,20 +136,26 @@ def run_training(config: dict[str, Any]) -> dict[str, Any]:
     from mixprec.bench import PeakMemory
 
     memory = PeakMemory(trainer.device)  # the run's own peak: this process trains once
+    history, diverged = History(), None  # the epochs done, also where a step raises
     start = time.perf_counter()
-    history = trainer.fit(
-        x_train, y_train, batch_size=config["batch_size"], epochs=config["epochs"],
-        validation_data=(x_test, y_test), verbose=config["verbose"],
-    )  # fmt: skip
+    try:
+        trainer.fit(
+            x_train, y_train, batch_size=config["batch_size"], epochs=config["epochs"],
+            validation_data=(x_test, y_test), verbose=config["verbose"], callbacks=[history],
+        )  # fmt: skip
+    except FloatingPointError as err:  # float16 weights past 65504: the run diverged
+        diverged = str(err).split(". ")[0]  # which weights; the API's advice is left out
     seconds = time.perf_counter() - start
     test = trainer.evaluate(x_test, y_test, batch_size=256)
-    if config.get("save") and not probe and distributed.is_main_process():
+    checkpoint = None
+    if config.get("save") is not None and not probe and distributed.is_main_process():
         path = Path(config["save"]) / f"{config['label']}.safetensors"
+        checkpoint = (str(path), path.exists())  # said after the table: written or replaced
         save_checkpoint(path, model, trainer.optimizer, trainer.resume_state())
     done = applied(model)
     parts = memory_parts(model, trainer.optimizer)
     matmul = None
-    if not probe:
+    if not probe and diverged is None:  # a step of a diverged float16 run raises again
         # On the trainer's device (a GPU where there is one), timed there.
         size, device = config["batch_size"], trainer.device
         x1, y1 = to_device(x_train[:size], device), to_device(y_train[:size], device)
@@ -161,12 +166,17 @@ def run_training(config: dict[str, Any]) -> dict[str, Any]:
         "level": done.level if done else config["level"],
         "test_accuracy": test["accuracy"],
         "test_loss": test["loss"],
-        "final_loss": history.history["loss"][-1],
-        "loss_curve": history.history["loss"],
-        "val_loss_curve": history.history["val_loss"],
-        "ms_per_step": sorted(history.history["ms_per_step"])[len(history.epoch) // 2],
+        "final_loss": (history.history.get("loss") or [math.nan])[-1],
+        "loss_curve": history.history.get("loss", []),
+        "val_loss_curve": history.history.get("val_loss", []),
+        # Before an epoch ends (a step raised): the time over the steps taken.
+        "ms_per_step": sorted(history.history["ms_per_step"])[len(history.epoch) // 2]
+        if history.epoch
+        else 1000 * seconds / max(trainer.global_step, 1),
         "seconds": seconds,
-        "skipped_steps": sum(history.history["skipped_steps"]),
+        "skipped_steps": sum(history.history.get("skipped_steps", [])),
+        "diverged": diverged,
+        "checkpoint": checkpoint,
         "peak_mb": memory.mb(),
         "memory_kind": memory.kind,
         "float8_layers": float8_layers,
@@ -188,10 +198,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--epochs must be >= 1, got {args.epochs}")
     if not (math.isfinite(args.lr) and args.lr > 0):  # 0 trains nothing, inf NaNs every step
         raise UsageError(f"--lr must be a finite number > 0, got {args.lr:g}")
-    # Output paths are checked before training, not found unusable after it.
-    if args.save:
+    # Output paths are checked before training, not found unusable after it; an empty one
+    # is refused, not taken for "none".
+    if args.save is not None:
         output_dir("--save", args.save)
-    plot = plot_file("--plot", args.plot) if args.plot else None
+    plot = plot_file("--plot", args.plot) if args.plot is not None else None
 
     if args.hidden is not None and args.model != "mlp":
         raise UsageError(f"--hidden sets the MLP's width; --model {args.model} has none")
@@ -233,6 +244,8 @@ def run(args: argparse.Namespace) -> int:
         if args.compare == "none":
             configs.append({**common, "label": "baseline", "policy": "float32", "level": "auto"})
     configs.append(mixed)
+    if args.save is not None:
+        _check_save(args.save, [c["label"] for c in configs if not c.get("probe_steps")])
 
     runs = []
     # Under torchrun every process is one rank: train here, print on rank 0 only.
@@ -278,117 +291,38 @@ def run(args: argparse.Namespace) -> int:
     if plot and say is print:
         report.plot(runs, plot)
         say(f"loss curves written to {plot}")
+    for result in runs:  # --save: what was written, and what it replaced
+        if result.get("checkpoint"):
+            path, replaced = result["checkpoint"]
+            said = " (replaced the file there)" if replaced else ""
+            say(f"checkpoint written to {path}{said}")
     # The epoch loss leaves out steps whose loss was not finite, so a run that diverged
     # can show a finite one: its test loss says it, and so does the exit status.
-    diverged = [r for r in runs if not math.isfinite(r["test_loss"])]
+    diverged = [r for r in runs if r.get("diverged") or not math.isfinite(r["test_loss"])]
     for r in diverged:
-        say(
-            f"{r['policy']} ({r['level']}) diverged: its test loss is "
-            f"{r['test_loss']} ({r['skipped_steps']} steps skipped for non-finite values); "
-            "a smaller --lr may train"
+        reason = r.get("diverged") or (
+            f"its test loss is {r['test_loss']} ({r['skipped_steps']} steps skipped for "
+            "non-finite values)"
         )
+        say(f"{r['policy']} ({r['level']}) diverged: {reason}; a smaller --lr may train")
     return 1 if diverged else 0
 
 
-# How long a worker sent SIGTERM has to unwind (a checkpoint write removes its temporary
-# file) before SIGKILL.
-_GRACE_S = 5.0
-
-
 def _in_subprocess(config: dict[str, Any]) -> dict[str, Any]:
-    """``run_training(config)`` in a fresh spawned process: its result, or its exception
-    raised here. However this returns or raises (KeyboardInterrupt, ``Terminated``), the
-    worker has ended."""
-    spawn = multiprocessing.get_context("spawn")
-    receive, send = spawn.Pipe(duplex=False)
-    worker = spawn.Process(target=_worker, args=(config, send), name=f"mixprec-{config['label']}")
-    try:
-        worker.start()
-        send.close()
-        try:
-            reply = receive.recv()
-        except EOFError:  # it ended without a reply: killed, out of memory
-            worker.join()
-            raise RuntimeError(
-                f"the {config['label']} run's process ended with exit code "
-                f"{worker.exitcode} before it returned a result"
-            ) from None
-        worker.join()
-    finally:
-        _stop(worker)
-        send.close()
-        receive.close()
-    if reply[0] == "error":
-        raise reply[1] from _WorkerTracebackError(reply[2])
-    result: dict[str, Any] = reply[1]
-    return result
+    """``run_training(config)`` in a fresh process of its own (``_train_worker``)."""
+    return in_subprocess(run_training, config)
 
 
-def _stop(worker: multiprocessing.process.BaseProcess) -> None:
-    """End ``worker`` unless it has: SIGTERM, which it turns into an exit that lets a
-    checkpoint write finish or remove its temporary file (the file itself is replaced
-    atomically), then SIGKILL after ``_GRACE_S`` or at a second interrupt."""
-    if worker.pid is None or worker.exitcode is not None:
-        return
-    try:
-        worker.terminate()
-        worker.join(_GRACE_S)
-    finally:
-        if worker.exitcode is None:
-            worker.kill()
-            worker.join()
-
-
-def _worker(config: dict[str, Any], send: multiprocessing.connection.Connection) -> None:
-    """The worker process: one training run, its result or exception sent back.
-
-    SIGINT (Ctrl-C reaches the whole process group) is ignored: the main process handles it
-    and stops this one, so the terminal shows one line, not a traceback per process.
-    SIGTERM exits through Python, so that ``finally`` and ``except BaseException`` blocks
-    run: a checkpoint write in progress removes its temporary file."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    _exit_with_parent()
-    try:
-        reply: tuple[Any, ...] = ("ok", run_training(config))
-    except Exception as err:
-        reply = ("error", _picklable(err), traceback.format_exc())
-    send.send(reply)
-    send.close()
-
-
-def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)
-
-
-def _exit_with_parent() -> None:
-    """SIGTERM to this process when its parent ends, however it ends (SIGKILL included): a
-    daemon thread waits for the end of the pipe that only the parent holds open."""
-    parent = multiprocessing.parent_process()
-    if parent is None or parent.sentinel is None:
-        return
-
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="mixprec-parent-watch", daemon=True).start()
-
-
-def _picklable(err: Exception) -> Exception:
-    """``err`` if it pickles (it is raised again in the main process), else its text."""
-    try:
-        pickle.loads(pickle.dumps(err))
-    except Exception:
-        return RuntimeError(f"{type(err).__name__}: {err}")
-    return err
-
-
-class _WorkerTracebackError(Exception):
-    """The worker's traceback, shown as the cause of the exception raised again here."""
-
-    def __str__(self) -> str:
-        return f'\n"""\n{self.args[0]}"""'
+def _check_save(save: str, labels: list[str]) -> None:
+    """Each run's checkpoint in ``--save DIR`` can be written: not found after training."""
+    for label in labels:
+        path = Path(save) / f"{label}.safetensors"
+        problem = in_the_way(path)
+        if problem:
+            raise UsageError(
+                f"--save {save!r}: the {label} run's checkpoint {str(path)!r} {problem}; give "
+                "a directory where it can be written"
+            )
 
 
 def _mixed_run_policy(policy: str) -> tuple[str, str | None]:
