@@ -398,3 +398,29 @@ def test_an_output_object_no_cast_walks_is_said_once_per_type():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert model(Batch(torch.randn(2, 4))).dtype == torch.float32
+
+
+class _LogProbs(nn.Module):
+    """A head added by hand: its F.log_softmax is one of the float32 functions."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = x
+        return nn.functional.log_softmax(x, dim=-1)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_module_added_after_the_first_forward_gets_the_float32_functions(level):
+    """A region cached "no float32 functions needed" for a model of plain layers at its
+    first forward; a head added after it ran its log_softmax in bfloat16 (3.1e-2 from the
+    float32 result) for the rest of the run."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1000))
+    model = mp.auto_mixed_precision(model, "mixed_bfloat16", level)
+    x = torch.randn(64, 32)
+    model(x)  # a first forward: the answer is cached
+    model.append(_LogProbs())
+    out = model(x)
+    logits = model[-1].seen
+    assert logits.dtype == torch.bfloat16
+    expected = nn.functional.log_softmax(logits.float(), dim=-1).to(logits.dtype).float()
+    assert torch.equal(out.float(), expected)

@@ -99,3 +99,38 @@ def test_a_load_into_the_weights_or_of_their_own_dtype_is_quiet(recwarn):
     empty.load_state_dict(state, assign=True)
     assert empty[0].weight.device.type == "cpu" and empty[0].weight.dtype == torch.bfloat16
     assert not [w for w in recwarn if "assign=True" in str(w.message)]
+
+
+class _Adapter(nn.Module):
+    """A LoRA-style adapter around a prepared Linear, added after preparation."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2) -> None:
+        super().__init__()
+        self.base = base
+        self.down = nn.Linear(base.in_features, rank, bias=False)
+        self.up = nn.Linear(rank, base.out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.up(self.down(x))
+
+
+def test_parameters_added_after_preparation_join_the_models_policy():
+    """An optimizer over adapters added to a float16 model took them for a float32 model's
+    parameters: no loss scaling, and 98.8% of an adapter's gradients were 0 (unsaid)."""
+    model = mp.auto_mixed_precision(net(), "mixed_float16", "O2")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model[0] = _Adapter(model[0])
+    adapters = [model[0].down.weight, model[0].up.weight]
+    assert scaler_of_params(adapters) == "DynamicLossScaler"
+    # Their notes are the model's now, and its copies keep them.
+    assert all(getattr(p, "_mixprec_level", None) == "O2" for p in adapters)
+    twin = copy.deepcopy(model)
+    assert scaler_of_params([twin[0].down.weight]) == "DynamicLossScaler"
+    # A plain float32 model's parameters stay untagged.
+    assert scaler_of_params(list(net().parameters())) == "NoOpLossScaler"
+
+
+def scaler_of_params(params: list[torch.Tensor]) -> str:
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(params, lr=0.1))
+    return type(opt.loss_scaler).__name__

@@ -187,6 +187,17 @@ class _RegionForward:
         return cast_linked(output, dtype, link=link)
 
 
+def _module_added(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+    """Any module registered anywhere (a head appended to a prepared model after its first
+    forward): the regions' cached "needs Float32Functions" answers are stale, else the
+    new module's ``F.log_softmax`` ran in 16 bits. Recomputed at each region's next call."""
+    global _generation
+    _generation += 1
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_module_added)
+
+
 def set_region(module: nn.Module, region: Region) -> None:
     """Make ``module`` a region, replacing any region it had."""
     global _generation

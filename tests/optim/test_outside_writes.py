@@ -287,7 +287,9 @@ def test_a_new_optimizer_starts_from_the_live_masters_of_the_last_one():
 def test_a_write_of_the_masters_own_rounding_keeps_their_digits():
     """A checkpoint's 16-bit weights loaded after its masters (Fabric restores the masters
     first when "mixprec" comes before "model"): the weights change nothing, the masters
-    keep their float32 digits. Any other write still replaces them."""
+    keep their float32 digits. Any other write replaces them, element by element: a
+    constraint that clamps one element replaced the whole master once, and with it the
+    other elements' sub-ulp progress."""
     model = _o2()
     opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
     _train(model, opt, steps=3)
@@ -296,9 +298,35 @@ def test_a_write_of_the_masters_own_rounding_keeps_their_digits():
     saved = opt.state_dict()["master_weights"]  # a save takes the writes since the step
     assert all(torch.equal(a, m) for a, m in zip(before, saved, strict=True))
     with torch.no_grad():
-        model[0].weight[0].add_(1.0)  # one row written: the weight wins whole
+        model[0].weight[0].add_(1.0)  # one row written: it wins, the others keep their digits
     now = opt.state_dict()["master_weights"][0]  # model[0].weight's master
-    assert torch.equal(now, model[0].weight.float())
+    assert torch.equal(now[0], model[0].weight[0].float())
+    assert torch.equal(now[1:], saved[0][1:])
+    assert not torch.equal(now[1:], model[0].weight[1:].float())  # digits beyond bfloat16
+
+
+def test_a_constraint_on_some_elements_keeps_the_others_progress():
+    """One element clamped after each step (WGAN's clip, a max-norm on one row) made the
+    whole master the clamped 16-bit weight: the other elements' updates, each below a
+    bfloat16 ulp, were lost (they moved 9.8e-5 where float32 moved 5.0e-3 in 50 steps)."""
+    model = nn.Sequential(nn.Linear(4, 4, bias=False))
+    with torch.no_grad():
+        model[0].weight.fill_(0.1)
+    model = mp.auto_mixed_precision(model, "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    slope = torch.full((4, 4), -1e-3)
+    slope[0, 0] = -1.0  # pushed past the clamp each step
+    for _ in range(50):
+        opt.zero_grad()
+        opt.backward((model[0].weight.float() * slope).sum())  # gradient: slope, in bfloat16
+        opt.step()
+        with torch.no_grad():
+            model[0].weight.clamp_(max=0.15)
+    master = opt.state_dict()["master_weights"][0]  # with the last clamp taken in
+    assert master[0, 0].item() == pytest.approx(0.15, abs=1e-3)
+    # float32 reaches 0.1 + 50 * 0.1 * 1e-3 = 0.105 (bfloat16's ulp at 0.1 is 4.9e-4).
+    step = -0.1 * slope[0, 1].to(torch.bfloat16).item()
+    assert master[0, 1].item() == pytest.approx(0.1 + 50 * step, rel=1e-4)
 
 
 def test_a_master_does_not_share_its_weights_version_counter():
@@ -582,3 +610,19 @@ def test_a_write_through_data_after_the_second_step_is_what_a_save_holds(tmp_pat
         mp.save_checkpoint(tmp_path / "c.safetensors", model, opt)  # said once
     _train(model, opt)  # the next step starts from the written weights, not undone
     assert (model[0].weight.float() - written.float()).abs().max() < 0.1
+
+
+def test_a_weight_given_new_storage_after_the_second_step_is_followed():
+    """``param.data = ...`` (``vector_to_parameters``, ``prune.remove``) after the second
+    step: the version counters never saw it, and the next copy-back put the old values
+    back (a rollback to a snapshot went on from the pre-rollback weights, 7.3e-2 away)."""
+    model = _o2()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    snapshot = nn.utils.parameters_to_vector(model.parameters()).clone()
+    _train(model, opt, steps=3)
+    nn.utils.vector_to_parameters(snapshot, model.parameters())  # param.data = ...
+    back = [p.detach().float().clone() for p in model.parameters()]
+    opt.zero_grad()  # a step with zero gradients moves nothing: the copy-back alone
+    opt.backward(model(torch.randn(2, 4)).float().sum() * 0.0)
+    opt.step()
+    assert all(torch.equal(p.float(), b) for p, b in zip(model.parameters(), back, strict=True))

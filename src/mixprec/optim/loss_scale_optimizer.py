@@ -52,7 +52,7 @@ from mixprec.scaling import (
     all_finite,
 )
 from mixprec.scaling.health import ScalerHealth
-from mixprec.trace import model_of
+from mixprec.trace import join_prepared_model, model_of
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -170,6 +170,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
                 _fuse(inner, group)
         groups = [len(inner.param_groups) for inner in self.optimizers]
         model_params = self._weights.model_params()
+        join_prepared_model(model_params)  # adapters added since: the model's policy
         # Where found_inf lives when no parameter has a gradient (a rank with none).
         self._device = model_params[0].device if model_params else None
         self._setup = SetupCheck(self._weights, scaler_chosen=loss_scaler is not None)

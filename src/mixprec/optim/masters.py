@@ -95,7 +95,8 @@ class MasterWeights:
         self.plain: list[torch.Tensor] = []  # parameters the inner optimizer updates as is
         self.index: dict[int, tuple[bool, int]] = {}  # id(param) -> (has master, position)
         self.checked: list[torch.Tensor] = []  # float16 weights, checked after each update
-        self.versions: list[int] = []
+        self.versions: list[tuple[int, int]] = []
+        self.sharded = False  # some 16-bit weight is a DTensor shard (no data_ptr of its own)
         # Keep the masters' float32 gradients across zero_grad (keep_grad_buffers=True):
         # 4 bytes a parameter held through the forward, for no fresh allocation per step.
         self.keep_grads = False
@@ -153,6 +154,7 @@ class MasterWeights:
                 self.plain.append(p)
                 adopted.append(p)
             self.on_host = self.on_host and p.device.type == "cpu" and not is_dtensor(p)
+            self.sharded = self.sharded or is_dtensor(p)
         self.versions = self.half_versions()  # new 16-bit parameters have versions too
         return adopted
 
@@ -160,8 +162,13 @@ class MasterWeights:
         """The model's parameters: the 16-bit ones with masters, then the plain ones."""
         return self.half + self.plain
 
-    def half_versions(self) -> list[int]:
-        return [p._version for p in self.half]
+    def half_versions(self) -> list[tuple[int, int]]:
+        """Each 16-bit weight's version and storage: an in-place write bumps the one,
+        ``param.data = ...`` (``prune.remove``, ``vector_to_parameters``) swaps the other.
+        A DTensor shard has no storage of its own to point at: its version alone."""
+        if self.sharded:
+            return [(p._version, 0) for p in self.half]
+        return [(p._version, p.data_ptr()) for p in self.half]
 
     def follow_external_writes(self, stepping: bool = False) -> None:
         """A 16-bit weight written outside this optimizer (``model.load_state_dict``)
@@ -183,11 +190,12 @@ class MasterWeights:
                     elif now != then and (kept := take_float32_copy(p)) is not None:
                         m.copy_(kept)  # one host read, after a load only
                     elif now != then:
-                        # Decided on the device (no read on the host): a weight that is
-                        # still, as a whole, the master's rounding leaves the master's digits;
-                        # any other write replaces the master whole.
-                        same = (m.to(p.dtype) == p).all()
-                        m.copy_(torch.where(same, m, p.float()))
+                        # Decided on the device, element by element (no read on the host):
+                        # where the weight is still the master's rounding the master keeps
+                        # its digits; elsewhere it takes the written value. A constraint
+                        # that clamps one element (WGAN's clip, a padding row) replaced the
+                        # whole master once, and the others' sub-ulp progress with it.
+                        m.copy_(torch.where(m.to(p.dtype) == p, m, p.float()))
             self.versions = versions
         if stepping and self.step_looks < 2:  # a step's look, not a save's
             self.step_looks += 1
