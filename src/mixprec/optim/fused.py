@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from mixprec._dist import fsdp_float16_made, is_dtensor
+from mixprec._plain_optimizers import step_inner
 from mixprec.casting import COMPUTE_ATTR, LEVEL_ATTR, POLICY_ATTR
 from mixprec.policy import Policy, global_policy
 
@@ -100,3 +101,27 @@ def _unfuse_sparse(inner: torch.optim.Optimizer) -> None:
             p.grad is not None and p.grad.is_sparse for p in group["params"]
         ):
             group["fused"] = False
+
+
+def step_inner_fused_safely(inner: torch.optim.Optimizer, book: Any) -> None:
+    """``step_inner``, with any fused SGD group where some parameters with gradients have a
+    momentum buffer and others none yet (a branch first used at a later step, a layer
+    unfrozen) stepped unfused this once: torch's fused kernel cannot step such a group (a
+    TypeError), and its loop starts the new buffers from the gradient as plain SGD does."""
+    unfused = []
+    if type(inner) is torch.optim.SGD:
+        for group in inner.param_groups:
+            if group.get("fused") and group.get("momentum"):
+                held = [
+                    "momentum_buffer" in inner.state.get(p, ())
+                    for p in group["params"]
+                    if p.grad is not None
+                ]
+                if any(held) and not all(held):
+                    group["fused"] = False
+                    unfused.append(group)
+    try:
+        step_inner(inner, book)
+    finally:
+        for group in unfused:
+            group["fused"] = True

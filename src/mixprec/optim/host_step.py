@@ -13,10 +13,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from mixprec._dist import is_distributed
-from mixprec._plain_optimizers import step_inner
 from mixprec.optim import deferred
 from mixprec.optim.checks import no_gradients
-from mixprec.optim.fused import _unfuse_sparse
+from mixprec.optim.fused import _unfuse_sparse, step_inner_fused_safely
 from mixprec.optim.step_result import StepResult
 from mixprec.scaling import finite_on_cpu
 
@@ -69,7 +68,7 @@ def host_step(opt: LossScaleOptimizer) -> StepResult | None:
             if weights.saw_sparse:
                 _unfuse_sparse(inner)
             if not fused.step():
-                step_inner(inner, opt._book)
+                step_inner_fused_safely(inner, opt._book)
         if weights.half:
             weights.copy_back()
         opt._run_post_hooks()

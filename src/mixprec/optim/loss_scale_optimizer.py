@@ -20,7 +20,7 @@ from torch import nn
 
 from mixprec._dist import agree_found_inf, is_distributed, is_dtensor
 from mixprec._errors import ArgumentError, MisuseError
-from mixprec._plain_optimizers import step_inner, watch_wrapped
+from mixprec._plain_optimizers import watch_wrapped
 from mixprec._save_guard import guard_saves
 from mixprec.optim.arguments import checked_arguments, make_tracer
 from mixprec.optim.checks import (
@@ -35,7 +35,7 @@ from mixprec.optim.checks import (
 )
 from mixprec.optim.deferred import Deferred, device_tail, on_device
 from mixprec.optim.direct import FusedStep
-from mixprec.optim.fused import _fuse, _unfuse_sparse, needs_scaling
+from mixprec.optim.fused import _fuse, _unfuse_sparse, needs_scaling, step_inner_fused_safely
 from mixprec.optim.groups import ParamGroups
 from mixprec.optim.host_step import host_step
 from mixprec.optim.keras_api import KerasMethods, keras_scaler
@@ -364,7 +364,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             for inner in self.optimizers:
                 if self._weights.saw_sparse:
                     _unfuse_sparse(inner)
-                step_inner(inner, self._book)
+                step_inner_fused_safely(inner, self._book)
             # Inline: dynamo runs this eagerly after the graph break in the loop above, where
             # a MasterWeights method would compile as a graph of its own (torch 2.13).
             if self._weights.half:
