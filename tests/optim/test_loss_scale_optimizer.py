@@ -153,6 +153,14 @@ def test_misuse():
         opt.step(closure=lambda: 0.0)
 
 
+def test_lbfgs_is_refused_when_wrapped():
+    """LBFGS steps through a closure: wrapped, it failed at its first step in torch's raw
+    TypeError, with nothing said up front."""
+    model = make_mlp()
+    with pytest.raises(mp.ArgumentError, match=r"^optimizer=LBFGS is not supported: its step"):
+        mp.LossScaleOptimizer(torch.optim.LBFGS(model.parameters()))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [

@@ -33,6 +33,15 @@ def checked_arguments(
             raise ArgumentError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(inner).__name__}"
             )
+        if isinstance(inner, torch.optim.LBFGS):
+            # Its step re-evaluates the loss through a closure, many times a step: no
+            # scaled backward or skip decision fits it (torch's raw TypeError at the first
+            # step without one).
+            raise ArgumentError(
+                "optimizer=LBFGS is not supported: its step calls a closure that re-runs "
+                "the forward and backward, which a loss-scaled step cannot wrap; train "
+                "LBFGS in float32 (policy='float32'), or use a first-order optimizer"
+            )
     if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
         raise ArgumentError(
             "loss_scaler must be a NoOpLossScaler, StaticLossScaler or DynamicLossScaler, "
