@@ -532,8 +532,9 @@ def main(out: str) -> None:
         ddp_losses(path, rank, fp32_allreduce=True)
         ddp_losses(path, rank, fp32_allreduce=False, level="O1")
         ddp_losses(path, rank, fp32_allreduce=True, level="O3")
-        fsdp_losses(path, rank, "mixed_bfloat16")
+        # float16 first: the bfloat16 shards after it must still get no loss scaling.
         fsdp_losses(path, rank, "mixed_float16")
+        fsdp_losses(path, rank, "mixed_bfloat16")
         trainer_and_resume(path, rank)
         trainer_resumed_mid_epoch(path, rank)
         ranks_seeded_apart(path, rank)

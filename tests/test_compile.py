@@ -172,6 +172,20 @@ def test_no_recompile_on_overflow_scale_change_accumulation_or_mode_switch():
         assert _lso_step(compiled, lso, x, y).applied
 
 
+def test_no_recompile_when_modules_are_built_elsewhere():
+    """Regions look again at their modules when one is added to them (a head appended
+    after the first forward); a module built anywhere else must not count as one, or a
+    compiled model recompiled at each (and failed past 8 with fullgraph=True)."""
+    x, _ = classification_data(n=8)
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    compiled(x)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):
+            nn.Sequential(nn.Linear(2, 2))  # another model, built between calls
+            compiled(x)
+
+
 def test_no_recompile_across_accumulation_micro_steps():
     x, y = classification_data(n=32)
     model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")

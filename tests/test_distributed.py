@@ -323,6 +323,16 @@ def test_more_nccl_ranks_than_gpus_is_a_clear_error(monkeypatch):
     )
 
 
+def test_checksums_of_equal_values_are_equal_in_every_process():
+    """The resume check compared hash(total): a NaN's hash is its object's, so ranks with the
+    same NaN weights were told their checkpoints differ."""
+    a, b = float("nan"), float("nan")
+    assert hash(a) != hash(b)  # what a rank would have sent
+    assert mpd.float_key(a) == mpd.float_key(b)
+    assert mpd.float_key(1.5) != mpd.float_key(1.5000000000000002)
+    assert -(2**63) <= mpd.float_key(-1e300) < 2**63  # an int64 for the collective
+
+
 def test_fsdp_policy_mapping():
     mixed = mpd.fsdp_mixed_precision("mixed_bfloat16")
     assert mixed.param_dtype == torch.bfloat16 and mixed.reduce_dtype == torch.float32

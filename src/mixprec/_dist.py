@@ -25,13 +25,22 @@ def agree_found_inf(found_inf: torch.Tensor) -> torch.Tensor:
     return found_inf
 
 
+def rank_bounds(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's maxima and minima of ``values`` (one all-reduce of the values and their
+    negation): equal where every rank holds the same."""
+    bounds = torch.cat([values, -values])
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+    return bounds[: values.numel()], -bounds[values.numel() :]
+
+
 def is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
 
 
 # FSDP2 makes new parameters (DTensor shards) without the tags a prepared model's carry,
-# and leaves no link from them to its MixedPrecisionPolicy: ``fsdp_mixed_precision`` notes
-# here that one computes in float16, so that a LossScaleOptimizer over shards scales.
+# and no public link leads from them to their MixedPrecisionPolicy. ``fsdp_compute_dtype``
+# reads torch's registry of sharded modules; where that is not there (another torch), the
+# note ``fsdp_mixed_precision`` makes of a float16 policy stands in.
 _FSDP_FLOAT16: list[bool] = [False]
 
 
@@ -39,6 +48,26 @@ def note_fsdp_float16() -> None:
     _FSDP_FLOAT16[0] = True
 
 
-def fsdp_float16_made() -> bool:
-    """Whether ``fsdp_mixed_precision`` made a float16 policy in this process."""
-    return _FSDP_FLOAT16[0]
+def fsdp_computes_in_float16(params: list[torch.Tensor]) -> bool:
+    """Whether FSDP2 gathers any of the shards ``params`` in float16 (its ``param_dtype``)."""
+    dtype = fsdp_compute_dtype(params)
+    return _FSDP_FLOAT16[0] if dtype is None else dtype == torch.float16
+
+
+def fsdp_compute_dtype(params: list[torch.Tensor]) -> torch.dtype | None:
+    """The ``param_dtype`` of the FSDP2 policy that shards one of ``params``; ``None``
+    where none is found. torch's module-state registry is private: read defensively."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+    except ImportError:
+        return None
+    wanted = {id(p) for p in params}
+    for ref in list(_module_state_mapping.values()):
+        state = ref() if callable(ref) else ref
+        for group in getattr(state, "_fsdp_param_groups", None) or ():
+            params_of = getattr(group, "fsdp_params", ())
+            if any(id(getattr(fp, "sharded_param", None)) in wanted for fp in params_of):
+                policy = getattr(group, "mp_policy", None)
+                dtype = getattr(policy, "param_dtype", None)
+                return dtype if isinstance(dtype, torch.dtype) else torch.float32
+    return None

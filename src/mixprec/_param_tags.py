@@ -8,9 +8,10 @@ the data alone) and in ``load_state_dict(..., assign=True)``: a copy of a float1
 would then train without loss scaling, and an O3 copy with float32 masters, with no word.
 The ``TagKeeper`` on the module puts them back in both cases.
 
-``assign=True`` does more than drop the notes: the model holds new parameters, which an
-optimizer built before the load does not, and float32 values replace O2's 16-bit weights.
-The keeper remembers the parameters it tagged, and says so when a load replaced them.
+``assign=True`` does more than drop the notes: float32 values given that way replace O2's
+16-bit weights, and the model then trains as O1 (twice the weight memory), unsaid. The
+keeper notes the parameters' dtypes before a load and says when one changed. (An optimizer
+built before holds the old parameters: its first step says so, having no gradients.)
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ __all__ = ["TAGS_ATTR", "TagKeeper", "add_load_pre_hook", "refuse_prepared_parts
 
 TAGS_ATTR = "_mixprec_tags"  # the TagKeeper of a module whose parameters were tagged
 
-# A parameter a load replaced: its name, whether the old one is still held somewhere, the
-# old dtype and the new one.
-Replaced = tuple[str, bool, torch.dtype, torch.dtype]
+# A parameter a load replaced: its name, the old dtype and the new one.
+Replaced = tuple[str, torch.dtype, torch.dtype]
 
 
 class TagKeeper:
@@ -65,7 +65,7 @@ class TagKeeper:
         for name, new in module.named_parameters(remove_duplicate=False):
             ref_dtype = self.held.get(name)
             if ref_dtype is not None and ref_dtype[0]() is not new:
-                out.append((name, ref_dtype[0]() is not None, ref_dtype[1], new.dtype))
+                out.append((name, ref_dtype[1], new.dtype))
         return out
 
     def __deepcopy__(self, memo: dict[int, Any]) -> TagKeeper:
@@ -135,30 +135,20 @@ def _retag(module: nn.Module, incompatible_keys: Any) -> None:
 
 
 def _say_replaced(replaced: list[Replaced]) -> None:
-    """A load that made new parameters (``assign=True``) on a prepared model: said when an
-    old one is still held (an optimizer built before steps it, not the model) or when the
-    dtype changed (float32 values in place of O2's 16-bit weights: O1's memory, unsaid)."""
-    held = [name for name, alive, _, _ in replaced if alive]
-    changed = [(name, was, now) for name, _, was, now in replaced if was != now]
-    if not held and not changed:
+    """A load that made new parameters (``assign=True``) on a prepared model, of another
+    dtype (float32 values in place of O2's 16-bit weights: O1's memory, unsaid). Whether
+    an old parameter is still alive says nothing: a forward's graph holds it too."""
+    changed = [(name, was, now) for name, was, now in replaced if was != now]
+    if not changed:
         return
-    said = []
-    if changed:
-        name, was, now = changed[0]
-        said.append(
-            f"{len(changed)} changed dtype ({name!r}: {_short(was)} -> {_short(now)}), so "
-            "the model no longer computes and stores as it was prepared to"
-        )
-    if held:
-        said.append(
-            f"{len(held)} old ones are still held elsewhere ({held[0]!r}): an optimizer "
-            "built before the load steps those, not the model"
-        )
+    name, was, now = changed[0]
     warn_at_caller(
         f"load_state_dict(assign=True) replaced {len(replaced)} parameters of a model "
-        f"prepared by mixprec; {'; '.join(said)}. Load without assign=True (the values are "
-        "copied into the prepared weights, and their float32 masters follow), or load "
-        "first, then prepare the model and build its optimizer"
+        f"prepared by mixprec, and {len(changed)} changed dtype ({name!r}: {_short(was)} "
+        f"-> {_short(now)}): the model no longer stores its weights as it was prepared to. "
+        "Load without assign=True (the values are copied into the prepared weights, and "
+        "their float32 masters follow), or load first, then prepare the model and build its "
+        "optimizer"
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import struct
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ __all__ = [
     "check_batch",
     "check_same_on_every_rank",
     "distributed_data_parallel",
+    "float_key",
     "fsdp_mixed_precision",
     "gather_object",
     "init_from_env",
@@ -115,6 +117,17 @@ def check_batch(global_batch: int) -> int:
     return global_batch // size
 
 
+def _collective_device() -> torch.device:
+    """Where a small collective's tensor lives: NCCL has no CPU tensors."""
+    return torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def float_key(value: float) -> int:
+    """An int64 that is equal on every rank where ``value`` is (its bits): Python's
+    ``hash`` of a NaN is the object's, and differs between processes."""
+    return int(struct.unpack("<q", struct.pack("<d", value))[0])
+
+
 def check_same_on_every_rank(what: str, values: dict[str, int], remedy: str) -> None:
     """Raise ``ValueError`` on every rank when ``values`` differ between ranks (one
     collective). Ranks that disagree on, say, their number of batches would otherwise run
@@ -122,7 +135,7 @@ def check_same_on_every_rank(what: str, values: dict[str, int], remedy: str) -> 
     size = world_size()
     if size == 1:
         return
-    device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = _collective_device()
     mine = torch.tensor(list(values.values()), dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(gathered, mine)
@@ -179,7 +192,7 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     """Element-wise sums of ``values`` over all ranks (one collective)."""
     if world_size() == 1:
         return values
-    device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = _collective_device()
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor)
     return [float(v) for v in tensor.tolist()]
@@ -189,7 +202,7 @@ def any_rank(flag: bool) -> bool:
     """Whether ``flag`` is true on any rank (one collective; ``flag`` outside torchrun)."""
     if world_size() == 1:
         return flag
-    device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = _collective_device()
     tensor = torch.tensor([int(flag)], dtype=torch.int32, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return bool(tensor.item())

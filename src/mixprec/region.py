@@ -153,6 +153,8 @@ class _RegionForward:
             if torch.compiler.is_compiling():
                 return needs  # no cache write while tracing: it would be a guard to fail
             self._needs_mode, self._generation = needs, _generation
+            for sub in self.module.modules():  # a module added to one of these: look again
+                sub.__dict__[_WALKED] = True
         return self._needs_mode
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -187,12 +189,17 @@ class _RegionForward:
         return cast_linked(output, dtype, link=link)
 
 
+_WALKED = "_mixprec_walked"  # a module some region's cached answer was read from
+
+
 def _module_added(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
-    """Any module registered anywhere (a head appended to a prepared model after its first
-    forward): the regions' cached "needs Float32Functions" answers are stale, else the
-    new module's ``F.log_softmax`` ran in 16 bits. Recomputed at each region's next call."""
+    """A module registered on one a region's cached "needs Float32Functions" answer was read
+    from (a head appended to a prepared model after its first forward): the answers are
+    stale, else the new module's ``F.log_softmax`` ran in 16 bits. Modules built elsewhere
+    change nothing (a compiled model guards on the counter: each bump is a recompile)."""
     global _generation
-    _generation += 1
+    if module.__dict__.get(_WALKED):
+        _generation += 1
 
 
 torch.nn.modules.module.register_module_module_registration_hook(_module_added)

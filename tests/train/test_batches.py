@@ -257,8 +257,8 @@ def test_only_large_cpu_batches_for_a_gpu_go_through_pinned_memory():
 
 def test_a_distributed_sampler_is_told_each_epoch():
     """fit never called set_epoch: a DistributedSampler then gave every epoch epoch 0's
-    order (under torchrun, on every rank), unsaid. Lightning tells it; so does fit, also
-    for the epoch a resume replays."""
+    order (under torchrun, on every rank), unsaid. Lightning tells it; so does fit (a
+    resumed epoch too: the same call precedes its replay)."""
     from torch.utils.data.distributed import DistributedSampler
 
     x, y = classification_data(n=32, seed=3)

@@ -39,8 +39,9 @@ def checked_arguments(
             # step without one).
             raise ArgumentError(
                 "optimizer=LBFGS is not supported: its step calls a closure that re-runs "
-                "the forward and backward, which a loss-scaled step cannot wrap; train "
-                "LBFGS in float32 (policy='float32'), or use a first-order optimizer"
+                "the forward and backward, which a loss-scaled step cannot wrap; step "
+                "torch.optim.LBFGS itself on a float32 model (no LossScaleOptimizer, no "
+                "Trainer), or use a first-order optimizer"
             )
     if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
         raise ArgumentError(

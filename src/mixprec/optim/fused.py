@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mixprec._dist import fsdp_float16_made, is_dtensor
+from mixprec._dist import fsdp_computes_in_float16, is_dtensor
 from mixprec._plain_optimizers import step_inner
 from mixprec.casting import COMPUTE_ATTR, LEVEL_ATTR, POLICY_ATTR
 from mixprec.policy import Policy, global_policy
@@ -49,7 +49,7 @@ def needs_scaling(params: list[torch.Tensor]) -> bool:
             tagged = True
             if policy.loss_scaling == "dynamic" and getattr(p, LEVEL_ATTR, None) != "O0":
                 return True
-    if not tagged and shards and fsdp_float16_made():
+    if not tagged and shards and fsdp_computes_in_float16(params):
         return True
     return not tagged and global_policy().loss_scaling == "dynamic"
 
@@ -109,7 +109,9 @@ def step_inner_fused_safely(inner: torch.optim.Optimizer, book: Any) -> None:
     unfrozen) stepped unfused this once: torch's fused kernel cannot step such a group (a
     TypeError), and its loop starts the new buffers from the gradient as plain SGD does."""
     unfused = []
-    if type(inner) is torch.optim.SGD:
+    # Buffers are never dropped: once every parameter has one, no group can mix (no loop).
+    every = sum(len(group["params"]) for group in inner.param_groups)
+    if type(inner) is torch.optim.SGD and len(inner.state) < every:
         for group in inner.param_groups:
             if group.get("fused") and group.get("momentum"):
                 held = [

@@ -102,6 +102,10 @@ class _Bookkeeping:
     groups: list[int] = field(default_factory=list)
 
 
+def _params_of(inner: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in inner.param_groups for p in group["params"]]
+
+
 class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes as views
     KerasMethods, StateDictMethods, ParamGroups, InnerViews, StepHooks, torch.optim.Optimizer
 ):
@@ -160,6 +164,8 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
                 f"keep_grad_buffers must be True or False, got {keep_grad_buffers!r}"
             )
         self._weights.keep_grads = keep_grad_buffers
+        # Adapters added since preparation take the model's policy first: it decides masters.
+        join_prepared_model([p for inner in self.optimizers for p in _params_of(inner)])
         for inner in self.optimizers:
             for i, group in enumerate(inner.param_groups):
                 group["params"] = self._weights.adopt(inner, group["params"], f"param_groups[{i}]")
@@ -170,7 +176,6 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
                 _fuse(inner, group)
         groups = [len(inner.param_groups) for inner in self.optimizers]
         model_params = self._weights.model_params()
-        join_prepared_model(model_params)  # adapters added since: the model's policy
         # Where found_inf lives when no parameter has a gradient (a rank with none).
         self._device = model_params[0].device if model_params else None
         self._setup = SetupCheck(self._weights, scaler_chosen=loss_scaler is not None)

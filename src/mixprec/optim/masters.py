@@ -96,7 +96,6 @@ class MasterWeights:
         self.index: dict[int, tuple[bool, int]] = {}  # id(param) -> (has master, position)
         self.checked: list[torch.Tensor] = []  # float16 weights, checked after each update
         self.versions: list[tuple[int, int]] = []
-        self.sharded = False  # some 16-bit weight is a DTensor shard (no data_ptr of its own)
         # Keep the masters' float32 gradients across zero_grad (keep_grad_buffers=True):
         # 4 bytes a parameter held through the forward, for no fresh allocation per step.
         self.keep_grads = False
@@ -154,7 +153,6 @@ class MasterWeights:
                 self.plain.append(p)
                 adopted.append(p)
             self.on_host = self.on_host and p.device.type == "cpu" and not is_dtensor(p)
-            self.sharded = self.sharded or is_dtensor(p)
         self.versions = self.half_versions()  # new 16-bit parameters have versions too
         return adopted
 
@@ -165,9 +163,9 @@ class MasterWeights:
     def half_versions(self) -> list[tuple[int, int]]:
         """Each 16-bit weight's version and storage: an in-place write bumps the one,
         ``param.data = ...`` (``prune.remove``, ``vector_to_parameters``) swaps the other.
-        A DTensor shard has no storage of its own to point at: its version alone."""
-        if self.sharded:
-            return [(p._version, 0) for p in self.half]
+        (No DTensor shard is among them: ``_refuse_sharded``.) Traced by dynamo, the storage
+        comparison is a graph break of its own in ``torch.compile(opt.step)``; noting
+        versions alone there would make every eager step after a compiled one look written."""
         return [(p._version, p.data_ptr()) for p in self.half]
 
     def follow_external_writes(self, stepping: bool = False) -> None:
@@ -185,9 +183,7 @@ class MasterWeights:
                 for p, m, now, then in zip(
                     self.half, self.masters, versions, self.versions, strict=True
                 ):
-                    if now != then and is_dtensor(p):
-                        m.copy_(p)  # FSDP2 shards: as written, no cross-shard reduction
-                    elif now != then and (kept := take_float32_copy(p)) is not None:
+                    if now != then and (kept := take_float32_copy(p)) is not None:
                         m.copy_(kept)  # one host read, after a load only
                     elif now != then:
                         # Decided on the device, element by element (no read on the host):
@@ -214,7 +210,7 @@ class MasterWeights:
             for p, m in zip(self.half, self.masters, strict=True):
                 # The usual case first, in the weight's own dtype (a 16-bit temporary, not
                 # four float32 ones: a 64M-value table took 1 GB and 1.5 s that way).
-                if is_dtensor(p) or torch.equal(m.to(p.dtype), p):
+                if torch.equal(m.to(p.dtype), p):
                     continue
                 w = p.float()
                 far = _moved(w, m, p.dtype)
@@ -238,7 +234,7 @@ class MasterWeights:
         the copy-back undoes at every step. Said, not followed: later steps do not look
         (one comparison of every weight and a host read, once in a run), and a compiled
         step's copy-back may round a weight an ulp away from its master."""
-        pairs = [(p, m) for p, m in zip(self.half, self.masters, strict=True) if not is_dtensor(p)]
+        pairs = list(zip(self.half, self.masters, strict=True))
         if not pairs:
             return
         with torch.no_grad():

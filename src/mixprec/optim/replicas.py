@@ -15,10 +15,11 @@ stages) are left alone, as are models with no masters (O1; FSDP2, whose shards a
 
 ``distributed_data_parallel(model, opt)`` makes every rank rank 0's copy: DDP sends the
 16-bit weights, ``broadcast_masters`` the masters, and ``state_of_rank`` the rest of
-``opt``'s state where it differs: the loss scale and the inner optimizers' state (Adam's
-moments). A checkpoint loaded on rank 0 alone otherwise left the other ranks at a scale of
-65536 against rank 0's 256, each unscaling DDP's average of differently scaled gradients
-by its own scale (masters 7.95 apart after 5 steps).
+``opt``'s state where it differs (two small all-reduces when it agrees): the loss scale
+and the inner optimizers' state (Adam's moments). A checkpoint loaded on rank 0 alone
+otherwise left the other ranks at a scale of 65536 against rank 0's 256, each unscaling
+DDP's average of differently scaled gradients by its own scale (masters 7.95 apart after
+5 steps).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from mixprec._dist import is_distributed, is_dtensor
+from mixprec._dist import is_distributed, is_dtensor, rank_bounds
 from mixprec._warn import warn_at_caller
 from mixprec.optim.masters import MasterWeights
 
@@ -39,15 +40,13 @@ __all__ = ["masters_of_rank0_if_replicas", "state_of_rank"]
 
 
 def _sums(weights: MasterWeights) -> torch.Tensor:
-    """The count and the sums of the 16-bit weights and of the masters, each with its
-    negation (one all-reduce of the maxima gives every rank the maxima and the minima)."""
+    """The count and the sums of the 16-bit weights and of the masters."""
     with torch.no_grad():
         # Summed in float64 without a float64 copy of each tensor (8 bytes a value).
         half = torch.stack([p.sum(dtype=torch.float64) for p in weights.half]).sum()
         masters = torch.stack([m.sum(dtype=torch.float64) for m in weights.masters]).sum()
         count = torch.tensor(float(sum(p.numel() for p in weights.half)), device=half.device)
-        sums = torch.stack([count.double(), half, masters])
-    return torch.cat([sums, -sums])
+        return torch.stack([count.double(), half, masters])
 
 
 def masters_of_rank0_if_replicas(weights: MasterWeights) -> bool:
@@ -59,9 +58,8 @@ def masters_of_rank0_if_replicas(weights: MasterWeights) -> bool:
     if not is_distributed() or not weights.half or is_dtensor(weights.half[0]):
         return True  # no masters to align (O1, FSDP2's shards are the masters)
     # On the weights' device, as the step's own found_inf all-reduce: NCCL has no CPU.
-    bounds = _sums(weights)
-    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
-    high, low = bounds[:3].tolist(), (-bounds[3:]).tolist()
+    highs, lows = rank_bounds(_sums(weights))
+    high, low = highs.tolist(), lows.tolist()
     replicas = high[0] == low[0] and high[1] == low[1]
     if not replicas or high[2] == low[2]:
         return True
@@ -104,19 +102,18 @@ def _state_sums(opt: LossScaleOptimizer, device: torch.device) -> torch.Tensor:
 
 def state_of_rank(opt: LossScaleOptimizer, src: int) -> None:
     """Every rank takes rank ``src``'s loss scaler and inner optimizer state, where any
-    rank's differs from it (one small all-reduce when they agree)."""
+    rank's differs from it (two small all-reduces when they agree: the lengths, then the
+    sums)."""
     if not is_distributed() or torch.compiler.is_compiling():
         return
     params = opt._weights.model_params()
     device = params[0].device if params else torch.device("cpu")
     mine = _state_sums(opt, device)
-    length = torch.tensor([float(mine.numel()), -float(mine.numel())], device=device)
-    dist.all_reduce(length, op=dist.ReduceOp.MAX)
-    same = bool(length[0] == -length[1])
-    if same:
-        bounds = torch.cat([mine, -mine])
-        dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
-        same = torch.equal(bounds[: mine.numel()], -bounds[mine.numel() :])
+    high, low = rank_bounds(torch.tensor([float(mine.numel())], device=device))
+    same = bool(high == low)
+    if same:  # as many entries on every rank: their sums compare element by element
+        high, low = rank_bounds(mine)
+        same = torch.equal(high, low)
     if same:
         return
     # Through host memory: a CUDA tensor pickled on rank 0 would unpickle onto rank 0's GPU.

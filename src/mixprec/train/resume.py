@@ -74,7 +74,7 @@ def check_ranks_resumed_alike(point: ResumePoint, model: nn.Module) -> None:
             "global_step": point.global_step,
             "epoch": point.epoch,
             "batches_done": point.skip,
-            "weights_checksum": hash(total),
+            "weights_checksum": distributed.float_key(total),
         },
         "every rank must resume from the same checkpoint file (ModelCheckpoint writes one, "
         "from rank 0)",
