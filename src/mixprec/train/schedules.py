@@ -43,6 +43,13 @@ class LearningRateScheduler(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
+        # Resumed into an epoch's end (a state saved during its validation), the scheduler's
+        # first step here comes before any optimizer step of this process, and torch warned
+        # of the "old pattern" (skipping a schedule value) though the run had stepped.
+        trainer = self.trainer
+        optimizer = getattr(self.scheduler, "optimizer", None)
+        if trainer is not None and trainer.global_step > 0 and optimizer is not None:
+            optimizer._opt_called = True
 
 
 class EMA(Callback):
