@@ -324,7 +324,10 @@ def test_save_refuses_a_checkpoint_path_that_is_a_directory_before_any_run(
     error that named the API (`save_checkpoint: path`)."""
     (tmp_path / "mixed.safetensors").mkdir()
     monkeypatch.setattr(train, "run_training", lambda config: pytest.fail("a run started"))
-    assert cli.main(["train", *SMALL, "--save", str(tmp_path)]) == 2
+    # A mixed policy named: where auto picks float32 (a CPU without fast bfloat16) the
+    # runs are labelled otherwise.
+    argv = ["train", *SMALL, "--policy", "mixed_bfloat16", "--save", str(tmp_path)]
+    assert cli.main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and err == (
         f"mixprec train: error: --save {str(tmp_path)!r}: the mixed run's checkpoint "
