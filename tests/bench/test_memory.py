@@ -7,6 +7,7 @@ import torch
 
 from mixprec import bench, cli
 from mixprec.bench import memory
+from tests.bench._fake_pool import fake_pool
 
 
 def test_peak_memory_is_measured_per_mode():
@@ -43,23 +44,7 @@ def test_max_batch_reports_each_probe(monkeypatch):
     """Issue 33 item 9: the search ran minutes of probes without a word. On a fake
     fresh-process pool whose step peaks at 1 MB a sample: what each probe found."""
 
-    class Pool:
-        def __init__(self, processes: int) -> None: ...
-
-        def __enter__(self) -> Pool:
-            return self
-
-        def __exit__(self, *exc: object) -> None: ...
-
-        def apply(self, fn, args):
-            return fn(*args)
-
-    class Context:
-        def Pool(self, processes: int) -> Pool:  # noqa: N802 (multiprocessing's name)
-            return Pool(processes)
-
-    monkeypatch.setattr(memory.multiprocessing, "get_context", lambda method: Context())
-    monkeypatch.setattr(memory, "_peak_memory", lambda args: float(args[5]))
+    fake_pool(monkeypatch, 1.0)
     probes: list[tuple[int, bool]] = []
     found = bench.max_batch("mlp-b64", "float32", 10, small=True, limit=64,
                             progress=lambda batch, fits: probes.append((batch, fits)))  # fmt: skip

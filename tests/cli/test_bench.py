@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mixprec import cli
+from tests.bench._fake_pool import fake_pool
 
 
 def test_bench_float8_mode_says_what_it_converted_and_that_cpu_emulates_it(capsys):
@@ -331,42 +332,18 @@ def test_bench_compile_mode_applies_to_modes_compiled_by_name(monkeypatch, capsy
     assert cli.main(argv) == 0 and seen == ["max-autotune-no-cudagraphs"]
 
 
-def _fake_pool(monkeypatch, mb_per_sample: float) -> None:
-    """``max_batch``'s fresh-process probes, in this process, where a step peaks at
-    ``mb_per_sample`` MB a sample."""
-    from mixprec.bench import memory
-
-    class Pool:
-        def __init__(self, processes: int) -> None: ...
-
-        def __enter__(self) -> Pool:
-            return self
-
-        def __exit__(self, *exc: object) -> None: ...
-
-        def apply(self, fn, args):
-            return fn(*args)
-
-    class Context:
-        def Pool(self, processes: int) -> Pool:  # noqa: N802 (multiprocessing's name)
-            return Pool(processes)
-
-    monkeypatch.setattr(memory.multiprocessing, "get_context", lambda method: Context())
-    monkeypatch.setattr(memory, "_peak_memory", lambda args: mb_per_sample * args[5])
-
-
 def test_max_batch_probes_the_limit_and_says_where_it_stopped(monkeypatch, capsys):
     """With --batch-limit 300 and every probe within the budget, 256 was printed as the
     largest batch within it, though 300 was never tried; and its ratio to float32 with it."""
     from mixprec import bench
 
-    _fake_pool(monkeypatch, 0.1)  # 300 samples: 30 MB, within 50
+    fake_pool(monkeypatch, 0.1)  # 300 samples: 30 MB, within 50
     probes: list[tuple[int, bool]] = []
     found = bench.max_batch("mlp-b64", "float32", 50, small=True, limit=300,
                             progress=lambda batch, fits: probes.append((batch, fits)))  # fmt: skip
     assert found == 300 and probes[-2:] == [(256, True), (300, True)]
     # Where the limit does not fit, the search bisects below it.
-    _fake_pool(monkeypatch, 0.18)  # 277 samples fit 50 MB, 278 do not
+    fake_pool(monkeypatch, 0.18)  # 277 samples fit 50 MB, 278 do not
     assert 256 <= bench.max_batch("mlp-b64", "float32", 50, small=True, limit=300) < 278
 
     found_by_mode = {"float32": 300, "O2-bf16": 300, "O1-bf16": 150}
