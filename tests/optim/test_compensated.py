@@ -272,3 +272,28 @@ def test_a_checkpoint_load_keeps_the_float32_moments(tmp_path):
         assert mine["exp_avg"].dtype == torch.float32
         assert torch.equal(mine["exp_avg"], theirs["exp_avg"])
     assert not [c for c in report.converted if "exp_avg" in c[0]]
+
+
+def test_the_vanishing_eps_warning_is_for_optimizers_that_add_eps_in_float16():
+    """The warning that eps=1e-8 rounds to 0 in float16 fired for CompensatedAdamW too,
+    which adds eps to a float32 denominator (and trains float16 O3 weights with it), and
+    the troubleshooting page repeated it as advice."""
+    import warnings
+
+    def wrapped(make):
+        model = mp.auto_mixed_precision(torch.nn.Linear(4, 4), "float16", "O3")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            mp.LossScaleOptimizer(make(model.parameters()))
+        return [str(w.message) for w in seen if "rounds to 0 in float16" in str(w.message)]
+
+    assert wrapped(lambda p: CompensatedAdamW(p, eps=1e-8)) == []
+    assert len(wrapped(lambda p: torch.optim.Adam(p, eps=1e-8))) == 1
+    # Trained through zero gradients, CompensatedAdamW's float16 weights stay finite.
+    model = mp.auto_mixed_precision(torch.nn.Linear(4, 4), "float16", "O3")
+    opt = mp.LossScaleOptimizer(CompensatedAdamW(model.parameters(), eps=1e-8))
+    for _ in range(3):
+        opt.zero_grad()
+        opt.backward((model(torch.zeros(2, 4)) * 0.0).float().sum())
+        opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())

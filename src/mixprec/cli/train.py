@@ -53,7 +53,7 @@ EPILOG = SPEC_HELP  # what --model and --data module:function must name
 MEMORY_HINT = "a smaller --hidden or --batch-size"  # said where an allocation fails
 
 # The main job's defaults: a step whose matmuls dominate (64 -> 2048 -> 2048 -> 10 at batch
-# 256 is ~8 GFLOP a step), so that the precision of the matmuls decides its speed. At width
+# 256 is ~6.6 GFLOP a step), so that the precision of the matmuls decides its speed. At width
 # 512 and batch 64 a step is ~0.1 GFLOP, mostly optimizer and Python, and no precision
 # speeds it up.
 DEFAULT_HIDDEN = 2048

@@ -54,6 +54,9 @@ class CompensatedAdamW(torch.optim.Optimizer):
     as by ``torch.optim.AdamW``. Use it at level O3 through ``LossScaleOptimizer``
     (16-bit parameters at O3 get no float32 masters)."""
 
+    # eps is added to a float32 denominator: 1e-8 does not vanish with float16 weights.
+    EPS_IN_FLOAT32 = True
+
     def __init__(
         self,
         params: Iterable[Any],

@@ -64,7 +64,9 @@ class ParamGroups:
 
     def _adopted(self, inner: torch.optim.Optimizer, i: int) -> None:
         """What follows the adoption of ``inner``'s group ``i``."""
-        warn_if_eps_vanishes(inner.param_groups[i], f"{type(inner).__name__} param_groups[{i}]")
+        warn_if_eps_vanishes(
+            inner, inner.param_groups[i], f"{type(inner).__name__} param_groups[{i}]"
+        )
         _fuse(inner, inner.param_groups[i])
         self._decide_host_path()
 

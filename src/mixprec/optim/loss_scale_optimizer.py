@@ -169,7 +169,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         for inner in self.optimizers:
             for i, group in enumerate(inner.param_groups):
                 group["params"] = self._weights.adopt(inner, group["params"], f"param_groups[{i}]")
-                warn_if_eps_vanishes(group, f"{type(inner).__name__} param_groups[{i}]")
+                warn_if_eps_vanishes(inner, group, f"{type(inner).__name__} param_groups[{i}]")
         say_if_masters_lost(self._weights.lost)
         for inner in self.optimizers:
             for group in inner.param_groups:
