@@ -289,6 +289,8 @@ def test_the_vanishing_eps_warning_is_for_optimizers_that_add_eps_in_float16():
 
     assert wrapped(lambda p: CompensatedAdamW(p, eps=1e-8)) == []
     assert len(wrapped(lambda p: torch.optim.Adam(p, eps=1e-8))) == 1
+    assert len(wrapped(lambda p: torch.optim.Adam(p, eps=1e-8, foreach=True))) == 1
+    assert wrapped(lambda p: torch.optim.Adam(p, eps=1e-8, fused=True)) == []  # in float32
     # Trained through zero gradients, CompensatedAdamW's float16 weights stay finite.
     model = mp.auto_mixed_precision(torch.nn.Linear(4, 4), "float16", "O3")
     opt = mp.LossScaleOptimizer(CompensatedAdamW(model.parameters(), eps=1e-8))

@@ -64,10 +64,10 @@ class ParamGroups:
 
     def _adopted(self, inner: torch.optim.Optimizer, i: int) -> None:
         """What follows the adoption of ``inner``'s group ``i``."""
+        _fuse(inner, inner.param_groups[i])  # first: a fused kernel adds eps in float32
         warn_if_eps_vanishes(
             inner, inner.param_groups[i], f"{type(inner).__name__} param_groups[{i}]"
         )
-        _fuse(inner, inner.param_groups[i])
         self._decide_host_path()
 
     def _adopt_added_groups(self) -> None:

@@ -169,11 +169,11 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         for inner in self.optimizers:
             for i, group in enumerate(inner.param_groups):
                 group["params"] = self._weights.adopt(inner, group["params"], f"param_groups[{i}]")
-                warn_if_eps_vanishes(inner, group, f"{type(inner).__name__} param_groups[{i}]")
         say_if_masters_lost(self._weights.lost)
         for inner in self.optimizers:
-            for group in inner.param_groups:
-                _fuse(inner, group)
+            for i, group in enumerate(inner.param_groups):
+                _fuse(inner, group)  # first: a fused kernel adds eps in float32
+                warn_if_eps_vanishes(inner, group, f"{type(inner).__name__} param_groups[{i}]")
         groups = [len(inner.param_groups) for inner in self.optimizers]
         model_params = self._weights.model_params()
         # Where found_inf lives when no parameter has a gradient (a rank with none).

@@ -363,8 +363,9 @@ class MasterWeights:
 def warn_if_eps_vanishes(inner: torch.optim.Optimizer, group: dict[str, Any], where: str) -> None:
     """Pure float16 weights (O3) make Adam-style optimizers compute in float16, where the
     default eps=1e-8 rounds to 0: a zero gradient then gives 0/0 = NaN weights. Not said
-    of an optimizer that adds eps in float32 (``CompensatedAdamW``: ``EPS_IN_FLOAT32``)."""
-    if getattr(inner, "EPS_IN_FLOAT32", False):
+    where eps is added in float32: ``CompensatedAdamW`` (``EPS_IN_FLOAT32``), and torch's
+    fused kernels (a group fused by the user, or by ``_fuse``, on CUDA by default)."""
+    if getattr(inner, "EPS_IN_FLOAT32", False) or group.get("fused"):
         return
     eps = group.get("eps")
     if not isinstance(eps, float) or eps <= 0:
