@@ -357,3 +357,24 @@ def test_max_batch_probes_the_limit_and_says_where_it_stopped(monkeypatch, capsy
         "  O2-bf16                 >= 300 (reached --batch-limit)",
         "  O1-bf16                    150",  # no ratio against a float32 that reached the cap
     ]
+
+
+@pytest.mark.parametrize(
+    ("options", "shown"),
+    [
+        (["--repeats", "9"], "--repeats"),
+        (["--steps", "7", "--no-memory"], "--steps, --no-memory"),
+        (["--warmup", "4", "--min-round-ms", "0"], "--min-round-ms, --warmup"),
+    ],
+)
+def test_max_batch_refuses_the_timing_runs_options(options, shown, capsys):
+    """--max-batch searched batch sizes and ignored --repeats, --steps, --warmup,
+    --min-round-ms and --no-memory without a word."""
+    argv = ["bench", "mlp-b64", "--small", "--modes", "float32", "--max-batch", "9", *options]
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        f"mixprec bench: error: {shown} applies to the timing run; --max-batch searches batch "
+        "sizes (one step per probe, in a fresh process): leave it out, or leave out "
+        "--max-batch\n"
+    )

@@ -71,6 +71,10 @@ def _mode_lists() -> str:
     )  # fmt: skip
 
 
+# The timing run's options and their defaults (refused beside --max-batch when changed).
+_TIMING = {"repeats": 5, "steps": 3, "min_round_ms": 100.0, "warmup": 2}
+
+
 def add_arguments(sub: argparse.ArgumentParser) -> None:
     """The options of ``mixprec bench``, each with its default; below them, every mode and
     bundled workload with what it trains."""
@@ -96,20 +100,20 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
         help="add the policy's O2 mode (mixed_float8: O2-fp8) beside float32 and O2-bf16, or "
         "beside --modes",
     )  # fmt: skip
-    sub.add_argument("--repeats", type=int, default=5,
+    sub.add_argument("--repeats", type=int, default=_TIMING["repeats"],
                      help="timed rounds per mode, interleaved (default: %(default)s)")  # fmt: skip
     sub.add_argument(
-        "--steps", type=int, default=3,
+        "--steps", type=int, default=_TIMING["steps"],
         help="steps per timed round, at least; more where --min-round-ms needs them "
         "(default: %(default)s)",
     )  # fmt: skip
     sub.add_argument(
-        "--min-round-ms", type=float, default=100.0, metavar="MS",
+        "--min-round-ms", type=float, default=_TIMING["min_round_ms"], metavar="MS",
         help="more steps per round where the fastest mode would take less (default: "
         "%(default)g)",
     )  # fmt: skip
     sub.add_argument(
-        "--warmup", type=int, default=2,
+        "--warmup", type=int, default=_TIMING["warmup"],
         help="untimed steps per mode before the rounds, at least 2 (default: %(default)s)",
     )  # fmt: skip
     sub.add_argument(
@@ -230,6 +234,16 @@ def run(args: argparse.Namespace) -> int:
             f"{args.warmup} and {args.min_round_ms:g}"
         )
     if args.max_batch:
+        # The timing run's options, given with the search: they were ignored, unsaid.
+        given = [name for name, default in _TIMING.items() if getattr(args, name) != default]
+        if args.no_memory:
+            given.append("no_memory")
+        if given:
+            shown = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise UsageError(
+                f"{shown} applies to the timing run; --max-batch searches batch sizes (one "
+                "step per probe, in a fresh process): leave it out, or leave out --max-batch"
+            )
         if json_path or plot_path:
             raise UsageError(
                 "--json and --plot write the timing run's results; --max-batch searches batch "
