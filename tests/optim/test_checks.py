@@ -440,3 +440,39 @@ def test_a_fit_after_one_stopped_mid_group_drops_that_group_and_says_so():
     with pytest.warns(UserWarning, match=r"2 of 4 micro-batches of a group an earlier fit left"):
         trainer.fit(x, y, batch_size=4, epochs=1, verbose=0)
     assert trainer.optimizer.pending_micro_steps == 0
+
+
+class _SharedTrunk(nn.Module):
+    """Two heads over one trunk: each loss reaches the trunk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 1), nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.trunk(x))
+        return self.a(h), self.b(h)
+
+
+def test_a_gradient_another_optimizer_scaled_differently_is_said():
+    """Two LossScaleOptimizers over one model (trunk and head a; head b), one backward
+    each: the trunk's gradient held la * 1024 + lb * 65536, which the first divided by 1024,
+    applying lb's part 64 times (the trunk 1.09 off float32 after 3 steps), unsaid."""
+    model = mp.auto_mixed_precision(_SharedTrunk(), "mixed_float16", "O2")
+    first = [*model.trunk.parameters(), *model.a.parameters()]
+    opt_a = mp.LossScaleOptimizer(torch.optim.SGD(first, lr=0.1), mp.StaticLossScaler(2.0**10))
+    opt_b = mp.LossScaleOptimizer(
+        torch.optim.SGD(model.b.parameters(), lr=0.1), mp.StaticLossScaler(2.0**16)
+    )
+    x, y = torch.randn(32, 8), torch.randn(32, 1)
+    ya, yb = model(x)
+    opt_a.backward(((ya.float() - y) ** 2).mean(), retain_graph=True)
+    opt_b.backward(((yb.float() - y) ** 2).mean())
+    said = r"^another LossScaleOptimizer's backward, at loss scale 65536, added to gradients"
+    with pytest.warns(UserWarning, match=said + r" of this one's \(scale 1024\)") as got:
+        opt_a.step()
+    assert "comes out 64 times too large or small" in str(got[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second's gradients are its own: nothing to say
+        opt_b.step()

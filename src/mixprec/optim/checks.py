@@ -292,6 +292,7 @@ class BackwardLook:
     def __init__(self) -> None:
         self.steps = 0
         self.versions: list[int] | None = None
+        self.seen = 0  # the count of looked-at backwards (any optimizer's) after its own
 
     def backward(self, opt: LossScaleOptimizer, loss: torch.Tensor, kwargs: dict[str, Any]) -> None:
         """``opt``'s backward of one of the first steps, looked at before (cleared
@@ -303,6 +304,7 @@ class BackwardLook:
         self._before_backward(params, opt._book.micro, opt.accumulation_steps)
         opt.get_scaled_loss(loss).backward(**kwargs)
         self.versions = grad_versions(params)
+        self.seen = _note_backward(opt._loss_scaler.get_scale())  # no fold of device steps
 
     def _before_backward(self, params: list[torch.Tensor], micro: int, steps: int) -> None:
         then = self.versions
@@ -336,6 +338,19 @@ class BackwardLook:
             for p, v in zip(params, then, strict=False)
             if v != -1 and p.grad is not None
         ]
+        others = [s for count, s in _RECENT if count > self.seen and s != scale]
+        if others and any(g._version != v for g, v in present):
+            self.steps = self.STEPS  # said once
+            warn_at_caller(
+                "another LossScaleOptimizer's backward, at loss scale "
+                f"{others[0]:g}, added to gradients of this one's (scale {scale:g}) after its "
+                "own backward (a module both losses reach, such as a shared trunk): this "
+                "optimizer divides the sum by its own scale, so the other loss's part comes "
+                f"out {others[0] / scale:g} times too large or small. Wrap both in one, "
+                "mp.LossScaleOptimizer([opt_a, opt_b]), with one backward of the summed loss "
+                "(said once)"
+            )
+            return
         if scale != 1.0 and present and all(g._version != v for g, v in present):
             self.steps = self.STEPS  # said once
             warn_at_caller(
@@ -348,6 +363,19 @@ class BackwardLook:
                 "mp.LossScaleOptimizer([opt_a, opt_b]). (A linear edit, such as averaging them "
                 "over ranks yourself, is exact under the scale: then nothing is wrong; said once)"
             )
+
+
+# The scales of the latest looked-at backwards of every LossScaleOptimizer, counted: a
+# gradient written by another optimizer's backward at another scale is unscaled wrongly.
+_RECENT: list[tuple[int, float]] = []
+_COUNT = [0]
+
+
+def _note_backward(scale: float) -> int:
+    _COUNT[0] += 1
+    _RECENT.append((_COUNT[0], scale))
+    del _RECENT[:-16]
+    return _COUNT[0]
 
 
 def no_backward_error(params: list[torch.Tensor]) -> MisuseError:
