@@ -27,7 +27,6 @@ from mixprec.policy import PolicyLike, get_policy
 __all__ = [
     "all_gather_object",
     "all_reduce_sum",
-    "any_rank",
     "barrier",
     "broadcast_",
     "check_batch",
@@ -196,16 +195,6 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor)
     return [float(v) for v in tensor.tolist()]
-
-
-def any_rank(flag: bool) -> bool:
-    """Whether ``flag`` is true on any rank (one collective; ``flag`` outside torchrun)."""
-    if world_size() == 1:
-        return flag
-    device = _collective_device()
-    tensor = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return bool(tensor.item())
 
 
 def shard(indices: torch.Tensor, pad: bool = True) -> torch.Tensor:

@@ -24,10 +24,11 @@ DDP's average of differently scaled gradients by its own scale (masters 7.95 apa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from mixprec._dist import is_distributed, is_dtensor, rank_bounds
 from mixprec._warn import warn_at_caller
@@ -76,28 +77,22 @@ def masters_of_rank0_if_replicas(weights: MasterWeights) -> bool:
 
 
 def _state_sums(opt: LossScaleOptimizer, device: torch.device) -> torch.Tensor:
-    """Numbers that differ where two ranks' scaler or inner optimizer states do: each
-    state's entry count, and the float64 sums of its numbers and tensors (a pass over the
-    optimizer state, once, when the model is wrapped)."""
-    values: list[torch.Tensor] = []
-
-    def walk(item: Any) -> None:
-        if isinstance(item, torch.Tensor):
-            values.append(item.detach().sum(dtype=torch.float64).to(device).reshape(1))
-        elif isinstance(item, bool | int | float):
-            values.append(torch.tensor([float(item)], dtype=torch.float64, device=device))
-        elif isinstance(item, dict):
-            values.append(torch.tensor([float(len(item))], dtype=torch.float64, device=device))
-            for value in item.values():
-                walk(value)
-
-    walk({k: v for k, v in opt.loss_scaler.state_dict().items() if k != "type"})
-    for inner in opt.optimizers:
-        walk(dict(inner.state))
+    """Numbers that differ where two ranks' scaler or inner optimizer states do: the count
+    of their numbers and tensors, then the float64 sum of each (a pass over the optimizer
+    state, once, when the model is wrapped)."""
+    scaler = {k: v for k, v in opt.loss_scaler.state_dict().items() if k != "type"}
+    leaves = tree_leaves([scaler, [dict(inner.state) for inner in opt.optimizers]])
     with torch.no_grad():
-        sums = torch.cat(values)
-    # A rank with more entries than another would sum unequal lengths: the counts first.
-    return torch.cat([torch.tensor([float(len(values))], dtype=torch.float64, device=device), sums])
+        values = [
+            leaf.detach().sum(dtype=torch.float64).to(device)
+            if isinstance(leaf, torch.Tensor)
+            else torch.tensor(float(leaf), dtype=torch.float64, device=device)
+            for leaf in leaves
+            if isinstance(leaf, torch.Tensor | bool | int | float)
+        ]
+        count = torch.tensor(float(len(values)), dtype=torch.float64, device=device)
+        # A rank with more entries than another would compare unequal lengths: the count first.
+        return torch.stack([count, *values])
 
 
 def state_of_rank(opt: LossScaleOptimizer, src: int) -> None:
@@ -117,17 +112,8 @@ def state_of_rank(opt: LossScaleOptimizer, src: int) -> None:
     if same:
         return
     # Through host memory: a CUDA tensor pickled on rank 0 would unpickle onto rank 0's GPU.
-    state = [_to_host(opt.state_dict()) if dist.get_rank() == src else None]
+    host = tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), opt.state_dict())
+    state = [host if dist.get_rank() == src else None]
     dist.broadcast_object_list(state, src=src, device=device if device.type != "cpu" else None)
     if dist.get_rank() != src:
         opt.load_state_dict(state[0] or {})
-
-
-def _to_host(item: Any) -> Any:
-    if isinstance(item, torch.Tensor):
-        return item.detach().cpu()
-    if isinstance(item, dict):
-        return {key: _to_host(value) for key, value in item.items()}
-    if isinstance(item, list | tuple):
-        return type(item)(_to_host(value) for value in item)
-    return item

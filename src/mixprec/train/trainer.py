@@ -336,7 +336,7 @@ class Trainer:
         rank that stopped alone left the others in DDP's all-reduce, a raw gloo abort or a
         hang (a callback's own condition, or a monitor of a rank's own timings)."""
         if self.distributed:
-            self.stop_training = distributed.any_rank(self.stop_training)
+            self.stop_training = distributed.all_reduce_sum([float(self.stop_training)])[0] > 0
         return self.stop_training
 
     # -- evaluate / predict -----------------------------------------------------------------
