@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 
 import pytest
 import torch
 
 from mixprec import cli
 from mixprec.cli import train
+from mixprec.cli._train_worker import WorkerEndedError, in_subprocess
 from mixprec.policy import Policy
 
 
@@ -407,3 +410,30 @@ def test_float16_weights_that_overflow_are_reported_as_a_diverged_run(capsys):
         "update: 1.weight (float16; its float32 master's largest |value| is "
     ), line
     assert line.endswith("; a smaller --lr may train"), line
+
+
+def _killed(config):
+    """A run whose process the kernel kills (as its out-of-memory killer does)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_worker_killed_by_sigkill_is_named_with_the_out_of_memory_killer():
+    """No allocation message to recognise: the worker's end, its signal and the likely
+    cause are said, rather than a bare exit code."""
+    with pytest.raises(WorkerEndedError) as caught:
+        in_subprocess(_killed, {"label": "float32"})
+    said = str(caught.value)
+    assert said.startswith("the float32 run's process was killed by SIGKILL before")
+    assert "out-of-memory killer" in said and "a smaller --hidden or --batch-size" in said
+
+
+def test_a_worker_that_ended_is_one_line_exit_1(monkeypatch, capsys):
+    def ended(config):
+        raise WorkerEndedError(config["label"], 3)
+
+    monkeypatch.setattr(train, "_in_subprocess", ended)
+    assert cli.main(["train", "--quiet", "--data", "synthetic", "--compare", "none",
+                     "--epochs", "1"]) == 1  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("mixprec train: error: the ") and "exited with status 3" in err

@@ -41,10 +41,7 @@ def in_subprocess(
             reply = receive.recv()
         except EOFError:  # it ended without a reply: killed, out of memory
             worker.join()
-            raise RuntimeError(
-                f"the {config['label']} run's process ended with exit code "
-                f"{worker.exitcode} before it returned a result"
-            ) from None
+            raise WorkerEndedError(config["label"], worker.exitcode) from None
         worker.join()
     finally:
         _stop(worker)
@@ -54,6 +51,31 @@ def in_subprocess(
         raise reply[1] from _WorkerTracebackError(reply[2])
     result: dict[str, Any] = reply[1]
     return result
+
+
+class WorkerEndedError(RuntimeError):
+    """A run's process ended without a result: killed by a signal (the kernel's
+    out-of-memory killer sends SIGKILL, with no message to recognise) or exited."""
+
+    def __init__(self, label: str, exitcode: int | None) -> None:
+        signum = -exitcode if exitcode is not None and exitcode < 0 else None
+        how = (
+            f"was killed by {_signal_name(signum)}" if signum else f"exited with status {exitcode}"
+        )
+        said = f"the {label} run's process {how} before it returned a result"
+        if signum == signal.SIGKILL:
+            said += (
+                " (on Linux the kernel's out-of-memory killer sends SIGKILL when memory runs "
+                "out, and `dmesg` says so; a smaller --hidden or --batch-size may fit)"
+            )
+        super().__init__(said)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _stop(worker: multiprocessing.process.BaseProcess) -> None:

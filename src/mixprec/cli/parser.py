@@ -18,6 +18,7 @@ from mixprec import distributed
 from mixprec._version import __version__
 from mixprec.cli import autotune, bench, convert, doctor, info, inspect, train
 from mixprec.cli._common import Terminated, UsageError, sigterm_raises
+from mixprec.cli._train_worker import WorkerEndedError
 
 COMMANDS = {
     "train": train,
@@ -70,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (``sys.argv[1:]`` by default); return the exit status:
-    0, 2 for a bad value or path (one line on stderr), 130 when interrupted by SIGINT (Ctrl-C),
-    143 by SIGTERM; a command stops its worker processes before it returns either."""
+    0, 2 for a bad value or path (one line on stderr), 1 when a worker process was killed,
+    130 when interrupted by SIGINT (Ctrl-C), 143 by SIGTERM; a command stops its worker
+    processes before it returns either."""
     args = build_parser().parse_args(argv)
     try:
         with sigterm_raises():
@@ -79,6 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, OSError, ValueError) as err:  # OSError: a path that went bad mid-run
         print(f"mixprec {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except WorkerEndedError as err:  # killed (the OOM killer's SIGKILL): nothing of ours to show
+        print(f"mixprec {args.command}: error: {err}", file=sys.stderr)
+        return 1
     except (MemoryError, RuntimeError) as err:  # other RuntimeErrors are bugs: traceback
         said = _out_of_memory(err)
         if said is None:
