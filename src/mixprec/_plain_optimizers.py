@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,13 +54,37 @@ def _install() -> None:
         _HOOK.append(register_optimizer_step_pre_hook(_first_step))
 
 
-def watch_wrapped(optimizer: torch.optim.Optimizer, book: Any) -> None:
-    """``optimizer`` is stepped by a ``LossScaleOptimizer`` whose bookkeeping is ``book``:
-    while that wrapper lives, a step called on the optimizer other than through
-    ``step_inner`` raises (it would skip the unscale, the inf/NaN check and the float32
-    masters' copy-back)."""
+def watch_wrapped(
+    optimizer: torch.optim.Optimizer, book: Any, zero_grad: Callable[[bool], None]
+) -> None:
+    """``optimizer`` is stepped by a ``LossScaleOptimizer`` whose bookkeeping is ``book``
+    and whose ``zero_grad`` is given: while that wrapper lives, a step called on the
+    optimizer other than through ``step_inner`` raises (it would skip the unscale, the
+    inf/NaN check and the float32 masters' copy-back), and its ``zero_grad`` is the
+    wrapper's. torch.amp's loop keeps ``optimizer.zero_grad()`` after wrapping; at O2 the
+    groups hold the float32 masters, so it cleared theirs alone, and the 16-bit weights'
+    gradients added up over every step (0.853 against float32's 0.234 after 20)."""
     _install()
     _WRAPPED[optimizer] = weakref.ref(book)
+    optimizer.zero_grad = _WrapperZeroGrad(optimizer, zero_grad)  # type: ignore[method-assign]
+
+
+class _WrapperZeroGrad:
+    """An optimizer's ``zero_grad`` that is its wrapper's while the wrapper lives (weakly:
+    the optimizer keeps no wrapper alive), and torch's own after."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, wrapper: Callable[[bool], None]) -> None:
+        self._optimizer = weakref.ref(optimizer)
+        self._wrapper = weakref.WeakMethod(wrapper)  # type: ignore[arg-type]
+
+    def __call__(self, set_to_none: bool = True) -> None:
+        wrapper = self._wrapper()
+        if wrapper is not None:
+            wrapper(set_to_none)
+            return
+        optimizer = self._optimizer()
+        if optimizer is not None:
+            type(optimizer).zero_grad(optimizer, set_to_none)
 
 
 def is_wrapped(optimizer: object) -> bool:

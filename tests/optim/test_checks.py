@@ -130,6 +130,32 @@ def test_stepping_the_wrapped_optimizer_itself_is_refused(policy, level):
         inner.step()
 
 
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_the_wrapped_optimizers_zero_grad_clears_what_the_wrappers_does(policy):
+    """torch.amp's loop keeps ``optimizer.zero_grad()`` after wrapping: at O2 its groups hold
+    the float32 masters, so it cleared theirs alone and the 16-bit weights' gradients added
+    up over every step (a gradient norm of 0.853 against float32's 0.234 after 20 steps)."""
+    x, y = classification_data(n=64, seed=1)
+    control = make_mlp()
+    model = mp.auto_mixed_precision(make_mlp(), policy, "O2")
+    model.load_state_dict(control.state_dict())
+    plain = torch.optim.SGD(control.parameters(), lr=0.1)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = mp.LossScaleOptimizer(inner)
+    for i in range(8):
+        xb, yb = x[i * 8 : (i + 1) * 8], y[i * 8 : (i + 1) * 8]
+        plain.zero_grad()
+        nn.functional.cross_entropy(control(xb), yb).backward()
+        plain.step()
+        inner.zero_grad()  # the old line, on the optimizer the wrapper holds
+        opt.backward(nn.functional.cross_entropy(model(xb).float(), yb))
+        assert opt.step().applied
+    for a, b in zip(control.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(b.float(), a, atol=1e-2, rtol=0)  # 16-bit rounding
+    inner.zero_grad(set_to_none=False)  # torch's keyword, passed on
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
 def test_the_inner_optimizer_is_its_own_again_once_its_wrapper_is_gone():
     import gc
 

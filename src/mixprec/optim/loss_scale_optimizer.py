@@ -188,7 +188,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             groups=groups,
         )
         for inner in self.optimizers:  # its own step() refused while this wrapper lives
-            watch_wrapped(inner, self._book)
+            watch_wrapped(inner, self._book, self.zero_grad)
         self._decide_host_path()
         self.health: ScalerHealth | None = ScalerHealth()
         self._tracer = make_tracer(trace_overflow, model_params)
