@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from mixprec._averaged_copies import watch_averaged_copies
 from mixprec._dtypes import closest, dtype_name
 from mixprec._errors import ArgumentError
 from mixprec._float16_range import check_float16_range
@@ -333,6 +334,7 @@ def auto_mixed_precision(
         notes[MASTERS_ATTR] = True
     tag(model, notes, watch_loads=True)  # on the parameters, and kept for copies and loads
     remember_model(model)
+    watch_averaged_copies(model)  # a 16-bit AveragedModel stops moving: said at a step
     setattr(
         model,
         _APPLIED_ATTR,

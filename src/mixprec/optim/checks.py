@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mixprec import _averaged_copies as averaged_copies
 from mixprec._dist import is_dtensor
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError, MisuseError
@@ -192,6 +193,8 @@ def after_step(
     if result.found_inf is True:  # decided; a DeviceFlag is observed at its read
         reset_nonfinite_statistics(weights.model_params())
     watch_health(health, result, scaler)
+    if averaged_copies.PENDING and not torch.compiler.is_compiling():
+        averaged_copies.say_averaged_copies()  # an AveragedModel made since, still 16-bit
 
 
 def _observe(health: ScalerHealth, result: StepResult, scaler: LossScaler) -> None:
