@@ -333,6 +333,36 @@ def test_an_accumulation_loop_that_keeps_its_gradients_is_not_stopped():
         assert result.applied == (i % 3 == 2)
 
 
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_two_backwards_per_micro_batch_are_refused_and_a_whole_group_before_a_step_is_not(
+    policy,
+):
+    """Two losses per micro-batch with ``accumulation_steps=4``: each backward counted as a
+    micro-batch, so the group was applied after two micro-batches (4 steps where float32
+    took 2), unsaid."""
+    model = mp.auto_mixed_precision(make_mlp(), policy, "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=4)
+    opt.backward(loss_of(model))
+    opt.backward(loss_of(model))
+    said = r"2 backward\(\) calls since the last step\(\), with accumulation_steps=4: "
+    with pytest.raises(mp.MisuseError, match=said + r".*opt.backward\(loss_a \+ loss_b\)"):
+        opt.step()
+    # The loop that steps every N-th batch: a whole group's backwards, then one step.
+    x, y = classification_data(n=64)
+    control = make_mlp()
+    model = mp.auto_mixed_precision(make_mlp(), policy, "O1")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=4)
+    for i in range(4):
+        opt.backward(
+            nn.functional.cross_entropy(model(x[16 * i : 16 * (i + 1)]), y[16 * i : 16 * (i + 1)])
+        )
+    assert opt.step().applied
+    nn.functional.cross_entropy(control(x), y).backward()
+    torch.optim.SGD(control.parameters(), lr=0.1).step()
+    for a, b in zip(control.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(b, a, atol=2e-3, rtol=0)  # 16-bit compute
+
+
 def test_clipping_the_scaled_gradients_before_the_unscale_warns_once():
     """The torch.amp habit without its unscale: under float16 the clip saw gradients about
     65536 times too large and cut them by that (the loss 1.48 after 100 steps where

@@ -45,6 +45,7 @@ __all__ = [
     "BackwardLook",
     "SetupCheck",
     "after_step",
+    "check_micro_batches",
     "no_backward_error",
     "no_gradients",
     "refuse_accelerate_wrapper",
@@ -182,6 +183,26 @@ def watch_health(health: ScalerHealth | None, result: StepResult, scaler: LossSc
         _observe_eagerly(health, result, scaler)
     else:
         _observe(health, result, scaler)
+
+
+def check_micro_batches(book: Any, accumulation_steps: int) -> None:
+    """At ``step()``: with accumulation, each backward counts as a micro-batch, so two per
+    micro-batch (two losses, a ``retain_graph`` double backward, a gradient penalty through
+    ``get_scaled_loss``) applied the group early: 4 steps where float32 took 2, unsaid.
+    Allowed: one backward per ``step()`` call, or a whole group's before one ``step()``
+    (the loop that steps every N-th batch). With two per micro-batch at N=2 the two look
+    alike; that case cannot be told."""
+    taken, book.backwards = book.backwards, 0
+    if accumulation_steps > 1 and taken > 1 and not taken == book.micro == accumulation_steps:
+        raise MisuseError(
+            f"{taken} backward() calls since the last step(), with accumulation_steps="
+            f"{accumulation_steps}: each backward counts as a micro-batch, so the group "
+            f"would be applied after {accumulation_steps} backwards, not after "
+            f"{accumulation_steps} micro-batches. Sum a micro-batch's losses into one "
+            "backward (opt.backward(loss_a + loss_b)), or call step() after each backward; "
+            "for torch.autograd.grad of an inner loss (a gradient penalty) take "
+            "opt.scale_loss(loss), which starts no micro-batch"
+        )
 
 
 def after_step(

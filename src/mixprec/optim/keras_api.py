@@ -67,6 +67,7 @@ class KerasMethods:
                 "unscaled gradients first"
             )
         self._book.micro += 1
+        self._book.backwards += 1
         self._book.fresh = True
         self._book.scaled_loss = True
         factor = self._loss_scaler.get_scale() / self.accumulation_steps

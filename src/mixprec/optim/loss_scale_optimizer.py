@@ -27,6 +27,7 @@ from mixprec.optim.checks import (
     BackwardLook,
     SetupCheck,
     after_step,
+    check_micro_batches,
     grad_versions,
     no_backward_error,
     no_gradients,
@@ -72,6 +73,7 @@ class _Bookkeeping:
 
     deferred: Deferred  # steps decided on the device, not yet read
     micro: int = 0  # backward passes since the last update
+    backwards: int = 0  # backward passes since the last step() call (check_micro_batches)
     fresh: bool = False  # a backward happened since the last step()
     found_inf: torch.Tensor | None = None  # set by unscale_()
     # The 16-bit gradients' versions at an explicit unscale_(): changed by step(), they
@@ -251,7 +253,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         # or the next step would skip its own and apply the new gradients still scaled.
         book = self._book
         if book.found_inf is not None:  # a whole group dropped: the next one counts anew
-            book.micro, book.fresh = 0, False
+            book.micro, book.fresh, book.backwards = 0, False, 0
         book.found_inf, book.no_grads, book.unscaled_versions = None, False, None
         self._adopt_added_groups()  # their gradients are cleared too, as the inner's would be
         self._weights.zero_grad(set_to_none)
@@ -302,6 +304,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             raise MisuseError("LossScaleOptimizer.step() does not take a closure")
         if not self._book.fresh:
             raise no_backward_error(self._weights.model_params())
+        check_micro_batches(self._book, self.accumulation_steps)
         self._book.fresh = False
         if self._book.micro < self.accumulation_steps:
             return StepResult(False, False, self._loss_scaler.get_scale(), accumulating=True)

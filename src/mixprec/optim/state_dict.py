@@ -52,7 +52,7 @@ class StateDictMethods:
         """Drop the gradients held and the accumulation group they belong to (a backward
         that raised half way through, or a group a stopped ``fit`` left unfinished)."""
         self._drop_unscaled()
-        self._book.fresh = False
+        self._book.fresh, self._book.backwards = False, 0
         self._weights.zero_grad(set_to_none=True)
 
     def _drop_unscaled(self) -> None:
