@@ -142,3 +142,39 @@ def test_parameters_added_after_preparation_join_the_models_policy():
 def scaler_of_params(params: list[torch.Tensor]) -> str:
     opt = mp.LossScaleOptimizer(torch.optim.SGD(params, lr=0.1))
     return type(opt.loss_scaler).__name__
+
+
+def test_a_whole_model_from_torch_load_is_known_as_prepared():
+    """After ``torch.load`` of a whole float16 model, a new head was found in no prepared
+    model: no loss scaling, and 97.6% of its gradients were 0, unsaid. And O2's kept
+    float32 values looked stale (rebuilding a parameter bumps its version), so masters
+    started 2.4e-4 off them."""
+    original = net()
+    model = reloaded(mp.auto_mixed_precision(copy.deepcopy(original), "mixed_float16", "O2"))
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model[2] = nn.Linear(8, 2)
+    assert scaler_of_params(list(model[2].parameters())) == "DynamicLossScaler"
+    bf16 = reloaded(mp.auto_mixed_precision(copy.deepcopy(original), "mixed_bfloat16", "O2"))
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(bf16.parameters(), lr=0.1))
+    masters = [m for _, m in opt.master_weights()]
+    assert all(torch.equal(m, p) for m, p in zip(masters, original.parameters(), strict=True))
+
+
+def test_a_pickled_optimizer_keeps_its_guards():
+    """``pickle`` of model and optimizer together: the wrapped optimizer's own ``step()``
+    was accepted again (it moved nothing), and its ``zero_grad()`` reached the masters
+    alone."""
+    import pickle
+
+    model = mp.auto_mixed_precision(net(), "mixed_bfloat16", "O2")
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = pickle.loads(pickle.dumps((model, mp.LossScaleOptimizer(inner))))
+    opt.backward(model(torch.randn(4, 4)).float().sum())
+    with pytest.raises(mp.MisuseError, match=r"SGD.step\(\) was called on the optimizer"):
+        opt.optimizer.step()
+    opt.optimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    copied = copy.deepcopy(opt)  # a copy of the optimizer alone keeps its own guard too
+    with pytest.raises(mp.MisuseError, match=r"SGD.step\(\) was called on the optimizer"):
+        copied.optimizer.step()

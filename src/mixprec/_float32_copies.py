@@ -38,6 +38,16 @@ class Float32Copy:
     values: torch.Tensor
     version: int = -1
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Unpickled (torch.load of a whole model): rebuilding the parameter bumped its
+        # version, so the copy would look stale; whether it still rounds to the weight,
+        # checked at every use, decides alone.
+        self.__dict__.update(state)
+        self.version = _ANY_VERSION
+
+
+_ANY_VERSION = -2  # an unpickled copy: checked by its values alone
+
 
 def take_float32_copy(param: torch.Tensor) -> torch.Tensor | None:
     """Remove and return the float32 values kept for ``param`` if they are still current."""
@@ -52,7 +62,7 @@ def take_float32_copy(param: torch.Tensor) -> torch.Tensor | None:
 def current_float32_copy(param: torch.Tensor) -> torch.Tensor | None:
     """The float32 values kept for ``param`` (left in place) if they are still current."""
     kept = param.__dict__.get(FP32_COPY_ATTR)
-    if not isinstance(kept, Float32Copy) or kept.version != param._version:
+    if not isinstance(kept, Float32Copy) or kept.version not in (param._version, _ANY_VERSION):
         return None
     # A write through ``param.data`` (Hugging Face's weight init) leaves the version as it
     # was: the copy is current only if it still rounds to the weight. Once, not per step.

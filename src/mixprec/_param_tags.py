@@ -25,7 +25,14 @@ from torch import nn
 
 from mixprec._warn import warn_at_caller
 
-__all__ = ["TAGS_ATTR", "TagKeeper", "add_load_pre_hook", "refuse_prepared_parts", "tag"]
+__all__ = [
+    "TAGS_ATTR",
+    "TagKeeper",
+    "add_load_pre_hook",
+    "refuse_prepared_parts",
+    "tag",
+    "unpickled_keepers",
+]
 
 TAGS_ATTR = "_mixprec_tags"  # the TagKeeper of a module whose parameters were tagged
 
@@ -68,6 +75,12 @@ class TagKeeper:
                 out.append((name, ref_dtype[1], new.dtype))
         return out
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Unpickled (torch.load of a whole model): its module is not whole yet, so the
+        # on_copy calls wait until something asks (``unpickled_keepers``).
+        self.__dict__.update(state)
+        _UNPICKLED.append(weakref.ref(self))
+
     def __deepcopy__(self, memo: dict[int, Any]) -> TagKeeper:
         # Called while the module is being copied: its copy (in memo) is still empty, so the
         # notes go onto the copies of the original's parameters, the very objects the copy's
@@ -84,6 +97,22 @@ class TagKeeper:
         for call in new.on_copy:
             call(new.module, list(copies.values()))
         return new
+
+
+# TagKeepers unpickled since the last ``unpickled_keepers()``, weakly.
+_UNPICKLED: list[weakref.ref[TagKeeper]] = []
+
+
+def unpickled_keepers() -> None:
+    """Run the ``on_copy`` calls of the keepers unpickled since the last call, with their
+    now whole modules: the registries a prepared model's parameters are known by (its
+    model, for adapters added later; trace.py) are filled again, as for a deep copy."""
+    while _UNPICKLED:
+        keeper = _UNPICKLED.pop()()
+        if keeper is not None:
+            params = list(keeper.module.parameters())
+            for call in keeper.on_copy:
+                call(keeper.module, params)
 
 
 def tag(module: nn.Module, attrs: dict[str, Any], watch_loads: bool = False) -> None:

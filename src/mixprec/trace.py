@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from mixprec._dtypes import dtype_name
-from mixprec._param_tags import keeper_of
+from mixprec._param_tags import keeper_of, unpickled_keepers
 from mixprec.casting import LEVEL_ATTR, POLICY_ATTR, first_floating
 from mixprec.keep import ROOT_NAME
 
@@ -201,6 +201,7 @@ def join_prepared_model(params: list[torch.Tensor]) -> None:
     untagged = {id(p) for p in params if not hasattr(p, POLICY_ATTR)}
     if not untagged:
         return
+    unpickled_keepers()  # a model from torch.load(path) is known too
     seen: set[int] = set()
     for ref in list(_MODELS.values()):
         model = ref()
@@ -221,6 +222,7 @@ def join_prepared_model(params: list[torch.Tensor]) -> None:
 
 
 def model_of(params: list[torch.Tensor]) -> nn.Module | None:
+    unpickled_keepers()
     for p in params:
         ref = _MODELS.get(p)
         if ref is not None and ref() is not None:

@@ -110,6 +110,17 @@ class MasterWeights:
         self.step_looks = 0
         self.said_data_saves = False  # follow_data_writes said its warning
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Unpickled or deep-copied with its optimizer: the parameters are new objects, so
+        # what is known by their identity is made again (a later optimizer over the model
+        # starts from these masters), and their versions are read anew.
+        self.__dict__.update(state)
+        self.index = {id(p): (True, i) for i, p in enumerate(self.half)}
+        self.index.update({id(p): (False, i) for i, p in enumerate(self.plain)})
+        for p, master in zip(self.half, self.masters, strict=True):
+            _LATEST_MASTER[p] = weakref.ref(master)
+        self.versions = self.half_versions()
+
     def adopt(
         self, inner: torch.optim.Optimizer, params: list[torch.Tensor], where: str
     ) -> list[torch.Tensor]:
