@@ -305,6 +305,23 @@ def test_a_write_of_the_masters_own_rounding_keeps_their_digits():
     assert not torch.equal(now[1:], model[0].weight[1:].float())  # digits beyond bfloat16
 
 
+def test_a_model_widened_after_the_optimizer_keeps_its_masters_digits():
+    """``model.float()`` mid-training (to evaluate in float32): the widened weights were
+    compared in float32 with their masters, so every master took its own rounding (2.4e-4
+    off in bfloat16, with no update). The weights now take the masters at the next step."""
+    model = _o2()
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    _train(model, opt, steps=3)
+    before = [m.clone() for _, m in opt.master_weights()]
+    model.float()
+    saved = opt.state_dict()["master_weights"]
+    assert all(torch.equal(a, m) for a, m in zip(before, saved, strict=True))
+    with torch.no_grad():
+        model[0].weight[0].add_(1.0)  # a write after the widening still wins
+    now = opt.state_dict()["master_weights"][0]
+    assert torch.equal(now[0], model[0].weight[0]) and torch.equal(now[1:], before[0][1:])
+
+
 def test_a_constraint_on_some_elements_keeps_the_others_progress():
     """One element clamped after each step (WGAN's clip, a max-norm on one row) made the
     whole master the clamped 16-bit weight: the other elements' updates, each below a

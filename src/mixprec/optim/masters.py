@@ -92,6 +92,7 @@ class MasterWeights:
     def __init__(self) -> None:
         self.half: list[torch.Tensor] = []  # 16-bit model parameters with masters
         self.masters: list[torch.Tensor] = []  # their float32 masters, same order
+        self.stored: list[torch.dtype] = []  # the 16-bit weights' dtypes when adopted
         self.plain: list[torch.Tensor] = []  # parameters the inner optimizer updates as is
         self.index: dict[int, tuple[bool, int]] = {}  # id(param) -> (has master, position)
         self.checked: list[torch.Tensor] = []  # float16 weights, checked after each update
@@ -157,6 +158,7 @@ class MasterWeights:
                     }
                 self.index[id(p)] = (True, len(self.half))
                 self.half.append(p)
+                self.stored.append(p.dtype)
                 self.masters.append(master)
                 adopted.append(master)
             else:
@@ -191,8 +193,8 @@ class MasterWeights:
         versions = self.half_versions()
         if versions != self.versions:
             with torch.no_grad():
-                for p, m, now, then in zip(
-                    self.half, self.masters, versions, self.versions, strict=True
+                for p, m, stored, now, then in zip(
+                    self.half, self.masters, self.stored, versions, self.versions, strict=True
                 ):
                     if now != then and (kept := take_float32_copy(p)) is not None:
                         m.copy_(kept)  # one host read, after a load only
@@ -202,7 +204,8 @@ class MasterWeights:
                         # its digits; elsewhere it takes the written value. A constraint
                         # that clamps one element (WGAN's clip, a padding row) replaced the
                         # whole master once, and the others' sub-ulp progress with it.
-                        m.copy_(torch.where(m.to(p.dtype) == p, m, p.float()))
+                        low = _narrower(p.dtype, stored)
+                        m.copy_(torch.where(m.to(low) == p.to(low), m, p.float()))
             self.versions = versions
         if stepping and self.step_looks < 2:  # a step's look, not a save's
             self.step_looks += 1
@@ -218,13 +221,14 @@ class MasterWeights:
         write. A save reads every weight anyway; steps do not look (see below)."""
         moved = 0
         with torch.no_grad():
-            for p, m in zip(self.half, self.masters, strict=True):
+            for p, m, stored in zip(self.half, self.masters, self.stored, strict=True):
                 # The usual case first, in the weight's own dtype (a 16-bit temporary, not
                 # four float32 ones: a 64M-value table took 1 GB and 1.5 s that way).
-                if torch.equal(m.to(p.dtype), p):
+                low = _narrower(p.dtype, stored)
+                if torch.equal(m.to(low), p.to(low)):
                     continue
                 w = p.float()
-                far = _moved(w, m, p.dtype)
+                far = _moved(w, m, low)
                 if bool(far.any()):
                     m.copy_(torch.where(far, w, m))
                     moved += 1
@@ -245,18 +249,18 @@ class MasterWeights:
         the copy-back undoes at every step. Said, not followed: later steps do not look
         (one comparison of every weight and a host read, once in a run), and a compiled
         step's copy-back may round a weight an ulp away from its master."""
-        pairs = list(zip(self.half, self.masters, strict=True))
+        pairs = list(zip(self.half, self.masters, self.stored, strict=True))
         if not pairs:
             return
         with torch.no_grad():
             flags = []
-            for p, m in pairs:
+            for p, m, stored in pairs:
                 # Up to 4096 values of each, spread over it: a write through .data (a clamp,
                 # a re-init) moves most of a weight, and whole float32 copies of the large
                 # ones raised the main job's peak memory by 20-50 MB.
                 stride = max(1, p.numel() // _DATA_SAMPLE)
                 w, v = p.reshape(-1)[::stride].float(), m.reshape(-1)[::stride]
-                flags.append(_moved(w, v, p.dtype).any())
+                flags.append(_moved(w, v, _narrower(p.dtype, stored)).any())
             moved = sum(torch.stack(flags).tolist())
         if moved:
             warn_at_caller(
@@ -403,6 +407,13 @@ def _check_param(p: Any, where: str) -> None:
 def _local(p: torch.Tensor) -> torch.Tensor:
     """The local shard of an FSDP2 parameter, else the parameter."""
     return p.to_local() if is_dtensor(p) else p  # type: ignore[attr-defined,no-any-return]
+
+
+def _narrower(now: torch.dtype, stored: torch.dtype) -> torch.dtype:
+    """The dtype a weight is compared with its master in: its 16-bit one even when widened
+    since (``model.float()``), whose float32 values are still the rounding. Compared in
+    float32, every master took its own rounding (2.4e-4 off in bfloat16, no update made)."""
+    return stored if now.itemsize > stored.itemsize else now
 
 
 def _moved(weight: torch.Tensor, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
