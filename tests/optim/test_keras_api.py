@@ -80,3 +80,24 @@ def test_unscaling_the_gradients_of_a_loss_never_scaled_warns_once():
         plain = mp.LossScaleOptimizer(torch.optim.SGD(bf16.parameters(), lr=0.1))
         grads = torch.autograd.grad(loss_of(bf16), list(bf16.parameters()))
         plain.get_unscaled_gradients(grads)  # scale 1: nothing to divide, nothing to say
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_applying_the_scaled_losss_gradients_unscaled_warns_once(level):
+    """Keras 3's ``apply`` unscales; here ``apply_gradients`` takes them as given. The scaled
+    loss's gradients, applied as they were, moved the weights by 489 where float32 moved
+    them by 0.0075, unsaid."""
+    model, opt = prepared("mixed_float16", level)
+    params = list(model.parameters())
+    grads = torch.autograd.grad(opt.get_scaled_loss(loss_of(model)), params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the right path says nothing
+        opt.apply_gradients(zip(opt.get_unscaled_gradients(grads), params, strict=True))
+    grads = torch.autograd.grad(opt.get_scaled_loss(loss_of(model)), params)
+    said = r"apply_gradients\(\) got gradients while a loss was multiplied by the loss scale "
+    with pytest.warns(UserWarning, match=said + r"\(65536\) .*opt.get_unscaled_gradients"):
+        opt.apply_gradients(zip(grads, params, strict=True))
+    grads = torch.autograd.grad(opt.get_scaled_loss(loss_of(model)), params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        opt.apply_gradients(zip(grads, params, strict=True))

@@ -91,6 +91,7 @@ class KerasMethods:
         float16, small values would flush to zero."""
         scale = self._loss_scaler.get_scale()
         book = self._book
+        book.unscaled_grads = True
         if scale != 1.0 and not book.scaled_loss and not book.said_unscaled:
             book.said_unscaled = True
             warn_at_caller(
@@ -125,6 +126,7 @@ class KerasMethods:
         if self._setup.due(self._weights):
             self._setup.run(self._weights, self._loss_scaler)
         pairs = list(grads_and_vars)
+        _say_if_still_scaled(self._book, self._loss_scaler.get_scale())
         self._adopt_added_groups()
         weights = self._weights
         weights.follow_external_writes(stepping=True)
@@ -162,6 +164,24 @@ class KerasMethods:
             raise
         after_step(self.health, result, self._loss_scaler, weights)
         return result
+
+
+def _say_if_still_scaled(book: _Bookkeeping, scale: float) -> None:
+    """``apply_gradients`` after a loss was scaled through this optimizer and before any
+    ``get_unscaled_gradients``: the Keras 3 habit (its ``apply`` unscales) applied the
+    gradients of the scaled loss as they were, 65536 times too large (every weight moved
+    by 489 where float32 moved by 0.0075), unsaid. Said once; gradients of the plain loss
+    beside a scaled one for logging are the one case it is wrong about."""
+    if scale != 1.0 and book.scaled_loss and not book.unscaled_grads and not book.said_scaled_apply:
+        book.said_scaled_apply = True
+        warn_at_caller(
+            f"apply_gradients() got gradients while a loss was multiplied by the loss scale "
+            f"({scale:g}) through this optimizer and get_unscaled_gradients() was not called "
+            f"since: the scaled loss's gradients are applied {scale:g} times too large. "
+            "Unscale them first: opt.apply_gradients(zip(opt.get_unscaled_gradients(grads), "
+            "params)) (if they are the plain loss's, scaled only to log it, this is not so)"
+        )
+    book.unscaled_grads = False
 
 
 def keras_scaler(

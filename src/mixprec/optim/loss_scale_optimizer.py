@@ -95,6 +95,8 @@ class _Bookkeeping:
     # A loss multiplied by the scale (get_scaled_loss, scale_loss) since the last
     # apply_gradients: get_unscaled_gradients divides by it; without one, said once.
     scaled_loss: bool = False
+    unscaled_grads: bool = False  # get_unscaled_gradients since the last apply_gradients
+    said_scaled_apply: bool = False  # apply_gradients of still-scaled gradients (once)
     replicas_checked: bool = False  # see optim.replicas
     stepping_inner: bool = False  # an inner optimizer's step is this wrapper's (step_inner)
     said_unscaled: bool = False
