@@ -579,3 +579,14 @@ def test_recompile_room_compiles_every_closure_of_one_function():
     with recompile_room(10):
         assert frames_compiled(10) == 10
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(("policy", "level"), [("mixed_bfloat16", "O2"), ("mixed_float16", "O1")])
+def test_torch_export_keeps_the_region(policy, level):
+    """Non-strict ``torch.export`` read ``forward.__code__``, which the region's forward
+    lacked: a raw AttributeError."""
+    model = mp.auto_mixed_precision(make_mlp(), policy, level).eval()
+    x = classification_data(n=8)[0]
+    exported = torch.export.export(model, (x,))
+    out = exported.module()(x)
+    assert out.dtype == torch.float32 and torch.equal(out, model(x))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -146,6 +147,12 @@ class _RegionForward:
     def __signature__(self) -> inspect.Signature:
         # Hugging Face's Trainer reads forward's signature to choose the dataset columns.
         return inspect.signature(self.inner or type(self.module).forward.__get__(self.module))
+
+    @property
+    def __code__(self) -> types.CodeType:
+        # torch.export (non-strict) names its shape environment after forward's code.
+        forward = self.inner or type(self.module).forward
+        return getattr(forward, "__code__", _RegionForward.__call__.__code__)  # type: ignore[no-any-return]
 
     def _float32_functions(self) -> bool:
         if self._generation != _generation:
