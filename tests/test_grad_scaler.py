@@ -248,3 +248,18 @@ def test_an_optimizer_taking_grad_scaler_gets_it_as_from_torch():
     assert opt.seen == [(4.0, True), (4.0, False), (2.0, True), (2.0, True)]
     assert param.detach().tolist() == [-0.5, 0.5]  # three applied steps of lr 0.5
     assert scaler.get_scale() == 4.0  # backed off once, grown back after 2 clean steps
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_loss_scale_optimizer_is_refused_naming_the_two_scalers(level):
+    """A torch.amp loop kept around a LossScaleOptimizer: the error was torch's "No inf
+    checks were recorded" (O2) or about a missing backward (O1), not about the scalers."""
+    model = mp.auto_mixed_precision(nn.Sequential(nn.Linear(8, 4)), "mixed_float16", level)
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = mp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(4, 8)).float().sum()).backward()
+    said = r"GradScaler given a LossScaleOptimizer, which scales the loss itself: .*opt.step\(\)"
+    with pytest.raises(mp.MisuseError, match=said):
+        scaler.unscale_(opt)
+    with pytest.raises(mp.MisuseError, match=said):
+        scaler.step(opt)

@@ -157,6 +157,14 @@ class GradScaler(_Accessors):
         return self._scale_device
 
     def _opt(self, optimizer: torch.optim.Optimizer) -> _PerOptimizer:
+        if getattr(optimizer, "SCALES_ITS_OWN_LOSS", False):
+            # Its step saw no backward of its own (or, at O2, the masters no gradient):
+            # the message was about that, not about the two scalers.
+            raise MisuseError(
+                f"GradScaler given a {type(optimizer).__name__}, which scales the loss "
+                "itself: two scalers would multiply the loss twice, and its step sees no "
+                "backward of its own. Drop the GradScaler: opt.backward(loss); opt.step()"
+            )
         return self._per_optimizer.setdefault(id(optimizer), _PerOptimizer())
 
     # -- the loop ---------------------------------------------------------------------------

@@ -140,6 +140,9 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
     warns once when steps keep being skipped.
     """
 
+    #: Read by ``mp.GradScaler``, which refuses such an optimizer (it scales its own loss).
+    SCALES_ITS_OWN_LOSS = True
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
