@@ -544,3 +544,24 @@ def test_amp_level_takes_a_global_policy_that_was_set():
     assert model[0].weight.dtype == BF16
     plain = mp.auto_mixed_precision(nn.Sequential(nn.Linear(4, 4)), amp_level="O2")
     assert plain[0].weight.dtype == torch.float16  # none set: MindSpore's default dtype
+
+
+@pytest.mark.parametrize(("policy", "level"), [("mixed_bfloat16", "O2"), ("bfloat16", "O3")])
+def test_a_submodule_called_alone_takes_a_region_of_its_own(policy, level):
+    """docs/troubleshooting.md: a submodule of an O2/O3 model called with float32 inputs
+    meets its 16-bit weights outside the model's region (torch's dtype error); with
+    ``to_float`` at the compute dtype it runs, and the whole model is unchanged."""
+    model = mp.auto_mixed_precision(
+        nn.Sequential(
+            nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.ReLU()), nn.Linear(32, 4)
+        ),
+        policy,
+        level,
+    )
+    x = torch.randn(4, 16)
+    whole = model(x)
+    with pytest.raises(RuntimeError, match="must have the same dtype"):
+        model[0](x)
+    mp.to_float(model[0], torch.bfloat16)
+    assert model[0](x).dtype == torch.bfloat16
+    assert torch.equal(model(x), whole)
