@@ -398,18 +398,6 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             overflow=origin,
         )
 
-    def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__.copy()
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # Unpickled or deep-copied: the guards known by the objects' identity, again.
-        self.__dict__.update(state)
-        for inner in self.optimizers:
-            watch_wrapped(inner, self._book, self.zero_grad)
-        model = model_of(self._weights.model_params()) if self._weights.half else None
-        if model is not None:
-            guard_saves(model)
-
     def __repr__(self) -> str:
         return (
             f"LossScaleOptimizer({'+'.join(type(o).__name__ for o in self.optimizers)}, "

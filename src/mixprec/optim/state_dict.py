@@ -1,4 +1,5 @@
-"""``LossScaleOptimizer.state_dict()`` and ``load_state_dict`` (``StateDictMethods``), and
+"""``LossScaleOptimizer.state_dict()`` and ``load_state_dict`` (``StateDictMethods``), how
+it pickles and copies, and
 the checks ``load_state_dict`` makes before it loads any of it. The state holds
 ``optimizers`` (the inner optimizers' states), ``master_weights`` (the float32 masters, in
 order), ``loss_scaler`` and ``micro_steps``. A state that does not fit this optimizer is
@@ -15,10 +16,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mixprec._errors import ArgumentError
+from mixprec._plain_optimizers import watch_wrapped
+from mixprec._save_guard import guard_saves
 from mixprec._warn import warn_at_caller
 from mixprec.optim.checks import refuse_accelerate_wrapper
 from mixprec.optim.masters import MasterWeights
 from mixprec.scaling import LossScaler
+from mixprec.trace import model_of
 
 if TYPE_CHECKING:
     from mixprec.optim.loss_scale_optimizer import _Bookkeeping
@@ -27,7 +31,8 @@ __all__ = ["StateDictMethods", "check_state_dict"]
 
 
 class StateDictMethods:
-    """``state_dict`` and ``load_state_dict``, on the state ``LossScaleOptimizer`` sets up."""
+    """``state_dict`` and ``load_state_dict``, on the state ``LossScaleOptimizer`` sets up;
+    and its pickling, which keeps what is known by the objects' identity."""
 
     optimizers: list[torch.optim.Optimizer]
     _book: _Bookkeeping
@@ -41,6 +46,21 @@ class StateDictMethods:
     if TYPE_CHECKING:
 
         def _adopt_added_groups(self) -> None: ...
+
+        def zero_grad(self, set_to_none: bool = True) -> None: ...
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Unpickled or deep-copied: the guards known by the objects' identity, again (the
+        # inner optimizer's own step refused, its zero_grad this one's, framework saves).
+        self.__dict__.update(state)
+        for inner in self.optimizers:
+            watch_wrapped(inner, self._book, self.zero_grad)
+        model = model_of(self._weights.model_params()) if self._weights.half else None
+        if model is not None:
+            guard_saves(model)
 
     @property
     def pending_micro_steps(self) -> int:
