@@ -63,7 +63,10 @@ def cast_linked(value: T, dtype: torch.dtype, link: bool) -> T:
     # Leaves first: dynamo (torch 2.11) cannot trace is_dataclass's hasattr on NoneType.
     if value is None or isinstance(value, (int, float, str)):
         return value
-    if isinstance(value, tuple):
+    # A mutable container whose members all come back as they were is returned itself: a model
+    # that fills a dict or list it is given (a KV cache, auxiliary losses) fills the
+    # caller's, as it would without mixprec. Rebuilt, its writes went to a copy, unsaid.
+    if isinstance(value, tuple):  # immutable: rebuilt (dynamo cannot trace `is` on tuples)
         items = [cast_linked(v, dtype, link) for v in value]
         if hasattr(value, "_fields"):  # named tuple
             return type(value)(*items)  # type: ignore[return-value]
@@ -71,7 +74,8 @@ def cast_linked(value: T, dtype: torch.dtype, link: bool) -> T:
             return type(value)(items)  # type: ignore[call-arg]
         return tuple(items)  # type: ignore[return-value]
     if isinstance(value, list):
-        return type(value)(cast_linked(v, dtype, link) for v in value)  # type: ignore[return-value]
+        items = [cast_linked(v, dtype, link) for v in value]
+        return value if _unchanged(items, value) else type(value)(items)  # type: ignore[return-value]
     # A dataclass before a dict (transformers' ModelOutput is both): rebuilt by its
     # constructor, as dataclasses.replace does and as a model's forward builds it, which
     # dynamo traces; copy.copy it does not (torch 2.11: a graph break).
@@ -80,27 +84,44 @@ def cast_linked(value: T, dtype: torch.dtype, link: bool) -> T:
         changes = {
             f.name: cast_linked(getattr(value, f.name), dtype, link) for f in fields if f.init
         }
+        later = {  # init=False fields (an auxiliary loss set after construction)
+            f.name: cast_linked(getattr(value, f.name), dtype, link)
+            for f in fields
+            if not f.init and hasattr(value, f.name)
+        }
+        keys: dict[Any, Any] = {}  # a dict's keys set after construction are not fields
+        if isinstance(value, dict):
+            keys = {k: cast_linked(v, dtype, link) for k, v in value.items() if k not in changes}
+        if (
+            _unchanged(changes.values(), [getattr(value, k) for k in changes])
+            and _unchanged(later.values(), [getattr(value, k) for k in later])
+            and _unchanged(keys.values(), [value[k] for k in keys])  # type: ignore[index]
+        ):
+            return value
         rebuilt: Any = type(value)(**changes)
-        for f in fields:  # init=False fields (an auxiliary loss set after construction)
-            if not f.init and hasattr(value, f.name):
-                object.__setattr__(
-                    rebuilt, f.name, cast_linked(getattr(value, f.name), dtype, link)
-                )
-        if isinstance(value, dict):  # keys set after construction are not fields
-            for k, v in value.items():
-                if k not in changes:
-                    rebuilt[k] = cast_linked(v, dtype, link)
+        for name, v in later.items():
+            object.__setattr__(rebuilt, name, v)
+        for k, v in keys.items():
+            rebuilt[k] = v
         return rebuilt  # type: ignore[no-any-return]
-    if type(value) is dict:
-        return {k: cast_linked(v, dtype, link) for k, v in value.items()}  # type: ignore[attr-defined, return-value]
-    if isinstance(value, (dict, UserDict)):  # a UserDict: transformers' BatchEncoding
-        out = copy.copy(value)  # keeps the subclass and its attributes
-        for k, v in value.items():
-            out[k] = cast_linked(v, dtype, link)
+    if isinstance(value, (dict, UserDict)):
+        members = {k: cast_linked(v, dtype, link) for k, v in value.items()}
+        if _unchanged(members.values(), value.values()):
+            return value
+        if type(value) is dict:
+            return members  # type: ignore[return-value]
+        out = copy.copy(value)  # keeps the subclass and its attributes (a UserDict:
+        for k, v in members.items():  # transformers' BatchEncoding)
+            out[k] = v
         return out
     if link:  # the model's own output (not a region's input): what reaches the loss
         say_if_unwalked(value, dtype)
     return value
+
+
+def _unchanged(new: Any, old: Any) -> bool:
+    """Whether each of ``new`` is the very object at its place in ``old``."""
+    return all(a is b for a, b in zip(new, old, strict=True))
 
 
 # Functions that run in float32 inside 16-bit regions. CUDA's autocast already runs these in

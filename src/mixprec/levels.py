@@ -39,6 +39,7 @@ from mixprec._dtypes import closest, dtype_name
 from mixprec._errors import ArgumentError
 from mixprec._float16_range import check_float16_range
 from mixprec._float64 import check_float64, lower_float64
+from mixprec._input_casts import checked_keep_inputs
 from mixprec._module_kinds import FLOAT32_MODULES, MIXED_NORM_MODULES, NORM_MODULES, is_half_storage
 from mixprec._module_kinds import HALF_STORAGE_MODULES as HALF_STORAGE_MODULES  # re-exported
 from mixprec._param_tags import refuse_prepared_parts, tag
@@ -165,6 +166,7 @@ def auto_mixed_precision(
     keep_bfloat16: Iterable[KeepEntry] = (),
     float8: Float8Options | None = None,
     plan: PlanLike | None = None,
+    keep_inputs: Iterable[str] = (),
 ) -> M:
     """Prepare ``model`` for mixed precision in place and return it.
 
@@ -174,6 +176,10 @@ def auto_mixed_precision(
     patterns (``"head"``, ``"blocks.*.norm"``) or modules to keep in float32. Modules already
     given a dtype with ``to_float`` keep it. The model's outputs come back in the policy's
     ``output_dtype``; integer and bool inputs are never cast.
+
+    ``keep_inputs``: names of the forward's arguments that O2 and O3 leave as given where
+    they cast the model's floating inputs to the compute dtype (regression targets,
+    diffusion timesteps, a float mask); ``labels`` always is.
 
     ``amp_level``: MindSpore's keyword, in place of ``level``, with MindSpore's meanings: its
     O3 keeps float32 master weights (see the module docstring), and ``policy=None`` means
@@ -237,6 +243,7 @@ def auto_mixed_precision(
             f"(level {done.level}, policy {done.policy.name}); apply it once, to a float32 model"
         )
     refuse_prepared_parts(model, _APPLIED_ATTR, POLICY_ATTR)
+    kept_inputs = checked_keep_inputs(model.forward, keep_inputs)
     check_float64(model)  # before anything changes
     if planned is not None:
         planned.preset()  # the plan's regions in its other 16-bit dtype, which the level keeps
@@ -325,7 +332,8 @@ def auto_mixed_precision(
     # CPU without fast 16-bit math) gets no region: plain PyTorch, nothing added per step. O0
     # under a mixed policy keeps its float32 region, which holds even inside a user's autocast.
     if resolved.is_mixed:
-        set_region(model, Region(compute, output, cast_inputs=lvl != "O1", link_sources=True))
+        boundary = Region(compute, output, lvl != "O1", link_sources=True, keep_inputs=kept_inputs)
+        set_region(model, boundary)
     for module in kept.values():
         to_float(module, torch.float32)
 

@@ -21,6 +21,7 @@ from torch import nn
 from mixprec._device import autocast_available
 from mixprec._dtypes import parse_dtype
 from mixprec._errors import ArgumentError
+from mixprec._input_casts import InputLook, cast_inputs, positional_names
 from mixprec._param_tags import tag
 from mixprec._upcast_saves import keep_16bit_sources
 from mixprec.casting import (
@@ -94,7 +95,9 @@ class Region:
 
     ``plain``: the module and everything inside it call none of ``FLOAT32_FUNCTIONS`` (a
     torchao float8 Linear), so no ``Float32Functions`` mode runs for it: its Python handler
-    would see every cast and amax of torchao's float8 scaling, for nothing."""
+    would see every cast and amax of torchao's float8 scaling, for nothing.
+
+    ``keep_inputs``: set on the model's own region, with ``labels`` always among them."""
 
     compute_dtype: torch.dtype
     output_dtype: torch.dtype | None
@@ -102,6 +105,9 @@ class Region:
     output_like_input: bool = False
     link_sources: bool = False
     plain: bool = False
+    #: The prepared model's own region (its inputs are the caller's): the arguments named
+    #: here pass the cast as given, and its first forwards look at the cast (_input_casts).
+    keep_inputs: frozenset[str] | None = None
 
 
 def _device_type(module: nn.Module, args: Any) -> str:
@@ -134,6 +140,9 @@ class _RegionForward:
         self.inner: Callable[..., Any] | None = module.__dict__.get("forward")
         self._needs_mode = False
         self._generation = -1  # of the cached _needs_mode
+        self._look = InputLook() if region.keep_inputs is not None else None
+        # The names of forward's positional arguments (keep_inputs names them).
+        self._positional = positional_names(self) if region.keep_inputs is not None else []
 
     def _run_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.inner is not None:
@@ -154,6 +163,22 @@ class _RegionForward:
         forward = self.inner or type(self.module).forward
         return getattr(forward, "__code__", _RegionForward.__call__.__code__)  # type: ignore[no-any-return]
 
+    def _cast_at_boundary(
+        self, names: frozenset[str], compute: torch.dtype, args: Any, kwargs: Any
+    ) -> tuple[Any, Any, list[Any] | None]:
+        """The model's inputs cast but those named, and the copies to watch for writes in
+        its first forwards (eager, 16-bit: ``InputLook``)."""
+        cast = cast_inputs(args, kwargs, compute, names, self._positional)
+        look, watched = self._look, None
+        if (
+            not torch.compiler.is_compiling()
+            and look is not None
+            and look.looked < look.LOOKS
+            and compute != torch.float32
+        ):
+            watched = look.before((args, kwargs), cast, self._positional, compute)
+        return cast[0], cast[1], watched
+
     def _float32_functions(self) -> bool:
         if self._generation != _generation:
             needs = needs_float32_functions(self.module)
@@ -170,7 +195,12 @@ class _RegionForward:
         device_type = _device_type(self.module, args)
         arriving = first_floating(args) if region.output_like_input else None
         saves = None
-        if region.cast_inputs:
+        watched = None
+        if region.cast_inputs and region.keep_inputs is not None:  # the model's boundary
+            args, kwargs, watched = self._cast_at_boundary(
+                region.keep_inputs, compute, args, kwargs
+            )
+        elif region.cast_inputs:
             given = args
             args, kwargs = cast_floating((args, kwargs), compute)
             if compute == torch.float32:
@@ -187,6 +217,8 @@ class _RegionForward:
                     mode = Float32Functions()
         with autocast, mode, saves if saves is not None else contextlib.nullcontext():
             output = self._run_forward(args, kwargs)
+        if watched and self._look is not None:
+            self._look.after(watched)
         dtype = arriving.dtype if arriving is not None else region.output_dtype
         if dtype is None or output is None:
             return output
