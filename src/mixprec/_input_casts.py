@@ -30,12 +30,17 @@ from mixprec._warn import warn_at_caller
 from mixprec.casting import cast_floating
 
 __all__ = [
+    "BOUNDARY_LOOK",
     "KEPT_ALWAYS",
     "InputLook",
     "cast_inputs",
     "checked_keep_inputs",
     "positional_names",
 ]
+
+#: What the first forwards' warnings start with (the doctor, which reports the same in its
+#: own words, filters them).
+BOUNDARY_LOOK = r"(input '.*' holds|the model wrote into input)"
 
 #: Never cast: Hugging Face models take their targets as ``labels`` and compute the loss.
 KEPT_ALWAYS = frozenset({"labels"})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,7 @@ from torch.utils._pytree import tree_map_only
 
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
+from mixprec._input_casts import BOUNDARY_LOOK
 from mixprec._rng import same_draws
 from mixprec.doctor._common import (
     check_finite_batch,
@@ -115,7 +117,9 @@ def diagnose(
     # Backward passes are its measurements: under the caller's torch.no_grad() they would
     # be skipped, and the gradient figures read as zeros. (A `with`, not a decorator: the
     # warnings inside are located at the caller's line, past mixprec's frames alone.)
-    with torch.enable_grad():
+    with torch.enable_grad(), warnings.catch_warnings():
+        # The report says what the inputs' cast loses (inputs_overflow), in its own words.
+        warnings.filterwarnings("ignore", message=BOUNDARY_LOOK)
         return _diagnose(
             model, inputs, targets, loss_fn, policy, level, loss_scale, float8=float8,
             keep_bfloat16=keep_bfloat16, keep_float32=keep_float32, optimizer=optimizer,
