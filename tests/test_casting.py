@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections import namedtuple
 
 import pytest
@@ -424,3 +425,32 @@ def test_a_module_added_after_the_first_forward_gets_the_float32_functions(level
     assert logits.dtype == torch.bfloat16
     expected = nn.functional.log_softmax(logits.float(), dim=-1).to(logits.dtype).float()
     assert torch.equal(out.float(), expected)
+
+
+class _RunningMean(nn.Module):
+    """A running mean over 4096 steps of values near 20: the running sum passes 65504."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(8, 4)
+        nn.init.constant_(self.enc.bias, 20.0)
+
+    def forward(self, x):
+        sums = torch.cumsum(self.enc(x), 1)
+        self.sums_dtype = sums.dtype
+        return sums / torch.arange(1, x.shape[1] + 1)[:, None]
+
+
+@pytest.mark.parametrize(("policy", "kept"), [("mixed_float16", torch.float32),
+                                              ("mixed_bfloat16", torch.bfloat16)])  # fmt: skip
+def test_unbounded_reductions_stay_float32_for_float16(policy, kept):
+    """A float16 cumsum run in float32 and rounded back became inf past 65504 (20% of the
+    outputs, every step skipped); CUDA's autocast returns such results in float32, and
+    so does the CPU mode for float16 now. bfloat16 has float32's range: rounded back."""
+    torch.manual_seed(0)
+    control = _RunningMean()
+    x = torch.randn(2, 4096, 8) * 0.1
+    model = mp.auto_mixed_precision(copy.deepcopy(control), policy, "O1")
+    out = model(x)
+    assert model.sums_dtype == kept and torch.isfinite(out).all()
+    torch.testing.assert_close(out, control(x), rtol=1e-2, atol=0.0)

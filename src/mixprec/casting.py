@@ -152,6 +152,18 @@ FLOAT32_FUNCTIONS: frozenset[Callable[..., Any]] = FLOAT32_LOSSES | frozenset(
 )  # fmt: skip
 
 
+# Their results grow with the input's length or size: rounded back to float16 they can pass
+# 65504 (a running sum over 4096 steps of values near 20 became inf). For float16 inputs
+# they stay float32, as CUDA's autocast returns them; bfloat16 has float32's range.
+UNBOUNDED_FUNCTIONS: frozenset[Callable[..., Any]] = frozenset(
+    {
+        torch.logsumexp, torch.Tensor.logsumexp, torch.cumsum, torch.Tensor.cumsum,
+        torch.cumprod, torch.Tensor.cumprod,
+        torch.norm, torch.Tensor.norm, torch.linalg.vector_norm,
+    }
+)  # fmt: skip
+
+
 class Float32Functions(TorchFunctionMode):
     """Runs ``FLOAT32_FUNCTIONS`` on float32 inputs; every other call passes straight on."""
 
@@ -178,6 +190,8 @@ class Float32Functions(TorchFunctionMode):
         # softmax(x, -1, dtype=dtype)), stays.
         asked = kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)
         if func in FLOAT32_LOSSES or first is None or asked:
+            return result
+        if first.dtype == torch.float16 and func in UNBOUNDED_FUNCTIONS:
             return result
         return cast_floating(result, first.dtype)
 
