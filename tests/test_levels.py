@@ -565,3 +565,40 @@ def test_a_submodule_called_alone_takes_a_region_of_its_own(policy, level):
     mp.to_float(model[0], torch.bfloat16)
     assert model[0](x).dtype == torch.bfloat16
     assert torch.equal(model(x), whole)
+
+
+class _Rotary(nn.Module):
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        freqs = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+        self.register_buffer("inv_freq", freqs, persistent=False)
+
+    def forward(self, x, pos):
+        f = pos.float()[:, None] * self.inv_freq.float()[None]
+        emb = torch.cat([f, f], -1)
+        return x * emb.cos() + x.roll(1, -1) * emb.sin()
+
+
+class _Rotated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(64, 64)
+        self.rotary_emb = _Rotary()
+
+    def forward(self, x, pos):
+        return self.rotary_emb(self.q(x), pos)
+
+
+def test_o3_rotary_frequencies_kept_float32_as_the_docs_say():
+    """docs/policies-and-levels.md: a rotary ``inv_freq`` in bfloat16 is 13% off at 2048
+    positions; its module kept in float32, 0.3% (the bfloat16 Linear)."""
+    torch.manual_seed(0)
+    base, x, pos = _Rotated(), torch.randn(2048, 64), torch.arange(2048)
+    control = base(x, pos)
+
+    def off(keep):
+        model = mp.auto_mixed_precision(copy.deepcopy(base), "bfloat16", "O3", keep_float32=keep)
+        out = model(x, pos).float()
+        return (out - control).norm().item() / control.norm().item()
+
+    assert off(["rotary_emb"]) < 1e-2 < 5e-2 < off([])
