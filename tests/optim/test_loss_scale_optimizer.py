@@ -284,3 +284,17 @@ def test_the_general_step_path_where_the_host_step_does_not_apply(case, monkeypa
     assert finished == [1] and result.applied
     if case == "clipping-set-later":
         assert result.grad_norm is not None
+
+
+def test_a_step_result_is_true_only_when_applied():
+    """``if opt.step(): scheduler.step()``: a dataclass is always true, so a skipped step
+    advanced the scheduler too."""
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = classification_data(n=16)
+    opt.backward(nn.functional.cross_entropy(model(x), y) * float("inf"))
+    skipped = opt.step()
+    assert not skipped and skipped.skipped
+    opt.zero_grad()
+    opt.backward(nn.functional.cross_entropy(model(x), y))
+    assert opt.step()

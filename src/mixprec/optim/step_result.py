@@ -89,6 +89,7 @@ class StepResult:
     A step decided on the device (``optim.deferred``: CUDA or ``torch.compile(opt.step)``
     at a fixed scale) holds ``DeviceFlag`` s in ``applied`` and ``found_inf``: use them as
     bools; each read is a synchronisation, so read them when logging, not every step.
+    ``bool(result)`` is ``applied``: ``if opt.step(): scheduler.step()``.
     """
 
     applied: bool | DeviceFlag
@@ -98,6 +99,11 @@ class StepResult:
     accumulating: bool = False
     #: With ``trace_overflow``: the first module whose output or gradient was non-finite.
     overflow: Overflow | None = None
+
+    def __bool__(self) -> bool:
+        # ``if opt.step(): scheduler.step()`` reads as "if it was applied": without this a
+        # dataclass is always true, and a scheduler advanced on skipped steps too.
+        return bool(self.applied)
 
     @property
     def skipped(self) -> bool:
