@@ -298,3 +298,38 @@ def test_a_step_result_is_true_only_when_applied():
     opt.zero_grad()
     opt.backward(nn.functional.cross_entropy(model(x), y))
     assert opt.step()
+
+
+def test_a_custom_backward_written_in_terms_of_the_scale_matches_float32():
+    """docs/loss-scaling.md: a backward that clamps its incoming gradient sees it scaled
+    under float16 (99.9% off); clamped at ``c * opt.loss_scaler.get_scale()`` it matches."""
+    scale_of = []
+
+    class ClipGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            s = scale_of[0]() if scale_of else 1.0
+            return g.clamp(-0.05 * s, 0.05 * s)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.b(ClipGrad.apply(self.a(x)))
+
+    torch.manual_seed(0)
+    control, x = Net(), torch.randn(8, 16)
+    model = mp.auto_mixed_precision(copy.deepcopy(control), "mixed_float16", "O1")
+    (control(x) ** 2).sum().backward()
+    scaler = mp.DynamicLossScaler(init_scale=1024.0)  # no overflow in the first backward
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler)
+    scale_of.append(opt.loss_scaler.get_scale)
+    opt.backward((model(x) ** 2).sum())
+    opt.unscale_()
+    torch.testing.assert_close(model.a.weight.grad, control.a.weight.grad, rtol=2e-2, atol=1e-3)
