@@ -602,3 +602,28 @@ def test_o3_rotary_frequencies_kept_float32_as_the_docs_say():
         return (out - control).norm().item() / control.norm().item()
 
     assert off(["rotary_emb"]) < 1e-2 < 5e-2 < off([])
+
+
+class _Bag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(100, 16, mode="sum")
+        self.gate = nn.Linear(16, 1)
+
+    def forward(self, idx, offsets, feats):
+        weights = torch.sigmoid(self.gate(feats)).squeeze(-1)  # in the compute dtype
+        return self.bag(idx, offsets, per_sample_weights=weights)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_embedding_bag_takes_per_sample_weights_computed_in_the_model(policy, level):
+    """CPU autocast does not cover embedding_bag: weights computed in 16 bits met a float32
+    table (O1) in torch's raw "same type" error."""
+    torch.manual_seed(0)
+    control = _Bag()
+    idx, offsets = torch.randint(0, 100, (40,)), torch.tensor([0, 10, 20, 30])
+    feats = torch.randn(40, 16)
+    model = mp.auto_mixed_precision(copy.deepcopy(control), policy, level)
+    out = model(idx, offsets, feats).float()
+    torch.testing.assert_close(out, control(idx, offsets, feats), rtol=2e-2, atol=2e-2)

@@ -309,7 +309,14 @@ def auto_mixed_precision(
         # as at O1.
         for sub in model.modules():
             if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and id(sub) not in fixed:
-                set_region(sub, Region(torch.float16, torch.float32, cast_inputs=False))
+                bag = isinstance(sub, nn.EmbeddingBag)  # per_sample_weights: the table's dtype
+                set_region(sub, Region(torch.float16, torch.float32, cast_inputs=bag))
+    elif lvl in ("O1", "O2"):
+        # CPU autocast does not cover embedding_bag: per_sample_weights computed in the
+        # compute dtype met the table's dtype in a raw "same type" error. Cast to the table's.
+        for sub in model.modules():
+            if isinstance(sub, nn.EmbeddingBag) and id(sub) not in fixed:
+                set_region(sub, Region(sub.weight.dtype, None, cast_inputs=True))
     if lvl == "O3":
         # A module kept in float32 (keep_float32, to_float before or after this call) hands
         # float32 to the next layer. Batch norm is the one 16-bit layer that refuses it: CPU
