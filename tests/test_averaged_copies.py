@@ -75,3 +75,19 @@ def test_no_word_for_other_copies_or_float32_weights():
             opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
             _train(model, opt, [average] if model is o1 else [], steps=2)
         assert next(teacher.parameters()).dtype == torch.bfloat16
+
+
+def test_said_at_the_callers_line_under_a_compiled_step():
+    """The eager part of ``torch.compile(opt.step)`` runs beneath dynamo's frames: the
+    warning named torch/_dynamo/eval_frame.py."""
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.05))
+    step = torch.compile(opt.step, backend="eager")
+    average = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999))
+    x, y = classification_data(n=32, seed=3)
+    opt.backward(nn.functional.cross_entropy(model(x).float(), y))
+    with pytest.warns(UserWarning, match=AVERAGES_IN) as said:
+        step()
+    told = [w for w in said if "AveragedModel" in str(w.message)]
+    assert len(told) == 1 and told[0].filename == __file__
+    assert next(average.parameters()).dtype == torch.bfloat16

@@ -146,3 +146,59 @@ def test_nothing_said_for_masks_activations_o1_or_compiled_forwards():
         compiled = torch.compile(mp.auto_mixed_precision(Timed(), "mixed_bfloat16", "O2"),
                                  backend="eager", fullgraph=True)  # fmt: skip
         compiled(torch.zeros(4, 16), torch.tensor([997.0, 998.0, 999.0, 1000.0]))
+
+
+def test_the_look_stays_out_of_forwards_it_cannot_read():
+    """Inference mode (Lightning's validate), functorch transforms, meta and sparse inputs
+    and jit tracing: the first forwards' look made each of them fail."""
+    from torch.func import functional_call, grad, vmap
+
+    def prepared():
+        return mp.auto_mixed_precision(nn.Linear(4, 4), "mixed_bfloat16", "O2")
+
+    evaluated = prepared()
+    with torch.inference_mode():
+        assert evaluated(torch.randn(2, 4)).dtype == torch.float32
+    model = prepared()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, x):
+        return functional_call(model, p, (x[None],)).float().sum()
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0))(params, torch.randn(3, 4))
+    assert per_sample["weight"].shape == (3, 4, 4)
+    assert prepared().to("meta")(torch.randn(2, 4, device="meta")).is_meta
+    assert prepared()(torch.randn(2, 4).to_sparse()).dtype == torch.float32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torch.jit.TracerWarning)
+        torch.jit.trace(prepared(), torch.randn(2, 4))
+
+
+def test_keep_inputs_refuses_star_names_and_takes_a_forward_without_signature():
+    class VarArgs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Timed()
+
+        def forward(self, *args, **kwargs):
+            return self.inner(*args, **kwargs)
+
+    with pytest.raises(mp.ArgumentError, match=r"keep_inputs: 'args' is forward's \*args or"):
+        mp.auto_mixed_precision(VarArgs(), "mixed_bfloat16", "O2", keep_inputs=("args",))
+    model = mp.auto_mixed_precision(VarArgs(), "mixed_bfloat16", "O2", keep_inputs=("t",))
+    t = torch.tensor([997.0, 998.0, 999.0, 1000.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.zeros(4, 16), t=t)  # by keyword: kept
+    with pytest.warns(UserWarning, match=r"input 'args\[1\]' .* pass it by keyword"):
+        model(torch.zeros(4, 16), t)  # by position through *args: no name to keep it by
+    builtin = nn.Sequential(nn.Linear(4, 4))
+    builtin.forward = torch.relu  # a forward with no signature: prepared as before
+    assert mp.auto_mixed_precision(builtin, "mixed_bfloat16", "O2")(torch.randn(2, 4)).shape == (
+        2,
+        4,
+    )
+    with pytest.raises(mp.ArgumentError, match=r"has no signature to find those names in"):
+        other = nn.Sequential(nn.Linear(4, 4))
+        other.forward = torch.relu
+        mp.auto_mixed_precision(other, "mixed_bfloat16", "O2", keep_inputs=("x",))

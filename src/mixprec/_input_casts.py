@@ -54,11 +54,25 @@ def checked_keep_inputs(forward: Callable[..., Any], keep_inputs: Iterable[str])
             "to leave as given, as a tuple or list of strings (keep_inputs=('timestep',))"
         )
     names = list(keep_inputs)
-    params = inspect.signature(forward).parameters
+    try:
+        params = inspect.signature(forward).parameters
+    except (TypeError, ValueError):  # a builtin forward: nothing to name by
+        if names:
+            raise ArgumentError(
+                f"keep_inputs={tuple(names)!r}: the model's forward has no signature to find "
+                "those names in"
+            ) from None
+        return KEPT_ALWAYS
+    var = {p.name for p in params.values() if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     for name in names:
         if not isinstance(name, str):
             raise ArgumentError(f"keep_inputs: {name!r} is not an argument name (a string)")
+        if name in var:
+            raise ArgumentError(
+                f"keep_inputs: {name!r} is forward's *{name} or **{name}, not an argument; "
+                "pass the input by keyword and name that keyword"
+            )
         if name not in params and not takes_any:
             raise ArgumentError(
                 f"keep_inputs: {name!r} is not an argument of the model's forward; its "
@@ -100,13 +114,24 @@ Watched = tuple[str, torch.Tensor, int]
 
 class InputLook:
     """The first ``LOOKS`` forwards of a prepared model: what its boundary cast did to each
-    input (one host read per cast input, then none), each kind said once."""
+    input (one host read per cast input, a second where whole numbers were rounded; none
+    after), each kind said once. A look that cannot be made (inference mode, a functorch
+    transform, tracing, meta or fake tensors) is not made; one that fails stops looking."""
 
     LOOKS = 2
 
     def __init__(self) -> None:
         self.looked = 0
         self.said: set[str] = set()
+
+    def due(self) -> bool:
+        """Whether this forward is one to look at (eager, autograd as usual)."""
+        return (
+            self.looked < self.LOOKS
+            and not torch.is_inference_mode_enabled()  # no version counters to watch
+            and not torch._C._get_tracing_state()  # torch.jit.trace
+            and not _functorch_active()  # .item() of a batched tensor raises
+        )
 
     def before(
         self, given: tuple[Any, dict[str, Any]], cast: tuple[Any, dict[str, Any]],
@@ -116,29 +141,39 @@ class InputLook:
         self.looked += 1
         watched = []
         args, kwargs = given
-        for i, (a, b) in enumerate(zip(args, cast[0], strict=True)):
-            for path, x, y in _pairs(a, b, positional[i] if i < len(positional) else f"args[{i}]"):
-                watched.append(self._look(path, x, y, dtype))
-        for k, v in kwargs.items():
-            for path, x, y in _pairs(v, cast[1][k], k):
-                watched.append(self._look(path, x, y, dtype))
+        try:
+            for i, (a, b) in enumerate(zip(args, cast[0], strict=True)):
+                name = positional[i] if i < len(positional) else f"args[{i}]"
+                watched += [self._look(path, x, y, dtype) for path, x, y in _pairs(a, b, name)]
+            for k, v in kwargs.items():
+                watched += [
+                    self._look(path, x, y, dtype) for path, x, y in _pairs(v, cast[1][k], k)
+                ]
+        except Exception:  # a tensor this look cannot read: it stops, the forward goes on
+            self.looked = self.LOOKS
+            return []
         return watched
 
     def _look(
         self, path: str, given: torch.Tensor, cast: torch.Tensor, dtype: torch.dtype
     ) -> Watched:
         with torch.no_grad():
-            made_inf = bool((torch.isfinite(given) & ~torch.isfinite(cast)).any())
-            whole = given.numel() > 0 and bool((given == given.round()).all())
-            top = given.abs().max().item() if whole else 0.0
-            rounded = whole and top > 2 / torch.finfo(dtype).eps  # past the exact integers
-            rounded = rounded and not torch.equal(cast.to(given.dtype), given)
-            if rounded:  # not a mask (0 and one large value), whose rounding is harmless
+            flags = [
+                (torch.isfinite(given) & ~torch.isfinite(cast)).any(),  # made inf
+                (given == given.round()).all(),  # whole numbers
+                given.abs().amax(),
+                (cast.to(given.dtype) != given).any(),  # changed
+            ]
+            made_inf, whole, top, changed = torch.stack([f.float() for f in flags]).tolist()
+            # A timestep or a position (one number a sample, or a 1-D ramp) past the exact
+            # integers; not an activation (audio, a 12-bit image), rounded as any other.
+            rounded = whole and changed and given.dim() <= 1 and top > 2 / torch.finfo(dtype).eps
+            if rounded:  # nor a mask (0 and one large value), whose rounding is harmless
                 distinct = torch.unique(given)
                 rounded = not (distinct.numel() <= 2 and bool((distinct == 0).any()))
         name = str(dtype).removeprefix("torch.")
-        example = "-1e9" if dtype == torch.float16 else "torch.finfo(torch.float32).min"
         if made_inf:
+            example = "-1e9" if dtype == torch.float16 else "torch.finfo(torch.float32).min"
             said = (
                 f"input {path!r} holds finite values past {name}'s range that the cast to "
                 f"{name} at the model's boundary made inf (an additive mask of {example} "
@@ -146,10 +181,11 @@ class InputLook:
             )
             self._say("inf", said, path)
         elif rounded:
+            example = "997 becomes 996" if dtype == torch.bfloat16 else "4097 becomes 4096"
             said = (
                 f"input {path!r} holds whole numbers up to {top:g}, which the cast to {name} at "
-                "the model's boundary rounds (997 becomes 996 in bfloat16): timesteps or "
-                "positions lose their value"
+                f"the model's boundary rounds ({example}): timesteps or positions lose their "
+                "value"
             )
             self._say("whole", said, path)
         return path, cast, cast._version
@@ -162,7 +198,8 @@ class InputLook:
                 said = (
                     f"the model wrote into input {path!r}, which the cast to {name} at its "
                     "boundary had copied: the write went to the copy, and the tensor passed "
-                    "in is unchanged"
+                    "in is unchanged (what matters if the caller reads it after the call: a "
+                    "cache, a preallocated buffer)"
                 )
                 self._say("write", said, path)
                 return
@@ -172,16 +209,30 @@ class InputLook:
             return
         self.said.add(kind)
         top = path.split("[")[0].split(".")[0]
-        warn_at_caller(
-            f"{what}. Leave it as given: auto_mixed_precision(model, ..., "
-            f"keep_inputs=({top!r},)), or pass it in an integer dtype or already in 16 bits"
-        )
+        if top == "args":  # forward(*args): no name to keep it by
+            fix = "keep it, pass it by keyword and name it in keep_inputs="
+        else:
+            fix = f"leave it as given: auto_mixed_precision(model, ..., keep_inputs=({top!r},))"
+        warn_at_caller(f"{what}. To {fix}, or pass it in an integer dtype or already in 16 bits")
+
+
+def _functorch_active() -> bool:
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active()) if active is not None else False
 
 
 def _pairs(given: Any, cast: Any, path: str) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """The floating tensors of ``given`` that the cast replaced, with their copies."""
     if isinstance(given, torch.Tensor):
-        if isinstance(cast, torch.Tensor) and cast is not given and given.is_floating_point():
+        plain = type(given) in (torch.Tensor, torch.nn.Parameter)  # no fake or sharded one
+        plain = plain and given.layout == torch.strided and not given.is_meta
+        plain = plain and not given.is_nested and given.numel() > 0
+        if (
+            plain
+            and isinstance(cast, torch.Tensor)
+            and cast is not given
+            and given.is_floating_point()
+        ):
             yield path, given, cast
     elif isinstance(given, (tuple, list)) and isinstance(cast, (tuple, list)):
         for i, (a, b) in enumerate(zip(given, cast, strict=False)):

@@ -26,10 +26,19 @@ _PACKAGE = os.path.dirname(os.path.realpath(__file__)) + os.sep
 _MODULE_CALL = os.path.realpath(torch.nn.modules.module.__file__)
 
 
+#: torch's dynamo: the eager part of a compiled function (``torch.compile(opt.step)``) runs
+#: beneath its frames, and a warning there is about the caller of the compiled function.
+#: (Its folder by path: importing dynamo costs most of a second, so it is not imported here.)
+_TORCH = os.path.dirname(os.path.realpath(torch.__file__))
+_DYNAMO = os.path.join(_TORCH, "_dynamo") + os.sep
+#: torch's module call, and the wrapper of a function run eagerly (torch._disable_dynamo).
+_TORCH_CALLS = {_MODULE_CALL, os.path.join(_TORCH, "_compile.py")}
+
+
 def _in_package(filename: str) -> bool:
     # "<stdin>" or "<string>" resolve to no file of the package.
     path = os.path.realpath(filename)
-    return path.startswith(_PACKAGE) or path == _MODULE_CALL
+    return path.startswith(_PACKAGE) or path in _TORCH_CALLS or path.startswith(_DYNAMO)
 
 
 def caller_stacklevel() -> int:

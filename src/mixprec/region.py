@@ -170,12 +170,8 @@ class _RegionForward:
         its first forwards (eager, 16-bit: ``InputLook``)."""
         cast = cast_inputs(args, kwargs, compute, names, self._positional)
         look, watched = self._look, None
-        if (
-            not torch.compiler.is_compiling()
-            and look is not None
-            and look.looked < look.LOOKS
-            and compute != torch.float32
-        ):
+        eager = not torch.compiler.is_compiling()
+        if eager and look is not None and compute != torch.float32 and look.due():
             watched = look.before((args, kwargs), cast, self._positional, compute)
         return cast[0], cast[1], watched
 

@@ -16,6 +16,7 @@ from lightning.fabric import Fabric  # noqa: E402
 from lightning.fabric.plugins.precision import MixedPrecision  # noqa: E402
 from torch import nn  # noqa: E402
 
+import mixprec as mp  # noqa: E402
 from mixprec._errors import MisuseError  # noqa: E402
 from mixprec.integrations.lightning import MixprecFabricPrecision  # noqa: E402
 from tests.integrations.test_lightning_plugin import _data, _mlp, _scaler  # noqa: E402
@@ -387,3 +388,27 @@ def test_fabric_resume_gives_each_optimizer_its_own_saved_state(tmp_path: Any) -
     resumed = _two_optimizers(plugin(), range(3, 6), load=path)
     for mine, theirs in zip(resumed.parameters(), whole.parameters(), strict=True):
         assert torch.equal(mine, theirs)
+
+
+class _Timed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.saw: dict[str, torch.dtype] = {}
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        self.saw = {"x": x.dtype, "t": t.dtype, "labels": labels.dtype}
+        return self.fc(x)
+
+
+def test_fabric_leaves_labels_and_keep_inputs_as_given() -> None:
+    """Fabric casts the model's arguments before the model: ``labels`` and ``keep_inputs``,
+    which the model's boundary leaves alone, were rounded there all the same."""
+    fabric = Fabric(
+        accelerator="cpu", devices=1, plugins=MixprecFabricPrecision("mixed_bfloat16", level="O2")
+    )
+    module = mp.auto_mixed_precision(_Timed(), "mixed_bfloat16", "O2", keep_inputs=("t",))
+    model = fabric.setup(module)
+    t, labels = torch.tensor([997.0, 998.0]), torch.tensor([1000.3, 1001.7])
+    model(torch.randn(2, 4), t, labels=labels)
+    assert module.saw == {"x": torch.bfloat16, "t": torch.float32, "labels": torch.float32}

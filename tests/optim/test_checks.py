@@ -345,8 +345,13 @@ def test_two_backwards_per_micro_batch_are_refused_and_a_whole_group_before_a_st
     opt.backward(loss_of(model))
     opt.backward(loss_of(model))
     said = r"2 backward\(\) calls since the last step\(\), with accumulation_steps=4: "
+    before = _weights(model)
     with pytest.raises(mp.MisuseError, match=said + r".*opt.backward\(loss_a \+ loss_b\)"):
         opt.step()
+    # Refused, the group is dropped: a second step() does not apply it.
+    with pytest.raises(mp.MisuseError, match=r"without a new backward"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, _weights(model), strict=True))
     # The loop that steps every N-th batch: a whole group's backwards, then one step.
     x, y = classification_data(n=64)
     control = make_mlp()

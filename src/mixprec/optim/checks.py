@@ -19,6 +19,7 @@ silently in the wrong precision, and what a step says about the run.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -185,24 +186,27 @@ def watch_health(health: ScalerHealth | None, result: StepResult, scaler: LossSc
         _observe(health, result, scaler)
 
 
-def check_micro_batches(book: Any, accumulation_steps: int) -> None:
+def check_micro_batches(book: Any, accumulation_steps: int, drop: Callable[[], None]) -> None:
     """At ``step()``: with accumulation, each backward counts as a micro-batch, so two per
     micro-batch (two losses, a ``retain_graph`` double backward, a gradient penalty through
     ``get_scaled_loss``) applied the group early: 4 steps where float32 took 2, unsaid.
     Allowed: one backward per ``step()`` call, or a whole group's before one ``step()``
     (the loop that steps every N-th batch). With two per micro-batch at N=2 the two look
-    alike; that case cannot be told."""
-    taken, book.backwards = book.backwards, 0
+    alike; that case cannot be told. Refused, the group is dropped (``drop``): a second
+    ``step()`` would apply it."""
+    taken = book.backwards
     if accumulation_steps > 1 and taken > 1 and not taken == book.micro == accumulation_steps:
+        drop()
         raise MisuseError(
             f"{taken} backward() calls since the last step(), with accumulation_steps="
-            f"{accumulation_steps}: each backward counts as a micro-batch, so the group "
-            f"would be applied after {accumulation_steps} backwards, not after "
-            f"{accumulation_steps} micro-batches. Sum a micro-batch's losses into one "
-            "backward (opt.backward(loss_a + loss_b)), or call step() after each backward; "
-            "for torch.autograd.grad of an inner loss (a gradient penalty) take "
-            "opt.scale_loss(loss), which starts no micro-batch"
+            f"{accumulation_steps}: each backward counts as a micro-batch, so step() must "
+            f"follow each backward (it applies every {accumulation_steps}th) or exactly "
+            f"{accumulation_steps} of them. Sum a micro-batch's losses into one backward "
+            "(opt.backward(loss_a + loss_b)); for torch.autograd.grad of an inner loss (a "
+            "gradient penalty) take opt.scale_loss(loss), which starts no micro-batch. Their "
+            "gradients are dropped"
         )
+    book.backwards = 0
 
 
 def after_step(
@@ -214,8 +218,8 @@ def after_step(
     if result.found_inf is True:  # decided; a DeviceFlag is observed at its read
         reset_nonfinite_statistics(weights.model_params())
     watch_health(health, result, scaler)
-    if averaged_copies.PENDING and not torch.compiler.is_compiling():
-        averaged_copies.say_averaged_copies()  # an AveragedModel made since, still 16-bit
+    if averaged_copies.PENDING:  # an AveragedModel made since, still 16-bit
+        _say_averaged_eagerly()  # compiled: one break and one recompile, once
 
 
 def _observe(health: ScalerHealth, result: StepResult, scaler: LossScaler) -> None:
@@ -231,6 +235,7 @@ def _observe(health: ScalerHealth, result: StepResult, scaler: LossScaler) -> No
 # torch's lazy form of torch.compiler.disable: dynamo is imported at the first call (under
 # compile, when it is loaded anyway), not when mixprec is.
 _observe_eagerly = torch._disable_dynamo(_observe)  # type: ignore[attr-defined]
+_say_averaged_eagerly = torch._disable_dynamo(averaged_copies.say_averaged_copies)  # type: ignore[attr-defined]
 
 
 def refuse_accelerate_wrapper(caller: FrameType | None) -> None:

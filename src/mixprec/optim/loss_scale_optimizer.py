@@ -309,7 +309,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             raise MisuseError("LossScaleOptimizer.step() does not take a closure")
         if not self._book.fresh:
             raise no_backward_error(self._weights.model_params())
-        check_micro_batches(self._book, self.accumulation_steps)
+        check_micro_batches(self._book, self.accumulation_steps, self.drop_gradients)
         self._book.fresh = False
         if self._book.micro < self.accumulation_steps:
             return StepResult(False, False, self._loss_scaler.get_scale(), accumulating=True)

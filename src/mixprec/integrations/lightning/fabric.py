@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from mixprec._errors import ArgumentError, MisuseError
+from mixprec._input_casts import KEPT_ALWAYS, cast_inputs, positional_names
 from mixprec._save_guard import FABRIC_MODULES, guard_saves
 from mixprec.casting import cast_floating
 from mixprec.integrations.lightning._lightning import FabricPrecision
@@ -104,9 +105,25 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
     def convert_input(self, data: Any) -> Any:
         """Floating tensors in ``data`` (the arguments of ``model(...)``) in the model's
         compute dtype where its region casts inputs (O2, O3), as Fabric's own plugins do;
-        at O1 and O0 as they are. Integer and bool tensors are never cast."""
+        at O1 and O0 as they are. Integer and bool tensors are never cast, nor are the
+        arguments the model's boundary leaves as given (``labels``, ``keep_inputs``):
+        cast here, they were rounded all the same."""
         dtype = self._input_dtype()
-        return data if dtype is None else cast_floating(data, dtype)
+        if dtype is None:
+            return data
+        names, positional = self._kept_inputs()
+        if isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], dict):
+            return cast_inputs(tuple(data[0]), data[1], dtype, names, positional)
+        return cast_floating(data, dtype)
+
+    def _kept_inputs(self) -> tuple[frozenset[str], list[str]]:
+        """The argument names the one prepared model leaves as given, and its positional
+        argument names; with several models, ``labels`` alone."""
+        models = [m for m in (ref() for ref in self._models) if m is not None]
+        region = get_region(models[0]) if len(models) == 1 else None
+        if region is None or region.keep_inputs is None:
+            return KEPT_ALWAYS, []
+        return region.keep_inputs, positional_names(models[0].forward)
 
     def _fabric_lso(self, optimizer: Any) -> LossScaleOptimizer:
         lso = self._owner_of(optimizer)
