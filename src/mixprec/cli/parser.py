@@ -71,9 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (``sys.argv[1:]`` by default); return the exit status:
-    0, 2 for a bad value or path (one line on stderr), 1 when a worker process was killed,
-    130 when interrupted by SIGINT (Ctrl-C), 143 by SIGTERM; a command stops its worker
-    processes before it returns either."""
+    0, 2 for a bad value or path (one line on stderr), 1 when a worker process ended
+    without a result (killed, or exited), 130 when interrupted by SIGINT (Ctrl-C), 143 by
+    SIGTERM; a command stops its worker processes before it returns either."""
     args = build_parser().parse_args(argv)
     try:
         with sigterm_raises():
