@@ -79,6 +79,8 @@ class TagKeeper:
         # Unpickled (torch.load of a whole model): its module is not whole yet, so the
         # on_copy calls wait until something asks (``unpickled_keepers``).
         self.__dict__.update(state)
+        if len(_UNPICKLED) >= 64:  # models loaded for inference alone are never looked for
+            _UNPICKLED[:] = [ref for ref in _UNPICKLED if ref() is not None]
         _UNPICKLED.append(weakref.ref(self))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> TagKeeper:
