@@ -121,13 +121,15 @@ class InputLook:
     LOOKS = 2
 
     def __init__(self) -> None:
-        self.looked = 0
+        self.looked = 0  # forwards that cast some input, looked at
+        self.idle = 0  # forwards with nothing cast (Fabric cast them before the model)
         self.said: set[str] = set()
 
     def due(self) -> bool:
         """Whether this forward is one to look at (eager, autograd as usual)."""
         return (
             self.looked < self.LOOKS
+            and self.idle < 4 * self.LOOKS
             and not torch.is_inference_mode_enabled()  # no version counters to watch
             and not torch._C._get_tracing_state()  # torch.jit.trace
             and not _functorch_active()  # .item() of a batched tensor raises
@@ -138,7 +140,6 @@ class InputLook:
         positional: list[str], dtype: torch.dtype,
     ) -> list[Watched]:  # fmt: skip
         """Say what the cast lost; return the copies to watch for the model's writes."""
-        self.looked += 1
         watched = []
         args, kwargs = given
         try:
@@ -152,19 +153,28 @@ class InputLook:
         except Exception:  # a tensor this look cannot read: it stops, the forward goes on
             self.looked = self.LOOKS
             return []
+        if watched:
+            self.looked += 1
+        else:
+            self.idle += 1
         return watched
 
     def _look(
         self, path: str, given: torch.Tensor, cast: torch.Tensor, dtype: torch.dtype
     ) -> Watched:
         with torch.no_grad():
+            moved = (cast.to(given.dtype) - given).abs()
             flags = [
                 (torch.isfinite(given) & ~torch.isfinite(cast)).any(),  # made inf
                 (given == given.round()).all(),  # whole numbers
                 given.abs().amax(),
-                (cast.to(given.dtype) != given).any(),  # changed
+                (moved > 0).any(),  # changed
+                moved.mean(),
+                given.mean(),
+                given.std() if given.numel() > 1 else torch.zeros(()),
             ]
-            made_inf, whole, top, changed = torch.stack([f.float() for f in flags]).tolist()
+            stats = torch.stack([f.float() for f in flags]).tolist()
+            made_inf, whole, top, changed, error, mean, spread = stats
             # A timestep or a position (one number a sample, or a 1-D ramp) past the exact
             # integers; not an activation (audio, a 12-bit image), rounded as any other.
             rounded = whole and changed and given.dim() <= 1 and top > 2 / torch.finfo(dtype).eps
@@ -188,6 +198,14 @@ class InputLook:
                 "value"
             )
             self._say("whole", said, path)
+        elif spread > 0 and error > 0.01 * spread:  # far from zero against its spread
+            said = (
+                f"input {path!r} sits far from zero against its spread (mean {mean:.4g}, std "
+                f"{spread:.3g}): the cast to {name} at the model's boundary moves its values "
+                f"by {error:.3g} on average, {100 * error / spread:.0f}% of their spread "
+                "(unnormalised series or targets lose their detail)"
+            )
+            self._say("offset", said, path, "or normalise it (subtract its mean)")
         return path, cast, cast._version
 
     def after(self, watched: list[Watched]) -> None:
@@ -204,7 +222,10 @@ class InputLook:
                 self._say("write", said, path)
                 return
 
-    def _say(self, kind: str, what: str, path: str) -> None:
+    def _say(
+        self, kind: str, what: str, path: str,
+        other: str = "or pass it in an integer dtype or already in 16 bits",
+    ) -> None:  # fmt: skip
         if kind in self.said:
             return
         self.said.add(kind)
@@ -213,7 +234,7 @@ class InputLook:
             fix = "keep it, pass it by keyword and name it in keep_inputs="
         else:
             fix = f"leave it as given: auto_mixed_precision(model, ..., keep_inputs=({top!r},))"
-        warn_at_caller(f"{what}. To {fix}, or pass it in an integer dtype or already in 16 bits")
+        warn_at_caller(f"{what}. To {fix}, {other}")
 
 
 def _functorch_active() -> bool:

@@ -163,17 +163,22 @@ class _RegionForward:
         forward = self.inner or type(self.module).forward
         return getattr(forward, "__code__", _RegionForward.__call__.__code__)  # type: ignore[no-any-return]
 
-    def _cast_at_boundary(
-        self, names: frozenset[str], compute: torch.dtype, args: Any, kwargs: Any
-    ) -> tuple[Any, Any, list[Any] | None]:
-        """The model's inputs cast but those named, and the copies to watch for writes in
-        its first forwards (eager, 16-bit: ``InputLook``)."""
+    def cast_at_boundary(self, args: Any, kwargs: Any) -> tuple[Any, Any, list[Any] | None]:
+        """The model's inputs cast but those its region keeps, and the copies to watch for
+        writes in its first forwards (eager, 16-bit: ``InputLook``), for ``after_forward``.
+        Fabric's ``convert_input``, which casts before the model, calls it too."""
+        compute, names = self.region.compute_dtype, self.region.keep_inputs or frozenset()
         cast = cast_inputs(args, kwargs, compute, names, self._positional)
         look, watched = self._look, None
         eager = not torch.compiler.is_compiling()
         if eager and look is not None and compute != torch.float32 and look.due():
             watched = look.before((args, kwargs), cast, self._positional, compute)
         return cast[0], cast[1], watched
+
+    def after_forward(self, watched: list[Any] | None) -> None:
+        """Say a write of the model into a cast copy among ``watched``."""
+        if watched and self._look is not None:
+            self._look.after(watched)
 
     def _float32_functions(self) -> bool:
         if self._generation != _generation:
@@ -193,9 +198,7 @@ class _RegionForward:
         saves = None
         watched = None
         if region.cast_inputs and region.keep_inputs is not None:  # the model's boundary
-            args, kwargs, watched = self._cast_at_boundary(
-                region.keep_inputs, compute, args, kwargs
-            )
+            args, kwargs, watched = self.cast_at_boundary(args, kwargs)
         elif region.cast_inputs:
             given = args
             args, kwargs = cast_floating((args, kwargs), compute)
@@ -213,8 +216,7 @@ class _RegionForward:
                     mode = Float32Functions()
         with autocast, mode, saves if saves is not None else contextlib.nullcontext():
             output = self._run_forward(args, kwargs)
-        if watched and self._look is not None:
-            self._look.after(watched)
+        self.after_forward(watched)
         dtype = arriving.dtype if arriving is not None else region.output_dtype
         if dtype is None or output is None:
             return output

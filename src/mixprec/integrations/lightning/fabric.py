@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from mixprec._errors import ArgumentError, MisuseError
-from mixprec._input_casts import KEPT_ALWAYS, cast_inputs, positional_names
 from mixprec._save_guard import FABRIC_MODULES, guard_saves
 from mixprec.casting import cast_floating
 from mixprec.integrations.lightning._lightning import FabricPrecision
@@ -48,6 +47,9 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
     wrapped optimizer's masters, which the optimizer's own state does not. A
     ``fabric.save`` of the model without the plugin warns once, naming what it loses.
     """
+
+    # A first forward's cast inputs to look at after it (convert_input, convert_output).
+    _watched: tuple[Any, list[Any]] | None = None
 
     def _reset_run(self) -> None:
         super()._reset_run()
@@ -105,25 +107,36 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
     def convert_input(self, data: Any) -> Any:
         """Floating tensors in ``data`` (the arguments of ``model(...)``) in the model's
         compute dtype where its region casts inputs (O2, O3), as Fabric's own plugins do;
-        at O1 and O0 as they are. Integer and bool tensors are never cast, nor are the
-        arguments the model's boundary leaves as given (``labels``, ``keep_inputs``):
-        cast here, they were rounded all the same."""
+        at O1 and O0 as they are. Integer and bool tensors are never cast. With one prepared
+        model, the cast is its boundary's own: ``labels`` and ``keep_inputs`` pass as given,
+        and its first forwards' look sees the float32 inputs (cast here, it saw none)."""
         dtype = self._input_dtype()
         if dtype is None:
             return data
-        names, positional = self._kept_inputs()
-        if isinstance(data, tuple) and len(data) == 2 and isinstance(data[1], dict):
-            return cast_inputs(tuple(data[0]), data[1], dtype, names, positional)
+        boundary = self._boundary()
+        if boundary is not None and isinstance(data, tuple) and len(data) == 2:
+            args, kwargs, watched = boundary.cast_at_boundary(tuple(data[0]), dict(data[1]))
+            self._watched = (boundary, watched) if watched else None
+            return args, kwargs
         return cast_floating(data, dtype)
 
-    def _kept_inputs(self) -> tuple[frozenset[str], list[str]]:
-        """The argument names the one prepared model leaves as given, and its positional
-        argument names; with several models, ``labels`` alone."""
+    def convert_output(self, data: Any) -> Any:
+        """As the Lightning plugin's; after the first forwards, their look at writes into
+        the cast inputs (``convert_input``)."""
+        watched, self._watched = self._watched, None
+        if watched is not None:
+            watched[0].after_forward(watched[1])
+        return super().convert_output(data)
+
+    def _boundary(self) -> Any:
+        """The one prepared model's region forward that casts at its boundary, or ``None``
+        (several models: each casts its own, and ``cast_floating`` serves them all)."""
         models = [m for m in (ref() for ref in self._models) if m is not None]
+        forward = models[0].__dict__.get("forward") if len(models) == 1 else None
         region = get_region(models[0]) if len(models) == 1 else None
-        if region is None or region.keep_inputs is None:
-            return KEPT_ALWAYS, []
-        return region.keep_inputs, positional_names(models[0].forward)
+        if region is None or region.keep_inputs is None or not hasattr(forward, "cast_at_boundary"):
+            return None
+        return forward
 
     def _fabric_lso(self, optimizer: Any) -> LossScaleOptimizer:
         lso = self._owner_of(optimizer)
