@@ -246,3 +246,22 @@ def test_under_fabric_the_first_forwards_look_at_the_inputs_too():
         model(torch.randn(2, 4), mask)
     with pytest.warns(UserWarning, match=r"the model wrote into input 'buf'"):
         model(torch.randn(2, 4), torch.zeros(2, 4), buf=torch.zeros(3))
+
+
+def test_the_trainer_takes_a_model_prepared_with_keep_inputs():
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 10)
+            self.saw: list[torch.dtype] = []
+
+        def forward(self, x, scale=None):
+            self.saw.append(x.dtype)
+            return self.fc(x)
+
+    model = mp.auto_mixed_precision(Scaled(), "mixed_bfloat16", "O2", keep_inputs=("x",))
+    trainer = mp.Trainer(model, "cross_entropy", "adam", policy="mixed_bfloat16", level="O2")
+    x, y = torch.randn(64, 16), torch.randint(0, 10, (64,))
+    history = trainer.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    assert model.saw and set(model.saw) == {torch.float32}  # kept: as given
+    assert history.history["loss"][0] > 0 and model.fc.weight.dtype == torch.bfloat16
