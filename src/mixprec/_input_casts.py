@@ -40,7 +40,7 @@ __all__ = [
 
 #: What the first forwards' warnings start with (the doctor, which reports the same in its
 #: own words, filters them).
-BOUNDARY_LOOK = r"(input '.*' holds|the model wrote into input)"
+BOUNDARY_LOOK = r"(input '[^']*' (holds|sits)|the model wrote into input)"
 
 #: Never cast: Hugging Face models take their targets as ``labels`` and compute the loss.
 KEPT_ALWAYS = frozenset({"labels"})

@@ -140,18 +140,6 @@ FLOAT32_LOSSES: frozenset[Callable[..., Any]] = frozenset(
         F.multi_margin_loss, F.triplet_margin_loss,
     }
 )  # fmt: skip
-FLOAT32_FUNCTIONS: frozenset[Callable[..., Any]] = FLOAT32_LOSSES | frozenset(
-    {
-        F.softmax, F.log_softmax, F.softmin, torch.softmax, torch.log_softmax,
-        torch.Tensor.softmax, torch.Tensor.log_softmax,
-        F.layer_norm, F.group_norm, F.rms_norm,
-        torch.logsumexp, torch.Tensor.logsumexp, torch.cumsum, torch.Tensor.cumsum,
-        torch.cumprod, torch.Tensor.cumprod,
-        torch.norm, torch.Tensor.norm, torch.linalg.vector_norm,
-    }
-)  # fmt: skip
-
-
 # Their results grow with the input's length or size: rounded back to float16 they can pass
 # 65504 (a running sum over 4096 steps of values near 20 became inf). For float16 inputs
 # they stay float32, as CUDA's autocast returns them; bfloat16 has float32's range.
@@ -160,6 +148,13 @@ UNBOUNDED_FUNCTIONS: frozenset[Callable[..., Any]] = frozenset(
         torch.logsumexp, torch.Tensor.logsumexp, torch.cumsum, torch.Tensor.cumsum,
         torch.cumprod, torch.Tensor.cumprod,
         torch.norm, torch.Tensor.norm, torch.linalg.vector_norm,
+    }
+)  # fmt: skip
+FLOAT32_FUNCTIONS: frozenset[Callable[..., Any]] = FLOAT32_LOSSES | UNBOUNDED_FUNCTIONS | frozenset(
+    {
+        F.softmax, F.log_softmax, F.softmin, torch.softmax, torch.log_softmax,
+        torch.Tensor.softmax, torch.Tensor.log_softmax,
+        F.layer_norm, F.group_norm, F.rms_norm,
     }
 )  # fmt: skip
 

@@ -216,7 +216,8 @@ class _RegionForward:
                     mode = Float32Functions()
         with autocast, mode, saves if saves is not None else contextlib.nullcontext():
             output = self._run_forward(args, kwargs)
-        self.after_forward(watched)
+        if watched:  # a first forward's cast copies: written by the model?
+            self.after_forward(watched)
         dtype = arriving.dtype if arriving is not None else region.output_dtype
         if dtype is None or output is None:
             return output

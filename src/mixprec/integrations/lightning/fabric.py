@@ -133,10 +133,8 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
         (several models: each casts its own, and ``cast_floating`` serves them all)."""
         models = [m for m in (ref() for ref in self._models) if m is not None]
         forward = models[0].__dict__.get("forward") if len(models) == 1 else None
-        region = get_region(models[0]) if len(models) == 1 else None
-        if region is None or region.keep_inputs is None or not hasattr(forward, "cast_at_boundary"):
-            return None
-        return forward
+        region = getattr(forward, "region", None)  # a region's forward carries its region
+        return forward if region is not None and region.keep_inputs is not None else None
 
     def _fabric_lso(self, optimizer: Any) -> LossScaleOptimizer:
         lso = self._owner_of(optimizer)
