@@ -339,6 +339,43 @@ def test_fsdp_policy_mapping():
     assert mixed.output_dtype == torch.float32
 
 
+@pytest.mark.parametrize("layout", ["groups", "group"])
+def test_the_fsdp2_policy_is_found_in_either_torch_layout(monkeypatch, layout):
+    """torch 2.13 keeps an FSDP2 state's parameter groups in ``_fsdp_param_groups``; torch
+    2.11 kept one in ``_fsdp_param_group``. Read only the first, a bfloat16 shard under
+    torch 2.11 fell back to the process-wide float16 note and got dynamic scaling (seen on
+    an H200 box with torch 2.11)."""
+    import types
+    import weakref
+
+    from torch.distributed import _composable_state
+
+    from mixprec import _dist
+
+    shard = torch.zeros(2)
+    group = types.SimpleNamespace(
+        fsdp_params=[types.SimpleNamespace(sharded_param=shard)],
+        mp_policy=types.SimpleNamespace(param_dtype=torch.bfloat16),
+    )
+
+    class State:  # weakref-able, as torch's FSDPState is
+        pass
+
+    state = State()
+    setattr(
+        state,
+        "_fsdp_param_groups" if layout == "groups" else "_fsdp_param_group",
+        [group] if layout == "groups" else group,
+    )
+    module = nn.Linear(2, 2)
+    mapping = weakref.WeakKeyDictionary({module: weakref.ref(state)})
+    monkeypatch.setattr(_composable_state, "_module_state_mapping", mapping)
+    monkeypatch.setattr(_dist, "_FSDP_FLOAT16", [True])  # a float16 policy made elsewhere
+    assert _dist.fsdp_compute_dtype([shard]) == torch.bfloat16
+    assert not _dist.fsdp_computes_in_float16([shard])
+    assert _dist.fsdp_compute_dtype([torch.zeros(2)]) is None  # not a shard of it
+
+
 def test_shutdown_without_a_process_group_is_a_no_op():
     assert not torch.distributed.is_initialized()
     mpd.shutdown()  # must not raise (the CLI calls it on every exit)

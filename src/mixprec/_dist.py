@@ -5,6 +5,8 @@ scaling, the optimizer and ``distributed`` can all build on it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -64,10 +66,21 @@ def fsdp_compute_dtype(params: list[torch.Tensor]) -> torch.dtype | None:
     wanted = {id(p) for p in params}
     for ref in list(_module_state_mapping.values()):
         state = ref() if callable(ref) else ref
-        for group in getattr(state, "_fsdp_param_groups", None) or ():
+        for group in _param_groups(state):
             params_of = getattr(group, "fsdp_params", ())
             if any(id(getattr(fp, "sharded_param", None)) in wanted for fp in params_of):
                 policy = getattr(group, "mp_policy", None)
                 dtype = getattr(policy, "param_dtype", None)
                 return dtype if isinstance(dtype, torch.dtype) else torch.float32
     return None
+
+
+def _param_groups(state: object) -> list[Any]:
+    """An FSDP2 state's parameter groups: a list in torch 2.13, one group (or None) in
+    torch 2.11. Read the list first: there the singular name is a property that raises
+    for a module with more than one group."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
