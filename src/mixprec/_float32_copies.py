@@ -32,21 +32,10 @@ FP32_COPY_ATTR = "_mixprec_fp32"  # Float32Copy of a parameter stored in 16 bits
 
 @dataclasses.dataclass
 class Float32Copy:
-    """The float32 values of a parameter before it went to 16 bits, and the parameter's
-    version counter then: a later in-place write (``load_state_dict``) makes it stale."""
+    """The float32 values of a parameter before it went to 16 bits. Current while the
+    parameter still rounds from them (``current_float32_copy``)."""
 
     values: torch.Tensor
-    version: int = -1
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # Unpickled (torch.load of a whole model): rebuilding the parameter bumped its
-        # version, so the copy would look stale; whether it still rounds to the weight,
-        # checked at every use, decides alone.
-        self.__dict__.update(state)
-        self.version = _ANY_VERSION
-
-
-_ANY_VERSION = -2  # an unpickled copy: checked by its values alone
 
 
 def take_float32_copy(param: torch.Tensor) -> torch.Tensor | None:
@@ -62,17 +51,19 @@ def take_float32_copy(param: torch.Tensor) -> torch.Tensor | None:
 def current_float32_copy(param: torch.Tensor) -> torch.Tensor | None:
     """The float32 values kept for ``param`` (left in place) if they are still current."""
     kept = param.__dict__.get(FP32_COPY_ATTR)
-    if not isinstance(kept, Float32Copy) or kept.version not in (param._version, _ANY_VERSION):
+    if not isinstance(kept, Float32Copy):
         return None
-    # A write through ``param.data`` (Hugging Face's weight init) leaves the version as it
-    # was: the copy is current only if it still rounds to the weight. Once, not per step.
+    # Whether the copy still rounds to the weight decides, not the version counter: a write
+    # through ``param.data`` (Hugging Face's weight init) leaves the version as it was, and
+    # a load of the weight's own 16-bit values (``model.load_state_dict(model.state_dict())``,
+    # a resume) changes it and nothing else. Once, not per step.
     values = kept.values.to(param.device)  # the model may have moved since
     return values if torch.equal(values.to(param.dtype), param.detach()) else None
 
 
 def remember_float32(param: torch.Tensor, values: torch.Tensor) -> None:
     """Keep ``values`` (float32) as the current float32 copy of the 16-bit ``param``."""
-    record = Float32Copy(values.detach().float(), version=param._version)
+    record = Float32Copy(values.detach().float())
     setattr(param, FP32_COPY_ATTR, record)
 
 

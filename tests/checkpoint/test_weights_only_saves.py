@@ -65,6 +65,27 @@ def test_a_trained_model_saved_without_its_optimizer_writes_the_masters(tmp_path
     assert any(not torch.equal(m.bfloat16().float(), m) for m in masters.values())
 
 
+def test_a_load_of_the_models_own_16_bit_values_keeps_its_float32_values(tmp_path):
+    """A frozen weight no optimizer holds keeps the float32 values it was prepared from; a
+    torch-style resume (``model.load_state_dict`` of the model's own 16-bit state dict)
+    bumped its version and dropped them, so exports and the master of a later unfreezing
+    took the bfloat16 rounding (4.9e-4 off). A load of other values still drops them."""
+    model = net()
+    original = model[0].weight.detach().clone()
+    mp.auto_mixed_precision(model, "mixed_bfloat16", "O2")
+    model[0].requires_grad_(False)
+    model.load_state_dict(model.state_dict())
+    assert torch.equal(written(tmp_path, model, "export")["0.weight"], original)
+    model[0].requires_grad_(True)
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert torch.equal(dict(opt.master_weights())[model[0].weight], original)
+    other = {k: v.clone() for k, v in model.state_dict().items()}
+    other["0.weight"] += 1
+    fresh = mp.auto_mixed_precision(net(), "mixed_bfloat16", "O2")
+    fresh.load_state_dict(other)
+    assert torch.equal(written(tmp_path, fresh, "export")["0.weight"], other["0.weight"].float())
+
+
 def test_a_weight_written_since_is_written_as_it_is_and_a_gone_master_is_not_used(tmp_path):
     model = mp.auto_mixed_precision(net(), "mixed_bfloat16", "O2")
     opt = train(model)
