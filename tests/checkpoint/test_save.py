@@ -139,3 +139,30 @@ def test_the_optimizer_a_loss_scale_optimizer_wraps_is_refused(tmp_path):
         mp.load_checkpoint(path, model, inner)
     with pytest.raises(mp.ArgumentError, match="export_weights" + refused):
         mp.export_weights(model, tmp_path / "w.safetensors", optimizer=inner)
+
+
+@pytest.mark.parametrize("case", ["head replaced", "one optimizer, two models"])
+def test_masters_of_weights_the_model_does_not_hold_are_refused(tmp_path, case):
+    """The file saved without a word and no load could restore it ("no saved weight for
+    the master of a (4, 32) weight"): a head replaced after the optimizer was built, or one
+    optimizer over two models saved with one of them. The previous checkpoint stays."""
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    other = mp.auto_mixed_precision(make_mlp(seed=3), "mixed_bfloat16", "O2")
+    params = list(model.parameters())
+    if case != "head replaced":
+        params += list(other.parameters())
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(params, lr=0.1))
+    path = mp.save_checkpoint(tmp_path / "c.safetensors", model)
+    before = path.read_bytes()
+    if case == "head replaced":
+        model[-1] = nn.Linear(model[-1].in_features, 6)
+    with pytest.raises(
+        mp.ArgumentError,
+        match=r"keeps float32 masters for \d+ weight\(s\) "
+        r"the model does not hold \(a \(\d+, \d+\) weight.*nn.ModuleDict",
+    ):
+        mp.save_checkpoint(path, model, opt)
+    assert path.read_bytes() == before
+    both = nn.ModuleDict({"a": model, "b": other})
+    if case != "head replaced":  # the remedy the message names loads back
+        mp.load_checkpoint(mp.save_checkpoint(tmp_path / "both.safetensors", both, opt), both, opt)

@@ -60,6 +60,28 @@ def check_arguments(who: str, model: Any, optimizer: Any) -> None:
         )
 
 
+def check_masters_held(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Refuse a save whose ``LossScaleOptimizer`` keeps masters for weights ``model`` does
+    not hold: a master is saved under its weight's name, so the file saved without a word
+    and no load of it could restore the optimizer (a layer replaced after the optimizer was
+    built; one optimizer over two models, saved with one of them)."""
+    if not isinstance(optimizer, LossScaleOptimizer):
+        return
+    names = _parameter_names(model)
+    missing = [w for w, _ in optimizer.master_weights() if id(w) not in names]
+    if missing:
+        shapes = ", ".join(f"a {tuple(w.shape)} weight" for w in missing[:3])
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ArgumentError(
+            f"save_checkpoint: the optimizer keeps float32 masters for {len(missing)} "
+            f"weight(s) the model does not hold ({shapes}{more}): masters are saved under "
+            "their weights' names, so load_checkpoint could not restore this optimizer. Save "
+            "the module that holds every weight the optimizer steps (several models: one "
+            "nn.ModuleDict of them), or, for a layer replaced after the optimizer was built, "
+            "build the optimizer again over model.parameters()"
+        )
+
+
 def master_tensors(
     model: nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> dict[str, torch.Tensor]:

@@ -18,6 +18,7 @@ from mixprec.checkpoint._model import (
     _buffer_names,
     _model_tensors,
     check_arguments,
+    check_masters_held,
     optimizer_classes,
     optimizer_param_names,
 )
@@ -58,6 +59,7 @@ def save_checkpoint(
             "micro-batches into an accumulation group, whose gradients a checkpoint does not "
             "hold: a resume would apply a partial group. Save after the step() that applies it"
         )
+    check_masters_held(model, optimizer)
     tensors, aliases, master_names = _model_tensors(model, optimizer)
     optim_state: Any = None
     if optimizer is not None:
