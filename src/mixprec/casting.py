@@ -256,8 +256,6 @@ def store_as(
         sub._apply(apply, recurse=False)
         if len(copies) > before:
             hooked.append(sub)
-    for param, record in copies:
-        record.version = param._version
     for sub in hooked:  # a float32 checkpoint loaded later keeps its values for the masters
         keep_float32_on_load(sub)
 

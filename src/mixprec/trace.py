@@ -222,9 +222,20 @@ def join_prepared_model(params: list[torch.Tensor]) -> None:
 
 
 def model_of(params: list[torch.Tensor]) -> nn.Module | None:
+    found = models_of(params, first=True)
+    return found[0] if found else None
+
+
+def models_of(params: list[torch.Tensor], first: bool = False) -> list[nn.Module]:
+    """The prepared models behind ``params``, each once, in the order of their first
+    parameter (one optimizer may step several models); only the first with ``first``."""
     unpickled_keepers()
+    models: dict[int, nn.Module] = {}
     for p in params:
         ref = _MODELS.get(p)
-        if ref is not None and ref() is not None:
-            return ref()  # type: ignore[no-any-return]
-    return None
+        model = ref() if ref is not None else None
+        if model is not None and id(model) not in models:
+            models[id(model)] = model
+            if first:
+                break
+    return list(models.values())

@@ -64,3 +64,28 @@ def test_a_step_skipped_in_the_backward_alone_leaves_the_statistics():
         warnings.simplefilter("error")
         assert not _step(model, opt, x, y, loss_gain=1e30).applied
     assert model[1].num_batches_tracked.item() == 2  # both forwards counted, none reset
+
+
+def test_every_model_behind_the_optimizer_is_looked_at():
+    """Two prepared encoders, one optimizer, one loss: an out-of-range batch for the
+    second encoder skipped the step, and only the first encoder's statistics were looked
+    at, so the second's stayed NaN and every evaluation of it was NaN, unsaid."""
+    encoders = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        net = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
+        encoders.append(mp.auto_mixed_precision(net, "mixed_float16", "O2"))
+    a, b = encoders
+    opt = mp.LossScaleOptimizer(torch.optim.AdamW([*a.parameters(), *b.parameters()], lr=1e-3))
+    g = torch.Generator().manual_seed(1)
+    xa, xb = torch.randn(16, 8, generator=g), torch.randn(16, 8, generator=g)
+    opt.backward((a(xa) - b(xb)).pow(2).mean())
+    assert opt.step().applied
+    opt.zero_grad()
+    with pytest.warns(UserWarning, match=r"of 1 normalisation layer\(s\) inf/NaN \(1\)"):
+        opt.backward((a(xa) - b(xb * 1e5)).pow(2).mean())
+        assert not opt.step().applied
+    assert torch.isfinite(b[1].running_var).all() and torch.isfinite(b[1].running_mean).all()
+    b.eval()
+    with torch.no_grad():
+        assert torch.isfinite(b(xb)).all()

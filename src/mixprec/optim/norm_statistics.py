@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from mixprec._warn import warn_at_caller
-from mixprec.trace import model_of
+from mixprec.trace import models_of
 
 __all__ = ["reset_nonfinite_statistics"]
 
@@ -32,12 +32,16 @@ def _tracked(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _reset(params: list[torch.Tensor]) -> list[str]:
-    """After a skipped step: reset the running statistics of the model behind ``params``
-    that are inf or NaN, warn naming them, and return their names."""
-    model = model_of(params)
-    if model is None:
-        return []
-    tracked = _tracked(model)
+    """After a skipped step: reset the running statistics of the models behind ``params``
+    (every one: an optimizer may step several) that are inf or NaN, warn naming them, and
+    return their names."""
+    seen: set[int] = set()
+    tracked = []
+    for model in models_of(params):
+        for name, m in _tracked(model):
+            if id(m) not in seen:  # a prepared model inside another: its layers once
+                seen.add(id(m))
+                tracked.append((name, m))
     if not tracked:
         return []
     finite = torch.stack(
