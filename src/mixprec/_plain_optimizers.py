@@ -6,9 +6,11 @@ so neither imports the other for it."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -17,7 +19,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from mixprec._dtypes import HALF_DTYPES, dtype_name
 from mixprec._errors import MisuseError
-from mixprec.casting import LEVEL_ATTR, MASTERS_ATTR
+from mixprec.casting import LEVEL_ATTR, MASTERS_ATTR, POLICY_ATTR
 
 
 def needs_master(p: torch.Tensor) -> bool:
@@ -136,6 +138,7 @@ def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     if optimizer in _CHECKED:
         return
     _CHECKED.add(optimizer)
+    _say_if_unscaled(optimizer)
     bare = [
         p
         for group in optimizer.param_groups
@@ -160,3 +163,49 @@ def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
         UserWarning,
         stacklevel=3,  # _first_step <- torch's step wrapper <- the caller's opt.step()
     )
+
+
+def _say_if_unscaled(optimizer: torch.optim.Optimizer) -> None:
+    """A plain optimizer over parameters of a model prepared for float16 math with dynamic
+    loss scaling (``mixed_float16``, any level but O0), stepped by neither a
+    ``LossScaleOptimizer`` nor a GradScaler: nothing unscales or checks its gradients. With
+    a second optimizer beside a wrapped one, ``opt.backward(loss)`` gave it gradients
+    65536x too large (a loss of 1110 where float32 reached 1.48), unsaid."""
+    scaled = [
+        p
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if isinstance(p, torch.Tensor)
+        and getattr(getattr(p, POLICY_ATTR, None), "loss_scaling", None) == "dynamic"
+        and getattr(p, LEVEL_ATTR, "O0") != "O0"
+    ]
+    if not scaled or _called_by_a_grad_scaler():
+        return
+    kind = type(optimizer)
+    name = f"torch.optim.{kind.__name__}" if kind.__module__.startswith("torch.") else kind.__name__
+    warnings.warn(
+        f"{name} steps {len(scaled)} parameters of a model prepared for float16 math "
+        f"(level {getattr(scaled[0], LEVEL_ATTR)}) by itself: nothing unscales or checks "
+        "their gradients. After a LossScaleOptimizer's backward(loss) they are the scaled "
+        "loss's (the loss scale times too large: 65536 at the start); after "
+        "loss.backward(), small ones may have underflowed to zero. "
+        "Wrap it too: one LossScaleOptimizer over both, "
+        f"mp.LossScaleOptimizer([opt_a, {name}(...)]), or mp.GradScaler's scaler.step(opt)",
+        UserWarning,
+        stacklevel=4,  # here <- _first_step <- torch's step wrapper <- the caller's step()
+    )
+
+
+def _called_by_a_grad_scaler() -> bool:
+    """Whether a GradScaler's ``step`` (torch's or mixprec's, which unscales first) is
+    stepping the optimizer: a look up the stack, once per optimizer."""
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(12):
+        if frame is None:
+            return False
+        if frame.f_code.co_name in ("_maybe_opt_step", "step") and "grad_scaler" in (
+            frame.f_code.co_filename
+        ):
+            return True
+        frame = frame.f_back
+    return False

@@ -355,8 +355,10 @@ def auto_mixed_precision(
         _APPLIED_ATTR,
         Applied(resolved, lvl, tuple(sorted(kept)), o3_masters, converted, plan),
     )
-    if lvl == "O2" or o3_masters:
-        watch_plain_optimizers()  # a plain torch optimizer stepping the 16-bit weights warns
+    if lvl == "O2" or o3_masters or (lvl != "O0" and resolved.loss_scaling == "dynamic"):
+        # A plain torch optimizer stepping the 16-bit weights, or any weight of a model
+        # whose float16 math needs loss scaling, warns.
+        watch_plain_optimizers()
     if defaulted:
         _say_auto(resolved.name, resolved.reason or "")
     return model

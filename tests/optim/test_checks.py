@@ -86,6 +86,37 @@ def test_plain_optimizer_over_16bit_weights_with_masters_warns_once(amp_level):
         step()  # once per optimizer
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_second_plain_optimizer_over_a_float16_model_is_told_of_the_scaling(level):
+    """A Muon-style split, one optimizer wrapped and one not, under mixed_float16: the plain
+    one stepped the scaled loss's gradients (a loss of 1110 where float32 reached 1.48), and
+    at O1, every weight float32, nothing was said. Under a GradScaler's step (torch's or
+    mixprec's, which unscale first) nothing is said."""
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", level)
+    rest = list(model[3].parameters())  # the LayerNorm, float32 at every level
+    mats = [p for p in model.parameters() if all(p is not q for q in rest)]
+    wrapped, plain = mp.LossScaleOptimizer(torch.optim.SGD(mats, lr=0.1)), torch.optim.SGD(rest)
+    wrapped.backward(loss_of(model))
+    wrapped.step()
+    with pytest.warns(
+        UserWarning,
+        match=rf"SGD steps 2 parameters of a model prepared for "
+        rf"float16 math \(level {level}\) by itself: nothing unscales",
+    ) as got:
+        plain.step()
+    assert [w.filename for w in got if "by itself" in str(w.message)] == [__file__]
+    scalers = (mp.GradScaler(), torch.amp.GradScaler("cpu")) if level == "O1" else ()
+    for scaler in scalers:  # (torch's refuses O2's float16 gradients itself)
+        other = mp.auto_mixed_precision(make_mlp(), "mixed_float16", level)
+        opt = torch.optim.SGD(other.parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            scaler.scale(loss_of(other)).backward()
+            scaler.step(opt)
+            scaler.update()
+        assert not [w for w in seen if "by itself" in str(w.message)]
+
+
 def test_no_warning_for_a_loss_scale_optimizer_or_pure_16bit_o3():
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -42,6 +42,7 @@ from mixprec.optim.host_step import host_step
 from mixprec.optim.keras_api import KerasMethods, keras_scaler
 from mixprec.optim.masters import MasterWeights, warn_if_eps_vanishes
 from mixprec.optim.replicas import masters_of_rank0_if_replicas, state_of_rank
+from mixprec.optim.sharing import Partner, check_partners, note_partners
 from mixprec.optim.state_dict import StateDictMethods
 from mixprec.optim.state_view import InnerViews, StepHooks
 from mixprec.optim.step_result import StepResult
@@ -104,6 +105,14 @@ class _Bookkeeping:
     fused: list[FusedStep] = field(default_factory=list)
     # How many param groups of each inner optimizer were adopted (masters, fusing).
     groups: list[int] = field(default_factory=list)
+    # Other live wrappers over the same weights or scaler, and whether this one stepped
+    # since one was built (optim.sharing); not pickled: a copy shares nothing.
+    partners: list[Partner] = field(default_factory=list)
+    stepped: bool = False
+    coordinated: bool = False  # sharing made right by its builder (sharing.coordinated)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "partners": [], "stepped": False}
 
 
 def _params_of(inner: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -196,6 +205,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         )
         for inner in self.optimizers:  # its own step() refused while this wrapper lives
             watch_wrapped(inner, self._book, self.zero_grad)
+        note_partners(self._book, self._weights.half, self._weights.plain, self._loss_scaler)
         self._decide_host_path()
         self.health: ScalerHealth | None = ScalerHealth()
         self._tracer = make_tracer(trace_overflow, model_params)
@@ -310,6 +320,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         if not self._book.fresh:
             raise no_backward_error(self._weights.model_params())
         check_micro_batches(self._book, self.accumulation_steps, self.drop_gradients)
+        check_partners(self._book)
         self._book.fresh = False
         if self._book.micro < self.accumulation_steps:
             return StepResult(False, False, self._loss_scaler.get_scale(), accumulating=True)

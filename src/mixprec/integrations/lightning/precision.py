@@ -27,6 +27,7 @@ from mixprec.integrations.lightning._lightning import LightningOptimizer
 from mixprec.keep import KeepEntry, keep_list
 from mixprec.levels import auto_mixed_precision, resolve_level
 from mixprec.optim import LossScaleOptimizer, StepResult, needs_scaling
+from mixprec.optim.sharing import coordinated
 from mixprec.policy import Policy, PolicyLike, get_policy
 from mixprec.scaling import DynamicLossScaler, LossScaler, NoOpLossScaler
 
@@ -247,6 +248,9 @@ class _MixprecPlugin:
         lso = LossScaleOptimizer(
             optimizer, loss_scaler=self.loss_scaler, trace_overflow=self.trace_overflow
         )
+        # Its optimizers share one scaler (and, toggled, a trunk) by design: the records
+        # below bring each backward's gradients to the scale of the step.
+        coordinated(lso._book)
         # Under DDP every rank starts from rank 0's float32 masters, not just its 16-bit
         # weights (a no-op outside torch.distributed).
         lso.broadcast_masters()

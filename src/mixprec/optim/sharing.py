@@ -1,0 +1,139 @@
+"""Two live ``LossScaleOptimizer`` wrappers over the same weights or the same loss scaler.
+
+torch lets two optimizers step one parameter (an actor-critic's shared trunk), and
+torch.amp's recipe shares one ``GradScaler`` among optimizers. Two wrappers cannot:
+
+- each keeps its own float32 master of a shared 16-bit weight, and whichever steps second
+  resets the other's from its rounding: one optimizer's small updates were lost (the
+  weight moved by one optimizer's updates alone);
+- each unscales the shared gradients in place: with both backwards before both steps (the
+  torch.amp order), the second divides them again (a float32 LayerNorm moved half as far
+  as in float32);
+- one scaler updated by both: the second unscales by a scale the first has just halved
+  (its step applied 2x too large), and growth counts twice.
+
+A wrapper built while another lives over the same weights or scaler notes it, both ways
+(not where their builder coordinates them: ``coordinated``, the Lightning plugin's).
+A step then refuses, before it unscales, once the other is in use: the other stepped since
+(shared masters or scaler), or has a backward pending over the shared gradients. A wrapper
+that is no longer stepped (rebuilt for a second phase, still referenced) is no partner. The
+look costs nothing without a partner.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from mixprec._errors import MisuseError
+from mixprec.scaling import DynamicLossScaler
+
+__all__ = ["Partner", "check_partners", "coordinated", "note_partners"]
+
+# Each weight or scaler -> the bookkeeping of the latest live wrapper over it (by identity:
+# a tensor's == is elementwise).
+_OWNER = WeakIdKeyDictionary()
+
+
+@dataclass
+class Partner:
+    """Another live wrapper sharing weights or the scaler with this one."""
+
+    book: weakref.ref[Any]
+    shape: tuple[int, ...] | None  # a shared weight's, for the message; None: scaler only
+    masters: bool  # a shared 16-bit weight with a master in each
+    scaler: bool  # the same loss scaler object
+
+
+def note_partners(book: Any, half: list[torch.Tensor], plain: list[torch.Tensor],
+                  scaler: Any) -> None:  # fmt: skip
+    """At construction: note each live wrapper over any of ``half`` (16-bit weights with
+    masters), ``plain`` or ``scaler`` in ``book.partners``, and ``book`` in theirs."""
+    found: dict[int, Partner] = {}
+    # A scaler whose scale moves; a static or no-op one shared changes nothing.
+    scalers = [scaler] if isinstance(scaler, DynamicLossScaler) else []
+    groups: list[tuple[list[Any], bool]] = [(half, True), (plain, False), (scalers, False)]
+    for things, masters in groups:
+        for thing in things:
+            ref = _OWNER.get(thing)
+            owner = ref() if ref is not None else None
+            if owner is not None and owner is not book and not owner.coordinated:
+                is_scaler = thing is scaler
+                shape = None if is_scaler else tuple(thing.shape)
+                seen = found.setdefault(id(owner), Partner(ref, shape, False, False))  # type: ignore[arg-type]
+                seen.masters |= masters
+                seen.scaler |= is_scaler
+                seen.shape = seen.shape or shape
+            _OWNER[thing] = weakref.ref(book)
+    mine = weakref.ref(book)
+    for partner in found.values():
+        other: Any = partner.book()
+        other.stepped = False  # in use from now on only if it steps again
+        book.partners.append(partner)
+        other.partners.append(Partner(mine, partner.shape, partner.masters, partner.scaler))
+
+
+def coordinated(book: Any) -> None:
+    """``book``'s wrapper shares weights or its scaler with others by design, and whoever
+    built them makes that right (the Lightning plugin: one scaler, each backward's scale
+    recorded, gradients brought to the scale of the step): no partner of anyone."""
+    book.coordinated = True
+    for partner in book.partners:
+        other = partner.book()
+        if other is not None:
+            other.partners[:] = [p for p in other.partners if p.book() is not book]
+    book.partners.clear()
+
+
+def _check(book: Any) -> None:
+    live = [p for p in book.partners if p.book() is not None]
+    book.partners[:] = live
+    for partner in live:
+        other = partner.book()
+        pending = other.fresh and partner.shape is not None
+        if pending or (other.stepped and (partner.masters or partner.scaler)):
+            raise MisuseError(_message(partner, pending))
+    book.stepped = True
+
+
+def _message(partner: Partner, pending: bool) -> str:
+    what = (
+        "this LossScaleOptimizer and another live one share their loss scaler"
+        if partner.shape is None
+        else f"a {partner.shape} weight (and maybe others) is stepped by this "
+        "LossScaleOptimizer and by another live one"
+    )
+    why = []
+    if pending:
+        why.append(
+            "the other's backward is pending over the same gradients, which each "
+            "step unscales in place (the second divides them again)"
+        )
+    if partner.masters:
+        why.append(
+            "each keeps its own float32 master of a shared 16-bit weight, so one's "
+            "small updates are lost to the other's rounding"
+        )
+    if partner.scaler:
+        why.append("both update one scaler, so one unscales by a scale the other changed")
+    return (
+        f"{what}: {'; '.join(why)}. Step shared weights with one wrapper: one torch optimizer "
+        "with a param group per part (trunk, heads; their own learning rates) and one "
+        "backward of the summed losses, opt.backward(loss_a + loss_b); several torch "
+        "optimizers over disjoint parameters: mp.LossScaleOptimizer([opt_a, opt_b]); a "
+        "scaler of its own for each wrapper (copy.deepcopy(scaler) to start from its scale)"
+    )
+
+
+# Runs eagerly under torch.compile(opt.step), and only where a partner was noted.
+_check_eagerly = torch._disable_dynamo(_check)  # type: ignore[attr-defined]
+
+
+def check_partners(book: Any) -> None:
+    """At ``step()``, before the unscale: refuse while a partner is in use (see above)."""
+    if book.partners:
+        _check_eagerly(book)

@@ -1,0 +1,125 @@
+"""Two live LossScaleOptimizers over the same weights or the same dynamic scaler
+(``mixprec.optim.sharing``): refused at the step that would go wrong, before its unscale;
+a wrapper that is no longer stepped, and sequential steps over shared float32 weights, are
+left alone."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec as mp
+
+
+def _trunk_and_heads(policy: str | None, level: str) -> tuple[nn.Module, ...]:
+    """A trunk and two heads, prepared (``policy`` None: float32, as they are)."""
+    torch.manual_seed(0)
+    models = (nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU()), nn.Linear(16, 4),
+              nn.Linear(16, 1))  # fmt: skip
+    if policy is None:
+        return models
+    return tuple(mp.auto_mixed_precision(m, policy, level) for m in models)
+
+
+def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+
+
+def test_both_backwards_before_both_steps_over_a_shared_trunk_is_refused():
+    """The torch.amp order with a wrapper per loss: the second step divided the shared
+    gradients again (a float32 LayerNorm moved half as far as in float32)."""
+    trunk, actor, critic = _trunk_and_heads("mixed_float16", "O1")
+    a = mp.LossScaleOptimizer(torch.optim.SGD([*trunk.parameters(), *actor.parameters()], 0.1))
+    c = mp.LossScaleOptimizer(torch.optim.SGD([*trunk.parameters(), *critic.parameters()], 0.1))
+    x, y = _batch(1)
+    a.backward(F.cross_entropy(actor(trunk(x)), y))
+    c.backward(critic(trunk(x)).pow(2).mean())
+    with pytest.raises(mp.MisuseError, match=r"stepped by this LossScaleOptimizer and by "
+                       r"another live one: the other's backward is pending .* opt.backward\("
+                       r"loss_a \+ loss_b\)"):  # fmt: skip
+        a.step()
+
+
+def test_a_shared_16_bit_weight_is_refused_even_stepped_in_turn():
+    """Each wrapper kept its own master of the shared bfloat16 weight, and one's updates
+    were lost to the other's rounding (the weight moved by one optimizer's updates alone)."""
+    trunk, actor, critic = _trunk_and_heads("mixed_bfloat16", "O2")
+    a = mp.LossScaleOptimizer(torch.optim.SGD([*trunk.parameters(), *actor.parameters()], 0.1))
+    c = mp.LossScaleOptimizer(torch.optim.SGD([*trunk.parameters(), *critic.parameters()], 0.1))
+    x, y = _batch(1)
+    a.backward(F.cross_entropy(actor(trunk(x)), y))
+    assert a.step().applied
+    c.zero_grad()
+    c.backward(critic(trunk(x)).pow(2).mean())
+    with pytest.raises(mp.MisuseError, match=r"each keeps its own float32 master"):
+        c.step()
+
+
+def test_shared_float32_weights_stepped_in_turn_train_as_in_float32():
+    """Backward and step of one wrapper, then of the other: each unscales gradients only
+    it produced, as two torch optimizers over one float32 parameter do."""
+
+    def run(mixed: bool) -> list[torch.Tensor]:
+        trunk, actor, critic = _trunk_and_heads("mixed_bfloat16" if mixed else None, "O1")
+        wrap = mp.LossScaleOptimizer if mixed else (lambda o: o)
+        a = wrap(torch.optim.SGD([*trunk.parameters(), *actor.parameters()], 0.1))
+        c = wrap(torch.optim.SGD([*trunk.parameters(), *critic.parameters()], 0.05))
+        for seed in range(4):
+            x, y = _batch(seed)
+            losses = (
+                (a, lambda x=x, y=y: F.cross_entropy(actor(trunk(x)), y)),
+                (c, lambda x=x: critic(trunk(x)).pow(2).mean()),
+            )
+            for opt, loss in losses:
+                opt.zero_grad()
+                if mixed:
+                    opt.backward(loss())
+                else:
+                    loss().backward()
+                opt.step()
+        return [p.detach().clone() for p in trunk.parameters()]
+
+    for got, want in zip(run(True), run(False), strict=True):
+        assert torch.allclose(got, want, atol=2e-2), (got - want).abs().max()
+
+
+def test_one_dynamic_scaler_in_two_wrappers_is_refused_and_a_static_one_is_not():
+    """torch.amp's one GradScaler for several optimizers: the second wrapper unscaled by a
+    scale the first had just halved."""
+    for scaler, refused in ((mp.DynamicLossScaler(), True), (mp.StaticLossScaler(128), False)):
+        g, d = _trunk_and_heads("mixed_float16", "O2")[1:]
+        opt_g = mp.LossScaleOptimizer(torch.optim.SGD(g.parameters(), 0.1), loss_scaler=scaler)
+        opt_d = mp.LossScaleOptimizer(torch.optim.SGD(d.parameters(), 0.1), loss_scaler=scaler)
+        h = torch.randn(4, 16)
+        opt_g.backward(g(h).sum())
+        opt_g.step()
+        opt_d.backward(d(h).sum())
+        if refused:
+            with pytest.raises(mp.MisuseError, match=r"share their loss scaler"):
+                opt_d.step()
+        else:
+            assert opt_d.step().applied
+
+
+def test_a_wrapper_no_longer_stepped_is_no_partner_and_copies_share_nothing():
+    """A second phase's wrapper over the same weights, the first still referenced (a
+    notebook, a scheduler), steps freely; so do pickled and deep-copied wrappers."""
+    trunk = _trunk_and_heads("mixed_bfloat16", "O2")[0]
+    first = mp.LossScaleOptimizer(torch.optim.SGD(trunk.parameters(), 0.1))
+    x = torch.randn(4, 8)
+    first.backward(trunk(x).sum())
+    first.step()
+    second = mp.LossScaleOptimizer(torch.optim.AdamW(trunk.parameters(), 1e-3))
+    for _ in range(3):
+        second.zero_grad()
+        second.backward(trunk(x).sum())
+        assert second.step().applied
+    assert first.step is not None  # still referenced
+    assert second._book.partners and not pickle.loads(pickle.dumps(second))._book.partners
+    assert not copy.deepcopy(second)._book.partners
