@@ -288,6 +288,47 @@ def test_accuracy_leaves_out_the_labels_the_loss_leaves_out():
     assert got == pytest.approx(expected.item(), abs=1e-6)
 
 
+@pytest.mark.parametrize("batch_size", [4, 8])
+def test_padded_batches_are_weighted_by_the_labels_they_keep(batch_size):
+    """Each batch's mean is over its kept labels, and the epoch's and an evaluation's means
+    weighted batches by rows: 0.083 at batch 4 and 0.143 at batch 8 for the same model,
+    fit's history too. Now both give the token-level figures computed by hand."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 8, (8, 6), generator=g)
+    y = (x + 1) % 8
+    y[:4, 1:] = -100  # the first 4 rows: one real label each
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(8, 16), nn.Linear(16, 8))
+    trainer = mp.Trainer(model, mp.cross_entropy, torch.optim.SGD(model.parameters(), lr=0.0),
+                         policy="float32", device="cpu", metrics=["accuracy"])  # fmt: skip
+    with torch.no_grad():
+        out = model(x)
+    kept = y != -100
+    hits = ((out.argmax(-1) == y) & kept).sum() / kept.sum()
+    loss = F.cross_entropy(out.reshape(-1, 8), y.reshape(-1))
+    got = trainer.evaluate(x, y, batch_size=batch_size)
+    assert got["accuracy"] == pytest.approx(hits.item(), abs=1e-6)
+    assert got["loss"] == pytest.approx(loss.item(), abs=1e-5)
+    history = trainer.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    assert history.history["accuracy"][0] == pytest.approx(hits.item(), abs=1e-6)
+
+
+def test_accuracy_under_torchs_cross_entropy_reads_classes_on_dim_1():
+    """A Conv1d tagger's (N, C, L) outputs under F.cross_entropy: the argmax over the last
+    dim compared positions with labels (0.19 for 0.15 where C = L, unsaid; a raw shape
+    error where C != L)."""
+    g = torch.Generator().manual_seed(2)
+    for classes, length in ((6, 6), (5, 7)):
+        x = torch.randn(16, 3, length, generator=g)
+        y = torch.randint(0, classes, (16, length), generator=g)
+        model = nn.Conv1d(3, classes, 1)
+        trainer = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters()),
+                             policy="float32", device="cpu", metrics=["accuracy"])  # fmt: skip
+        with torch.no_grad():
+            expected = (model(x).argmax(1) == y).float().mean().item()
+        assert trainer.evaluate(x, y, batch_size=16)["accuracy"] == pytest.approx(expected)
+
+
 def test_accuracy_of_probability_targets_under_cross_entropy_compares_argmaxes():
     """One-hot (or mixup) targets with cross-entropy: accuracy compared them class by
     class as a one-logit output (0.491 for an untrained model whose true accuracy was

@@ -15,6 +15,7 @@ from mixprec import distributed
 from mixprec._calling import call
 from mixprec.train import batches
 from mixprec.train.batches import to_device
+from mixprec.train.metrics import class_dim, counted
 from mixprec.train.step import model_output
 
 if TYPE_CHECKING:
@@ -39,12 +40,14 @@ def count_classes(trainer: Trainer, inputs: torch.Tensor) -> int:
     """One sample in eval mode tells the number of classes (train mode would update
     BatchNorm statistics and reject a batch of one)."""
     with torch.no_grad(), eval_mode(trainer.model):
-        return int(model_output(call(trainer.model, to_device(inputs, trainer.device))).shape[-1])
+        output = model_output(call(trainer.model, to_device(inputs, trainer.device)))
+    return int(output.shape[class_dim(trainer.loss_fn, output)])
 
 
 def evaluate(trainer: Trainer, x: Any, y: Any, batch_size: int) -> dict[str, float]:
     """Mean loss and metrics over ``(x, y)`` or an iterable of batches (checked already),
-    weighted by each batch's samples; under torchrun over every rank's share."""
+    weighted by each batch's samples (its kept labels, under a cross-entropy:
+    ``metrics.counted``); under torchrun over every rank's share."""
     x, y = batches.rank_share(x, y)  # under torchrun each rank evaluates its share
     epoch_batches, _, _ = batches.epoch_batches(
         x, y, batch_size, shuffle=False, split=False, device=trainer.device
@@ -57,7 +60,9 @@ def evaluate(trainer: Trainer, x: Any, y: Any, batch_size: int) -> dict[str, flo
             if batches.is_empty(yb):  # its mean loss is NaN: no samples to count
                 continue
             output = model_output(call(trainer.model, xb)).float()
-            size = len(yb)
+            size = counted(trainer.loss_fn, yb)  # labels kept, under a cross-entropy
+            if size == 0:  # padding alone: its mean loss is NaN
+                continue
             sums["loss"] += float(trainer.loss_fn(output, yb)) * size
             for name, fn in trainer.metrics.items():
                 sums[name] += float(fn(output, yb)) * size

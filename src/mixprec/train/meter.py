@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,8 +25,12 @@ __all__ = ["EpochMeter"]
 class EpochMeter:
     """The sums behind an epoch's logs: loss, metrics, samples, skipped steps, step times."""
 
-    def __init__(self, metrics: dict[str, Metric]) -> None:
+    def __init__(
+        self, metrics: dict[str, Metric], weigh: Callable[[torch.Tensor], int] = len
+    ) -> None:
         self.metrics = metrics
+        # A step's weight in the means: its samples, or its kept labels (metrics.counted).
+        self.weigh = weigh
         self.loss_sum, self.samples, self.skipped = 0.0, 0, 0
         self.counted = 0  # samples in the means: those of steps with a finite loss
         # Metric sums stay device tensors: reading them per batch would add host syncs to
@@ -45,11 +50,11 @@ class EpochMeter:
         output: torch.Tensor | None,
         targets: torch.Tensor,
     ) -> None:
-        """Count one step: its loss and metrics weighted by its samples, and its time
-        (with accumulation, an optimizer step's is the time of its group's micro-steps)."""
-        size = len(targets)
+        """Count one step: its loss and metrics weighted by its samples (``weigh``), and
+        its time (with accumulation, an optimizer step's is the time of its group's
+        micro-steps)."""
         self.synced = None
-        self.samples += size
+        self.samples += len(targets)
         self.group_time += elapsed  # a step's time is its group's micro-steps' together
         if not result.accumulating:
             self.times.append(self.group_time)
@@ -59,6 +64,7 @@ class EpochMeter:
             # A forward that overflowed in 16 bits: its step was skipped (skipped_steps),
             # and its NaN would make the epoch's loss (and what monitors it) NaN.
             return
+        size = self.weigh(targets)
         self.loss_sum += loss * size
         self.counted += size
         if output is not None:

@@ -31,19 +31,21 @@ def accuracy(
     target: torch.Tensor,
     ignore_index: int = IGNORE_INDEX,
     categorical: bool = False,
+    class_dim: int = -1,
 ) -> torch.Tensor:
-    """Mean of correct predictions: argmax over two or more classes, leaving out labels of
-    ``ignore_index`` (cross-entropy's padding, -100 unless the loss says otherwise); logit
-    > 0 for one output (``(N,)`` or ``(N, 1)``) and for each of several (multi-label).
-    ``categorical`` (the Trainer's, under a cross-entropy loss): targets shaped as the
-    output are class probabilities (one-hot, mixup), compared by their argmax as Keras'
-    categorical accuracy does, not class by class."""
+    """Mean of correct predictions: argmax over two or more classes (on ``class_dim``: 1
+    for torch's cross-entropy, whose outputs are ``(N, C, d1, ...)``), leaving out labels
+    of ``ignore_index`` (cross-entropy's padding, -100 unless the loss says otherwise);
+    logit > 0 for one output (``(N,)`` or ``(N, 1)``) and for each of several
+    (multi-label). ``categorical`` (the Trainer's, under a cross-entropy loss): targets
+    shaped as the output are class probabilities (one-hot, mixup), compared by their
+    argmax as Keras' categorical accuracy does, not class by class."""
     if categorical and output.shape == target.shape and output.shape[-1] > 1:
         dim = 1 if output.dim() > 2 else -1  # torch's class dimension, (N, C, d1, ...)
         return (output.argmax(dim=dim) == target.argmax(dim=dim)).float().mean()
-    if output.dim() == target.dim() + 1 and output.shape[-1] > 1:
+    if output.dim() == target.dim() + 1 and output.shape[class_dim] > 1:
         kept = target != ignore_index
-        hits = (output.argmax(dim=-1) == target) & kept
+        hits = (output.argmax(dim=class_dim) == target) & kept
         # A batch of padding alone counts 0 (its loss is NaN, and left out of the means).
         return hits.sum().float() / kept.sum().clamp(min=1)
     output, target = same_shape(output, target, "metric 'accuracy'")
@@ -151,7 +153,10 @@ def get_metrics(
         named[name] = fn
     ignore = None if loss_fn is None else ignore_index_of(loss_fn)
     if ignore is not None:
-        as_loss = functools.partial(accuracy, ignore_index=ignore, categorical=True)
+        # torch's cross-entropy reads classes on dim 1 of (N, C, L) outputs: the argmax over
+        # the last dim compared positions with labels (0.19 for 0.15, unsaid, where C = L).
+        dim = 1 if loss_fn is not None and _classes_on_dim_1(loss_fn) else -1
+        as_loss = functools.partial(accuracy, ignore_index=ignore, categorical=True, class_dim=dim)
         named = {k: as_loss if fn is accuracy else fn for k, fn in named.items()}
     return named
 
@@ -168,6 +173,30 @@ def ignore_index_of(loss_fn: LossFn) -> int | None:
     if func is F.cross_entropy or func is cross_entropy:
         return int(keywords.get("ignore_index", IGNORE_INDEX))
     return None
+
+
+def _classes_on_dim_1(loss_fn: LossFn) -> bool:
+    """torch's cross-entropy (``F.cross_entropy``, ``nn.CrossEntropyLoss``), whose class
+    dimension is 1; ``mp.cross_entropy`` takes it last."""
+    func = loss_fn.func if isinstance(loss_fn, functools.partial) else loss_fn
+    return func is F.cross_entropy or isinstance(func, nn.CrossEntropyLoss)
+
+
+def class_dim(loss_fn: LossFn, output: torch.Tensor) -> int:
+    """The dimension of ``output`` that holds the classes under ``loss_fn``."""
+    return 1 if output.dim() > 2 and _classes_on_dim_1(loss_fn) else -1
+
+
+def counted(loss_fn: LossFn, targets: torch.Tensor) -> int:
+    """How many items a batch's mean loss and metrics average over, to weight it by in an
+    epoch's or an evaluation's means: its rows, or under a cross-entropy loss with class
+    labels, the labels it keeps (not ``ignore_index``). Weighted by rows, padded
+    sequences' means depended on the batch size (accuracy 0.083 at batch 4 and 0.143 at
+    batch 8 for the same model). One host read under such a loss."""
+    ignore = ignore_index_of(loss_fn)
+    if ignore is None or targets.is_floating_point() or targets.dim() == 0:
+        return len(targets)
+    return int((targets != ignore).sum())
 
 
 def get_loss(loss: str | LossFn) -> LossFn:

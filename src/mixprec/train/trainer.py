@@ -33,7 +33,14 @@ from mixprec.train import batches, evaluation, resume
 from mixprec.train.batches import Batch
 from mixprec.train.callbacks import Callback, CallbackList, History, Logs, ProgressBar
 from mixprec.train.meter import EpochMeter
-from mixprec.train.metrics import LossFn, Metric, get_loss, get_metrics, say_if_probabilities
+from mixprec.train.metrics import (
+    LossFn,
+    Metric,
+    counted,
+    get_loss,
+    get_metrics,
+    say_if_probabilities,
+)
 from mixprec.train.step import build_train_step
 from mixprec.train.warn import warn
 
@@ -265,7 +272,7 @@ class Trainer:
     ) -> Logs:
         self.model.train()
         self._epoch, self._step_in_epoch, self._epoch_done = epoch, first_step, False
-        meter = self._meter = EpochMeter(self.metrics)
+        meter = self._meter = EpochMeter(self.metrics, functools.partial(counted, self.loss_fn))
         if sums is not None:  # a resumed epoch: its logs cover the batches before too
             meter.load_state_dict(sums)
         # With accumulation, the epoch's last batch applies the group it ends (read ahead).
