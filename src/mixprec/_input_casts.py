@@ -9,7 +9,8 @@ The cast did three things without a word:
 - a finite value past float16's range (an additive mask of -1e9) became -inf, and a fully
   masked row gave NaN;
 - a float tensor the model writes into (a preallocated cache) was written in its 16-bit
-  copy, and the caller's stayed as it was.
+  copy, and the caller's stayed as it was; so were a dict's or list's entries the model
+  set (now passed as given, ``_cast_input``).
 
 ``labels`` (Hugging Face's name for the targets) and the names given as ``keep_inputs``
 pass as given. The model's first forwards look for the rest and say so, naming the input
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections import UserDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -98,14 +100,30 @@ def cast_inputs(
     names: frozenset[str],
     positional: list[str],
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``cast_floating`` of every input but those named (by keyword or position)."""
+    """``cast_floating`` of every input but those named (by keyword or position), and but
+    the members of mutable containers (``_cast_input``)."""
     kept = len(positional)
     args = tuple(
-        a if i < kept and positional[i] in names else cast_floating(a, dtype)
+        a if i < kept and positional[i] in names else _cast_input(a, dtype)
         for i, a in enumerate(args)
     )
-    kwargs = {k: v if k in names else cast_floating(v, dtype) for k, v in kwargs.items()}
+    kwargs = {k: v if k in names else _cast_input(v, dtype) for k, v in kwargs.items()}
     return args, kwargs
+
+
+def _cast_input(value: Any, dtype: torch.dtype) -> Any:
+    """A mutable container (list, dict, dataclass) passes as given, members and all: one
+    rebuilt with its tensors cast took the model's writes (a KV cache it filled, a state
+    it carried across batches) into a copy, unsaid, and the caller's stayed empty. The
+    model's autocast casts those tensors where its ops need them, as under O1. Tensors and
+    tuples (a ``PackedSequence``) are cast as before."""
+    if isinstance(value, (list, dict, UserDict)) or (
+        dataclasses.is_dataclass(value) and not isinstance(value, type)
+    ):
+        return value
+    if type(value) is tuple:
+        return tuple(_cast_input(v, dtype) for v in value)
+    return cast_floating(value, dtype)
 
 
 # Tensor, the copy the cast made of it, and the copy's version then.
@@ -124,6 +142,11 @@ class InputLook:
         self.looked = 0  # forwards that cast some input, looked at
         self.idle = 0  # forwards with nothing cast (Fabric cast them before the model)
         self.said: set[str] = set()
+        # Inputs found to hold only 0s and 1s (a float attention or padding mask): left as
+        # given from then on. The cast is exact, but counts taken over it inside the model
+        # are not: mask.sum() past 65504 is inf in float16 (a masked mean's loss 0, every
+        # step applied), and mask.cumsum() positions past 256 round in bfloat16.
+        self.kept: set[str] = set()
 
     def due(self) -> bool:
         """Whether this forward is one to look at (eager, autograd as usual)."""
@@ -168,16 +191,21 @@ class InputLook:
                 (torch.isfinite(given) & ~torch.isfinite(cast)).any(),  # made inf
                 (given == given.round()).all(),  # whole numbers
                 given.abs().amax(),
+                given.amin(),
                 (moved > 0).any(),  # changed
                 moved.mean(),
                 given.mean(),
                 given.std() if given.numel() > 1 else torch.zeros(()),
             ]
             stats = torch.stack([f.float() for f in flags]).tolist()
-            made_inf, whole, top, changed, error, mean, spread = stats
-            # A timestep or a position (one number a sample, or a 1-D ramp) past the exact
-            # integers; not an activation (audio, a 12-bit image), rounded as any other.
-            rounded = whole and changed and given.dim() <= 1 and top > 2 / torch.finfo(dtype).eps
+            made_inf, whole, top, low, changed, error, mean, spread = stats
+            top_name = path.split("[")[0].split(".")[0]
+            if whole and low == 0 and top == 1 and top_name != "args":
+                self.kept.add(top_name)  # 0s and 1s, both: a mask, as given (see __init__)
+            # A timestep or a position (one number a sample, a 1-D ramp, or a batch of
+            # them, (batch, time)) past the exact integers; not an image, rounded as any
+            # other activation.
+            rounded = whole and changed and given.dim() <= 2 and top > 2 / torch.finfo(dtype).eps
             if rounded:  # nor a mask (0 and one large value), whose rounding is harmless
                 distinct = torch.unique(given)
                 rounded = not (distinct.numel() <= 2 and bool((distinct == 0).any()))

@@ -167,12 +167,18 @@ class _RegionForward:
         """The model's inputs cast but those its region keeps, and the copies to watch for
         writes in its first forwards (eager, 16-bit: ``InputLook``), for ``after_forward``.
         Fabric's ``convert_input``, which casts before the model, calls it too."""
-        compute, names = self.region.compute_dtype, self.region.keep_inputs or frozenset()
+        compute, look = self.region.compute_dtype, self._look
+        names = self.region.keep_inputs or frozenset()
+        if look is not None and look.kept:  # 0/1 masks the first forwards found
+            names = names | look.kept
         cast = cast_inputs(args, kwargs, compute, names, self._positional)
-        look, watched = self._look, None
+        watched = None
         eager = not torch.compiler.is_compiling()
         if eager and look is not None and compute != torch.float32 and look.due():
+            before = len(look.kept)
             watched = look.before((args, kwargs), cast, self._positional, compute)
+            if len(look.kept) > before:  # a 0/1 mask: as given from this forward on
+                cast = cast_inputs(args, kwargs, compute, names | look.kept, self._positional)
         return cast[0], cast[1], watched
 
     def after_forward(self, watched: list[Any] | None) -> None:
