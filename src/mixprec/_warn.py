@@ -31,8 +31,14 @@ _MODULE_CALL = os.path.realpath(torch.nn.modules.module.__file__)
 #: (Its folder by path: importing dynamo costs most of a second, so it is not imported here.)
 _TORCH = os.path.dirname(os.path.realpath(torch.__file__))
 _DYNAMO = os.path.join(_TORCH, "_dynamo") + os.sep
-#: torch's module call, and the wrapper of a function run eagerly (torch._disable_dynamo).
-_TORCH_CALLS = {_MODULE_CALL, os.path.join(_TORCH, "_compile.py")}
+#: torch's module call, the wrapper of a function run eagerly (torch._disable_dynamo), and
+#: the wrappers of an optimizer's step (its hooks; a learning-rate scheduler's count).
+_TORCH_CALLS = {
+    _MODULE_CALL,
+    os.path.join(_TORCH, "_compile.py"),
+    os.path.join(_TORCH, "optim", "optimizer.py"),
+    os.path.join(_TORCH, "optim", "lr_scheduler.py"),
+}
 
 
 def _in_package(filename: str) -> bool:

@@ -40,6 +40,7 @@ from mixprec.optim.fused import _fuse, _unfuse_sparse, needs_scaling, step_inner
 from mixprec.optim.groups import ParamGroups
 from mixprec.optim.host_step import host_step
 from mixprec.optim.keras_api import KerasMethods, keras_scaler
+from mixprec.optim.lr_watch import note_rates_at_skip, say_if_rates_moved
 from mixprec.optim.masters import MasterWeights, warn_if_eps_vanishes
 from mixprec.optim.replicas import masters_of_rank0_if_replicas, state_of_rank
 from mixprec.optim.sharing import Partner, check_partners, note_partners
@@ -110,6 +111,8 @@ class _Bookkeeping:
     partners: list[Partner] = field(default_factory=list)
     stepped: bool = False
     coordinated: bool = False  # sharing made right by its builder (sharing.coordinated)
+    rates_at_skip: list[Any] | None = None  # learning rates after a skip (lr_watch)
+    said_rates: bool = False
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "partners": [], "stepped": False}
@@ -321,6 +324,8 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             raise no_backward_error(self._weights.model_params())
         check_micro_batches(self._book, self.accumulation_steps, self.drop_gradients)
         check_partners(self._book)
+        if self._book.rates_at_skip is not None:
+            say_if_rates_moved(self._book, self.optimizers)
         self._book.fresh = False
         if self._book.micro < self.accumulation_steps:
             return StepResult(False, False, self._loss_scaler.get_scale(), accumulating=True)
@@ -340,6 +345,8 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             self._drop_unscaled()
             raise
         after_step(self.health, result, self._loss_scaler, self._weights)
+        if result.found_inf is True:  # a skip decided on the host
+            note_rates_at_skip(self._book, self.optimizers)
         return result
 
     def _finish(self) -> StepResult:

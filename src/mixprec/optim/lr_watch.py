@@ -1,0 +1,54 @@
+"""A learning-rate schedule that moved over a skipped step.
+
+torch's habit is ``optimizer.step(); scheduler.step()`` every batch. Over a
+``LossScaleOptimizer`` a skipped step (inf/NaN gradients: the first steps of float16
+training while the scale settles from 65536) then advances the schedule all the same: a
+warmup's first applied update ran at 4.0e-4, its ninth value, not 5.0e-5. torch's
+GradScaler leaves its own trace (its skipped step never calls ``optimizer.step``, so
+torch warns at the scheduler's first step); here nothing was said.
+
+After a skip decided on the host, the learning rates are noted; at the next ``step()`` a
+change is said, once. Schedules that step only on applied steps (``if opt.step():
+scheduler.step()``, the Trainer's, the Hugging Face and Lightning integrations') change
+nothing over a skip. A rate set by hand right after a skipped step is said too; the
+message says how to tell. Costs nothing but after a skip.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mixprec._warn import warn_at_caller
+
+__all__ = ["note_rates_at_skip", "say_if_rates_moved"]
+
+
+def _rates(optimizers: list[torch.optim.Optimizer]) -> list[Any] | None:
+    rates = [group.get("lr") for inner in optimizers for group in inner.param_groups]
+    # A tensor rate (capturable, compiled steps) is left alone: reading it is a host sync.
+    return rates if all(isinstance(r, float | int) for r in rates) else None
+
+
+def note_rates_at_skip(book: Any, optimizers: list[torch.optim.Optimizer]) -> None:
+    if not book.said_rates:
+        book.rates_at_skip = _rates(optimizers)
+
+
+def say_if_rates_moved(book: Any, optimizers: list[torch.optim.Optimizer]) -> None:
+    """At the ``step()`` after a skipped one: say, once, if the learning rates changed."""
+    before, book.rates_at_skip = book.rates_at_skip, None
+    now = _rates(optimizers)
+    if before is None or now is None or now == before or book.said_rates:
+        return
+    book.said_rates = True
+    changed = next(i for i, (a, b) in enumerate(zip(before, now, strict=False)) if a != b)
+    warn_at_caller(
+        f"the learning rate changed after a skipped step (param group {changed}: "
+        f"{before[changed]:.3g} -> {now[changed]:.3g}): a scheduler stepped every batch "
+        "advances over steps that applied nothing (inf/NaN gradients; the first steps of "
+        "float16 training skip while the loss scale settles), so a warmup runs ahead of "
+        "the updates. Step it only when the step was applied: if opt.step(): "
+        "scheduler.step() (a rate you set by hand: nothing to do)"
+    )

@@ -1,0 +1,49 @@
+"""A learning-rate schedule that moved over a skipped step (``mixprec.optim.lr_watch``):
+said once, at the caller's step; a schedule stepped on applied steps alone is not."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mixprec as mp
+
+
+def _run(conditional: bool) -> tuple[list[float], list[warnings.WarningMessage]]:
+    """A warmup over float16 steps whose first 3 overflow; the learning rates applied."""
+    torch.manual_seed(0)
+    model = mp.auto_mixed_precision(torch.nn.Linear(4, 4), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    applied_at = []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for i in range(6):
+            gain = 1e6 if i < 3 else 1.0  # past float16 at the first steps' scale
+            opt.zero_grad()
+            opt.backward(F.mse_loss(model(torch.randn(2, 4)) * gain, torch.zeros(2, 4)))
+            lr = opt.param_groups[0]["lr"]
+            result = opt.step()
+            if result:
+                applied_at.append(lr)
+            if result or not conditional:
+                sched.step()
+    return applied_at, [w for w in seen if "learning rate changed" in str(w.message)]
+
+
+def test_a_scheduler_stepped_over_skipped_steps_is_said_once_at_the_callers_line():
+    """The first applied update ran at the warmup's 4th value (float32: its 1st), unsaid:
+    torch's GradScaler leaves torch's own warning, the wrapper left none."""
+    applied_at, said = _run(conditional=False)
+    assert applied_at[0] == pytest.approx(0.04)
+    assert len(said) == 1 and said[0].filename == __file__
+    assert "0.01 -> 0.02" in str(said[0].message)
+    assert "if opt.step(): scheduler.step()" in str(said[0].message)
+
+
+def test_a_scheduler_stepped_on_applied_steps_alone_is_not_said():
+    applied_at, said = _run(conditional=True)
+    assert applied_at[0] == pytest.approx(0.01) and not said
