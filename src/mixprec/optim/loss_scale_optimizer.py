@@ -44,6 +44,7 @@ from mixprec.optim.lr_watch import note_rates_at_skip, say_if_rates_moved
 from mixprec.optim.masters import MasterWeights, warn_if_eps_vanishes
 from mixprec.optim.replicas import masters_of_rank0_if_replicas, state_of_rank
 from mixprec.optim.sharing import Partner, check_partners, note_partners
+from mixprec.optim.stall import StallWatch
 from mixprec.optim.state_dict import StateDictMethods
 from mixprec.optim.state_view import InnerViews, StepHooks
 from mixprec.optim.step_result import StepResult
@@ -113,6 +114,7 @@ class _Bookkeeping:
     coordinated: bool = False  # sharing made right by its builder (sharing.coordinated)
     rates_at_skip: list[Any] | None = None  # learning rates after a skip (lr_watch)
     said_rates: bool = False
+    stall: StallWatch = field(default_factory=lambda: StallWatch([]))  # O3's weights
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "partners": [], "stepped": False}
@@ -209,6 +211,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         for inner in self.optimizers:  # its own step() refused while this wrapper lives
             watch_wrapped(inner, self._book, self.zero_grad)
         note_partners(self._book, self._weights.half, self._weights.plain, self._loss_scaler)
+        self._book.stall = StallWatch(self._weights.plain)  # 16-bit ones, stepped in place
         self._decide_host_path()
         self.health: ScalerHealth | None = ScalerHealth()
         self._tracer = make_tracer(trace_overflow, model_params)
@@ -347,6 +350,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         after_step(self.health, result, self._loss_scaler, self._weights)
         if result.found_inf is True:  # a skip decided on the host
             note_rates_at_skip(self._book, self.optimizers)
+        self._book.stall.after_step(result.applied)
         return result
 
     def _finish(self) -> StepResult:
