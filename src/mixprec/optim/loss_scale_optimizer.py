@@ -120,6 +120,16 @@ class _Bookkeeping:
         return {**self.__dict__, "partners": [], "stepped": False}
 
 
+def _looks_after_step(
+    book: _Bookkeeping, optimizers: list[torch.optim.Optimizer], result: StepResult
+) -> None:
+    """The learning rates after a skip decided on the host (``lr_watch``), and whether
+    the weights stepped in place still move (``stall``)."""
+    if result.found_inf is True:
+        note_rates_at_skip(book, optimizers)
+    book.stall.after_step(result.applied)
+
+
 def _params_of(inner: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in inner.param_groups for p in group["params"]]
 
@@ -327,8 +337,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             raise no_backward_error(self._weights.model_params())
         check_micro_batches(self._book, self.accumulation_steps, self.drop_gradients)
         check_partners(self._book)
-        if self._book.rates_at_skip is not None:
-            say_if_rates_moved(self._book, self.optimizers)
+        say_if_rates_moved(self._book, self.optimizers)
         self._book.fresh = False
         if self._book.micro < self.accumulation_steps:
             return StepResult(False, False, self._loss_scaler.get_scale(), accumulating=True)
@@ -348,9 +357,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             self._drop_unscaled()
             raise
         after_step(self.health, result, self._loss_scaler, self._weights)
-        if result.found_inf is True:  # a skip decided on the host
-            note_rates_at_skip(self._book, self.optimizers)
-        self._book.stall.after_step(result.applied)
+        _looks_after_step(self._book, self.optimizers, result)
         return result
 
     def _finish(self) -> StepResult:

@@ -38,6 +38,8 @@ def note_rates_at_skip(book: Any, optimizers: list[torch.optim.Optimizer]) -> No
 
 def say_if_rates_moved(book: Any, optimizers: list[torch.optim.Optimizer]) -> None:
     """At the ``step()`` after a skipped one: say, once, if the learning rates changed."""
+    if book.rates_at_skip is None:
+        return
     before, book.rates_at_skip = book.rates_at_skip, None
     now = _rates(optimizers)
     if before is None or now is None or now == before or book.said_rates:
