@@ -47,3 +47,19 @@ def test_a_scheduler_stepped_over_skipped_steps_is_said_once_at_the_callers_line
 def test_a_scheduler_stepped_on_applied_steps_alone_is_not_said():
     applied_at, said = _run(conditional=True)
     assert applied_at[0] == pytest.approx(0.01) and not said
+
+
+def test_a_group_added_after_a_skip_is_no_change_to_say():
+    """An unfreezing (add_param_group) right after a skipped step: the next step raised
+    StopIteration from the comparison of the two lists of rates."""
+    model = mp.auto_mixed_precision(torch.nn.Linear(4, 4), "mixed_float16", "O2")
+    head = torch.nn.Linear(4, 1)
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.backward(F.mse_loss(model(torch.randn(2, 4)) * 1e6, torch.zeros(2, 4)))
+    assert not opt.step().applied
+    opt.add_param_group({"params": list(head.parameters()), "lr": 0.1})
+    opt.zero_grad()
+    opt.backward(head(model(torch.randn(2, 4))).sum())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert opt.step().applied

@@ -42,10 +42,13 @@ def say_if_rates_moved(book: Any, optimizers: list[torch.optim.Optimizer]) -> No
         return
     before, book.rates_at_skip = book.rates_at_skip, None
     now = _rates(optimizers)
-    if before is None or now is None or now == before or book.said_rates:
+    # Groups added since (an unfreezing) make the two incomparable: nothing said.
+    if before is None or now is None or len(now) != len(before) or now == before:
+        return
+    if book.said_rates:
         return
     book.said_rates = True
-    changed = next(i for i, (a, b) in enumerate(zip(before, now, strict=False)) if a != b)
+    changed = next(i for i, (a, b) in enumerate(zip(before, now, strict=True)) if a != b)
     warn_at_caller(
         f"the learning rate changed after a skipped step (param group {changed}: "
         f"{before[changed]:.3g} -> {now[changed]:.3g}): a scheduler stepped every batch "
