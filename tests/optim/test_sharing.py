@@ -89,22 +89,52 @@ def test_shared_float32_weights_stepped_in_turn_train_as_in_float32():
         assert torch.allclose(got, want, atol=2e-2), (got - want).abs().max()
 
 
-def test_one_dynamic_scaler_in_two_wrappers_is_refused_and_a_static_one_is_not():
-    """torch.amp's one GradScaler for several optimizers: the second wrapper unscaled by a
-    scale the first had just halved."""
-    for scaler, refused in ((mp.DynamicLossScaler(), True), (mp.StaticLossScaler(128), False)):
-        g, d = _trunk_and_heads("mixed_float16", "O2")[1:]
-        opt_g = mp.LossScaleOptimizer(torch.optim.SGD(g.parameters(), 0.1), loss_scaler=scaler)
-        opt_d = mp.LossScaleOptimizer(torch.optim.SGD(d.parameters(), 0.1), loss_scaler=scaler)
-        h = torch.randn(4, 16)
-        opt_g.backward(g(h).sum())
-        opt_g.step()
-        opt_d.backward(d(h).sum())
-        if refused:
-            with pytest.raises(mp.MisuseError, match=r"share their loss scaler"):
-                opt_d.step()
+def _gan(scaler_g, scaler_d, turns: bool) -> list[torch.Tensor]:
+    """Two wrappers over disjoint models, D's first batch past float16 (its step skipped,
+    the scale halved); in turns (backward and step of one, then of the other), or with
+    both backwards before both steps (torch.amp's order)."""
+    g, d = _trunk_and_heads("mixed_float16", "O2")[1:]
+    opt_g = mp.LossScaleOptimizer(torch.optim.SGD(g.parameters(), 0.1), loss_scaler=scaler_g)
+    opt_d = mp.LossScaleOptimizer(torch.optim.SGD(d.parameters(), 0.1), loss_scaler=scaler_d)
+    for i in range(3):
+        h = torch.randn(4, 16, generator=torch.Generator().manual_seed(i))
+        gain = 1e9 if i == 0 else 1.0
+        if turns:
+            opt_d.zero_grad()
+            opt_d.backward(d(h).sum() * gain)
+            opt_d.step()
+            opt_g.zero_grad()
+            opt_g.backward(g(h).sum())
+            opt_g.step()
         else:
-            assert opt_d.step().applied
+            opt_d.zero_grad()
+            opt_g.zero_grad()
+            opt_d.backward(d(h).sum() * gain)
+            opt_g.backward(g(h).sum())
+            opt_d.step()
+            opt_g.step()
+    return [p.detach().clone() for p in (*g.parameters(), *d.parameters())]
+
+
+def test_one_dynamic_scaler_in_two_wrappers_in_turns_trains_as_two_scalers():
+    """A GAN's loop in turns with torch.amp's one scaler: D's overflow halves the scale
+    before G's backward, so G's step unscales by G's own scale. Not refused, and the
+    weights equal those of two scalers of their own."""
+    shared = mp.DynamicLossScaler(init_scale=1024.0)
+    apart = [mp.DynamicLossScaler(init_scale=1024.0) for _ in range(2)]
+    for a, b in zip(_gan(shared, shared, True), _gan(*apart, True), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_one_dynamic_scaler_moved_between_a_backward_and_its_step_is_refused():
+    """Both backwards, then D's step halves the shared scale: G's step would unscale its
+    gradients (scaled by 1024) by 512, an update 2x too large. A static scaler is fine."""
+    shared = mp.DynamicLossScaler(init_scale=1024.0)
+    with pytest.raises(mp.MisuseError, match=r"the other moved the shared scale since this "
+                       r"one's backward"):  # fmt: skip
+        _gan(shared, shared, False)
+    static = mp.StaticLossScaler(128.0)
+    assert len(_gan(static, static, False)) == 4
 
 
 def test_a_wrapper_no_longer_stepped_is_no_partner_and_copies_share_nothing():
@@ -120,6 +150,34 @@ def test_a_wrapper_no_longer_stepped_is_no_partner_and_copies_share_nothing():
         second.zero_grad()
         second.backward(trunk(x).sum())
         assert second.step().applied
-    assert first.step is not None  # still referenced
     assert second._book.partners and not pickle.loads(pickle.dumps(second))._book.partners
     assert not copy.deepcopy(second)._book.partners
+
+
+def test_a_wrapper_left_mid_group_is_no_partner():
+    """A first phase that ended between micro-batches leaves its backward pending for good:
+    the next phase's wrapper over the same weights was refused at its first step."""
+    trunk = _trunk_and_heads("mixed_float16", "O1")[0]
+    first = mp.LossScaleOptimizer(torch.optim.SGD(trunk.parameters(), 0.1), accumulation_steps=4)
+    x = torch.randn(4, 8)
+    for _ in range(2):  # the loop that steps every 4th batch, stopped after 2
+        first.backward(trunk(x).sum())
+    second = mp.LossScaleOptimizer(torch.optim.SGD(trunk.parameters(), 0.1))
+    second.zero_grad()
+    second.backward(trunk(x).sum())
+    second.step()  # not refused
+    assert first._book.fresh  # the first still holds its pending group
+
+
+def test_the_keras_api_and_a_third_wrapper_are_looked_at_too():
+    """apply_gradients skipped the look; and only the latest wrapper per weight was known,
+    so a first and a third stepping in turn went unsaid."""
+    trunk = _trunk_and_heads("mixed_bfloat16", "O2")[0]
+    params = list(trunk.parameters())
+    a, _b, c = (mp.LossScaleOptimizer(torch.optim.SGD(params, 0.1)) for _ in range(3))
+    x = torch.randn(4, 8)
+    grads = torch.autograd.grad(a.get_scaled_loss(trunk(x).sum()), params)
+    a.apply_gradients(zip(a.get_unscaled_gradients(grads), params, strict=True))
+    grads = torch.autograd.grad(c.get_scaled_loss(trunk(x).sum()), params)
+    with pytest.raises(mp.MisuseError, match=r"each keeps its own float32 master"):
+        c.apply_gradients(zip(c.get_unscaled_gradients(grads), params, strict=True))

@@ -32,6 +32,7 @@ from mixprec._errors import ArgumentError, MisuseError
 from mixprec._warn import caller_stacklevel, warn_at_caller
 from mixprec.casting import POLICY_ATTR
 from mixprec.optim.fused import needs_scaling
+from mixprec.optim.lr_watch import note_rates_at_skip
 from mixprec.optim.masters import MasterWeights, needs_master
 from mixprec.optim.norm_statistics import reset_nonfinite_statistics
 from mixprec.optim.step_result import DeviceFlag, StepResult
@@ -220,6 +221,16 @@ def after_step(
     watch_health(health, result, scaler)
     if averaged_copies.PENDING:  # an AveragedModel made since, still 16-bit
         _say_averaged_eagerly()  # compiled: one break and one recompile, once
+
+
+def looks_after_step(
+    book: Any, optimizers: list[torch.optim.Optimizer], result: StepResult
+) -> None:
+    """The learning rates after a skip decided on the host (``lr_watch``), and whether
+    the weights stepped in place still move (``stall``)."""
+    if result.found_inf is True:
+        note_rates_at_skip(book, optimizers)
+    book.stall.after_step(result.applied)
 
 
 def _observe(health: ScalerHealth, result: StepResult, scaler: LossScaler) -> None:

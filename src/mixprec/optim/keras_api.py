@@ -20,8 +20,9 @@ import torch
 from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec._warn import warn_at_caller
-from mixprec.optim.checks import SetupCheck, after_step
+from mixprec.optim.checks import SetupCheck, after_step, looks_after_step
 from mixprec.optim.masters import MasterWeights
+from mixprec.optim.sharing import check_partners
 from mixprec.optim.step_result import StepResult
 from mixprec.scaling import DynamicLossScaler, LossScaler, unscale_grads_
 from mixprec.scaling.health import ScalerHealth
@@ -42,6 +43,7 @@ class KerasMethods:
     _device: torch.device | None
     _setup: SetupCheck
     health: ScalerHealth | None
+    optimizers: list[torch.optim.Optimizer]
 
     if TYPE_CHECKING:
 
@@ -70,7 +72,10 @@ class KerasMethods:
         self._book.backwards += 1
         self._book.fresh = True
         self._book.scaled_loss = True
-        factor = self._loss_scaler.get_scale() / self.accumulation_steps
+        scale = self._loss_scaler.get_scale()
+        if self._book.partners:  # a scaler shared with another wrapper (optim.sharing)
+            self._book.backward_scale = float(scale)
+        factor = scale / self.accumulation_steps
         return loss * factor if factor != 1.0 else loss
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -126,6 +131,7 @@ class KerasMethods:
         if self._setup.due(self._weights):
             self._setup.run(self._weights, self._loss_scaler)
         pairs = list(grads_and_vars)
+        check_partners(self._book, self._loss_scaler)
         _say_if_still_scaled(self._book, self._loss_scaler.get_scale())
         self._adopt_added_groups()
         weights = self._weights
@@ -163,6 +169,7 @@ class KerasMethods:
             self._drop_unscaled()  # as step(): else the next backward would be refused
             raise
         after_step(self.health, result, self._loss_scaler, weights)
+        looks_after_step(self._book, self.optimizers, result)
         return result
 
 

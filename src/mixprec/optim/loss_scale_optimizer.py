@@ -29,6 +29,7 @@ from mixprec.optim.checks import (
     after_step,
     check_micro_batches,
     grad_versions,
+    looks_after_step,
     no_backward_error,
     no_gradients,
     say_if_half_grads_changed,
@@ -40,7 +41,7 @@ from mixprec.optim.fused import _fuse, _unfuse_sparse, needs_scaling, step_inner
 from mixprec.optim.groups import ParamGroups
 from mixprec.optim.host_step import host_step
 from mixprec.optim.keras_api import KerasMethods, keras_scaler
-from mixprec.optim.lr_watch import note_rates_at_skip, say_if_rates_moved
+from mixprec.optim.lr_watch import say_if_rates_moved
 from mixprec.optim.masters import MasterWeights, warn_if_eps_vanishes
 from mixprec.optim.replicas import masters_of_rank0_if_replicas, state_of_rank
 from mixprec.optim.sharing import Partner, check_partners, note_partners
@@ -112,22 +113,13 @@ class _Bookkeeping:
     partners: list[Partner] = field(default_factory=list)
     stepped: bool = False
     coordinated: bool = False  # sharing made right by its builder (sharing.coordinated)
+    backward_scale: float | None = None  # the scale of the last backward (sharing)
     rates_at_skip: list[Any] | None = None  # learning rates after a skip (lr_watch)
     said_rates: bool = False
     stall: StallWatch = field(default_factory=lambda: StallWatch([]))  # O3's weights
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "partners": [], "stepped": False}
-
-
-def _looks_after_step(
-    book: _Bookkeeping, optimizers: list[torch.optim.Optimizer], result: StepResult
-) -> None:
-    """The learning rates after a skip decided on the host (``lr_watch``), and whether
-    the weights stepped in place still move (``stall``)."""
-    if result.found_inf is True:
-        note_rates_at_skip(book, optimizers)
-    book.stall.after_step(result.applied)
 
 
 def _params_of(inner: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -336,7 +328,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         if not self._book.fresh:
             raise no_backward_error(self._weights.model_params())
         check_micro_batches(self._book, self.accumulation_steps, self.drop_gradients)
-        check_partners(self._book)
+        check_partners(self._book, self._loss_scaler)
         say_if_rates_moved(self._book, self.optimizers)
         self._book.fresh = False
         if self._book.micro < self.accumulation_steps:
@@ -357,7 +349,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             self._drop_unscaled()
             raise
         after_step(self.health, result, self._loss_scaler, self._weights)
-        _looks_after_step(self._book, self.optimizers, result)
+        looks_after_step(self._book, self.optimizers, result)
         return result
 
     def _finish(self) -> StepResult:

@@ -1,7 +1,7 @@
 """Two live ``LossScaleOptimizer`` wrappers over the same weights or the same loss scaler.
 
 torch lets two optimizers step one parameter (an actor-critic's shared trunk), and
-torch.amp's recipe shares one ``GradScaler`` among optimizers. Two wrappers cannot:
+torch.amp's recipe shares one ``GradScaler`` among optimizers. Two wrappers cannot always:
 
 - each keeps its own float32 master of a shared 16-bit weight, and whichever steps second
   resets the other's from its rounding: one optimizer's small updates were lost (the
@@ -9,15 +9,17 @@ torch.amp's recipe shares one ``GradScaler`` among optimizers. Two wrappers cann
 - each unscales the shared gradients in place: with both backwards before both steps (the
   torch.amp order), the second divides them again (a float32 LayerNorm moved half as far
   as in float32);
-- one scaler updated by both: the second unscales by a scale the first has just halved
-  (its step applied 2x too large), and growth counts twice.
+- one scaler updated by both in that order: the second unscales by a scale the first has
+  just halved (its step applied 2x too large).
 
-A wrapper built while another lives over the same weights or scaler notes it, both ways
-(not where their builder coordinates them: ``coordinated``, the Lightning plugin's).
-A step then refuses, before it unscales, once the other is in use: the other stepped since
-(shared masters or scaler), or has a backward pending over the shared gradients. A wrapper
-that is no longer stepped (rebuilt for a second phase, still referenced) is no partner. The
-look costs nothing without a partner.
+A wrapper built while others live over the same weights or scaler notes them, both ways
+(not where their builder coordinates them: ``coordinated``, the Lightning plugin's). A
+step then refuses, before it unscales, once another is in use: it stepped since (shared
+masters), it has a backward pending over the shared gradients, or it moved the shared
+scale since this wrapper's backward. Left alone: a wrapper no longer stepped (rebuilt for
+a second phase, still referenced; one left mid-group), float32 weights or one scaler
+shared by wrappers that step in turn (backward and step of one, then of the other), as in
+torch. The look costs nothing without a partner.
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ from mixprec.scaling import DynamicLossScaler
 
 __all__ = ["Partner", "check_partners", "coordinated", "note_partners"]
 
-# Each weight or scaler -> the bookkeeping of the latest live wrapper over it (by identity:
-# a tensor's == is elementwise).
-_OWNER = WeakIdKeyDictionary()
+# Each weight or scaler -> the bookkeeping of every wrapper built over it, weakly (by
+# identity: a tensor's == is elementwise).
+_OWNERS = WeakIdKeyDictionary()
 
 
 @dataclass
@@ -47,6 +49,9 @@ class Partner:
     shape: tuple[int, ...] | None  # a shared weight's, for the message; None: scaler only
     masters: bool  # a shared 16-bit weight with a master in each
     scaler: bool  # the same loss scaler object
+    # The other's backward passes pending when the pair was noted: a wrapper left with a
+    # backward it will never step (a phase that ended mid-group) is not in use.
+    stale: int = 0
 
 
 def note_partners(book: Any, half: list[torch.Tensor], plain: list[torch.Tensor],
@@ -57,24 +62,29 @@ def note_partners(book: Any, half: list[torch.Tensor], plain: list[torch.Tensor]
     # A scaler whose scale moves; a static or no-op one shared changes nothing.
     scalers = [scaler] if isinstance(scaler, DynamicLossScaler) else []
     groups: list[tuple[list[Any], bool]] = [(half, True), (plain, False), (scalers, False)]
+    mine = weakref.ref(book)
     for things, masters in groups:
         for thing in things:
-            ref = _OWNER.get(thing)
-            owner = ref() if ref is not None else None
-            if owner is not None and owner is not book and not owner.coordinated:
+            refs = [r for r in _OWNERS.get(thing, ()) if r() is not None]
+            for ref in refs:
+                owner = ref()
+                if owner is book or owner.coordinated:
+                    continue
                 is_scaler = thing is scaler
                 shape = None if is_scaler else tuple(thing.shape)
-                seen = found.setdefault(id(owner), Partner(ref, shape, False, False))  # type: ignore[arg-type]
+                seen = found.setdefault(id(owner), Partner(ref, shape, False, False))
                 seen.masters |= masters
                 seen.scaler |= is_scaler
                 seen.shape = seen.shape or shape
-            _OWNER[thing] = weakref.ref(book)
-    mine = weakref.ref(book)
+            _OWNERS[thing] = [*refs, mine]
     for partner in found.values():
         other: Any = partner.book()
         other.stepped = False  # in use from now on only if it steps again
+        partner.stale = other.backwards if other.fresh else 0
         book.partners.append(partner)
-        other.partners.append(Partner(mine, partner.shape, partner.masters, partner.scaler))
+        mirror = Partner(mine, partner.shape, partner.masters, partner.scaler)
+        mirror.stale = book.backwards if book.fresh else 0
+        other.partners.append(mirror)
 
 
 def coordinated(book: Any) -> None:
@@ -89,18 +99,22 @@ def coordinated(book: Any) -> None:
     book.partners.clear()
 
 
-def _check(book: Any) -> None:
+def _check(book: Any, scale: float | None) -> None:
     live = [p for p in book.partners if p.book() is not None]
     book.partners[:] = live
     for partner in live:
         other = partner.book()
-        pending = other.fresh and partner.shape is not None
-        if pending or (other.stepped and (partner.masters or partner.scaler)):
-            raise MisuseError(_message(partner, pending))
+        if not other.fresh:
+            partner.stale = 0
+        pending = other.fresh and other.backwards > partner.stale and partner.shape is not None
+        moved = book.backward_scale is not None and book.backward_scale != scale
+        rescaled = partner.scaler and scale is not None and moved
+        if pending or rescaled or (other.stepped and partner.masters):
+            raise MisuseError(_message(partner, pending, rescaled))
     book.stepped = True
 
 
-def _message(partner: Partner, pending: bool) -> str:
+def _message(partner: Partner, pending: bool, rescaled: bool) -> str:
     what = (
         "this LossScaleOptimizer and another live one share their loss scaler"
         if partner.shape is None
@@ -109,17 +123,14 @@ def _message(partner: Partner, pending: bool) -> str:
     )
     why = []
     if pending:
-        why.append(
-            "the other's backward is pending over the same gradients, which each "
-            "step unscales in place (the second divides them again)"
-        )
+        why.append("the other's backward is pending over the same gradients, which each "
+                   "step unscales in place (the second divides them again)")  # fmt: skip
     if partner.masters:
-        why.append(
-            "each keeps its own float32 master of a shared 16-bit weight, so one's "
-            "small updates are lost to the other's rounding"
-        )
-    if partner.scaler:
-        why.append("both update one scaler, so one unscales by a scale the other changed")
+        why.append("each keeps its own float32 master of a shared 16-bit weight, so one's "
+                   "small updates are lost to the other's rounding")  # fmt: skip
+    if rescaled:
+        why.append("the other moved the shared scale since this one's backward, so this "
+                   "step would unscale by the wrong scale")  # fmt: skip
     return (
         f"{what}: {'; '.join(why)}. Step shared weights with one wrapper: one torch optimizer "
         "with a param group per part (trunk, heads; their own learning rates) and one "
@@ -133,7 +144,8 @@ def _message(partner: Partner, pending: bool) -> str:
 _check_eagerly = torch._disable_dynamo(_check)  # type: ignore[attr-defined]
 
 
-def check_partners(book: Any) -> None:
-    """At ``step()``, before the unscale: refuse while a partner is in use (see above)."""
+def check_partners(book: Any, scaler: Any) -> None:
+    """At ``step()`` (and ``apply_gradients``), before the unscale: refuse while a
+    partner is in use (see above)."""
     if book.partners:
-        _check_eagerly(book)
+        _check_eagerly(book, float(scaler.get_scale()))
