@@ -19,7 +19,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from mixprec._dtypes import HALF_DTYPES, dtype_name
 from mixprec._errors import MisuseError
-from mixprec.casting import LEVEL_ATTR, MASTERS_ATTR, POLICY_ATTR
+from mixprec.casting import COMPUTE_ATTR, LEVEL_ATTR, MASTERS_ATTR, POLICY_ATTR
 
 
 def needs_master(p: torch.Tensor) -> bool:
@@ -31,6 +31,9 @@ def needs_master(p: torch.Tensor) -> bool:
 
 
 _HOOK: list[Any] = []  # the handle, once installed
+# Wrappers stepping their inner optimizers now: an optimizer that one of those steps in
+# turn (Lookahead's base) is the wrapper's, its gradients unscaled.
+_STEPPING = [0]
 _CHECKED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 # Each wrapped optimizer -> its wrapper's bookkeeping (``stepping_inner`` is True while the
 # wrapper steps it), weakly: once the wrapper is gone, the optimizer is a plain one again.
@@ -103,10 +106,12 @@ def step_inner(optimizer: torch.optim.Optimizer, book: Any) -> None:
     """The wrapper's step of ``optimizer``, which the hook lets through (a flag on the
     wrapper's own bookkeeping, so that another thread's preparation changes nothing)."""
     book.stepping_inner = True
+    _STEPPING[0] += 1
     try:
         optimizer.step()
     finally:
         book.stepping_inner = False
+        _STEPPING[0] -= 1
 
 
 def no_other_global_hooks() -> bool:
@@ -135,7 +140,7 @@ def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
             "master weights (at O2 the model's 16-bit weights would never move). Step the "
             "wrapper instead: opt = mp.LossScaleOptimizer(inner); opt.backward(loss); opt.step()"
         )
-    if optimizer in _CHECKED:
+    if optimizer in _CHECKED or _STEPPING[0]:
         return
     _CHECKED.add(optimizer)
     _say_if_unscaled(optimizer)
@@ -178,6 +183,7 @@ def _say_if_unscaled(optimizer: torch.optim.Optimizer) -> None:
         if isinstance(p, torch.Tensor)
         and getattr(getattr(p, POLICY_ATTR, None), "loss_scaling", None) == "dynamic"
         and getattr(p, LEVEL_ATTR, "O0") != "O0"
+        and getattr(p, COMPUTE_ATTR, None) != torch.float32  # to_float(..., "float32")
     ]
     if not scaled or _called_by_a_grad_scaler():
         return

@@ -117,6 +117,33 @@ def test_a_second_plain_optimizer_over_a_float16_model_is_told_of_the_scaling(le
         assert not [w for w in seen if "by itself" in str(w.message)]
 
 
+def test_no_scaling_warning_for_a_wrapped_delegating_optimizer_or_a_float32_model():
+    """A Lookahead-style optimizer in a LossScaleOptimizer steps its base optimizer, whose
+    gradients the wrapper unscaled; a model taken back to float32 (mp.to_float) computes
+    in float32 and needs no scaling. Both were told their gradients went unscaled."""
+
+    class Lookahead(torch.optim.Optimizer):
+        def __init__(self, base: torch.optim.Optimizer) -> None:
+            self.base = base
+            super().__init__([p for g in base.param_groups for p in g["params"]], {})
+            self.param_groups = base.param_groups
+
+        def step(self, closure=None):  # type: ignore[override]
+            return self.base.step()
+
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O1")
+    wrapped = mp.LossScaleOptimizer(Lookahead(torch.optim.SGD(model.parameters(), lr=0.1)))
+    widened = mp.to_float(mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O1"), "float32")
+    plain = torch.optim.SGD(widened.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        wrapped.backward(loss_of(model))
+        assert wrapped.step().applied
+        loss_of(widened).backward()
+        plain.step()
+    assert not [w for w in seen if "by itself" in str(w.message)]
+
+
 def test_no_warning_for_a_loss_scale_optimizer_or_pure_16bit_o3():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
