@@ -10,7 +10,7 @@ The cast did three things without a word:
   masked row gave NaN;
 - a float tensor the model writes into (a preallocated cache) was written in its 16-bit
   copy, and the caller's stayed as it was; so were a dict's or list's entries the model
-  set (now passed as given, ``_cast_input``).
+  set (now written back: ``write_back``).
 
 ``labels`` (Hugging Face's name for the targets) and the names given as ``keep_inputs``
 pass as given. The model's first forwards look for the rest and say so, naming the input
@@ -19,6 +19,7 @@ and ``keep_inputs``; later forwards, and compiled ones, do not look.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 from collections import UserDict
@@ -99,31 +100,94 @@ def cast_inputs(
     dtype: torch.dtype,
     names: frozenset[str],
     positional: list[str],
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``cast_floating`` of every input but those named (by keyword or position), and but
-    the members of mutable containers (``_cast_input``)."""
+) -> tuple[tuple[Any, ...], dict[str, Any], list[Copied]]:
+    """``cast_floating`` of every input but those named (by keyword or position), and the
+    mutable containers rebuilt on the way, for ``write_back`` after the forward."""
+    copies: list[Copied] = []
     kept = len(positional)
     args = tuple(
-        a if i < kept and positional[i] in names else _cast_input(a, dtype)
+        a if i < kept and positional[i] in names else _cast_input(a, dtype, copies)
         for i, a in enumerate(args)
     )
-    kwargs = {k: v if k in names else _cast_input(v, dtype) for k, v in kwargs.items()}
-    return args, kwargs
+    kwargs = {k: v if k in names else _cast_input(v, dtype, copies) for k, v in kwargs.items()}
+    return args, kwargs, copies
 
 
-def _cast_input(value: Any, dtype: torch.dtype) -> Any:
-    """A mutable container (list, dict, dataclass) passes as given, members and all: one
-    rebuilt with its tensors cast took the model's writes (a KV cache it filled, a state
-    it carried across batches) into a copy, unsaid, and the caller's stayed empty. The
-    model's autocast casts those tensors where its ops need them, as under O1. Tensors and
-    tuples (a ``PackedSequence``) are cast as before."""
-    if isinstance(value, (list, dict, UserDict)) or (
-        dataclasses.is_dataclass(value) and not isinstance(value, type)
-    ):
-        return value
+@dataclasses.dataclass
+class Copied:
+    """A mutable container the cast rebuilt (``copy``, for the model), the caller's
+    (``original``), and what the cast placed in the copy: by key, by index or by field."""
+
+    original: Any
+    copy: Any
+    placed: Any
+
+
+def _cast_input(value: Any, dtype: torch.dtype, copies: list[Copied]) -> Any:
+    """``cast_floating``, noting each mutable container (list, dict, dataclass) rebuilt
+    with cast members: the model's writes into it (a KV cache it fills, a state it carries
+    across batches) went to the copy, unsaid, and the caller's stayed empty."""
+    if isinstance(value, torch.Tensor):
+        return cast_floating(value, dtype)
     if type(value) is tuple:
-        return tuple(_cast_input(v, dtype) for v in value)
+        return tuple(_cast_input(v, dtype, copies) for v in value)
+    if isinstance(value, list):
+        items = [_cast_input(v, dtype, copies) for v in value]
+        if all(a is b for a, b in zip(items, value, strict=True)):
+            return value
+        listed = type(value)(items)
+        copies.append(Copied(value, listed, items))
+        return listed
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        remade: Any = cast_floating(value, dtype)
+        if remade is not value:
+            names = [f.name for f in dataclasses.fields(remade) if hasattr(remade, f.name)]
+            copies.append(Copied(value, remade, {n: getattr(remade, n) for n in names}))
+        return remade
+    if isinstance(value, (dict, UserDict)):
+        members = {k: _cast_input(v, dtype, copies) for k, v in value.items()}
+        if all(members[k] is v for k, v in value.items()):
+            return value
+        mapped: Any = members
+        if type(value) is not dict:  # a UserDict (transformers' BatchEncoding): its subclass
+            mapped = copy.copy(value)
+            for k, v in members.items():
+                mapped[k] = v
+        copies.append(Copied(value, mapped, dict(members)))
+        return mapped
     return cast_floating(value, dtype)
+
+
+def write_back(copies: list[Copied]) -> None:
+    """After the forward: what the model set in a rebuilt container (an entry added,
+    replaced or removed, an item appended) goes into the caller's; entries it left as the
+    cast placed them keep the caller's own tensors. Inner containers first (they were
+    noted first), so that an outer entry left in place keeps the caller's inner one."""
+    for c in copies:
+        if isinstance(c.copy, list):
+            if len(c.copy) != len(c.placed) or any(
+                a is not b for a, b in zip(c.copy, c.placed, strict=False)
+            ):
+                given = list(c.original)
+                c.original[:] = [
+                    given[i] if i < len(c.placed) and item is c.placed[i] else item
+                    for i, item in enumerate(c.copy)
+                ]
+        elif (
+            isinstance(c.placed, dict)
+            and isinstance(c.copy, (dict, UserDict))
+            and not (dataclasses.is_dataclass(c.copy))
+        ):
+            for key in [k for k in c.original if k not in c.copy]:
+                del c.original[key]
+            for key, now in c.copy.items():
+                if key not in c.placed or now is not c.placed[key]:
+                    c.original[key] = now
+        else:  # a dataclass: its fields
+            for name, placed in c.placed.items():
+                now = getattr(c.copy, name, None)
+                if now is not placed:
+                    setattr(c.original, name, now)
 
 
 # Tensor, the copy the cast made of it, and the copy's version then.
@@ -142,11 +206,6 @@ class InputLook:
         self.looked = 0  # forwards that cast some input, looked at
         self.idle = 0  # forwards with nothing cast (Fabric cast them before the model)
         self.said: set[str] = set()
-        # Inputs found to hold only 0s and 1s (a float attention or padding mask): left as
-        # given from then on. The cast is exact, but counts taken over it inside the model
-        # are not: mask.sum() past 65504 is inf in float16 (a masked mean's loss 0, every
-        # step applied), and mask.cumsum() positions past 256 round in bfloat16.
-        self.kept: set[str] = set()
 
     def due(self) -> bool:
         """Whether this forward is one to look at (eager, autograd as usual)."""
@@ -199,13 +258,19 @@ class InputLook:
             ]
             stats = torch.stack([f.float() for f in flags]).tolist()
             made_inf, whole, top, low, changed, error, mean, spread = stats
-            top_name = path.split("[")[0].split(".")[0]
-            if whole and low == 0 and top == 1 and top_name != "args":
-                self.kept.add(top_name)  # 0s and 1s, both: a mask, as given (see __init__)
+            exact = 2 / torch.finfo(dtype).eps  # the dtype's last exact integer: 256, 2048
+            # A mask of 0s and 1s casts exactly, but counts taken over it inside the model do
+            # not: mask.sum() past 65504 is inf in float16 (a masked mean's loss 0, every
+            # gradient 0, the step applied), mask.cumsum() positions past 256 round in
+            # bfloat16. Said where its ones or its last dimension reach that far.
+            ones = round(mean * given.numel()) if whole and low >= 0 and top == 1 else 0
+            counted = ones > torch.finfo(dtype).max or (
+                ones > exact and given.dim() > 0 and given.shape[-1] > exact
+            )
             # A timestep or a position (one number a sample, a 1-D ramp, or a batch of
             # them, (batch, time)) past the exact integers; not an image, rounded as any
             # other activation.
-            rounded = whole and changed and given.dim() <= 2 and top > 2 / torch.finfo(dtype).eps
+            rounded = whole and changed and given.dim() <= 2 and top > exact
             if rounded:  # nor a mask (0 and one large value), whose rounding is harmless
                 distinct = torch.unique(given)
                 rounded = not (distinct.numel() <= 2 and bool((distinct == 0).any()))
@@ -218,6 +283,15 @@ class InputLook:
                 "becomes -inf, and a fully masked row then gives NaN)"
             )
             self._say("inf", said, path)
+        elif counted:
+            past = "range (inf)" if ones > torch.finfo(dtype).max else f"exact integers ({exact:g})"
+            said = (
+                f"input {path!r} holds 0s and 1s (a mask), which the cast to {name} at the "
+                f"model's boundary keeps exact; counts taken over it inside the model are "
+                f"not: its {ones} ones sum past {name}'s {past}, and positions from "
+                "mask.cumsum() past them round"
+            )
+            self._say("mask", said, path)
         elif rounded:
             example = "997 becomes 996" if dtype == torch.bfloat16 else "4097 becomes 4096"
             said = (

@@ -21,7 +21,7 @@ from torch import nn
 from mixprec._device import autocast_available
 from mixprec._dtypes import parse_dtype
 from mixprec._errors import ArgumentError
-from mixprec._input_casts import InputLook, cast_inputs, positional_names
+from mixprec._input_casts import Copied, InputLook, cast_inputs, positional_names, write_back
 from mixprec._param_tags import tag
 from mixprec._upcast_saves import keep_16bit_sources
 from mixprec.casting import (
@@ -167,24 +167,26 @@ class _RegionForward:
         """The model's inputs cast but those its region keeps, and the copies to watch for
         writes in its first forwards (eager, 16-bit: ``InputLook``), for ``after_forward``.
         Fabric's ``convert_input``, which casts before the model, calls it too."""
-        compute, look = self.region.compute_dtype, self._look
-        names = self.region.keep_inputs or frozenset()
-        if look is not None and look.kept:  # 0/1 masks the first forwards found
-            names = names | look.kept
-        cast = cast_inputs(args, kwargs, compute, names, self._positional)
-        watched = None
+        compute, names = self.region.compute_dtype, self.region.keep_inputs or frozenset()
+        args_cast, kwargs_cast, copies = cast_inputs(args, kwargs, compute, names, self._positional)
+        look = self._look
         eager = not torch.compiler.is_compiling()
+        watched: list[Any] | None = None
         if eager and look is not None and compute != torch.float32 and look.due():
-            before = len(look.kept)
+            cast = (args_cast, kwargs_cast)
             watched = look.before((args, kwargs), cast, self._positional, compute)
-            if len(look.kept) > before:  # a 0/1 mask: as given from this forward on
-                cast = cast_inputs(args, kwargs, compute, names | look.kept, self._positional)
-        return cast[0], cast[1], watched
+        if copies:  # containers rebuilt: what the model sets in them goes back after it
+            watched = [*(watched or []), *copies]
+        return args_cast, kwargs_cast, watched
 
     def after_forward(self, watched: list[Any] | None) -> None:
-        """Say a write of the model into a cast copy among ``watched``."""
-        if watched and self._look is not None:
-            self._look.after(watched)
+        """Write back what the model set in rebuilt containers, and say a write of the
+        model into a cast copy (a first forward's look), among ``watched``."""
+        if not watched:
+            return
+        write_back([w for w in watched if isinstance(w, Copied)])
+        if self._look is not None:
+            self._look.after([w for w in watched if not isinstance(w, Copied)])
 
     def _float32_functions(self) -> bool:
         if self._generation != _generation:
