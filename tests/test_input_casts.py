@@ -323,15 +323,18 @@ def test_a_float_mask_whose_counts_pass_the_dtype_is_said():
     mask[:10, -1] = 0  # 65526 real tokens
     half = mp.auto_mixed_precision(Counting(), "mixed_float16", "O2")
     with pytest.warns(UserWarning, match=r"input 'mask' holds 0s and 1s .* its 65526 ones sum "
-                      r"past float16's range \(inf\)"):  # fmt: skip
+                      r"to inf in float16.*or pass it as a bool or integer tensor"):  # fmt: skip
         half(x, mask)
     brain = mp.auto_mixed_precision(Counting(), "mixed_bfloat16", "O2")
-    with pytest.warns(UserWarning, match=r"ones sum past bfloat16's exact integers \(256\)"):
+    with pytest.warns(UserWarning, match=r"a row's 600 ones pass bfloat16's exact integers"):
         brain(x[:2, :600], mask[:2, :600])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         short = mp.auto_mixed_precision(Counting(), "mixed_bfloat16", "O2")
         short(x[:4, :16], mask[:4, :16])
+        # One-hot features: many ones in all, one a row.
+        onehot = nn.functional.one_hot(torch.arange(512) % 300, 300).float()  # 512 ones
+        short(torch.randn(512, 300, 4), onehot)
 
 
 def test_whole_numbers_of_a_batch_of_positions_are_said():
@@ -344,3 +347,40 @@ def test_whole_numbers_of_a_batch_of_positions_are_said():
     with pytest.warns(UserWarning, match=r"input 'x' holds whole numbers up to 915, which the "
                       r"cast to bfloat16 at the model's boundary rounds"):  # fmt: skip
         model(positions, torch.zeros(4))
+
+
+class Shuffler(nn.Module):
+    """Moves, inserts and removes entries of what it is given, and can fail half way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.outside: dict | None = None  # a dict it also holds, as a closure would
+
+    def forward(self, x, state, items, fail=False):
+        h = self.fc(x)
+        state["prev"] = state.pop("cur")  # the caller's tensor, moved to another key
+        items.insert(0, h.detach())
+        if self.outside is not None:
+            self.outside["direct"] = 1  # written in the caller's dict, not the copy
+        if fail:
+            raise RuntimeError("half way")
+        return h
+
+
+def test_moved_inserted_and_outside_entries_keep_the_callers_objects():
+    """Entries were matched by key or index: a moved key or an insert at the front left the
+    cast 16-bit copies in the caller's container; keys set in the caller's dict by another
+    route were deleted; nothing went back when the forward raised."""
+    model = mp.auto_mixed_precision(Shuffler(), "mixed_bfloat16", "O2")
+    cur, first = torch.randn(3), torch.randn(2)
+    state, items = {"cur": cur}, [first]
+    model.outside = state
+    model(torch.randn(2, 4), state, items)
+    assert state["prev"] is cur and "cur" not in state and state["direct"] == 1
+    assert len(items) == 2 and items[1] is first and items[0].dtype == torch.bfloat16
+    state, items = {"cur": cur}, [first]
+    model.outside = None
+    with pytest.raises(RuntimeError, match="half way"):
+        model(torch.randn(2, 4), state, items, fail=True)
+    assert state == {"prev": cur} and items[1] is first

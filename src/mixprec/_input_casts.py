@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-from collections import UserDict
+from collections import UserDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -100,94 +100,140 @@ def cast_inputs(
     dtype: torch.dtype,
     names: frozenset[str],
     positional: list[str],
-) -> tuple[tuple[Any, ...], dict[str, Any], list[Copied]]:
+) -> tuple[tuple[Any, ...], dict[str, Any], Casts | None]:
     """``cast_floating`` of every input but those named (by keyword or position), and the
-    mutable containers rebuilt on the way, for ``write_back`` after the forward."""
-    copies: list[Copied] = []
+    mutable containers rebuilt on the way (``None`` if none), for ``write_back`` after the
+    forward."""
+    casts = Casts([], [])
     kept = len(positional)
     args = tuple(
-        a if i < kept and positional[i] in names else _cast_input(a, dtype, copies)
+        a if i < kept and positional[i] in names else _cast_input(a, dtype, casts)
         for i, a in enumerate(args)
     )
-    kwargs = {k: v if k in names else _cast_input(v, dtype, copies) for k, v in kwargs.items()}
-    return args, kwargs, copies
+    kwargs = {k: v if k in names else _cast_input(v, dtype, casts) for k, v in kwargs.items()}
+    return args, kwargs, (casts if casts.copies else None)
 
 
 @dataclasses.dataclass
 class Copied:
     """A mutable container the cast rebuilt (``copy``, for the model), the caller's
-    (``original``), and what the cast placed in the copy: by key, by index or by field."""
+    (``original``), and what the cast placed in the copy: by index, by key or by field."""
 
     original: Any
     copy: Any
     placed: Any
 
 
-def _cast_input(value: Any, dtype: torch.dtype, copies: list[Copied]) -> Any:
+@dataclasses.dataclass
+class Casts:
+    """The containers one forward's cast rebuilt, innermost first, and each object the cast
+    made (a tensor's copy, a rebuilt container) beside the caller's it stands for."""
+
+    copies: list[Copied]
+    made: list[tuple[Any, Any]]
+
+    def given(self, obj: Any) -> Any:
+        """The caller's object that ``obj`` (made by the cast) stands for, else ``obj``."""
+        for made, original in self.made:
+            if made is obj:
+                return original
+        return obj
+
+    def copy_of(self, value: Any) -> Any:
+        """The copy already made of the container ``value`` (one passed twice), else None."""
+        for c in self.copies:
+            if c.original is value:
+                return c.copy
+        return None
+
+
+def _cast_input(value: Any, dtype: torch.dtype, casts: Casts) -> Any:
     """``cast_floating``, noting each mutable container (list, dict, dataclass) rebuilt
     with cast members: the model's writes into it (a KV cache it fills, a state it carries
     across batches) went to the copy, unsaid, and the caller's stayed empty."""
     if isinstance(value, torch.Tensor):
-        return cast_floating(value, dtype)
+        cast = cast_floating(value, dtype)
+        if cast is not value:
+            casts.made.append((cast, value))
+        return cast
     if type(value) is tuple:
-        return tuple(_cast_input(v, dtype, copies) for v in value)
+        return tuple(_cast_input(v, dtype, casts) for v in value)
+    mutable = isinstance(value, (list, dict, UserDict)) or (
+        dataclasses.is_dataclass(value) and not isinstance(value, type)
+    )
+    if not mutable:
+        return cast_floating(value, dtype)
+    seen = casts.copy_of(value)
+    if seen is not None:
+        return seen
     if isinstance(value, list):
-        items = [_cast_input(v, dtype, copies) for v in value]
+        items = [_cast_input(v, dtype, casts) for v in value]
         if all(a is b for a, b in zip(items, value, strict=True)):
             return value
-        listed = type(value)(items)
-        copies.append(Copied(value, listed, items))
-        return listed
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        remade: Any = cast_floating(value, dtype)
-        if remade is not value:
-            names = [f.name for f in dataclasses.fields(remade) if hasattr(remade, f.name)]
-            copies.append(Copied(value, remade, {n: getattr(remade, n) for n in names}))
-        return remade
-    if isinstance(value, (dict, UserDict)):
-        members = {k: _cast_input(v, dtype, copies) for k, v in value.items()}
+        made: Any = type(value)(items)
+        placed: Any = items
+    elif dataclasses.is_dataclass(value):
+        fields = {
+            f.name: _cast_input(getattr(value, f.name), dtype, casts)
+            for f in dataclasses.fields(value)
+            if hasattr(value, f.name)
+        }
+        if all(v is getattr(value, k) for k, v in fields.items()):
+            return value
+        made = cast_floating(value, dtype)  # rebuilt as a forward builds one (casting.py)
+        for k, v in fields.items():  # with the containers noted here inside
+            if getattr(made, k) is not v:
+                object.__setattr__(made, k, v)
+        placed = fields
+    else:
+        members = {k: _cast_input(v, dtype, casts) for k, v in value.items()}
         if all(members[k] is v for k, v in value.items()):
             return value
-        mapped: Any = members
-        if type(value) is not dict:  # a UserDict (transformers' BatchEncoding): its subclass
-            mapped = copy.copy(value)
-            for k, v in members.items():
-                mapped[k] = v
-        copies.append(Copied(value, mapped, dict(members)))
-        return mapped
-    return cast_floating(value, dtype)
+        made = _remade(value, members)
+        placed = dict(members)
+    casts.copies.append(Copied(value, made, placed))
+    casts.made.append((made, value))
+    return made
 
 
-def write_back(copies: list[Copied]) -> None:
-    """After the forward: what the model set in a rebuilt container (an entry added,
-    replaced or removed, an item appended) goes into the caller's; entries it left as the
-    cast placed them keep the caller's own tensors. Inner containers first (they were
-    noted first), so that an outer entry left in place keeps the caller's inner one."""
-    for c in copies:
+def _remade(value: Any, members: dict[Any, Any]) -> Any:
+    """A dict-like ``value`` of its type holding ``members``."""
+    if type(value) is dict:
+        return members
+    if isinstance(value, defaultdict):  # dynamo cannot copy.copy one (torch 2.13)
+        return type(value)(value.default_factory, members)
+    if isinstance(value, dict):  # OrderedDict and other subclasses
+        return type(value)(members)
+    made = copy.copy(value)  # a UserDict (transformers' BatchEncoding): its attributes too
+    for k, v in members.items():
+        made[k] = v
+    return made
+
+
+def write_back(casts: Casts) -> None:
+    """After the forward (or its exception): what the model set in a rebuilt container
+    goes into the caller's: an entry added, replaced or removed, items appended, inserted
+    or reordered, a field set. Objects the cast made stand for the caller's own wherever
+    they now sit, so the caller's container holds its own tensors, not their 16-bit
+    copies. Keys the model never saw in the copy (set in the caller's by another route)
+    stay. Inner containers first, so that an outer entry keeps the caller's inner one."""
+    for c in casts.copies:
         if isinstance(c.copy, list):
             if len(c.copy) != len(c.placed) or any(
                 a is not b for a, b in zip(c.copy, c.placed, strict=False)
             ):
-                given = list(c.original)
-                c.original[:] = [
-                    given[i] if i < len(c.placed) and item is c.placed[i] else item
-                    for i, item in enumerate(c.copy)
-                ]
-        elif (
-            isinstance(c.placed, dict)
-            and isinstance(c.copy, (dict, UserDict))
-            and not (dataclasses.is_dataclass(c.copy))
-        ):
-            for key in [k for k in c.original if k not in c.copy]:
+                c.original[:] = [casts.given(item) for item in c.copy]
+        elif isinstance(c.copy, (dict, UserDict)) and not dataclasses.is_dataclass(c.copy):
+            for key in [k for k in c.placed if k not in c.copy and k in c.original]:
                 del c.original[key]
             for key, now in c.copy.items():
                 if key not in c.placed or now is not c.placed[key]:
-                    c.original[key] = now
+                    c.original[key] = casts.given(now)
         else:  # a dataclass: its fields
             for name, placed in c.placed.items():
                 now = getattr(c.copy, name, None)
                 if now is not placed:
-                    setattr(c.original, name, now)
+                    setattr(c.original, name, casts.given(now))
 
 
 # Tensor, the copy the cast made of it, and the copy's version then.
@@ -255,18 +301,20 @@ class InputLook:
                 moved.mean(),
                 given.mean(),
                 given.std() if given.numel() > 1 else torch.zeros(()),
+                _row_sums(given),
             ]
             stats = torch.stack([f.float() for f in flags]).tolist()
-            made_inf, whole, top, low, changed, error, mean, spread = stats
+            made_inf, whole, top, low, changed, error, mean, spread, row = stats
             exact = 2 / torch.finfo(dtype).eps  # the dtype's last exact integer: 256, 2048
             # A mask of 0s and 1s casts exactly, but counts taken over it inside the model do
             # not: mask.sum() past 65504 is inf in float16 (a masked mean's loss 0, every
             # gradient 0, the step applied), mask.cumsum() positions past 256 round in
-            # bfloat16. Said where its ones or its last dimension reach that far.
-            ones = round(mean * given.numel()) if whole and low >= 0 and top == 1 else 0
-            counted = ones > torch.finfo(dtype).max or (
-                ones > exact and given.dim() > 0 and given.shape[-1] > exact
-            )
+            # bfloat16. Said where all its ones, or those of one row (along its last long
+            # dimension, where cumsum counts positions), pass that far; not for one-hot
+            # features, whose rows hold a single one.
+            mask = whole and low >= 0 and top == 1
+            ones = round(mean * given.numel()) if mask else 0
+            counted = mask and (ones > torch.finfo(dtype).max or row > exact)
             # A timestep or a position (one number a sample, a 1-D ramp, or a batch of
             # them, (batch, time)) past the exact integers; not an image, rounded as any
             # other activation.
@@ -284,20 +332,22 @@ class InputLook:
             )
             self._say("inf", said, path)
         elif counted:
-            past = "range (inf)" if ones > torch.finfo(dtype).max else f"exact integers ({exact:g})"
+            if ones > torch.finfo(dtype).max:
+                past = f"its {ones} ones sum to inf in {name}"
+            else:
+                past = f"a row's {row:g} ones pass {name}'s exact integers ({exact:g})"
             said = (
                 f"input {path!r} holds 0s and 1s (a mask), which the cast to {name} at the "
                 f"model's boundary keeps exact; counts taken over it inside the model are "
-                f"not: its {ones} ones sum past {name}'s {past}, and positions from "
-                "mask.cumsum() past them round"
+                f"not: {past}, so mask.sum() and positions from mask.cumsum() go wrong"
             )
-            self._say("mask", said, path)
+            self._say("mask", said, path, "or pass it as a bool or integer tensor")
         elif rounded:
             example = "997 becomes 996" if dtype == torch.bfloat16 else "4097 becomes 4096"
             said = (
                 f"input {path!r} holds whole numbers up to {top:g}, which the cast to {name} at "
-                f"the model's boundary rounds ({example}): timesteps or positions lose their "
-                "value"
+                f"the model's boundary rounds ({example}): timesteps, positions or integer "
+                "features lose their exact value"
             )
             self._say("whole", said, path)
         elif spread > 0 and error > 0.01 * spread:  # far from zero against its spread
@@ -369,3 +419,10 @@ def _pairs(given: Any, cast: Any, path: str) -> Iterator[tuple[str, torch.Tensor
             yield from _pairs(
                 getattr(given, f.name, None), getattr(cast, f.name, None), f"{path}.{f.name}"
             )
+
+
+def _row_sums(given: torch.Tensor) -> torch.Tensor:
+    """The largest sum along ``given``'s last dimension longer than 1 (a mask's ones in a
+    row; 0 for a scalar)."""
+    long = [d for d in range(given.dim()) if given.shape[d] > 1]
+    return given.sum(dim=long[-1]).amax() if long else given.sum()

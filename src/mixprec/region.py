@@ -21,14 +21,13 @@ from torch import nn
 from mixprec._device import autocast_available
 from mixprec._dtypes import parse_dtype
 from mixprec._errors import ArgumentError
-from mixprec._input_casts import Copied, InputLook, cast_inputs, positional_names, write_back
+from mixprec._input_casts import Casts, InputLook, cast_inputs, positional_names, write_back
 from mixprec._param_tags import tag
 from mixprec._upcast_saves import keep_16bit_sources
 from mixprec.casting import (
     COMPUTE_ATTR,
     REGION_ATTR,
     Float32Functions,
-    cast_floating,
     cast_linked,
     first_floating,
     store_as,
@@ -168,15 +167,15 @@ class _RegionForward:
         writes in its first forwards (eager, 16-bit: ``InputLook``), for ``after_forward``.
         Fabric's ``convert_input``, which casts before the model, calls it too."""
         compute, names = self.region.compute_dtype, self.region.keep_inputs or frozenset()
-        args_cast, kwargs_cast, copies = cast_inputs(args, kwargs, compute, names, self._positional)
+        args_cast, kwargs_cast, casts = cast_inputs(args, kwargs, compute, names, self._positional)
         look = self._look
         eager = not torch.compiler.is_compiling()
         watched: list[Any] | None = None
         if eager and look is not None and compute != torch.float32 and look.due():
             cast = (args_cast, kwargs_cast)
             watched = look.before((args, kwargs), cast, self._positional, compute)
-        if copies:  # containers rebuilt: what the model sets in them goes back after it
-            watched = [*(watched or []), *copies]
+        if casts is not None:  # containers rebuilt: what the model sets in them goes back
+            watched = [*(watched or []), casts]
         return args_cast, kwargs_cast, watched
 
     def after_forward(self, watched: list[Any] | None) -> None:
@@ -184,9 +183,11 @@ class _RegionForward:
         model into a cast copy (a first forward's look), among ``watched``."""
         if not watched:
             return
-        write_back([w for w in watched if isinstance(w, Copied)])
+        for casts in watched:
+            if isinstance(casts, Casts):
+                write_back(casts)
         if self._look is not None:
-            self._look.after([w for w in watched if not isinstance(w, Copied)])
+            self._look.after([w for w in watched if not isinstance(w, Casts)])
 
     def _float32_functions(self) -> bool:
         if self._generation != _generation:
@@ -207,9 +208,10 @@ class _RegionForward:
         watched = None
         if region.cast_inputs and region.keep_inputs is not None:  # the model's boundary
             args, kwargs, watched = self.cast_at_boundary(args, kwargs)
-        elif region.cast_inputs:
+        elif region.cast_inputs:  # an island inside: containers written back too
             given = args
-            args, kwargs = cast_floating((args, kwargs), compute)
+            args, kwargs, casts = cast_inputs(args, kwargs, compute, frozenset(), [])
+            watched = None if casts is None else [casts]
             if compute == torch.float32:
                 saves = keep_16bit_sources(given, args)
         autocast: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
@@ -222,10 +224,16 @@ class _RegionForward:
                 # CUDA's autocast already runs these functions in float32.
                 if device_type != "cuda" and not region.plain and self._float32_functions():
                     mode = Float32Functions()
-        with autocast, mode, saves if saves is not None else contextlib.nullcontext():
-            output = self._run_forward(args, kwargs)
-        if watched:  # a first forward's cast copies: written by the model?
-            self.after_forward(watched)
+        saving = saves if saves is not None else contextlib.nullcontext()
+        if not watched:  # no try block: dynamo resumes after a graph break outside one only
+            with autocast, mode, saving:
+                output = self._run_forward(args, kwargs)
+        else:  # rebuilt containers, a first forward's cast copies: looked at after it,
+            try:  # also after an exception (what the model set so far is the caller's)
+                with autocast, mode, saving:
+                    output = self._run_forward(args, kwargs)
+            finally:
+                self.after_forward(watched)
         dtype = arriving.dtype if arriving is not None else region.output_dtype
         if dtype is None or output is None:
             return output
