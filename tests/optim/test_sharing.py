@@ -181,3 +181,31 @@ def test_the_keras_api_and_a_third_wrapper_are_looked_at_too():
     grads = torch.autograd.grad(c.get_scaled_loss(trunk(x).sum()), params)
     with pytest.raises(mp.MisuseError, match=r"each keeps its own float32 master"):
         c.apply_gradients(zip(c.get_unscaled_gradients(grads), params, strict=True))
+
+
+def test_a_shared_scale_moved_within_an_accumulation_group_or_before_an_unscale_is_refused():
+    """Only the last backward's scale was compared: D's overflow between G's two
+    micro-batches halved the scale, and G's update was 1.7x too large, unsaid; the Keras
+    flow (scale_loss, get_unscaled_gradients) recorded no scale at all (2x too large)."""
+    shared = mp.DynamicLossScaler(init_scale=1024.0)
+    g, d = _trunk_and_heads("mixed_float16", "O2")[1:]
+    opt_g = mp.LossScaleOptimizer(torch.optim.SGD(g.parameters(), 0.1), loss_scaler=shared,
+                                  accumulation_steps=2)  # fmt: skip
+    opt_d = mp.LossScaleOptimizer(torch.optim.SGD(d.parameters(), 0.1), loss_scaler=shared)
+    h = torch.randn(4, 16)
+    opt_g.backward(g(h).sum())
+    assert opt_g.step().accumulating
+    opt_d.backward(d(h).sum() * 1e9)
+    assert not opt_d.step().applied  # the shared scale halves
+    opt_g.backward(g(h).sum())
+    with pytest.raises(mp.MisuseError, match=r"moved the shared scale"):
+        opt_g.step()
+    shared = mp.DynamicLossScaler(init_scale=1024.0)
+    keras_g = mp.LossScaleOptimizer(torch.optim.SGD(g.parameters(), 0.1), loss_scaler=shared)
+    keras_d = mp.LossScaleOptimizer(torch.optim.SGD(d.parameters(), 0.1), loss_scaler=shared)
+    params = list(g.parameters())
+    grads = torch.autograd.grad(keras_g.scale_loss(g(h).sum()), params)
+    keras_d.backward(d(h).sum() * 1e9)
+    assert not keras_d.step().applied
+    with pytest.raises(mp.MisuseError, match=r"moved the shared scale"):
+        keras_g.get_unscaled_gradients(grads)

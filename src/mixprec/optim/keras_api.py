@@ -22,7 +22,7 @@ from mixprec._errors import ArgumentError, MisuseError
 from mixprec._warn import warn_at_caller
 from mixprec.optim.checks import SetupCheck, after_step, looks_after_step
 from mixprec.optim.masters import MasterWeights
-from mixprec.optim.sharing import check_partners
+from mixprec.optim.sharing import check_partners, check_unscale
 from mixprec.optim.step_result import StepResult
 from mixprec.scaling import DynamicLossScaler, LossScaler, unscale_grads_
 from mixprec.scaling.health import ScalerHealth
@@ -73,8 +73,8 @@ class KerasMethods:
         self._book.fresh = True
         self._book.scaled_loss = True
         scale = self._loss_scaler.get_scale()
-        if self._book.partners:  # a scaler shared with another wrapper (optim.sharing)
-            self._book.backward_scale = float(scale)
+        if self._book.partners and self._book.backward_scale is None:  # (optim.sharing)
+            self._book.backward_scale = float(scale)  # the step's first backward
         factor = scale / self.accumulation_steps
         return loss * factor if factor != 1.0 else loss
 
@@ -85,6 +85,8 @@ class KerasMethods:
         use ``backward(loss)``, which also counts the micro-batch."""
         scale = self._loss_scaler.get_scale()
         self._book.scaled_loss = True
+        if self._book.partners and self._book.backward_scale is None:  # (optim.sharing)
+            self._book.backward_scale = float(scale)
         return loss * scale if scale != 1.0 else loss
 
     def get_unscaled_gradients(
@@ -94,8 +96,9 @@ class KerasMethods:
 
         16-bit gradients come back in float32 (the dtype of their masters): unscaled in
         float16, small values would flush to zero."""
-        scale = self._loss_scaler.get_scale()
         book = self._book
+        check_unscale(book, self._loss_scaler)  # a shared scale moved since the scaling?
+        scale = self._loss_scaler.get_scale()
         book.unscaled_grads = True
         if scale != 1.0 and not book.scaled_loss and not book.said_unscaled:
             book.said_unscaled = True

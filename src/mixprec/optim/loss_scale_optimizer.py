@@ -113,7 +113,8 @@ class _Bookkeeping:
     partners: list[Partner] = field(default_factory=list)
     stepped: bool = False
     coordinated: bool = False  # sharing made right by its builder (sharing.coordinated)
-    backward_scale: float | None = None  # the scale of the last backward (sharing)
+    backward_scale: float | None = None  # the scale of the step's first backward (sharing)
+    checked: int = 0  # steps looked at for partners (sharing)
     rates_at_skip: list[Any] | None = None  # learning rates after a skip (lr_watch)
     said_rates: bool = False
     stall: StallWatch = field(default_factory=lambda: StallWatch([]))  # O3's weights

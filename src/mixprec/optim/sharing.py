@@ -34,7 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from mixprec._errors import MisuseError
 from mixprec.scaling import DynamicLossScaler
 
-__all__ = ["Partner", "check_partners", "coordinated", "note_partners"]
+__all__ = ["Partner", "check_partners", "check_unscale", "coordinated", "note_partners"]
 
 # Each weight or scaler -> the bookkeeping of every wrapper built over it, weakly (by
 # identity: a tensor's == is elementwise).
@@ -49,9 +49,10 @@ class Partner:
     shape: tuple[int, ...] | None  # a shared weight's, for the message; None: scaler only
     masters: bool  # a shared 16-bit weight with a master in each
     scaler: bool  # the same loss scaler object
-    # The other's backward passes pending when the pair was noted: a wrapper left with a
-    # backward it will never step (a phase that ended mid-group) is not in use.
+    # The other's backward passes pending when the pair was noted, and its steps then: a
+    # wrapper left with a backward it never steps (a phase ended mid-group) is not in use.
     stale: int = 0
+    steps: int = 0
 
 
 def note_partners(book: Any, half: list[torch.Tensor], plain: list[torch.Tensor],
@@ -81,9 +82,10 @@ def note_partners(book: Any, half: list[torch.Tensor], plain: list[torch.Tensor]
         other: Any = partner.book()
         other.stepped = False  # in use from now on only if it steps again
         partner.stale = other.backwards if other.fresh else 0
+        partner.steps = other.checked
         book.partners.append(partner)
         mirror = Partner(mine, partner.shape, partner.masters, partner.scaler)
-        mirror.stale = book.backwards if book.fresh else 0
+        mirror.stale, mirror.steps = (book.backwards if book.fresh else 0), book.checked
         other.partners.append(mirror)
 
 
@@ -100,18 +102,33 @@ def coordinated(book: Any) -> None:
 
 
 def _check(book: Any, scale: float | None) -> None:
+    book.checked += 1
     live = [p for p in book.partners if p.book() is not None]
     book.partners[:] = live
     for partner in live:
         other = partner.book()
-        if not other.fresh:
-            partner.stale = 0
+        if not other.fresh or other.checked != partner.steps:
+            partner.stale = 0  # stepped since, or idle: any pending backward is new
         pending = other.fresh and other.backwards > partner.stale and partner.shape is not None
-        moved = book.backward_scale is not None and book.backward_scale != scale
-        rescaled = partner.scaler and scale is not None and moved
-        if pending or rescaled or (other.stepped and partner.masters):
-            raise MisuseError(_message(partner, pending, rescaled))
+        if pending or moved_scale(book, partner, scale) or (other.stepped and partner.masters):
+            raise MisuseError(_message(partner, pending, moved_scale(book, partner, scale)))
     book.stepped = True
+
+
+def moved_scale(book: Any, partner: Partner, scale: float | None) -> bool:
+    """The shared scaler's scale moved since this wrapper's first backward of the step."""
+    return bool(partner.scaler and scale is not None and book.backward_scale not in (None, scale))
+
+
+def check_unscale(book: Any, scaler: Any) -> None:
+    """At ``get_unscaled_gradients`` (Keras' flows unscale there): refuse where a partner
+    moved the shared scale since this wrapper scaled its loss; the unscale is done then."""
+    if book.partners:
+        scale = float(scaler.get_scale())
+        for partner in [p for p in book.partners if p.book() is not None]:
+            if moved_scale(book, partner, scale):
+                raise MisuseError(_message(partner, False, True))
+    book.backward_scale = None
 
 
 def _message(partner: Partner, pending: bool, rescaled: bool) -> str:
