@@ -412,3 +412,30 @@ def test_fabric_leaves_labels_and_keep_inputs_as_given() -> None:
     t, labels = torch.tensor([997.0, 998.0]), torch.tensor([1000.3, 1001.7])
     model(torch.randn(2, 4), t, labels=labels)
     assert module.saw == {"x": torch.bfloat16, "t": torch.float32, "labels": torch.float32}
+
+
+class _Filler(nn.Module):
+    """Sets an entry of the dict it is given, as a KV cache or a carried state is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, state: dict[str, Any]) -> torch.Tensor:
+        state["h"] = self.fc(x).detach()
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("models", [1, 2])
+def test_what_a_model_sets_in_a_dict_it_is_given_reaches_the_caller(models: int) -> None:
+    """With two models set up (a GAN's G and D), Fabric's convert_input rebuilt a dict
+    holding a float tensor, and the entry the model set went to the copy."""
+    fabric = Fabric(accelerator="cpu", devices=1,
+                    plugins=MixprecFabricPrecision("mixed_bfloat16", level="O2"))  # fmt: skip
+    model = fabric.setup(_Filler())
+    if models == 2:
+        fabric.setup(_Filler())
+    given = torch.zeros(2, 4)
+    state = {"prev": given}
+    model(torch.randn(2, 4), state)
+    assert sorted(state) == ["h", "prev"] and state["prev"] is given

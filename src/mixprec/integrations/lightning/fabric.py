@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from mixprec._errors import ArgumentError, MisuseError
+from mixprec._input_casts import Casts, cast_inputs, write_back
 from mixprec._save_guard import FABRIC_MODULES, guard_saves
 from mixprec.casting import cast_floating
 from mixprec.integrations.lightning._lightning import FabricPrecision
@@ -50,6 +51,7 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
 
     # A first forward's cast inputs to look at after it (convert_input, convert_output).
     _watched: tuple[Any, list[Any]] | None = None
+    _written: Casts | None = None  # several models' rebuilt containers (convert_input)
 
     def _reset_run(self) -> None:
         super()._reset_run()
@@ -118,6 +120,10 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
             args, kwargs, watched = boundary.cast_at_boundary(tuple(data[0]), dict(data[1]))
             self._watched = (boundary, watched) if watched else None
             return args, kwargs
+        if isinstance(data, tuple) and len(data) == 2:  # several models: no boundary's own,
+            args, kwargs, casts = cast_inputs(tuple(data[0]), dict(data[1]), dtype, frozenset(), [])
+            self._written = casts  # but what the model sets in rebuilt containers goes back
+            return args, kwargs
         return cast_floating(data, dtype)
 
     def convert_output(self, data: Any) -> Any:
@@ -126,6 +132,9 @@ class MixprecFabricPrecision(_MixprecPlugin, FabricPrecision):  # type: ignore[m
         watched, self._watched = self._watched, None
         if watched is not None:
             watched[0].after_forward(watched[1])
+        written, self._written = self._written, None
+        if written is not None:
+            write_back(written)
         return super().convert_output(data)
 
     def _boundary(self) -> Any:
