@@ -10,7 +10,7 @@ The cast did three things without a word:
   masked row gave NaN;
 - a float tensor the model writes into (a preallocated cache) was written in its 16-bit
   copy, and the caller's stayed as it was; so were a dict's or list's entries the model
-  set (now written back: ``write_back``).
+  set (now written back: ``_rebuilt.write_back``).
 
 ``labels`` (Hugging Face's name for the targets) and the names given as ``keep_inputs``
 pass as given. The model's first forwards look for the rest and say so, naming the input
@@ -19,18 +19,17 @@ and ``keep_inputs``; later forwards, and compiled ones, do not look.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import inspect
-from collections import UserDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from mixprec._errors import ArgumentError
+from mixprec._rebuilt import Casts
 from mixprec._warn import warn_at_caller
-from mixprec.casting import cast_floating
+from mixprec.casting import cast_linked
 
 __all__ = [
     "BOUNDARY_LOOK",
@@ -104,136 +103,16 @@ def cast_inputs(
     """``cast_floating`` of every input but those named (by keyword or position), and the
     mutable containers rebuilt on the way (``None`` if none), for ``write_back`` after the
     forward."""
-    casts = Casts([], [])
+    casts = Casts()
     kept = len(positional)
     args = tuple(
-        a if i < kept and positional[i] in names else _cast_input(a, dtype, casts)
+        a if i < kept and positional[i] in names else cast_linked(a, dtype, False, casts)
         for i, a in enumerate(args)
     )
-    kwargs = {k: v if k in names else _cast_input(v, dtype, casts) for k, v in kwargs.items()}
+    kwargs = {
+        k: v if k in names else cast_linked(v, dtype, False, casts) for k, v in kwargs.items()
+    }
     return args, kwargs, (casts if casts.copies else None)
-
-
-@dataclasses.dataclass
-class Copied:
-    """A mutable container the cast rebuilt (``copy``, for the model), the caller's
-    (``original``), and what the cast placed in the copy: by index, by key or by field."""
-
-    original: Any
-    copy: Any
-    placed: Any
-
-
-@dataclasses.dataclass
-class Casts:
-    """The containers one forward's cast rebuilt, innermost first, and each object the cast
-    made (a tensor's copy, a rebuilt container) beside the caller's it stands for."""
-
-    copies: list[Copied]
-    made: list[tuple[Any, Any]]
-
-    def given(self, obj: Any) -> Any:
-        """The caller's object that ``obj`` (made by the cast) stands for, else ``obj``."""
-        for made, original in self.made:
-            if made is obj:
-                return original
-        return obj
-
-    def copy_of(self, value: Any) -> Any:
-        """The copy already made of the container ``value`` (one passed twice), else None."""
-        for c in self.copies:
-            if c.original is value:
-                return c.copy
-        return None
-
-
-def _cast_input(value: Any, dtype: torch.dtype, casts: Casts) -> Any:
-    """``cast_floating``, noting each mutable container (list, dict, dataclass) rebuilt
-    with cast members: the model's writes into it (a KV cache it fills, a state it carries
-    across batches) went to the copy, unsaid, and the caller's stayed empty."""
-    if isinstance(value, torch.Tensor):
-        cast = cast_floating(value, dtype)
-        if cast is not value:
-            casts.made.append((cast, value))
-        return cast
-    if type(value) is tuple:
-        return tuple(_cast_input(v, dtype, casts) for v in value)
-    mutable = isinstance(value, (list, dict, UserDict)) or (
-        dataclasses.is_dataclass(value) and not isinstance(value, type)
-    )
-    if not mutable:
-        return cast_floating(value, dtype)
-    seen = casts.copy_of(value)
-    if seen is not None:
-        return seen
-    if isinstance(value, list):
-        items = [_cast_input(v, dtype, casts) for v in value]
-        if all(a is b for a, b in zip(items, value, strict=True)):
-            return value
-        made: Any = type(value)(items)
-        placed: Any = items
-    elif dataclasses.is_dataclass(value):
-        fields = {
-            f.name: _cast_input(getattr(value, f.name), dtype, casts)
-            for f in dataclasses.fields(value)
-            if hasattr(value, f.name)
-        }
-        if all(v is getattr(value, k) for k, v in fields.items()):
-            return value
-        made = cast_floating(value, dtype)  # rebuilt as a forward builds one (casting.py)
-        for k, v in fields.items():  # with the containers noted here inside
-            if getattr(made, k) is not v:
-                object.__setattr__(made, k, v)
-        placed = fields
-    else:
-        members = {k: _cast_input(v, dtype, casts) for k, v in value.items()}
-        if all(members[k] is v for k, v in value.items()):
-            return value
-        made = _remade(value, members)
-        placed = dict(members)
-    casts.copies.append(Copied(value, made, placed))
-    casts.made.append((made, value))
-    return made
-
-
-def _remade(value: Any, members: dict[Any, Any]) -> Any:
-    """A dict-like ``value`` of its type holding ``members``."""
-    if type(value) is dict:
-        return members
-    if isinstance(value, defaultdict):  # dynamo cannot copy.copy one (torch 2.13)
-        return type(value)(value.default_factory, members)
-    if isinstance(value, dict):  # OrderedDict and other subclasses
-        return type(value)(members)
-    made = copy.copy(value)  # a UserDict (transformers' BatchEncoding): its attributes too
-    for k, v in members.items():
-        made[k] = v
-    return made
-
-
-def write_back(casts: Casts) -> None:
-    """After the forward (or its exception): what the model set in a rebuilt container
-    goes into the caller's: an entry added, replaced or removed, items appended, inserted
-    or reordered, a field set. Objects the cast made stand for the caller's own wherever
-    they now sit, so the caller's container holds its own tensors, not their 16-bit
-    copies. Keys the model never saw in the copy (set in the caller's by another route)
-    stay. Inner containers first, so that an outer entry keeps the caller's inner one."""
-    for c in casts.copies:
-        if isinstance(c.copy, list):
-            if len(c.copy) != len(c.placed) or any(
-                a is not b for a, b in zip(c.copy, c.placed, strict=False)
-            ):
-                c.original[:] = [casts.given(item) for item in c.copy]
-        elif isinstance(c.copy, (dict, UserDict)) and not dataclasses.is_dataclass(c.copy):
-            for key in [k for k in c.placed if k not in c.copy and k in c.original]:
-                del c.original[key]
-            for key, now in c.copy.items():
-                if key not in c.placed or now is not c.placed[key]:
-                    c.original[key] = casts.given(now)
-        else:  # a dataclass: its fields
-            for name, placed in c.placed.items():
-                now = getattr(c.copy, name, None)
-                if now is not placed:
-                    setattr(c.original, name, casts.given(now))
 
 
 # Tensor, the copy the cast made of it, and the copy's version then.

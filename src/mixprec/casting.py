@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-from collections import UserDict
+from collections import UserDict, defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -28,6 +28,7 @@ from mixprec._float32_copies import (
     take_float32_copy,
 )
 from mixprec._output_sources import remember_source
+from mixprec._rebuilt import Casts
 from mixprec._unwalked_outputs import say_if_unwalked
 from mixprec._upcast_saves import keep_16bit_sources
 
@@ -51,13 +52,18 @@ def cast_floating(value: T, dtype: torch.dtype) -> T:
     return cast_linked(value, dtype, link=False)
 
 
-def cast_linked(value: T, dtype: torch.dtype, link: bool) -> T:
-    """``cast_floating``; with ``link``, each float32 upcast remembers its 16-bit source."""
+def cast_linked(value: T, dtype: torch.dtype, link: bool, casts: Casts | None = None) -> T:
+    """``cast_floating``; with ``link``, each float32 upcast remembers its 16-bit source;
+    with ``casts``, each object the cast makes and each container it rebuilds is noted
+    there (a region's inputs: ``_rebuilt.write_back`` after the forward), and a container
+    met twice is rebuilt once."""
     if isinstance(value, torch.Tensor):
         if value.is_floating_point() and value.dtype != dtype:
             cast = value.to(dtype)
             if link:
                 remember_source(cast, value)
+            if casts is not None:
+                casts.made.append((cast, value))
             return cast  # type: ignore[return-value]
         return value  # type: ignore[return-value]
     # Leaves first: dynamo (torch 2.11) cannot trace is_dataclass's hasattr on NoneType.
@@ -65,33 +71,45 @@ def cast_linked(value: T, dtype: torch.dtype, link: bool) -> T:
         return value
     # A mutable container whose members all come back as they were is returned itself: a model
     # that fills a dict or list it is given (a KV cache, auxiliary losses) fills the
-    # caller's, as it would without mixprec. Rebuilt, its writes went to a copy, unsaid.
+    # caller's, as it would without mixprec.
     if isinstance(value, tuple):  # immutable: rebuilt (dynamo cannot trace `is` on tuples)
-        items = [cast_linked(v, dtype, link) for v in value]
+        items = [cast_linked(v, dtype, link, casts) for v in value]
         if hasattr(value, "_fields"):  # named tuple
             return type(value)(*items)  # type: ignore[return-value]
         if type(value) is not tuple:  # struct sequences such as torch.return_types.max
             return type(value)(items)  # type: ignore[call-arg]
         return tuple(items)  # type: ignore[return-value]
+    seen = casts.copy_of(value) if casts is not None else None
+    if seen is not None:
+        return seen  # type: ignore[no-any-return]
     if isinstance(value, list):
-        items = [cast_linked(v, dtype, link) for v in value]
-        return value if _unchanged(items, value) else type(value)(items)  # type: ignore[return-value]
+        items = [cast_linked(v, dtype, link, casts) for v in value]
+        if _unchanged(items, value):
+            return value
+        listed: Any = type(value)(items)
+        if casts is not None:
+            casts.note(value, listed, items)
+        return listed  # type: ignore[no-any-return]
     # A dataclass before a dict (transformers' ModelOutput is both): rebuilt by its
     # constructor, as dataclasses.replace does and as a model's forward builds it, which
     # dynamo traces; copy.copy it does not (torch 2.11: a graph break).
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = dataclasses.fields(value)
         changes = {
-            f.name: cast_linked(getattr(value, f.name), dtype, link) for f in fields if f.init
+            f.name: cast_linked(getattr(value, f.name), dtype, link, casts)
+            for f in fields
+            if f.init
         }
         later = {  # init=False fields (an auxiliary loss set after construction)
-            f.name: cast_linked(getattr(value, f.name), dtype, link)
+            f.name: cast_linked(getattr(value, f.name), dtype, link, casts)
             for f in fields
             if not f.init and hasattr(value, f.name)
         }
         keys: dict[Any, Any] = {}  # a dict's keys set after construction are not fields
         if isinstance(value, dict):
-            keys = {k: cast_linked(v, dtype, link) for k, v in value.items() if k not in changes}
+            keys = {
+                k: cast_linked(v, dtype, link, casts) for k, v in value.items() if k not in changes
+            }
         if (
             _unchanged(changes.values(), [getattr(value, k) for k in changes])
             and _unchanged(later.values(), [getattr(value, k) for k in later])
@@ -103,17 +121,23 @@ def cast_linked(value: T, dtype: torch.dtype, link: bool) -> T:
             object.__setattr__(rebuilt, name, v)
         for k, v in keys.items():
             rebuilt[k] = v
+        if casts is not None:
+            casts.note(value, rebuilt, {**changes, **later})
         return rebuilt  # type: ignore[no-any-return]
     if isinstance(value, (dict, UserDict)):
-        members = {k: cast_linked(v, dtype, link) for k, v in value.items()}
+        members = {k: cast_linked(v, dtype, link, casts) for k, v in value.items()}
         if _unchanged(members.values(), value.values()):
             return value
-        if type(value) is dict:
-            return members  # type: ignore[return-value]
-        out = copy.copy(value)  # keeps the subclass and its attributes (a UserDict:
-        for k, v in members.items():  # transformers' BatchEncoding)
-            out[k] = v
-        return out
+        out: Any = members
+        if isinstance(value, defaultdict):  # dynamo cannot copy.copy one (torch 2.13)
+            out = type(value)(value.default_factory, members)
+        elif type(value) is not dict:
+            out = copy.copy(value)  # keeps the subclass and its attributes (a UserDict:
+            for k, v in members.items():  # transformers' BatchEncoding)
+                out[k] = v
+        if casts is not None:  # what was placed, apart from the copy the model may change
+            casts.note(value, out, dict(members))
+        return out  # type: ignore[no-any-return]
     if link:  # the model's own output (not a region's input): what reaches the loss
         say_if_unwalked(value, dtype)
     return value

@@ -21,8 +21,9 @@ from torch import nn
 from mixprec._device import autocast_available
 from mixprec._dtypes import parse_dtype
 from mixprec._errors import ArgumentError
-from mixprec._input_casts import Casts, InputLook, cast_inputs, positional_names, write_back
+from mixprec._input_casts import InputLook, cast_inputs, positional_names
 from mixprec._param_tags import tag
+from mixprec._rebuilt import Casts, write_back
 from mixprec._upcast_saves import keep_16bit_sources
 from mixprec.casting import (
     COMPUTE_ATTR,

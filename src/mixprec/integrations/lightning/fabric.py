@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from mixprec._errors import ArgumentError, MisuseError
-from mixprec._input_casts import Casts, cast_inputs, write_back
+from mixprec._input_casts import cast_inputs
+from mixprec._rebuilt import Casts, write_back
 from mixprec._save_guard import FABRIC_MODULES, guard_saves
 from mixprec.casting import cast_floating
 from mixprec.integrations.lightning._lightning import FabricPrecision
