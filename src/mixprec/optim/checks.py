@@ -231,7 +231,7 @@ def looks_after_step(
     if result.found_inf is True:
         note_rates_at_skip(book, optimizers)
     book.stall.after_step(result.applied)
-    book.backward_scale = None  # the next step's first backward sets it (sharing)
+    book.share.backward_scale = None  # the next step's first backward sets it (sharing)
 
 
 def _observe(health: ScalerHealth, result: StepResult, scaler: LossScaler) -> None:

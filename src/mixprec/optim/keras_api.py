@@ -73,8 +73,7 @@ class KerasMethods:
         self._book.fresh = True
         self._book.scaled_loss = True
         scale = self._loss_scaler.get_scale()
-        if self._book.partners and self._book.backward_scale is None:  # (optim.sharing)
-            self._book.backward_scale = float(scale)  # the step's first backward
+        self._book.share.note_scale(scale)  # a scaler shared with another wrapper
         factor = scale / self.accumulation_steps
         return loss * factor if factor != 1.0 else loss
 
@@ -85,8 +84,7 @@ class KerasMethods:
         use ``backward(loss)``, which also counts the micro-batch."""
         scale = self._loss_scaler.get_scale()
         self._book.scaled_loss = True
-        if self._book.partners and self._book.backward_scale is None:  # (optim.sharing)
-            self._book.backward_scale = float(scale)
+        self._book.share.note_scale(scale)
         return loss * scale if scale != 1.0 else loss
 
     def get_unscaled_gradients(

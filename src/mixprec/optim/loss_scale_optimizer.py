@@ -44,7 +44,7 @@ from mixprec.optim.keras_api import KerasMethods, keras_scaler
 from mixprec.optim.lr_watch import say_if_rates_moved
 from mixprec.optim.masters import MasterWeights, warn_if_eps_vanishes
 from mixprec.optim.replicas import masters_of_rank0_if_replicas, state_of_rank
-from mixprec.optim.sharing import Partner, check_partners, note_partners
+from mixprec.optim.sharing import Sharing, check_partners, note_partners
 from mixprec.optim.stall import StallWatch
 from mixprec.optim.state_dict import StateDictMethods
 from mixprec.optim.state_view import InnerViews, StepHooks
@@ -108,19 +108,11 @@ class _Bookkeeping:
     fused: list[FusedStep] = field(default_factory=list)
     # How many param groups of each inner optimizer were adopted (masters, fusing).
     groups: list[int] = field(default_factory=list)
-    # Other live wrappers over the same weights or scaler, and whether this one stepped
-    # since one was built (optim.sharing); not pickled: a copy shares nothing.
-    partners: list[Partner] = field(default_factory=list)
-    stepped: bool = False
-    coordinated: bool = False  # sharing made right by its builder (sharing.coordinated)
-    backward_scale: float | None = None  # the scale of the step's first backward (sharing)
-    checked: int = 0  # steps looked at for partners (sharing)
+    # Other live wrappers over the same weights or scaler (optim.sharing).
+    share: Sharing = field(default_factory=Sharing)
     rates_at_skip: list[Any] | None = None  # learning rates after a skip (lr_watch)
     said_rates: bool = False
     stall: StallWatch = field(default_factory=lambda: StallWatch([]))  # O3's weights
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "partners": [], "stepped": False}
 
 
 def _params_of(inner: torch.optim.Optimizer) -> list[torch.Tensor]:

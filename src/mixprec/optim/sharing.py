@@ -25,7 +25,7 @@ torch. The look costs nothing without a partner.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,7 +34,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 from mixprec._errors import MisuseError
 from mixprec.scaling import DynamicLossScaler
 
-__all__ = ["Partner", "check_partners", "check_unscale", "coordinated", "note_partners"]
+__all__ = [
+    "Partner",
+    "Sharing",
+    "check_partners",
+    "check_unscale",
+    "coordinated",
+    "note_partners",
+]
 
 # Each weight or scaler -> the bookkeeping of every wrapper built over it, weakly (by
 # identity: a tensor's == is elementwise).
@@ -55,10 +62,32 @@ class Partner:
     steps: int = 0
 
 
+@dataclass
+class Sharing:
+    """One wrapper's side: its partners, whether it stepped since one was noted, whether
+    its builder coordinates it, the scale of its step's first backward (a shared scaler),
+    and how many of its steps were looked at. Not pickled: a copy shares nothing."""
+
+    partners: list[Partner] = field(default_factory=list)
+    stepped: bool = False
+    coordinated: bool = False
+    backward_scale: float | None = None
+    checked: int = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "partners": [], "stepped": False}
+
+    def note_scale(self, scale: float) -> None:
+        """At a backward (``get_scaled_loss``, ``scale_loss``): the step's first scale,
+        where a partner may share the scaler."""
+        if self.partners and self.backward_scale is None:
+            self.backward_scale = float(scale)
+
+
 def note_partners(book: Any, half: list[torch.Tensor], plain: list[torch.Tensor],
                   scaler: Any) -> None:  # fmt: skip
     """At construction: note each live wrapper over any of ``half`` (16-bit weights with
-    masters), ``plain`` or ``scaler`` in ``book.partners``, and ``book`` in theirs."""
+    masters), ``plain`` or ``scaler`` in ``book.share.partners``, and ``book`` in theirs."""
     found: dict[int, Partner] = {}
     # A scaler whose scale moves; a static or no-op one shared changes nothing.
     scalers = [scaler] if isinstance(scaler, DynamicLossScaler) else []
@@ -69,7 +98,7 @@ def note_partners(book: Any, half: list[torch.Tensor], plain: list[torch.Tensor]
             refs = [r for r in _OWNERS.get(thing, ()) if r() is not None]
             for ref in refs:
                 owner = ref()
-                if owner is book or owner.coordinated:
+                if owner is book or owner.share.coordinated:
                     continue
                 is_scaler = thing is scaler
                 shape = None if is_scaler else tuple(thing.shape)
@@ -80,55 +109,57 @@ def note_partners(book: Any, half: list[torch.Tensor], plain: list[torch.Tensor]
             _OWNERS[thing] = [*refs, mine]
     for partner in found.values():
         other: Any = partner.book()
-        other.stepped = False  # in use from now on only if it steps again
+        other.share.stepped = False  # in use from now on only if it steps again
         partner.stale = other.backwards if other.fresh else 0
-        partner.steps = other.checked
-        book.partners.append(partner)
+        partner.steps = other.share.checked
+        book.share.partners.append(partner)
         mirror = Partner(mine, partner.shape, partner.masters, partner.scaler)
-        mirror.stale, mirror.steps = (book.backwards if book.fresh else 0), book.checked
-        other.partners.append(mirror)
+        mirror.stale, mirror.steps = (book.backwards if book.fresh else 0), book.share.checked
+        other.share.partners.append(mirror)
 
 
 def coordinated(book: Any) -> None:
     """``book``'s wrapper shares weights or its scaler with others by design, and whoever
     built them makes that right (the Lightning plugin: one scaler, each backward's scale
     recorded, gradients brought to the scale of the step): no partner of anyone."""
-    book.coordinated = True
-    for partner in book.partners:
+    book.share.coordinated = True
+    for partner in book.share.partners:
         other = partner.book()
         if other is not None:
-            other.partners[:] = [p for p in other.partners if p.book() is not book]
-    book.partners.clear()
+            other.share.partners[:] = [p for p in other.share.partners if p.book() is not book]
+    book.share.partners.clear()
 
 
 def _check(book: Any, scale: float | None) -> None:
-    book.checked += 1
-    live = [p for p in book.partners if p.book() is not None]
-    book.partners[:] = live
+    book.share.checked += 1
+    live = [p for p in book.share.partners if p.book() is not None]
+    book.share.partners[:] = live
     for partner in live:
         other = partner.book()
-        if not other.fresh or other.checked != partner.steps:
+        if not other.fresh or other.share.checked != partner.steps:
             partner.stale = 0  # stepped since, or idle: any pending backward is new
         pending = other.fresh and other.backwards > partner.stale and partner.shape is not None
-        if pending or moved_scale(book, partner, scale) or (other.stepped and partner.masters):
-            raise MisuseError(_message(partner, pending, moved_scale(book, partner, scale)))
-    book.stepped = True
+        rescaled = moved_scale(book, partner, scale)
+        if pending or rescaled or (other.share.stepped and partner.masters):
+            raise MisuseError(_message(partner, pending, rescaled))
+    book.share.stepped = True
 
 
 def moved_scale(book: Any, partner: Partner, scale: float | None) -> bool:
     """The shared scaler's scale moved since this wrapper's first backward of the step."""
-    return bool(partner.scaler and scale is not None and book.backward_scale not in (None, scale))
+    then = book.share.backward_scale
+    return bool(partner.scaler and scale is not None and then not in (None, scale))
 
 
 def check_unscale(book: Any, scaler: Any) -> None:
     """At ``get_unscaled_gradients`` (Keras' flows unscale there): refuse where a partner
     moved the shared scale since this wrapper scaled its loss; the unscale is done then."""
-    if book.partners:
+    if book.share.partners:
         scale = float(scaler.get_scale())
-        for partner in [p for p in book.partners if p.book() is not None]:
+        for partner in [p for p in book.share.partners if p.book() is not None]:
             if moved_scale(book, partner, scale):
                 raise MisuseError(_message(partner, False, True))
-    book.backward_scale = None
+    book.share.backward_scale = None
 
 
 def _message(partner: Partner, pending: bool, rescaled: bool) -> str:
@@ -164,5 +195,5 @@ _check_eagerly = torch._disable_dynamo(_check)  # type: ignore[attr-defined]
 def check_partners(book: Any, scaler: Any) -> None:
     """At ``step()`` (and ``apply_gradients``), before the unscale: refuse while a
     partner is in use (see above)."""
-    if book.partners:
+    if book.share.partners:
         _check_eagerly(book, float(scaler.get_scale()))

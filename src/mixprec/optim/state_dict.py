@@ -50,6 +50,8 @@ class StateDictMethods:
         def zero_grad(self, set_to_none: bool = True) -> None: ...
 
     def __getstate__(self) -> dict[str, Any]:
+        # Every attribute: torch's Optimizer.__getstate__ keeps its defaults, state and
+        # param_groups alone, and the wrapper's masters and scaler would be lost.
         return self.__dict__.copy()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
