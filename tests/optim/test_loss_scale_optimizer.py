@@ -333,3 +333,26 @@ def test_a_custom_backward_written_in_terms_of_the_scale_matches_float32():
     opt.backward((model(x) ** 2).sum())
     opt.unscale_()
     torch.testing.assert_close(model.a.weight.grad, control.a.weight.grad, rtol=2e-2, atol=1e-3)
+
+
+def test_a_plain_loss_backward_is_named_as_the_likely_cause(monkeypatch):
+    """A torch habit, ``loss.backward()`` then ``opt.step()``: the refusal guessed "another
+    LossScaleOptimizer's backward" even where there was no other wrapper."""
+    from mixprec.optim import sharing
+
+    monkeypatch.setattr(sharing, "_LIVE", sharing.WeakIdKeyDictionary())  # no other wrapper
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    loss_of(model).backward()
+    with pytest.raises(mp.MisuseError) as caught:
+        opt.step()
+    said = str(caught.value)
+    assert "a plain loss.backward()? Use opt.backward(loss) in its place" in said
+    assert "wrap both in one" not in said
+    # Two wrappers over one model's parts, the backward through one: both causes named.
+    head = mp.LossScaleOptimizer(torch.optim.SGD(model[-1].parameters(), lr=0.1))
+    opt.zero_grad()
+    opt.backward(loss_of(model))
+    opt.step()
+    with pytest.raises(mp.MisuseError, match=r"or a plain loss.backward\(\)\?\): .*wrap both"):
+        head.step()

@@ -31,6 +31,7 @@ from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec._warn import caller_stacklevel, warn_at_caller
 from mixprec.casting import POLICY_ATTR
+from mixprec.optim import sharing
 from mixprec.optim.fused import needs_scaling
 from mixprec.optim.lr_watch import note_rates_at_skip
 from mixprec.optim.masters import MasterWeights, needs_master
@@ -419,17 +420,27 @@ def _note_backward(scale: float) -> int:
     return _COUNT[0]
 
 
-def no_backward_error(params: list[torch.Tensor]) -> MisuseError:
-    """``step()`` with no backward of its own; parameters that hold gradients anyway got
-    them from another backward (a second ``LossScaleOptimizer``'s, over the same loss)."""
-    hint = (
-        ". Its parameters hold gradients from a backward it did not run (another "
-        "LossScaleOptimizer's opt.backward(loss)?): for one loss over the parameters of two "
-        "optimizers, wrap both in one, mp.LossScaleOptimizer([opt_a, opt_b]) (one scale, "
-        "one backward); a backward per wrapper would add every gradient twice"
-    )
-    return MisuseError(
+def no_backward_error(params: list[torch.Tensor], book: Any) -> MisuseError:
+    """``step()`` with no backward of its own. Parameters that hold gradients anyway got
+    them from a plain ``loss.backward()`` (the torch habit) or, where another
+    ``LossScaleOptimizer`` is alive, maybe from its backward over the same loss."""
+    message = (
         "LossScaleOptimizer.step() called without a new backward since the last step(): "
         "call opt.backward(loss) (or backward on opt.get_scaled_loss(loss)) first"
-        + (hint if any(p.grad is not None for p in params) else "")
+    )
+    if not any(p.grad is not None for p in params):
+        return MisuseError(message)
+    if sharing.others_live(book):
+        return MisuseError(
+            message + ". Its parameters hold gradients from a backward it did not run "
+            "(another LossScaleOptimizer's opt.backward(loss), or a plain loss.backward()?): "
+            "for one loss over the parameters of two optimizers, wrap both in one, "
+            "mp.LossScaleOptimizer([opt_a, opt_b]) (one scale, one backward); a backward per "
+            "wrapper would add every gradient twice"
+        )
+    return MisuseError(
+        message + ". Its parameters hold gradients from a backward it did not run: a plain "
+        "loss.backward()? Use opt.backward(loss) in its place: it scales the loss where "
+        "the policy needs it (float16) and marks the backward as this optimizer's, so "
+        "step() unscales by the scale the gradients carry"
     )

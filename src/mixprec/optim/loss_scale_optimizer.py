@@ -319,7 +319,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         if closure is not None:
             raise MisuseError("LossScaleOptimizer.step() does not take a closure")
         if not self._book.fresh:
-            raise no_backward_error(self._weights.model_params())
+            raise no_backward_error(self._weights.model_params(), self._book)
         check_micro_batches(self._book, self.accumulation_steps, self.drop_gradients)
         check_partners(self._book, self._loss_scaler)
         say_if_rates_moved(self._book, self.optimizers)

@@ -41,11 +41,15 @@ __all__ = [
     "check_unscale",
     "coordinated",
     "note_partners",
+    "others_live",
 ]
 
 # Each weight or scaler -> the bookkeeping of every wrapper built over it, weakly (by
 # identity: a tensor's == is elementwise).
 _OWNERS = WeakIdKeyDictionary()
+# Every live wrapper's bookkeeping: a step() with no backward of its own names another
+# wrapper's backward as the likely cause only where there is another.
+_LIVE = WeakIdKeyDictionary()  # by identity: the bookkeeping is an unhashable dataclass
 
 
 @dataclass
@@ -93,6 +97,7 @@ def note_partners(book: Any, half: list[torch.Tensor], plain: list[torch.Tensor]
     scalers = [scaler] if isinstance(scaler, DynamicLossScaler) else []
     groups: list[tuple[list[Any], bool]] = [(half, True), (plain, False), (scalers, False)]
     mine = weakref.ref(book)
+    _LIVE[book] = True
     for things, masters in groups:
         for thing in things:
             refs = [r for r in _OWNERS.get(thing, ()) if r() is not None]
@@ -116,6 +121,12 @@ def note_partners(book: Any, half: list[torch.Tensor], plain: list[torch.Tensor]
         mirror = Partner(mine, partner.shape, partner.masters, partner.scaler)
         mirror.stale, mirror.steps = (book.backwards if book.fresh else 0), book.share.checked
         other.share.partners.append(mirror)
+
+
+def others_live(book: Any) -> bool:
+    """Whether a wrapper other than ``book``'s is alive (its backward may have made the
+    gradients ``book``'s step found)."""
+    return any(other is not book for other in list(_LIVE.keys()))
 
 
 def coordinated(book: Any) -> None:
