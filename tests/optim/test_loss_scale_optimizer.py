@@ -356,3 +356,34 @@ def test_a_plain_loss_backward_is_named_as_the_likely_cause(monkeypatch):
     opt.step()
     with pytest.raises(mp.MisuseError, match=r"or a plain loss.backward\(\)\?\): .*wrap both"):
         head.step()
+
+
+def test_a_batch_dropped_by_hand_after_unscale_counts_as_a_skipped_step():
+    """The float32 habit: ``unscale_()``, a check (``clip_grad_norm_(...,
+    error_if_nonfinite=True)``), and ``zero_grad(); continue`` when it fails. The dropped
+    unscale never reached the scaler: the scale stayed at 65536 and all 30 batches were
+    dropped, where the loop without the check applied 26 and backed off."""
+
+    def run(by_hand):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+        model = mp.auto_mixed_precision(net, "mixed_float16", "O2")
+        opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+        applied = 0
+        for _ in range(30):
+            x, y = torch.randn(32, 16) * 3, torch.randint(0, 4, (32,))
+            opt.zero_grad()
+            opt.backward(nn.functional.cross_entropy(model(x), y, reduction="sum"))
+            if by_hand:
+                opt.unscale_()
+                grads = [p.grad for p in opt.master_params()]
+                if not all(torch.isfinite(g).all() for g in grads):
+                    continue
+            applied += bool(opt.step().applied)
+        opt.zero_grad()
+        weights = [p.detach().clone() for p in model.parameters()]
+        return applied, opt.loss_scaler.get_scale(), weights
+
+    plain, by_hand = run(False), run(True)
+    assert plain[0] == by_hand[0] < 30 and plain[1] == by_hand[1] < 65536.0
+    assert all(torch.equal(a, b) for a, b in zip(plain[2], by_hand[2], strict=True))

@@ -270,6 +270,11 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         book = self._book
         if book.found_inf is not None:  # a whole group dropped: the next one counts anew
             book.micro, book.fresh, book.backwards = 0, False, 0
+            # Dropped because they held inf/NaN (a check after unscale_()): a skipped step
+            # all the same, or the scale never backs off and every batch is dropped.
+            if not book.no_grads and bool(book.found_inf.any()):
+                self._read_device_steps()
+                self._folded(True)
         book.found_inf, book.no_grads, book.unscaled_versions = None, False, None
         self._adopt_added_groups()  # their gradients are cleared too, as the inner's would be
         self._weights.zero_grad(set_to_none)
