@@ -24,6 +24,7 @@ from typing import Any, cast
 import torch
 
 from mixprec._plain_optimizers import no_other_global_hooks
+from mixprec.optim.layouts import match_state_layouts
 
 __all__ = ["FusedStep"]
 
@@ -59,6 +60,7 @@ class FusedStep:
         return _step_eagerly(self, found_inf)  # type: ignore[no-any-return]
 
     def _step(self, found_inf: torch.Tensor | None) -> bool:
+        match_state_layouts(self.inner)  # a state tensor replaced: the lists are rebuilt
         grads = self._grads(skip_on_device=found_inf is not None)
         if grads is None:
             return False

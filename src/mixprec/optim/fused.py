@@ -8,13 +8,16 @@ model was prepared, whether the default loss scaler is dynamic.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from mixprec._dist import fsdp_computes_in_float16, is_dtensor
 from mixprec._plain_optimizers import step_inner
+from mixprec._warn import warn_at_caller
 from mixprec.casting import COMPUTE_ATTR, LEVEL_ATTR, POLICY_ATTR
+from mixprec.optim.layouts import match_state_layouts
 from mixprec.policy import Policy, global_policy
 
 __all__ = ["needs_scaling"]
@@ -54,6 +57,34 @@ def needs_scaling(params: list[torch.Tensor]) -> bool:
     return not tagged and global_policy().loss_scaling == "dynamic"
 
 
+@functools.cache
+def _fused_cpu_sgd_drops_16bit() -> bool:
+    """Whether this torch's fused CPU SGD leaves a 16-bit parameter where it was
+    (pytorch/pytorch#191763: torch 2.12-2.13 skip the vectorised part), tried once."""
+    p = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+    p.grad = torch.ones_like(p)
+    torch.optim.SGD([p], lr=0.5, fused=True).step()
+    return bool((p.detach() == 1).any())
+
+
+def _say_if_fused_sgd_drops(inner: torch.optim.Optimizer, group: dict[str, Any]) -> None:
+    """An SGD group the user fused over CPU 16-bit parameters (O3): torch's kernel drops
+    most of each update there (the weights moved 0.015 of float32's in 20 steps), unsaid."""
+    half = (torch.float16, torch.bfloat16)
+    if (
+        type(inner) is torch.optim.SGD
+        and group.get("fused")
+        and any(p.device.type == "cpu" and p.dtype in half for p in group["params"])
+        and _fused_cpu_sgd_drops_16bit()
+    ):
+        warn_at_caller(
+            "SGD(fused=True) over float16/bfloat16 parameters on CPU (level O3): this "
+            f"torch ({torch.__version__}) drops most of each such update in its fused CPU "
+            "kernel (pytorch/pytorch#191763). Leave fused unset (mixprec then picks "
+            "torch's loop for them), or use level O2 (float32 masters, fused)."
+        )
+
+
 def _fuse(inner: torch.optim.Optimizer, group: dict[str, Any]) -> None:
     """Switch ``group`` to torch's fused kernel where the user left the choice to torch
     (``fused`` and ``foreach`` both None).
@@ -61,7 +92,9 @@ def _fuse(inner: torch.optim.Optimizer, group: dict[str, Any]) -> None:
     On CPU torch then picks the per-parameter loop: AdamW on the LM d512's parameters took
     30-40 ms a step that way and 9-10 ms fused. Not once the optimizer has state (its
     ``step`` counters would be in the loop's format), and not for FSDP2's DTensor
-    parameters (the fused kernels have no sharding rule)."""
+    parameters (the fused kernels have no sharding rule). Every group the wrapper takes
+    comes here: one fused by the user where torch's kernel drops updates is said."""
+    _say_if_fused_sgd_drops(inner, group)
     if (
         type(inner) not in _FUSABLE
         # Plain SGD (no momentum) is one add per parameter: torch's loop is faster than the
@@ -108,6 +141,7 @@ def step_inner_fused_safely(inner: torch.optim.Optimizer, book: Any) -> None:
     momentum buffer and others none yet (a branch first used at a later step, a layer
     unfrozen) stepped unfused this once: torch's fused kernel cannot step such a group (a
     TypeError), and its loop starts the new buffers from the gradient as plain SGD does."""
+    match_state_layouts(inner)
     unfused = []
     # Buffers are never dropped: once every parameter has one, no group can mix (no loop).
     every = sum(len(group["params"]) for group in inner.param_groups)
