@@ -263,3 +263,44 @@ def test_a_loss_scale_optimizer_is_refused_naming_the_two_scalers(level):
         scaler.unscale_(opt)
     with pytest.raises(mp.MisuseError, match=said):
         scaler.step(opt)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_step_that_raised_leaves_no_stale_unscale_to_the_next(fused):
+    """The optimizer's step raised (Ctrl-C, a hook), the loop went on without update():
+    the unfused path stayed UNSCALED, and the next step skipped its unscale and applied
+    its gradients still scaled (a weight from -0.004 to -327.7, unsaid). Now the next
+    step() raises until update(), as the fused path did; after update() training goes on."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, fused=fused or None)
+    scaler = mp.GradScaler("cpu", init_scale=1024.0)  # 65536 overflows this float16 grad
+    fail = [True]
+
+    def interrupt(*_):
+        if fail[0]:
+            fail[0] = False
+            raise KeyboardInterrupt
+
+    opt.register_step_pre_hook(interrupt)
+
+    def backward():
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.ones(8, 4)).float().mean()
+        scaler.scale(loss).backward()
+
+    before = model.weight.detach().clone()
+    backward()
+    with pytest.raises(KeyboardInterrupt):
+        scaler.step(opt)
+    backward()
+    with pytest.raises(RuntimeError, match=r"a step\(\) that raised counts too"):
+        scaler.step(opt)
+    assert torch.equal(model.weight, before)
+    scaler.update()
+    backward()
+    scaler.step(opt)
+    scaler.update()
+    # One plain SGD step of the unscaled gradient: lr * 1 (d mean(w.x + b)/dw = x = 1).
+    torch.testing.assert_close(model.weight.detach(), before - 0.01)

@@ -228,7 +228,10 @@ class GradScaler(_Accessors):
         device = self._check_started("step")
         state = self._opt(optimizer)
         if state.stage is _Stage.STEPPED:
-            raise RuntimeError("step() has already been called since the last update().")
+            raise RuntimeError(
+                "step() has already been called since the last update() (a step() that "
+                "raised counts too: call update() before the next step())."
+            )
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             passes_itself = "grad_scaler" in inspect.signature(optimizer.step).parameters
@@ -251,9 +254,13 @@ class GradScaler(_Accessors):
             raise MisuseError("No inf checks were recorded for this optimizer.")
         # The one host synchronisation of the step.
         state.host_found_inf = bool(agree_found_inf(state.found_inf).item())
-        result = None if state.host_found_inf else optimizer.step(*args, **kwargs)
-        state.stage = _Stage.STEPPED
-        return result
+        try:
+            return None if state.host_found_inf else optimizer.step(*args, **kwargs)
+        finally:
+            # Also when the step raises (Ctrl-C, a hook): left UNSCALED, the next step
+            # skipped its unscale and applied its gradients still scaled (a weight went
+            # from -0.004 to -327.7, unsaid); now it raises until update().
+            state.stage = _Stage.STEPPED
 
     # Eager under torch.compile, as torch.amp.GradScaler.step is (dynamo skips torch's own
     # code): traced, dynamo dropped the grad_scale/found_inf attributes set on the optimizer
