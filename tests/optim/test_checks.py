@@ -346,6 +346,39 @@ def test_a_16bit_cast_after_training_started_is_refused_at_the_next_backward(lev
     assert f"{plain} parameters it holds are now {kind}" in str(got.value)
 
 
+def test_half_mid_training_of_an_o2_model_with_no_float32_parameter_is_refused():
+    """An O2 model with no norm layer keeps every parameter behind a master: ``.half()``
+    after training started changed only the 16-bit weights, which were not looked at, and
+    the float16 model trained on with no loss scaling (41% of the first layer's gradients
+    0), unsaid. A change of 16-bit dtype that loses nothing is looked at once."""
+    torch.manual_seed(0)
+    model = mp.auto_mixed_precision(
+        nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), "mixed_bfloat16", "O2"
+    )
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert not opt._weights.plain  # the case in question: every parameter has a master
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    opt.backward(nn.functional.cross_entropy(model(x), y))
+    opt.step()
+    model.half()
+    opt.zero_grad()
+    with pytest.raises(mp.MisuseError, match="does no loss scaling"):
+        opt.backward(nn.functional.cross_entropy(model(x.half()).float(), y))
+    # mixed_float16 cast to bfloat16: scaled, nothing lost; looked at once, then not.
+    model = mp.auto_mixed_precision(
+        nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), "mixed_float16", "O2"
+    )
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.backward(nn.functional.cross_entropy(model(x), y))
+    opt.step()
+    model.bfloat16()
+    for _ in range(2):
+        opt.zero_grad()
+        opt.backward(nn.functional.cross_entropy(model(x.bfloat16()).float(), y))
+        opt.step()
+        assert not opt._setup.due(opt._weights)
+
+
 def test_an_o3_model_back_in_float32_trains_on_and_is_not_looked_at_again():
     model = mp.auto_mixed_precision(_with_norm(), "mixed_bfloat16", "O3")
     opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))

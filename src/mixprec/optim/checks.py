@@ -62,6 +62,10 @@ _ORDER = (
 )
 
 
+def _ends(params: list[torch.Tensor]) -> tuple[torch.dtype, ...]:
+    return (params[0].dtype, params[-1].dtype) if params else ()
+
+
 class SetupCheck:
     """What a ``LossScaleOptimizer`` decided when it was built, checked against the model
     at the first backward (not in the step, which ``torch.compile`` may trace); at every
@@ -72,12 +76,18 @@ class SetupCheck:
         self.pending = True
         self.scaler_chosen = scaler_chosen  # by the user: their choice is not second-guessed
         self.dtypes = [p.dtype for p in weights.plain]
+        # The 16-bit weights' at either end: a model with no plain parameter (no norm
+        # layer) cast by .half() mid-training changed only these.
+        self.half_dtypes = _ends(weights.half)
 
     def due(self, weights: MasterWeights) -> bool:
         """Whether ``run`` must look: at the first backward, after a group was added, or
-        when a plain parameter at either end changed dtype (two reads, not a pass)."""
+        when a parameter at either end of the plain or the 16-bit ones changed dtype (four
+        reads, not a pass)."""
         plain = weights.plain
         if self.pending or len(plain) != len(self.dtypes):
+            return True
+        if _ends(weights.half) != self.half_dtypes:
             return True
         return bool(plain) and (
             plain[0].dtype != self.dtypes[0] or plain[-1].dtype != self.dtypes[-1]
@@ -130,6 +140,7 @@ class SetupCheck:
         # A widening (an O3 model back in float32) loses nothing: recorded, or every
         # backward would look again.
         self.dtypes = [p.dtype for p in weights.plain]
+        self.half_dtypes = _ends(weights.half)
         if self.pending:
             self.pending = False
             _say_if_global_policy_unused(params)
