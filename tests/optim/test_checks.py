@@ -515,7 +515,7 @@ def test_two_wrappers_over_one_loss_are_pointed_to_one_wrapper_over_both():
     opt_a.backward(loss_of(model))
     assert opt_a.step().applied
     with pytest.raises(
-        mp.MisuseError, match=r"did not run .*mp.LossScaleOptimizer\(\[opt_a, opt_b\]\)"
+        mp.MisuseError, match=r"did not run.*mp.LossScaleOptimizer\(\[opt_a, opt_b\]\)"
     ):
         opt_b.step()
     both = mp.LossScaleOptimizer(

@@ -354,7 +354,7 @@ def test_a_plain_loss_backward_is_named_as_the_likely_cause(monkeypatch):
     opt.zero_grad()
     opt.backward(loss_of(model))
     opt.step()
-    with pytest.raises(mp.MisuseError, match=r"or a plain loss.backward\(\)\?\): .*wrap both"):
+    with pytest.raises(mp.MisuseError, match=r"a plain loss.backward\(\)\?.*wrap both"):
         head.step()
 
 
@@ -387,3 +387,41 @@ def test_a_batch_dropped_by_hand_after_unscale_counts_as_a_skipped_step():
     plain, by_hand = run(False), run(True)
     assert plain[0] == by_hand[0] < 30 and plain[1] == by_hand[1] < 65536.0
     assert all(torch.equal(a, b) for a, b in zip(plain[2], by_hand[2], strict=True))
+
+
+def test_a_retried_step_after_one_that_raised_names_the_raise():
+    """A step whose inner optimizer raised (a hook, Ctrl-C), retried: refused as it must
+    be (plain weights may be unscaled in place already), but the refusal blamed a plain
+    ``loss.backward()`` or another wrapper."""
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = mp.LossScaleOptimizer(inner)
+    fail = [True]
+
+    def interrupt(*_):
+        if fail[0]:
+            fail[0] = False
+            raise RuntimeError("interrupted")
+
+    inner.register_step_pre_hook(interrupt)
+    opt.backward(loss_of(model))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        opt.step()
+    with pytest.raises(mp.MisuseError, match=r"The last step\(\) raised before it finished"):
+        opt.step()
+    opt.zero_grad()
+    opt.backward(loss_of(model))
+    assert opt.step().applied
+
+
+def test_gradients_set_by_hand_are_pointed_at_apply_gradients():
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    params = list(model.parameters())
+    for p, g in zip(params, torch.autograd.grad(loss_of(model), params), strict=True):
+        p.grad = g
+    with pytest.raises(mp.MisuseError, match=r"opt.apply_gradients\(zip\(grads, params\)\)"):
+        opt.step()
+    opt.zero_grad()
+    grads = torch.autograd.grad(loss_of(model), params)
+    assert opt.apply_gradients(zip(grads, params, strict=True)).applied

@@ -439,19 +439,27 @@ def no_backward_error(params: list[torch.Tensor], book: Any) -> MisuseError:
         "LossScaleOptimizer.step() called without a new backward since the last step(): "
         "call opt.backward(loss) (or backward on opt.get_scaled_loss(loss)) first"
     )
+    if book.raised:  # a retry: its gradients may be unscaled in place already
+        return MisuseError(
+            message + ". The last step() raised before it finished, and its backward went "
+            "with it (some gradients may be unscaled in place already): zero_grad() and run "
+            "the batch's backward again"
+        )
     if not any(p.grad is not None for p in params):
         return MisuseError(message)
-    if sharing.others_live(book):
-        return MisuseError(
-            message + ". Its parameters hold gradients from a backward it did not run "
-            "(another LossScaleOptimizer's opt.backward(loss), or a plain loss.backward()?): "
-            "for one loss over the parameters of two optimizers, wrap both in one, "
-            "mp.LossScaleOptimizer([opt_a, opt_b]) (one scale, one backward); a backward per "
-            "wrapper would add every gradient twice"
-        )
-    return MisuseError(
-        message + ". Its parameters hold gradients from a backward it did not run: a plain "
+    message += (
+        ". Its parameters hold gradients from a backward it did not run: a plain "
         "loss.backward()? Use opt.backward(loss) in its place: it scales the loss where "
         "the policy needs it (float16) and marks the backward as this optimizer's, so "
-        "step() unscales by the scale the gradients carry"
+        "step() unscales by the scale the gradients carry. Gradients computed by hand "
+        "(torch.autograd.grad): opt.apply_gradients(zip(grads, params)), unscaled first "
+        "with opt.get_unscaled_gradients(grads) where the loss was scaled"
     )
+    if sharing.others_live(book):
+        message += (
+            ". Or another LossScaleOptimizer's opt.backward(loss): for one loss over the "
+            "parameters of two optimizers, wrap both in one, mp.LossScaleOptimizer([opt_a, "
+            "opt_b]) (one scale, one backward); a backward per wrapper would add every "
+            "gradient twice"
+        )
+    return MisuseError(message)

@@ -70,7 +70,7 @@ class KerasMethods:
             )
         self._book.micro += 1
         self._book.backwards += 1
-        self._book.fresh = True
+        self._book.fresh, self._book.raised = True, False
         self._book.scaled_loss = True
         scale = self._loss_scaler.get_scale()
         self._book.share.note_scale(scale)  # a scaler shared with another wrapper

@@ -79,6 +79,7 @@ class _Bookkeeping:
     micro: int = 0  # backward passes since the last update
     backwards: int = 0  # backward passes since the last step() call (check_micro_batches)
     fresh: bool = False  # a backward happened since the last step()
+    raised: bool = False  # the last step() raised, and no backward since (no_backward_error)
     found_inf: torch.Tensor | None = None  # set by unscale_()
     # The 16-bit gradients' versions at an explicit unscale_(): changed by step(), they
     # were clipped (or edited) where step() does not read them.
@@ -345,6 +346,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
                 result = self._finish()
         except BaseException:
             self._drop_unscaled()
+            self._book.raised = True
             raise
         after_step(self.health, result, self._loss_scaler, self._weights)
         looks_after_step(self._book, self.optimizers, result)
