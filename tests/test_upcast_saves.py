@@ -106,3 +106,30 @@ def test_activation_checkpointing_keeps_its_own_hooks(monkeypatch):
     assert seen and all(seen)
     for a, b in zip(wrapped, plain, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3"])
+def test_per_sample_gradients_through_a_float32_island(level):
+    """``vmap(grad(...))`` (per-sample gradients, DP-SGD) over a prepared model with a
+    LayerNorm raised "Cannot access data pointer of Tensor that doesn't have storage" from
+    the island's saved-tensor hooks; they now stay out of torch.func transforms. Compared
+    with one backward per sample, to bfloat16 rounding."""
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 4))
+    model = mp.auto_mixed_precision(model, "mixed_bfloat16", level)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p, a, b):
+        return F.cross_entropy(functional_call(model, p, (a[None],)), b[None])
+
+    got = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    for i in range(8):
+        model.zero_grad()
+        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        for name, p in model.named_parameters():
+            want = p.grad.float()
+            err = (got[name][i].float() - want).abs().max() / want.abs().max().clamp(min=1e-6)
+            assert err < 0.03, (name, i, err)

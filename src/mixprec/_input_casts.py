@@ -28,6 +28,7 @@ import torch
 
 from mixprec._errors import ArgumentError
 from mixprec._rebuilt import Casts
+from mixprec._upcast_saves import functorch_active
 from mixprec._warn import warn_at_caller
 from mixprec.casting import cast_linked
 
@@ -139,7 +140,7 @@ class InputLook:
             and self.idle < 4 * self.LOOKS
             and not torch.is_inference_mode_enabled()  # no version counters to watch
             and not torch._C._get_tracing_state()  # torch.jit.trace
-            and not _functorch_active()  # .item() of a batched tensor raises
+            and not functorch_active()  # .item() of a batched tensor raises
         )
 
     def before(
@@ -266,11 +267,6 @@ class InputLook:
         else:
             fix = f"leave it as given: auto_mixed_precision(model, ..., keep_inputs=({top!r},))"
         warn_at_caller(f"{what}. To {fix}, {other}")
-
-
-def _functorch_active() -> bool:
-    active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    return bool(active()) if active is not None else False
 
 
 def _pairs(given: Any, cast: Any, path: str) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:

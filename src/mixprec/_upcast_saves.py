@@ -24,7 +24,7 @@ import torch
 
 from mixprec._dtypes import HALF_DTYPES
 
-__all__ = ["keep_16bit_sources"]
+__all__ = ["functorch_active", "keep_16bit_sources"]
 
 ENABLED = True  # tests switch it off to compare against plain autograd
 
@@ -60,6 +60,13 @@ def _hooks_usable() -> bool:
         return False
 
 
+def functorch_active() -> bool:
+    """Inside a ``torch.func`` transform (``grad``, ``vmap``): its wrapped tensors have no
+    storage to read, nor a value to look at on the host."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active()) if active is not None else False
+
+
 def keep_16bit_sources(
     before: tuple[Any, ...], after: tuple[Any, ...]
 ) -> contextlib.AbstractContextManager[Any] | None:
@@ -68,6 +75,8 @@ def keep_16bit_sources(
     # Under torch.compile the partitioner picks what backward saves (saved-tensor hooks do not
     # trace); it keeps the 16-bit input and recomputes the upcast by itself.
     if not ENABLED or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    if functorch_active():  # per-sample gradients (vmap of grad) raised on data_ptr()
         return None
     # Weak: autograd keeps the pack hook too, and a strong reference would keep every 16-bit
     # input alive as long as the graph (measured: as much memory again as the copies).
