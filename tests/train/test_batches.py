@@ -279,3 +279,36 @@ def test_a_distributed_sampler_is_told_each_epoch():
     assert len(sampler.orders) == 3
     assert all(len(order) == 16 for order in sampler.orders)  # rank 0's half each epoch
     assert sampler.orders[0] != sampler.orders[1] != sampler.orders[2]
+
+
+def test_an_index_error_of_the_model_itself_is_not_blamed_on_the_labels() -> None:
+    """A model whose position table is too short for a batch: every "out of bounds" became
+    a ValueError about class labels, all of them valid. It goes on as torch raised it; a
+    gather in a loss of one's own over a bad label still names the batch."""
+
+    class Positions(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(8, 4))
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.table[torch.arange(x.shape[1])].mean(0)).expand(len(x), 3)
+
+    model = Positions()
+    trainer = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 0.1),
+                         device="cpu", metrics=())  # fmt: skip
+    labels = torch.tensor([0, 1, 2, 0])
+    with pytest.raises(IndexError, match=r"^index 8 is out of bounds for dimension 0"):
+        trainer.fit([(torch.zeros(4, 8), labels), (torch.zeros(4, 12), labels)], verbose=0)
+
+    def gathered(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        picked = output.log_softmax(-1).gather(1, target[:, None])
+        return -picked.mean()
+
+    model = nn.Linear(8, 3)
+    trainer = mp.Trainer(model, gathered, torch.optim.SGD(model.parameters(), 0.1),
+                         device="cpu", metrics=())  # fmt: skip
+    with pytest.raises(ValueError, match=r"epoch 1, batch 1: .*index 5 is out of bounds.*"
+                       r"class labels must be in"):  # fmt: skip
+        trainer.fit([(torch.randn(4, 8), torch.tensor([0, 5, 1, 2]))], verbose=0)

@@ -32,6 +32,7 @@ from mixprec.trace import Overflow, OverflowTracer
 from mixprec.train import batches, evaluation, resume
 from mixprec.train.batches import Batch
 from mixprec.train.callbacks import Callback, CallbackList, History, Logs, ProgressBar
+from mixprec.train.label_errors import label_error
 from mixprec.train.meter import EpochMeter
 from mixprec.train.metrics import (
     LossFn,
@@ -292,13 +293,11 @@ class Trainer:
                     loss, result = self.step(xb, yb, flush=last)
                 except (IndexError, RuntimeError) as err:
                     # A loader's labels are seen only here; tensors' get a ValueError up front
-                    # (batches.validate), so these do too (IndexError, or a gather's RuntimeError).
-                    if "out of bounds" not in str(err):
+                    # (batches.validate), so these do too (label_errors).
+                    about_labels = label_error(err, yb, epoch, step)
+                    if about_labels is None:  # the model's own indexing: as torch said it
                         raise
-                    raise ValueError(
-                        f"epoch {epoch + 1}, batch {step + 1}: {err} (class labels must be in "
-                        "[0, number of classes), or the loss's ignore_index)"
-                    ) from err
+                    raise about_labels from err
                 # Counted once the step is done: a state taken after a step that raised
                 # (Ctrl-C in its forward) resumes at that batch, not past it.
                 self._step_in_epoch = step + 1
