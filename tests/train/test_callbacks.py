@@ -257,6 +257,40 @@ def test_model_checkpoint_never_keeps_a_nan_epoch_as_best(tmp_path):
     assert math.isnan(losses[0]) and ckpt.best == min(losses[1:])
 
 
+def test_a_failed_best_write_leaves_the_best_value_of_the_file(tmp_path, monkeypatch):
+    """The disk full while epoch 2's best.safetensors was written: the callback had noted
+    epoch 2's value as its best already, so a later fit compared against a value that no
+    file held, and kept a worse epoch out."""
+
+    class Seen(mp.Callback):
+        def __init__(self) -> None:
+            self.val_losses: list[float] = []
+
+        def on_epoch_end(self, epoch: int, logs: dict) -> None:
+            self.val_losses.append(logs["val_loss"])
+
+    x, y = classification_data(n=64)
+    torch.manual_seed(0)
+    model = nn.Linear(32, 10)
+    t = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 0.1), metrics=())
+    ckpt, seen = mp.ModelCheckpoint(tmp_path, every_n_epochs=None, monitor="val_loss"), Seen()
+    real, calls = ckpt._write, []
+
+    def write(path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device", str(path))
+        real(path)
+
+    monkeypatch.setattr(ckpt, "_write", write)
+    with pytest.raises(OSError, match="No space left"):
+        t.fit(x, y, batch_size=16, epochs=3, verbose=0, validation_data=(x, y),
+              callbacks=[seen, ckpt])  # fmt: skip
+    first, second = seen.val_losses
+    assert second < first and len(calls) == 2  # epoch 2 was better: its write failed
+    assert ckpt.best == first  # what best.safetensors holds
+
+
 def test_ema_copied_into_an_o2_model_is_what_evaluate_and_a_save_see(tmp_path):
     """The average applied with p.data.copy_ over model.parameters(): evaluate saw it, a
     save wrote the masters instead (0.182 apart). copy_to_model() writes the masters and

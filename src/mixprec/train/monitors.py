@@ -212,9 +212,14 @@ class ModelCheckpoint(Callback):
                         f"its own ({self.monitor} {current:.6g}). Give each run a directory "
                         "of its own to keep both"
                     )
-                # Noted before the saves below, so that they hold it.
-                self.best = current
-                self._write(best)
+                # Noted before the saves below, so that they hold it; put back if the write
+                # fails, or a later fit compared against a best no file held.
+                earlier, self.best = self.best, current
+                try:
+                    self._write(best)
+                except BaseException:
+                    self.best = earlier
+                    raise
         n = self.every_n_epochs
         if n and (epoch + 1) % n == 0:
             self._save(f"epoch-{epoch + 1:04d}.safetensors")
