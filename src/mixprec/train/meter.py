@@ -78,6 +78,18 @@ class EpochMeter:
                         value = value.to(_SUM_DTYPE if value.device.type != "mps" else F32)
                     self.metric_sums[name] = self.metric_sums[name] + value * size
 
+    def snapshot(self) -> tuple[Any, ...]:
+        """The sums as they are now, for ``restore`` (no host read: the metric sums are
+        replaced, not written, by ``add``)."""
+        return (self.loss_sum, self.samples, self.counted, self.skipped,
+                dict(self.metric_sums), len(self.times), self.group_time)  # fmt: skip
+
+    def restore(self, snapshot: tuple[Any, ...]) -> None:
+        """Back to ``snapshot``: an accumulation group dropped whole (``interrupts``)."""
+        self.loss_sum, self.samples, self.counted, self.skipped, sums, times, group = snapshot
+        self.metric_sums, self.group_time, self.synced = dict(sums), group, None
+        del self.times[times:]
+
     def sync(self) -> None:
         """Sum the loss, sample and metric sums over every rank, for a checkpoint taken
         after this step (a collective: every rank calls it at the same step). Rank 0

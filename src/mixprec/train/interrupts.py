@@ -1,0 +1,94 @@
+"""What an interrupted batch leaves for a resume: a batch is done once its step has
+returned *and* its bookkeeping ran, or not at all.
+
+Two windows let a state saved after Ctrl-C (``save_checkpoint(...,
+trainer_state=trainer.resume_state())``) disagree with the weights:
+- between a step's return and the end of its ``on_train_batch_end`` (where a GPU run waits
+  in ``loss.item()``, so where Ctrl-C usually lands): the batch counted as done, its applied
+  step not counted in ``global_step`` and its scheduler step not taken (a resumed run 1 step
+  behind, its learning rate and weights off). ``HeldInterrupt`` holds SIGINT over that
+  window and raises it after, as a second Ctrl-C at once does;
+- a micro-batch that raised in an accumulation group: ``LossScaleOptimizer.backward`` drops
+  the whole group, but the batches before it counted as done, so a resume skipped them.
+  ``GroupStart`` notes where each group begins and rewinds to it.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+from typing import Any
+
+from mixprec.optim import LossScaleOptimizer
+from mixprec.train.meter import EpochMeter
+
+__all__ = ["GroupStart", "HeldInterrupt"]
+
+
+class HeldInterrupt:
+    """SIGINT held while ``holding`` (the main thread's default handler only: one of the
+    user's own, or a thread other than the main one, is left alone)."""
+
+    def __init__(self) -> None:
+        self.holding = False
+        self.pending = False
+        self._installed = False
+        self._depth = 0  # a fit inside a fit's callback: installed by the outer one
+
+    def __enter__(self) -> HeldInterrupt:
+        self._depth += 1
+        if (
+            self._depth == 1
+            and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        ):
+            signal.signal(signal.SIGINT, self._handler)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._depth -= 1
+        if self._installed and self._depth == 0:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            self._installed = False
+
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
+        if self.holding and not self.pending:
+            self.pending = True  # raised once the batch's bookkeeping is done
+            return
+        signal.default_int_handler(signum, frame)  # a second Ctrl-C does not wait
+
+    def hold(self) -> None:
+        self.holding = True
+
+    def release(self) -> None:
+        """End the window; a Ctrl-C that came during it is raised now."""
+        self.holding = False
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+
+class GroupStart:
+    """Where the current accumulation group began: its first batch's index in the epoch
+    and the epoch's sums before it (``EpochMeter.snapshot``)."""
+
+    def __init__(self, optimizer: LossScaleOptimizer) -> None:
+        self.optimizer = optimizer
+        self.step = 0
+        self.sums: Any = None
+
+    def note(self, step: int, meter: EpochMeter) -> None:
+        """Before a batch's step: a new group starts here where none is pending."""
+        if self.optimizer.pending_micro_steps == 0:
+            self.step, self.sums = step, meter.snapshot()
+
+    def rewind(self, step: int, meter: EpochMeter) -> int:
+        """After the batch ``step`` raised: the group is dropped whole, and the batch to go
+        on from (``step_in_epoch``) is its first, the epoch's sums as they were before it."""
+        self.optimizer.drop_gradients()
+        if self.step < step and self.sums is not None:
+            meter.restore(self.sums)
+            return self.step
+        return step
