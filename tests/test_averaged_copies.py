@@ -91,3 +91,67 @@ def test_said_at_the_callers_line_under_a_compiled_step():
     told = [w for w in said if "AveragedModel" in str(w.message)]
     assert len(told) == 1 and told[0].filename == __file__
     assert next(average.parameters()).dtype == torch.bfloat16
+
+
+def _ema_by_hand(policy, widen=False, decay=0.99, steps=60):
+    """timm's ModelEmaV2 kept by hand: a deep copy updated over the state dicts."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    start = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    if policy:
+        model = mp.auto_mixed_precision(model, policy, "O2")
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = mp.LossScaleOptimizer(inner) if policy else inner
+    ema = copy.deepcopy(model).eval()
+    if widen:
+        ema.float()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.backward(loss) if policy else loss.backward()
+        opt.step()
+        with torch.no_grad():
+            for e, v in zip(ema.state_dict().values(), model.state_dict().values(), strict=True):
+                e.copy_(decay * e + (1 - decay) * v)
+    moved = torch.cat([p.detach().float().reshape(-1) for p in ema.parameters()]) - start
+    return moved
+
+
+def test_an_average_kept_by_hand_in_a_16bit_copy_is_said_and_its_fix_is_not():
+    """An O2 bfloat16 EMA in a plain deep copy ended 0.88 of float32's movement away from
+    it (relative), unsaid. Said once, at the third step that wrote it; the advised
+    ``.float()`` copy is silent and within 0.1 of float32."""
+    control = _ema_by_hand(None)
+    with pytest.warns(UserWarning, match=r"copy of the model made at .*test_averaged_copies"
+                      r".py:\d+ holds its bfloat16 weights .*copy.float\(\)") as said:  # fmt: skip
+        stalled = _ema_by_hand("mixed_bfloat16")
+    assert len([w for w in said if "copy of the model" in str(w.message)]) == 1
+    assert (stalled - control).norm() / control.norm() > 0.5  # the defect the warning names
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fixed = _ema_by_hand("mixed_bfloat16", widen=True)
+    assert (fixed - control).norm() / control.norm() < 0.1
+
+
+def test_a_teacher_a_best_model_and_a_copy_trained_by_its_own_wrapper_are_not_said():
+    model = mp.auto_mixed_precision(
+        nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), "mixed_bfloat16", "O2"
+    )
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    teacher, best, twin = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
+    twin_opt = mp.LossScaleOptimizer(torch.optim.SGD(twin.parameters(), lr=0.1))
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(8):
+            for net, step in ((model, opt), (twin, twin_opt)):  # the twin: a wrapper's own
+                step.zero_grad()
+                step.backward(nn.functional.cross_entropy(net(x), y))
+                step.step()
+            if i in (1, 2, 5):  # improved at those steps
+                best.load_state_dict(model.state_dict())
+            with torch.no_grad():
+                teacher(x)
+    assert not mp._averaged_copies.WATCHED  # nothing watched after the first steps

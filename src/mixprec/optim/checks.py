@@ -34,7 +34,7 @@ from mixprec.casting import POLICY_ATTR
 from mixprec.optim import sharing
 from mixprec.optim.fused import needs_scaling
 from mixprec.optim.lr_watch import note_rates_at_skip
-from mixprec.optim.masters import MasterWeights, needs_master
+from mixprec.optim.masters import MasterWeights, has_live_master, needs_master
 from mixprec.optim.norm_statistics import reset_nonfinite_statistics
 from mixprec.optim.step_result import DeviceFlag, StepResult
 from mixprec.policy import global_policy
@@ -231,8 +231,8 @@ def after_step(
     if result.found_inf is True:  # decided; a DeviceFlag is observed at its read
         reset_nonfinite_statistics(weights.model_params())
     watch_health(health, result, scaler)
-    if averaged_copies.PENDING:  # an AveragedModel made since, still 16-bit
-        _say_averaged_eagerly()  # compiled: one break and one recompile, once
+    if averaged_copies.PENDING or averaged_copies.WATCHED:  # 16-bit averages (made since)
+        _say_averaged_eagerly(has_live_master)  # compiled: one break and one recompile
 
 
 def looks_after_step(

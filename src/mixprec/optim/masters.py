@@ -50,6 +50,13 @@ def _starting_values(p: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return p.detach().float(), gone
 
 
+def has_live_master(p: torch.Tensor) -> bool:
+    """Whether a live ``LossScaleOptimizer`` keeps a master of ``p`` (a copy of a model
+    trained by a wrapper of its own: its weights are written at each step by design)."""
+    ref = _LATEST_MASTER.get(p)
+    return ref is not None and ref() is not None
+
+
 def _live_master(p: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
     """The master of the latest ``LossScaleOptimizer`` over ``p`` while it lives and ``p``
     still rounds from it, and whether such a master existed and is gone."""
