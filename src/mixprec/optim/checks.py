@@ -9,9 +9,8 @@ silently in the wrong precision, and what a step says about the run.
   ``mixprec._plain_optimizers``, which ``auto_mixed_precision`` installs.)
 - ``no_gradients``: a step where no parameter has a gradient applies nothing, and says so.
 - ``refuse_accelerate_wrapper``: ``accelerator.prepare`` given a ``LossScaleOptimizer``.
-- ``BackwardLook``: over the first steps, the gradients a backward left, looked at again at
-  the next backward of an accumulation group (cleared in between: ``model.zero_grad()``)
-  and at the step (changed while still multiplied by the loss scale: a clip too early).
+- (``BackwardLook``, in ``backward_look``: what the first steps' backwards left, looked
+  at again before the next backward and the step.)
 - ``watch_health``: the loss scaler's health (``ScalerHealth``) after every step, so custom
   loops hear, once, of a run stuck at the scaler's floor or of runs of skipped steps.
 """
@@ -32,6 +31,7 @@ from mixprec._errors import ArgumentError, MisuseError
 from mixprec._warn import caller_stacklevel, warn_at_caller
 from mixprec.casting import POLICY_ATTR
 from mixprec.optim import sharing
+from mixprec.optim.backward_look import grad_versions
 from mixprec.optim.fused import needs_scaling
 from mixprec.optim.lr_watch import note_rates_at_skip
 from mixprec.optim.masters import MasterWeights, has_live_master, needs_master
@@ -42,10 +42,9 @@ from mixprec.scaling import LossScaler, NoOpLossScaler
 from mixprec.scaling.health import ScalerHealth, scale_floor
 
 if TYPE_CHECKING:
-    from mixprec.optim.loss_scale_optimizer import LossScaleOptimizer, _Bookkeeping
+    from mixprec.optim.loss_scale_optimizer import _Bookkeeping
 
 __all__ = [
-    "BackwardLook",
     "SetupCheck",
     "after_step",
     "check_micro_batches",
@@ -277,11 +276,6 @@ def refuse_accelerate_wrapper(caller: FrameType | None) -> None:
         )
 
 
-def grad_versions(params: list[torch.Tensor]) -> list[int]:
-    """The version counters of the parameters' gradients (-1 for none)."""
-    return [-1 if p.grad is None else p.grad._version for p in params]
-
-
 def say_if_half_grads_changed(then: list[int], half: list[torch.Tensor]) -> None:
     """After ``unscale_()`` the gradients ``step()`` applies are the masters'
     (``master_params()``); a change to the 16-bit weights' own gradients since (the
@@ -325,110 +319,6 @@ def say_if_masters_lost(count: int) -> None:
             "16-bit values. Build the new optimizer while the old one lives, or resume from "
             "a checkpoint, to keep them"
         )
-
-
-class BackwardLook:
-    """The gradients' version counters after each ``opt.backward`` of the first
-    ``STEPS`` steps (a loop's habits show at once; after that it costs nothing), looked at:
-
-    - at the next backward of the same accumulation group: a gradient gone (``None``) or
-      zeroed in place since means the earlier micro-batches were cleared
-      (``model.zero_grad()`` between them), and only the last one would be applied;
-    - at the step, under a loss scale above 1: every gradient changed since the last
-      backward and before the unscale (``clip_grad_norm_(model.parameters())`` as with
-      torch.amp, which multiplies them all) was clipped while still multiplied by the scale,
-      so the clip cut it by about the scale. An edit of some (a mask) is not said.
-    """
-
-    STEPS = 3
-
-    def __init__(self) -> None:
-        self.steps = 0
-        self.versions: list[int] | None = None
-        self.seen = 0  # the count of looked-at backwards (any optimizer's) after its own
-
-    def backward(self, opt: LossScaleOptimizer, loss: torch.Tensor, kwargs: dict[str, Any]) -> None:
-        """``opt``'s backward of one of the first steps, looked at before (cleared
-        gradients) and after (their versions)."""
-        if torch.compiler.is_compiling():
-            opt.get_scaled_loss(loss).backward(**kwargs)
-            return
-        params = opt._weights.model_params()
-        self._before_backward(params, opt._book.micro, opt.accumulation_steps)
-        opt.get_scaled_loss(loss).backward(**kwargs)
-        self.versions = grad_versions(params)
-        self.seen = _note_backward(opt._loss_scaler.get_scale())  # no fold of device steps
-
-    def _before_backward(self, params: list[torch.Tensor], micro: int, steps: int) -> None:
-        then = self.versions
-        if then is None or not 0 < micro < steps:
-            return
-        for p, version in zip(params, then, strict=False):
-            grad = p.grad
-            if version == -1 or (grad is not None and grad._version == version):
-                continue
-            if grad is None or not bool(grad.any()):
-                self.versions = None
-                raise MisuseError(
-                    f"the gradients of this accumulation group's first {micro} micro-batch"
-                    f"{'es' if micro > 1 else ''} were cleared before this backward "
-                    "(model.zero_grad() between micro-batches?): with accumulation_steps="
-                    f"{steps} only the last micro-batch would be applied, still divided by "
-                    f"{steps}. Clear with opt.zero_grad(), which keeps them until the group's "
-                    "step, or not at all between micro-batches"
-                )
-
-    def before_unscale(self, weights: MasterWeights, scale: float) -> None:
-        then, self.versions = self.versions, None
-        if then is None or torch.compiler.is_compiling():
-            return
-        self.steps += 1
-        params = weights.model_params()
-        # Every gradient still there written since: a clip (clip_grad_norm_ multiplies them
-        # all), not a mask or an edit of a few (gone ones are no_gradients' to say).
-        present = [
-            (p.grad, v)
-            for p, v in zip(params, then, strict=False)
-            if v != -1 and p.grad is not None
-        ]
-        others = [s for count, s in _RECENT if count > self.seen and s != scale]
-        if others and any(g._version != v for g, v in present):
-            self.steps = self.STEPS  # said once
-            warn_at_caller(
-                "another LossScaleOptimizer's backward, at loss scale "
-                f"{others[0]:g}, added to gradients of this one's (scale {scale:g}) after its "
-                "own backward (a module both losses reach, such as a shared trunk): this "
-                "optimizer divides the sum by its own scale, so the other loss's part comes "
-                f"out {others[0] / scale:g} times too large or small. Wrap both in one, "
-                "mp.LossScaleOptimizer([opt_a, opt_b]), with one backward of the summed loss "
-                "(said once)"
-            )
-            return
-        if scale != 1.0 and present and all(g._version != v for g, v in present):
-            self.steps = self.STEPS  # said once
-            warn_at_caller(
-                "every gradient was rewritten between backward() and the unscale, while still "
-                f"multiplied by the loss scale ({scale:g}). A clip_grad_norm_(model.parameters()"
-                ", ...) there, as with torch.amp, saw the scaled gradients and cut them by about "
-                "the scale: call opt.unscale_() first and clip opt.master_params(), or pass "
-                "LossScaleOptimizer(..., max_grad_norm=...). A second backward through them "
-                "(another LossScaleOptimizer's) added to them: wrap both optimizers in one, "
-                "mp.LossScaleOptimizer([opt_a, opt_b]). (A linear edit, such as averaging them "
-                "over ranks yourself, is exact under the scale: then nothing is wrong; said once)"
-            )
-
-
-# The scales of the latest looked-at backwards of every LossScaleOptimizer, counted: a
-# gradient written by another optimizer's backward at another scale is unscaled wrongly.
-_RECENT: list[tuple[int, float]] = []
-_COUNT = [0]
-
-
-def _note_backward(scale: float) -> int:
-    _COUNT[0] += 1
-    _RECENT.append((_COUNT[0], scale))
-    del _RECENT[:-16]
-    return _COUNT[0]
 
 
 def no_backward_error(params: list[torch.Tensor], book: Any) -> MisuseError:

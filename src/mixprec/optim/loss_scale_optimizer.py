@@ -23,12 +23,11 @@ from mixprec._errors import ArgumentError, MisuseError
 from mixprec._plain_optimizers import watch_wrapped
 from mixprec._save_guard import guard_saves
 from mixprec.optim.arguments import checked_arguments, make_tracer
+from mixprec.optim.backward_look import BackwardLook, grad_versions
 from mixprec.optim.checks import (
-    BackwardLook,
     SetupCheck,
     after_step,
     check_micro_batches,
-    grad_versions,
     looks_after_step,
     no_backward_error,
     no_gradients,
