@@ -42,12 +42,13 @@ from mixprec.scaling import LossScaler, NoOpLossScaler
 from mixprec.scaling.health import ScalerHealth, scale_floor
 
 if TYPE_CHECKING:
-    from mixprec.optim.loss_scale_optimizer import _Bookkeeping
+    from mixprec.optim.loss_scale_optimizer import LossScaleOptimizer, _Bookkeeping
 
 __all__ = [
     "SetupCheck",
     "after_step",
     "check_micro_batches",
+    "drop_unscaled_group",
     "no_backward_error",
     "no_gradients",
     "refuse_accelerate_wrapper",
@@ -319,6 +320,19 @@ def say_if_masters_lost(count: int) -> None:
             "16-bit values. Build the new optimizer while the old one lives, or resume from "
             "a checkpoint, to keep them"
         )
+
+
+def drop_unscaled_group(opt: LossScaleOptimizer) -> None:
+    """``zero_grad()`` of gradients unscaled and not stepped: the unscale goes with them
+    (else the next step skipped its own and applied the new gradients still scaled), and
+    the group they ended too. Dropped because they held inf/NaN (a check of one's own after
+    ``unscale_()``), it is a skipped step all the same: the scale backs off (before, it
+    never did, and every batch was dropped)."""
+    book = opt._book
+    book.micro, book.fresh, book.backwards = 0, False, 0
+    if not book.no_grads and bool(book.found_inf.any()):  # type: ignore[union-attr]
+        opt._read_device_steps()
+        opt._folded(True)
 
 
 def no_backward_error(params: list[torch.Tensor], book: Any) -> MisuseError:

@@ -28,6 +28,7 @@ from mixprec.optim.checks import (
     SetupCheck,
     after_step,
     check_micro_batches,
+    drop_unscaled_group,
     looks_after_step,
     no_backward_error,
     no_gradients,
@@ -265,16 +266,9 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         """Clear the model's gradients, except between the micro-batches of an accumulation."""
         if 0 < self._book.micro < self.accumulation_steps:
             return
-        # Gradients unscaled and then dropped (a batch skipped): the unscale goes with them,
-        # or the next step would skip its own and apply the new gradients still scaled.
         book = self._book
-        if book.found_inf is not None:  # a whole group dropped: the next one counts anew
-            book.micro, book.fresh, book.backwards = 0, False, 0
-            # Dropped because they held inf/NaN (a check after unscale_()): a skipped step
-            # all the same, or the scale never backs off and every batch is dropped.
-            if not book.no_grads and bool(book.found_inf.any()):
-                self._read_device_steps()
-                self._folded(True)
+        if book.found_inf is not None:  # unscaled, then dropped (a batch skipped by hand)
+            drop_unscaled_group(self)
         book.found_inf, book.no_grads, book.unscaled_versions = None, False, None
         self._adopt_added_groups()  # their gradients are cleared too, as the inner's would be
         self._weights.zero_grad(set_to_none)

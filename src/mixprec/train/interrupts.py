@@ -33,25 +33,29 @@ class HeldInterrupt:
     def __init__(self) -> None:
         self.holding = False
         self.pending = False
-        self._installed = False
-        self._depth = 0  # a fit inside a fit's callback: installed by the outer one
+        self._previous: Any = None  # the handler replaced, while installed
 
-    def __enter__(self) -> HeldInterrupt:
-        self._depth += 1
+    def install(self) -> None:
         if (
-            self._depth == 1
-            and threading.current_thread() is threading.main_thread()
+            threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler
         ):
-            signal.signal(signal.SIGINT, self._handler)
-            self._installed = True
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+
+    def uninstall(self) -> None:
+        """Put the handler back; a Ctrl-C held when an error ended the window is dropped
+        (the error goes on)."""
+        self.holding = self.pending = False
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    def __enter__(self) -> HeldInterrupt:
+        self.install()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._depth -= 1
-        if self._installed and self._depth == 0:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            self._installed = False
+        self.uninstall()
 
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         if self.holding and not self.pending:
@@ -80,13 +84,16 @@ class GroupStart:
         self.sums: Any = None
 
     def note(self, step: int, meter: EpochMeter) -> None:
-        """Before a batch's step: a new group starts here where none is pending."""
-        if self.optimizer.pending_micro_steps == 0:
+        """Before a batch's step: a new group starts here where none is pending (nothing
+        to note without accumulation)."""
+        if self.optimizer.accumulation_steps > 1 and self.optimizer.pending_micro_steps == 0:
             self.step, self.sums = step, meter.snapshot()
 
     def rewind(self, step: int, meter: EpochMeter) -> int:
         """After the batch ``step`` raised: the group is dropped whole, and the batch to go
         on from (``step_in_epoch``) is its first, the epoch's sums as they were before it."""
+        if self.optimizer.accumulation_steps == 1:
+            return step  # the batch alone: its backward dropped what it added
         self.optimizer.drop_gradients()
         if self.step < step and self.sums is not None:
             meter.restore(self.sums)

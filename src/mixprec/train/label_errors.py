@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["label_error"]
+__all__ = ["raise_if_about_labels"]
 
 # F.cross_entropy's and mp.cross_entropy's own words: the labels, whatever their value.
 _TARGET = re.compile(r"\b[Tt]arget -?\d+ is out of bounds")
@@ -22,12 +22,12 @@ _TARGET = re.compile(r"\b[Tt]arget -?\d+ is out of bounds")
 _INDEX = re.compile(r"\bindex (-?\d+) is out of bounds")
 
 
-def label_error(err: BaseException, targets: Any, epoch: int, step: int) -> ValueError | None:
-    """A ``ValueError`` naming the batch and the valid labels where ``err`` is about the
-    labels ``targets``; else None (``err`` goes on as it is)."""
+def raise_if_about_labels(err: BaseException, targets: Any, epoch: int, step: int) -> None:
+    """Raise a ``ValueError`` naming the batch and the valid labels, from ``err``, where
+    ``err`` is about the labels ``targets``; else return (``err`` goes on as it is)."""
     text = str(err)
     if not isinstance(err, (IndexError, RuntimeError)) or "out of bounds" not in text:
-        return None
+        return
     if not _TARGET.search(text):
         found = _INDEX.search(text)
         if not (
@@ -36,8 +36,8 @@ def label_error(err: BaseException, targets: Any, epoch: int, step: int) -> Valu
             and not targets.is_floating_point()
             and bool((targets == int(found.group(1))).any())
         ):
-            return None
-    return ValueError(
+            return
+    raise ValueError(
         f"epoch {epoch + 1}, batch {step + 1}: {err} (class labels must be in "
         "[0, number of classes), or the loss's ignore_index)"
-    )
+    ) from err

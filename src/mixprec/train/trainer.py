@@ -33,7 +33,7 @@ from mixprec.train import batches, evaluation, resume
 from mixprec.train.batches import Batch
 from mixprec.train.callbacks import Callback, CallbackList, History, Logs, ProgressBar
 from mixprec.train.interrupts import GroupStart, HeldInterrupt
-from mixprec.train.label_errors import label_error
+from mixprec.train.label_errors import raise_if_about_labels
 from mixprec.train.meter import EpochMeter
 from mixprec.train.metrics import (
     LossFn,
@@ -173,7 +173,6 @@ class Trainer:
         self._epoch_rng = torch.get_rng_state()
         self._rank_rng = resume.RankRng()  # under torchrun, for checkpoints
         self._meter: EpochMeter | None = None  # the running epoch's
-        self._held = HeldInterrupt()  # Ctrl-C over a batch's bookkeeping (interrupts.py)
         self._callbacks: dict[str, Callback] = {}  # this fit's, by key (resume.keyed)
         self._data: dict[str, Any] = {}  # this fit's epoch shape (resume.data_shape)
 
@@ -239,29 +238,28 @@ class Trainer:
         cbs.on_train_begin({"epochs": epochs, "steps": steps, "initial_epoch": point.epoch})
         if resume_from is not None:
             resume.restore_callbacks(self._callbacks, chosen, point.callbacks)
-        with self._held:  # SIGINT held over each batch's bookkeeping alone
-            for epoch in range(point.epoch, epochs):
-                cbs.on_epoch_begin(epoch, {"steps": steps})
-                skip, meter = 0, None
-                if point.replay is not None:  # the interrupted epoch: its order, its sums
-                    self._epoch_rng = point.replay
-                    batches.set_sampler_epoch(x, epoch)
-                    epoch_data = resume.replay_epoch(one_epoch, point.replay, point.skip)
-                    skip, meter, point.replay = point.skip, point.meter, None
-                else:
-                    self._epoch_rng = torch.get_rng_state()
-                    batches.set_sampler_epoch(x, epoch)
-                    epoch_data = iter(one_epoch())
-                logs = self._run_epoch(epoch, epoch_data, cbs, skip, meter)
-                if validation_data is not None:
-                    val = self.evaluate(*validation_data, batch_size=batch_size)
-                    logs.update({f"val_{k}": v for k, v in val.items()})
-                # From here a checkpoint resumes in the next epoch; a state taken before (the
-                # validation interrupted) resumes into this epoch's end, which then runs again.
-                self._epoch_done = True
-                cbs.on_epoch_end(epoch, logs)
-                if self._agreed_stop():
-                    break
+        for epoch in range(point.epoch, epochs):
+            cbs.on_epoch_begin(epoch, {"steps": steps})
+            skip, meter = 0, None
+            if point.replay is not None:  # the interrupted epoch: its order, its sums
+                self._epoch_rng = point.replay
+                batches.set_sampler_epoch(x, epoch)
+                epoch_data = resume.replay_epoch(one_epoch, point.replay, point.skip)
+                skip, meter, point.replay = point.skip, point.meter, None
+            else:
+                self._epoch_rng = torch.get_rng_state()
+                batches.set_sampler_epoch(x, epoch)
+                epoch_data = iter(one_epoch())
+            logs = self._run_epoch(epoch, epoch_data, cbs, skip, meter)
+            if validation_data is not None:
+                val = self.evaluate(*validation_data, batch_size=batch_size)
+                logs.update({f"val_{k}": v for k, v in val.items()})
+            # From here a checkpoint resumes in the next epoch; a state taken before (the
+            # validation interrupted) resumes into this epoch's end, which then runs again.
+            self._epoch_done = True
+            cbs.on_epoch_end(epoch, logs)
+            if self._agreed_stop():
+                break
         cbs.on_train_end({})
         distributed.barrier()  # rank 0's checkpoints are written when any rank returns
         return history
@@ -285,30 +283,23 @@ class Trainer:
             if self.optimizer.accumulation_steps > 1
             else ((batch, False) for batch in epoch_data)
         )
-        group = GroupStart(self.optimizer) if self.optimizer.accumulation_steps > 1 else None
-        held = self._held
+        group, held = GroupStart(self.optimizer), HeldInterrupt()
         try:
+            held.install()  # Ctrl-C over a batch's bookkeeping waits (interrupts.py)
             for step, (batch, last) in enumerate(marked, start=first_step):
                 xb, yb = batches.xy(batch, self.device)
                 if batches.skip_empty(yb, epoch, step):
                     self._step_in_epoch = step + 1
                     continue
-                if group is not None:
-                    group.note(step, meter)
+                group.note(step, meter)
                 start = time.perf_counter()
                 try:
                     loss, result = self.step(xb, yb, flush=last)
-                except BaseException as err:
-                    if group is not None:  # the group goes whole: resumed from its start
-                        self._step_in_epoch = group.rewind(step, meter)
-                    # A loader's labels are seen only here; tensors' get a ValueError up front
-                    # (batches.validate), so these do too (label_errors).
-                    about_labels = label_error(err, yb, epoch, step)
-                    if about_labels is None:  # the model's own indexing: as torch said it
-                        raise
-                    raise about_labels from err
-                # Counted once the step is done: a state taken after a step that raised
-                # (Ctrl-C in its forward) resumes at that batch, not past it; from here to
+                except BaseException as err:  # an accumulation group goes whole (rewound);
+                    self._step_in_epoch = group.rewind(step, meter)
+                    raise_if_about_labels(err, yb, epoch, step)  # first seen here: named
+                    raise
+                # Done once it returned (resumed at this batch if it raised); from here to
                 # the batch's callbacks, Ctrl-C waits (interrupts.HeldInterrupt).
                 held.hold()
                 self._step_in_epoch = step + 1
@@ -317,8 +308,7 @@ class Trainer:
                 # Plain bools for the callbacks' logs (a step decided on the device holds
                 # DeviceFlags): read after loss.item() above, so no extra stall.
                 applied, found_inf = bool(result.applied), bool(result.found_inf)
-                if applied:
-                    self.global_step += 1
+                self.global_step += applied
                 if not result.accumulating:
                     self._watch.observe(result, self.optimizer.loss_scaler, loss_value)
                 meter.add(result, loss_value, elapsed, self.step.last_output, yb)
@@ -344,7 +334,7 @@ class Trainer:
                 if self._agreed_stop() and not self.optimizer.pending_micro_steps:
                     break
         finally:
-            held.holding = held.pending = False  # a callback raised: its error goes on
+            held.uninstall()  # also where a callback raised: its error goes on
             # A tracer left for a next step: no hooks outlive the epoch, also when a
             # step raises (the scaler's max_consecutive_skips, Ctrl-C, a callback).
             self._watch.culprit(None)
