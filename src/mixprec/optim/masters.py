@@ -22,10 +22,11 @@ from mixprec._errors import ArgumentError
 from mixprec._float32_copies import current_float32_copy, take_float32_copy
 from mixprec._plain_optimizers import needs_master
 from mixprec._warn import warn_at_caller
+from mixprec.optim import rounding
 from mixprec.scaling import all_finite
 from mixprec.trace import model_of
 
-__all__ = ["MasterWeights", "float32_values", "needs_master"]
+__all__ = ["MasterWeights", "float32_values", "has_live_master", "needs_master"]
 
 _DATA_SAMPLE = 4096  # values of each weight the one look for writes through .data compares
 
@@ -211,7 +212,7 @@ class MasterWeights:
                         # its digits; elsewhere it takes the written value. A constraint
                         # that clamps one element (WGAN's clip, a padding row) replaced the
                         # whole master once, and the others' sub-ulp progress with it.
-                        low = _narrower(p.dtype, stored)
+                        low = rounding.narrower(p.dtype, stored)
                         m.copy_(torch.where(m.to(low) == p.to(low), m, p.float()))
             self.versions = versions
         if stepping and self.step_looks < 2:  # a step's look, not a save's
@@ -231,11 +232,11 @@ class MasterWeights:
             for p, m, stored in zip(self.half, self.masters, self.stored, strict=True):
                 # The usual case first, in the weight's own dtype (a 16-bit temporary, not
                 # four float32 ones: a 64M-value table took 1 GB and 1.5 s that way).
-                low = _narrower(p.dtype, stored)
+                low = rounding.narrower(p.dtype, stored)
                 if torch.equal(m.to(low), p.to(low)):
                     continue
                 w = p.float()
-                far = _moved(w, m, low)
+                far = rounding.moved(w, m, low)
                 if bool(far.any()):
                     m.copy_(torch.where(far, w, m))
                     moved += 1
@@ -267,7 +268,7 @@ class MasterWeights:
                 # ones raised the main job's peak memory by 20-50 MB.
                 stride = max(1, p.numel() // _DATA_SAMPLE)
                 w, v = p.reshape(-1)[::stride].float(), m.reshape(-1)[::stride]
-                flags.append(_moved(w, v, _narrower(p.dtype, stored)).any())
+                flags.append(rounding.moved(w, v, rounding.narrower(p.dtype, stored)).any())
             moved = sum(torch.stack(flags).tolist())
         if moved:
             warn_at_caller(
@@ -414,21 +415,6 @@ def _check_param(p: Any, where: str) -> None:
 def _local(p: torch.Tensor) -> torch.Tensor:
     """The local shard of an FSDP2 parameter, else the parameter."""
     return p.to_local() if is_dtensor(p) else p  # type: ignore[attr-defined,no-any-return]
-
-
-def _narrower(now: torch.dtype, stored: torch.dtype) -> torch.dtype:
-    """The dtype a weight is compared with its master in: its 16-bit one even when widened
-    since (``model.float()``), whose float32 values are still the rounding. Compared in
-    float32, every master took its own rounding (2.4e-4 off in bfloat16, no update made)."""
-    return stored if now.itemsize > stored.itemsize else now
-
-
-def _moved(weight: torch.Tensor, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Where a weight (read in float32) is further from its master than ``dtype``'s
-    rounding of it: written since, not rounded (a float16 weight past 65504 is inf beside
-    its finite master: no write)."""
-    ulp, tiny = torch.finfo(dtype).eps, torch.finfo(dtype).tiny
-    return ((weight - master).abs() > 2 * ulp * master.abs() + tiny) & torch.isfinite(weight)
 
 
 def _refuse_sharded(p: torch.Tensor, where: str) -> None:
