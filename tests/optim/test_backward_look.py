@@ -79,3 +79,37 @@ def test_a_load_between_steps_is_not_taken_for_a_restore():
             opt.backward(F.cross_entropy(model(x), y))
             opt.step()
             model.load_state_dict(first)  # before the next backward: the usual place
+
+
+def _clamp_in_place(param: torch.Tensor) -> None:
+    param.grad.clamp_(-1e-3, 1e-3)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "post_accumulate"])
+def test_gradient_hooks_under_a_loss_scale_are_said(kind):
+    """Hooks that clamp each parameter's gradient (clipping in the backward) saw them
+    multiplied by 65536: float16 updates came out 1/65536 of float32's, unsaid."""
+
+    def run(policy):
+        torch.manual_seed(0)
+        model = mp.auto_mixed_precision(
+            nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), policy, "O2"
+        )
+        for p in model.parameters():
+            if kind == "tensor":
+                p.register_hook(lambda grad: grad.clamp(-1e-3, 1e-3))
+            else:
+                p.register_post_accumulate_grad_hook(_clamp_in_place)
+        opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+        for _ in range(2):
+            opt.zero_grad()
+            opt.backward(F.cross_entropy(model(torch.randn(8, 16)), torch.arange(8) % 4))
+            opt.step()
+
+    with pytest.warns(UserWarning, match=r"4 parameter\(s\) have gradient hooks .* loss scale "
+                      r"\(65536\)") as said:  # fmt: skip
+        run("mixed_float16")
+    assert len([w for w in said if "gradient hooks" in str(w.message)]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run("mixed_bfloat16")  # scale 1: the hooks see the gradients as they are

@@ -61,6 +61,8 @@ class BackwardLook:
             return
         params = opt._weights.model_params()
         self._before_backward(params, opt._book.micro, opt.accumulation_steps)
+        if self.steps == 0 and self.versions is None:  # the first backward: once
+            _say_if_hooks_see_scaled(params, opt._loss_scaler.get_scale())
         opt.get_scaled_loss(loss).backward(**kwargs)
         self.versions = grad_versions(params)
         self.weights = opt._weights.half_versions()
@@ -126,6 +128,40 @@ class BackwardLook:
                 "mp.LossScaleOptimizer([opt_a, opt_b]). (A linear edit, such as averaging them "
                 "over ranks yourself, is exact under the scale: then nothing is wrong; said once)"
             )
+
+
+def _say_if_hooks_see_scaled(params: list[torch.Tensor], scale: float) -> None:
+    """Gradient hooks on the parameters (``register_hook``,
+    ``register_post_accumulate_grad_hook``) see the gradients multiplied by the loss
+    scale: one that clamps them (per-parameter clipping in the backward) cut float16
+    updates to 1/65536 of float32's, unsaid; one that logs them logs them scaled."""
+    if scale == 1.0:
+        return
+    hooked = sum(
+        any(
+            _users(hook)
+            for hooks in (p._backward_hooks, getattr(p, "_post_accumulate_grad_hooks", None))
+            for hook in (hooks or {}).values()
+        )
+        for p in params
+    )
+    if hooked:
+        warn_at_caller(
+            f"{hooked} parameter(s) have gradient hooks (register_hook, "
+            "register_post_accumulate_grad_hook), which see the gradients multiplied by the "
+            f"loss scale ({scale:g}): a hook that clips or clamps them cuts the update by "
+            "about the scale, and one that logs them logs them scaled. Clip in the step "
+            "(LossScaleOptimizer(..., max_grad_norm=...), or opt.unscale_() then clip "
+            "opt.master_params()), or divide by opt.loss_scaler.get_scale() in the hook. "
+            "A hook that is linear in the gradient (a sign flip, a mask) is exact: then "
+            "nothing is wrong (said once)"
+        )
+
+
+def _users(hook: Any) -> bool:
+    """A hook of the user's: not torch's own (DDP's all-reduce, linear in the gradient)."""
+    fn = getattr(hook, "func", hook)  # a functools.partial's function
+    return not str(getattr(fn, "__module__", "") or "").startswith("torch.")
 
 
 def _said_inexact_restore(weights: MasterWeights, then: list[tuple[int, int]]) -> bool:
