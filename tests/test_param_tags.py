@@ -178,3 +178,40 @@ def test_a_pickled_optimizer_keeps_its_guards():
     copied = copy.deepcopy(opt)  # a copy of the optimizer alone keeps its own guard too
     with pytest.raises(mp.MisuseError, match=r"SGD.step\(\) was called on the optimizer"):
         copied.optimizer.step()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_model_prepared_on_the_meta_device_keeps_its_notes_through_to_empty(level):
+    """Prepared on the meta device, then ``to_empty()`` and an init: new parameters
+    without the policy, so the optimizer chose no loss scaling for a float16 model (the
+    first layer's gradients all 0, its weights unmoved), unsaid. It trains as the same
+    model made on the CPU does."""
+    x = torch.randn(256, 32, generator=torch.Generator().manual_seed(1))
+    y = 1e-3 * torch.randn(256, 1, generator=torch.Generator().manual_seed(2))
+
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+
+    def trained(meta: bool) -> tuple[torch.Tensor, mp.LossScaleOptimizer]:
+        with torch.device("meta" if meta else "cpu"):
+            model = build()
+        model = mp.auto_mixed_precision(model, "mixed_float16", level)
+        if meta:
+            model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.reset_parameters()
+        with torch.no_grad():
+            model[2].weight.mul_(0.01)
+        opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        for _ in range(5):
+            opt.zero_grad()
+            opt.backward(nn.functional.mse_loss(model(x).float(), y))
+            opt.step()
+        return model[0].weight.detach().float(), opt
+
+    on_cpu, _ = trained(False)
+    from_meta, opt = trained(True)
+    assert isinstance(opt.loss_scaler, mp.DynamicLossScaler)
+    assert torch.equal(from_meta, on_cpu)

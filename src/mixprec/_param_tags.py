@@ -17,6 +17,7 @@ built before holds the old parameters: its first step says so, having no gradien
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 from typing import Any
 
@@ -29,6 +30,7 @@ __all__ = [
     "TAGS_ATTR",
     "TagKeeper",
     "add_load_pre_hook",
+    "keep_notes_through_to_empty",
     "refuse_prepared_parts",
     "tag",
     "unpickled_keepers",
@@ -203,3 +205,24 @@ def refuse_prepared_parts(model: nn.Module, applied_attr: str, policy_attr: str)
         f"auto_mixed_precision(): {where} prepared already; prepare the whole model once, "
         "from float32 (keep_float32=, keep_bfloat16= or to_float set parts apart)"
     )
+
+
+def keep_notes_through_to_empty(model: nn.Module) -> None:
+    """A model prepared on the meta device: its ``to_empty()`` makes new parameters, which
+    lost what preparation noted on them, and an optimizer built after it chose no loss
+    scaling for a float16 model (its first layer's gradients all 0), unsaid. Its own
+    ``to_empty`` (an attribute of this model alone) puts the notes back after torch's."""
+    if any(p.is_meta for p in model.parameters()):
+        model.__dict__["to_empty"] = functools.partial(_to_empty, model)
+
+
+def _to_empty(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+    nn.Module.to_empty(model, *args, **kwargs)
+    for module in model.modules():
+        keeper = module.__dict__.get(TAGS_ATTR)
+        if isinstance(keeper, TagKeeper):
+            keeper.apply(module)
+            params = list(module.parameters())
+            for call in keeper.on_copy:  # the registries it is known by, as for a copy
+                call(module, params)
+    return model

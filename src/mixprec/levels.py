@@ -42,7 +42,7 @@ from mixprec._float64 import check_float64, lower_float64
 from mixprec._input_casts import checked_keep_inputs
 from mixprec._module_kinds import FLOAT32_MODULES, MIXED_NORM_MODULES, NORM_MODULES, is_half_storage
 from mixprec._module_kinds import HALF_STORAGE_MODULES as HALF_STORAGE_MODULES  # re-exported
-from mixprec._param_tags import refuse_prepared_parts, tag
+from mixprec._param_tags import keep_notes_through_to_empty, refuse_prepared_parts, tag
 from mixprec._plain_optimizers import watch_plain_optimizers
 from mixprec._plan_apply import PlanLike, plan_arguments
 from mixprec._warn import warn_at_caller
@@ -348,6 +348,7 @@ def auto_mixed_precision(
     if o3_masters:
         notes[MASTERS_ATTR] = True
     tag(model, notes, watch_loads=True)  # on the parameters, and kept for copies and loads
+    keep_notes_through_to_empty(model)  # a model prepared on the meta device
     remember_model(model)
     watch_averaged_copies(model)  # a 16-bit AveragedModel stops moving: said at a step
     setattr(
