@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import mixprec as mp
+from mixprec import _averaged_copies
 from mixprec.float8 import cpu_kernel_error
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,8 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True)
 def _reset_global_policy():
-    """Tests may set the global policy; never let it leak into the next test."""
+    """Tests may set the global policy; never let it leak into the next test. Nor the
+    copies of one test's models watched for averages kept by hand (a later test's
+    compiled step would break its graph to look at them)."""
     mp.set_global_policy(None)
+    _averaged_copies.WATCHED.clear()
     yield
     mp.set_global_policy(None)
 

@@ -155,3 +155,43 @@ def test_a_teacher_a_best_model_and_a_copy_trained_by_its_own_wrapper_are_not_sa
             with torch.no_grad():
                 teacher(x)
     assert not mp._averaged_copies.WATCHED  # nothing watched after the first steps
+
+
+def test_a_gan_ema_under_two_wrappers_is_said_and_a_copy_synced_by_loads_is_not():
+    """StyleGAN's G_ema, written after G's steps alone: D's step between found it unchanged
+    and dropped it, unsaid. PPO's old policy, loaded from the policy after each update, is
+    an exact copy: it was said as a stalled average."""
+    gen = mp.auto_mixed_precision(
+        nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), "mixed_bfloat16", "O2"
+    )
+    disc = mp.auto_mixed_precision(
+        nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1)), "mixed_bfloat16", "O2"
+    )
+    g_ema = copy.deepcopy(gen).eval()
+    opt_g = mp.LossScaleOptimizer(torch.optim.Adam(gen.parameters(), lr=1e-3))
+    opt_d = mp.LossScaleOptimizer(torch.optim.Adam(disc.parameters(), lr=1e-3))
+    with pytest.warns(UserWarning, match="copy of the model made at") as said:
+        for _ in range(6):
+            z, real = torch.randn(8, 8), torch.randn(8, 4)
+            opt_d.zero_grad()
+            opt_d.backward(disc(gen(z).detach()).mean() - disc(real).mean())
+            opt_d.step()
+            opt_g.zero_grad()
+            opt_g.backward(-disc(gen(z)).mean())
+            opt_g.step()
+            with torch.no_grad():
+                for e, p in zip(g_ema.parameters(), gen.parameters(), strict=True):
+                    e.copy_(p.lerp(e, 0.999))
+    assert len([w for w in said if "copy of the model" in str(w.message)]) == 1
+    policy = mp.auto_mixed_precision(
+        nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), "mixed_bfloat16", "O2"
+    )
+    old = copy.deepcopy(policy)
+    opt = mp.LossScaleOptimizer(torch.optim.Adam(policy.parameters(), lr=1e-3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(6):
+            opt.zero_grad()
+            opt.backward(policy(torch.randn(8, 8)).mean())
+            opt.step()
+            old.load_state_dict(policy.state_dict())

@@ -23,7 +23,7 @@ import os
 import sys
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -44,24 +44,44 @@ PENDING: list[tuple[weakref.ref[torch.Tensor], str]] = []
 
 @dataclass
 class _Watched:
-    """A plain deep copy with 16-bit weights, over the steps after it was made."""
+    """A plain deep copy with 16-bit weights, over the steps after it was made, as each
+    wrapper that steps sees it (a GAN's ``G_ema`` is written after G's steps alone)."""
 
     weight: weakref.ref[torch.Tensor]
-    version: int  # when last read
     where: str  # the line that made the copy
-    steps: int = -1  # written at this many steps; -1: the first step after the copy to come
+    # Each stepping wrapper (its MasterWeights' id) -> the version it last read, and at how
+    # many of its steps the copy had been written since its previous one.
+    seen: dict[int, tuple[int, int]] = field(default_factory=dict)
+    loaded: bool = False  # synced by load_state_dict: a copy, not an average
+    looks: int = 0  # steps of any wrapper that looked: at most _LOOKS, then dropped
 
 
 WATCHED: list[_Watched] = []
 _WRITTEN_STEPS = 3  # written in place at each of these steps: an average kept by hand
 _WATCH_AT_MOST = 8  # copies watched at once (a loop that copies each step adds no cost)
+# Steps (of any wrapper) a copy is watched over at most: a copy only another wrapper would
+# write (or none) costs no step a look for long. A GAN's two wrappers: 8 to be said.
+_LOOKS = 12
 
 
 def watch_averaged_copies(model: nn.Module) -> None:
-    """Have a deep copy of the prepared ``model`` note when it is an ``AveragedModel``'s."""
+    """Have a deep copy of the prepared ``model`` note when it is an ``AveragedModel``'s,
+    or watched (``WATCHED``); a load into such a copy unwatches it."""
     keeper = keeper_of(model)
     if _note_if_averaged not in keeper.on_copy:
         keeper.on_copy.append(_note_if_averaged)
+    if _loaded not in keeper.on_load:
+        keeper.on_load.append(_loaded)
+
+
+def _loaded(module: nn.Module) -> None:
+    """A load into a watched copy: synced (PPO's old policy, a best model kept aside), not
+    averaged. Only where something is watched: loads cost nothing more otherwise."""
+    if WATCHED:
+        ids = {id(p) for p in module.parameters()}
+        for entry in WATCHED:
+            if id(entry.weight()) in ids:
+                entry.loaded = True
 
 
 def _note_if_averaged(copy: nn.Module, params: list[torch.Tensor]) -> None:
@@ -78,7 +98,7 @@ def _note_if_averaged(copy: nn.Module, params: list[torch.Tensor]) -> None:
         where = f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller else "?"
         PENDING.append((weakref.ref(half), where))
     elif len(WATCHED) < _WATCH_AT_MOST:
-        WATCHED.append(_Watched(weakref.ref(half), half._version, _user_frame()))
+        WATCHED.append(_Watched(weakref.ref(half), _user_frame()))
 
 
 def _user_frame() -> str:
@@ -90,20 +110,24 @@ def _user_frame() -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else "?"
 
 
-def _say_written_copies(stepped: Callable[[torch.Tensor], bool]) -> None:
-    """At a step: a watched copy written in place since the last step, at each of the
-    ``_WRITTEN_STEPS`` steps after the first that follows it, is said; one left alone at
-    any of them is dropped."""
+def _say_written_copies(stepped: Callable[[torch.Tensor], bool], stepper: int) -> None:
+    """At a step of the wrapper ``stepper``: a watched copy written in place since that
+    wrapper's previous step, at each of its ``_WRITTEN_STEPS`` steps after its first, is
+    said; one left alone between two of its steps, or loaded into, is dropped."""
     kept = []
     for entry in WATCHED:
         weight = entry.weight()
-        if weight is None or weight.dtype not in HALF_DTYPES or stepped(weight):
-            continue  # gone, made float32, or trained by a wrapper of its own
-        # The first step after the copy may come before its first update: not counted.
-        if weight._version == entry.version and entry.steps != -1:
+        entry.looks += 1
+        if weight is None or weight.dtype not in HALF_DTYPES or stepped(weight) or entry.loaded:
+            continue  # gone, made float32, trained by a wrapper of its own, or synced
+        if entry.looks > _LOOKS:
+            continue  # not written at every step of any one wrapper: no average
+        # A wrapper's first step after the copy may come before its first update.
+        version, steps = entry.seen.get(stepper, (weight._version, -1))
+        if weight._version == version and steps != -1:
             continue  # left alone over a step: no average kept by hand
-        entry.version, entry.steps = weight._version, entry.steps + 1
-        if entry.steps < _WRITTEN_STEPS:
+        entry.seen[stepper] = (weight._version, steps + 1)
+        if steps + 1 < _WRITTEN_STEPS:
             kept.append(entry)
             continue
         name = dtype_name(weight.dtype)
@@ -119,11 +143,12 @@ def _say_written_copies(stepped: Callable[[torch.Tensor], bool]) -> None:
     WATCHED[:] = kept
 
 
-def say_averaged_copies(stepped: Callable[[torch.Tensor], bool]) -> None:
+def say_averaged_copies(stepped: Callable[[torch.Tensor], bool], stepper: object = None) -> None:
     """Warn (at the step's caller) for each noted average that is still 16-bit, and for
-    each watched copy written at every step so far that no wrapper steps (``stepped``)."""
+    each watched copy written at every step of the wrapper ``stepper`` so far that no
+    wrapper steps (``stepped``)."""
     if WATCHED:
-        _say_written_copies(stepped)
+        _say_written_copies(stepped, id(stepper))  # id taken here, eagerly
     noted = list(PENDING)
     PENDING.clear()
     for ref, where in noted:

@@ -54,6 +54,10 @@ class TagKeeper:
         self.watch_loads = False  # the whole prepared model's keeper says replacements
         # Run with a copy and its parameters when the module is deep-copied (trace.py).
         self.on_copy: list[Any] = []
+        # Run with the module when its parameters are made anew (to_empty): the
+        # registries its parameters are known by (trace.py), not what a copy notes.
+        self.on_rebuild: list[Any] = []
+        self.on_load: list[Any] = []  # run with the module after each load into it
 
     def apply(self, module: nn.Module) -> None:
         """Put the notes back on ``module``'s parameters (those it still has)."""
@@ -92,6 +96,8 @@ class TagKeeper:
         new = TagKeeper(copy.deepcopy(self.module, memo))
         new.notes = {name: dict(attrs) for name, attrs in self.notes.items()}
         new.on_copy = list(self.on_copy)
+        new.on_rebuild = list(getattr(self, "on_rebuild", []))
+        new.on_load = list(getattr(self, "on_load", []))
         new.watch_loads = self.watch_loads
         originals = dict(self.module.named_parameters(remove_duplicate=False))
         copies = {name: copy.deepcopy(p, memo) for name, p in originals.items()}
@@ -165,6 +171,8 @@ def _retag(module: nn.Module, incompatible_keys: Any) -> None:
         if replaced:
             _say_replaced(replaced)
         keeper.apply(module)
+        for call in getattr(keeper, "on_load", []):
+            call(module)
 
 
 def _say_replaced(replaced: list[Replaced]) -> None:
@@ -223,6 +231,6 @@ def _to_empty(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         if isinstance(keeper, TagKeeper):
             keeper.apply(module)
             params = list(module.parameters())
-            for call in keeper.on_copy:  # the registries it is known by, as for a copy
+            for call in getattr(keeper, "on_rebuild", []):  # the registries it is known by
                 call(module, params)
     return model

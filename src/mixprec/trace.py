@@ -184,6 +184,8 @@ def remember_model(model: nn.Module) -> None:
     keeper = keeper_of(model)
     if _remember not in keeper.on_copy:
         keeper.on_copy.append(_remember)
+    if _remember not in keeper.on_rebuild:  # to_empty() of a model prepared on meta
+        keeper.on_rebuild.append(_remember)
 
 
 def _remember(model: nn.Module, params: list[torch.Tensor]) -> None:

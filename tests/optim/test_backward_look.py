@@ -113,3 +113,43 @@ def test_gradient_hooks_under_a_loss_scale_are_said(kind):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         run("mixed_bfloat16")  # scale 1: the hooks see the gradients as they are
+
+
+def test_a_group_added_between_backward_and_step_in_the_first_steps_steps():
+    """The look for restored weights compared the weights known at the backward with all
+    of them: a head added in between raised a zip ValueError and lost the backward."""
+    model = mp.auto_mixed_precision(
+        nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), "mixed_bfloat16", "O2"
+    )
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1))
+    opt.backward(F.cross_entropy(model(torch.randn(4, 8)), torch.arange(4)))
+    opt.add_param_group({"params": list(model[2].parameters())})
+    assert opt.step().applied
+
+
+def test_the_look_ends_under_a_compiled_step_and_sees_the_integrations_backward():
+    """Under torch.compile(opt.step) the look never counted its steps (a pass over every
+    parameter at every backward, for good); and a hook was said only through
+    opt.backward, not get_scaled_loss(loss).backward() as the integrations call it."""
+    model = mp.auto_mixed_precision(
+        nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)), "mixed_float16", "O2"
+    )
+    opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    torch._dynamo.reset()
+    try:
+        step = torch.compile(opt.step, backend="eager")
+        x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
+        for _ in range(5):
+            opt.zero_grad()
+            opt.backward(F.cross_entropy(model(x), y))
+            step()
+    finally:
+        torch._dynamo.reset()  # no compiled step of this test's optimizer left to others
+    assert opt._book.look.steps == opt._book.look.STEPS
+    hooked = mp.auto_mixed_precision(
+        nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)), "mixed_float16", "O2"
+    )
+    hooked[0].weight.register_hook(lambda grad: grad.clamp(-1e-3, 1e-3))
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(hooked.parameters(), lr=0.1))
+    with pytest.warns(UserWarning, match=r"1 parameter\(s\) have gradient hooks"):
+        opt.get_scaled_loss(F.cross_entropy(hooked(x), y)).backward()

@@ -425,3 +425,30 @@ def test_gradients_set_by_hand_are_pointed_at_apply_gradients():
     opt.zero_grad()
     grads = torch.autograd.grad(loss_of(model), params)
     assert opt.apply_gradients(zip(grads, params, strict=True)).applied
+
+
+def test_a_torch_optimizer_wrapped_twice_is_refused():
+    """A notebook cell ``opt = mp.LossScaleOptimizer(inner)`` run again: the second
+    wrapper took the first's float32 masters for plain parameters, and the 16-bit weights
+    were never stepped again (every step applied=True, unsaid)."""
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mp.LossScaleOptimizer(inner)
+    with pytest.raises(mp.ArgumentError, match=r"is the float32 master of a 16-bit weight .*"
+                       r"wrapped in a LossScaleOptimizer already"):  # fmt: skip
+        mp.LossScaleOptimizer(inner)
+
+
+def test_a_batch_dropped_by_hand_backs_off_the_scale_every_rank_agrees_on(monkeypatch):
+    """Under torch.distributed one rank's overflow, dropped by hand, backed off that rank's
+    scale alone (65536 against 32768): the drop now agrees as a step does."""
+    from mixprec.optim import checks
+
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.backward(loss_of(model))
+    opt.unscale_()  # finite here
+    monkeypatch.setattr(checks, "is_distributed", lambda: True)
+    monkeypatch.setattr(checks, "agree_found_inf", lambda flags: torch.ones_like(flags))
+    opt.zero_grad()  # another rank found inf
+    assert opt.loss_scaler.get_scale() == 32768.0

@@ -293,12 +293,21 @@ def test_an_index_error_of_the_model_itself_is_not_blamed_on_the_labels() -> Non
             self.head = nn.Linear(4, 3)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.table[torch.arange(x.shape[1])].mean(0)).expand(len(x), 3)
+            row = self.head(self.table[torch.arange(x.shape[1])].mean(0))
+            return row.expand(len(x), len(row))
 
     model = Positions()
     trainer = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 0.1),
                          device="cpu", metrics=())  # fmt: skip
     labels = torch.tensor([0, 1, 2, 0])
+    with pytest.raises(IndexError, match=r"^index 8 is out of bounds for dimension 0"):
+        trainer.fit([(torch.zeros(4, 8), labels), (torch.zeros(4, 12), labels)], verbose=0)
+    # A valid label equal to the table's bad index (10 classes, label 8): still the model's.
+    model = Positions()
+    model.head = nn.Linear(4, 10)
+    trainer = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 0.1),
+                         device="cpu", metrics=())  # fmt: skip
+    labels = torch.tensor([0, 8, 2, 9])
     with pytest.raises(IndexError, match=r"^index 8 is out of bounds for dimension 0"):
         trainer.fit([(torch.zeros(4, 8), labels), (torch.zeros(4, 12), labels)], verbose=0)
 

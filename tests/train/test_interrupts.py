@@ -134,3 +134,34 @@ def test_a_second_ctrl_c_does_not_wait_and_a_handler_of_ones_own_is_left_alone()
         assert seen == [1] and not held.pending
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_after_a_micro_batch_returned_resumes_from_its_groups_start(tmp_path):
+    """Held over the 2nd micro-batch's bookkeeping and raised after it, Ctrl-C left the
+    group half taken: the state could not be saved. The group goes whole now."""
+    full, callbacks = build(4)
+    full.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=callbacks)
+    t, callbacks = build(4)
+    t.step = SigintInLossRead(t.step, at=6)  # batch 6: the 2nd of the 2nd group
+    with pytest.raises(KeyboardInterrupt):
+        t.fit(X, Y, batch_size=8, epochs=2, verbose=0, callbacks=callbacks)
+    assert t.optimizer.pending_micro_steps == 0
+    resumed, state = resumed_from(tmp_path, t, accumulation_steps=4, batch_size=8)
+    assert (state["step_in_epoch"], state["global_step"]) == (4, 1)
+    same_run(resumed, full)
+
+
+def test_a_sigint_handler_a_callback_installs_is_left_in_place():
+    seen = []
+
+    class OwnHandler(mp.Callback):
+        def on_train_batch_end(self, step, logs):
+            signal.signal(signal.SIGINT, lambda *_: seen.append(step))
+
+    t, callbacks = build()
+    try:
+        t.fit(X, Y, batch_size=16, epochs=1, verbose=0, callbacks=[*callbacks, OwnHandler()])
+        os.kill(os.getpid(), signal.SIGINT)
+        assert seen == [5]  # the callback's, after fit
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -52,6 +52,7 @@ class BackwardLook:
         self.versions: list[int] | None = None
         self.weights: list[tuple[int, int]] | None = None  # the 16-bit weights' versions
         self.seen = 0  # the count of looked-at backwards (any optimizer's) after its own
+        self.hooks_looked = False  # the parameters' gradient hooks (first_scaled_loss)
 
     def backward(self, opt: LossScaleOptimizer, loss: torch.Tensor, kwargs: dict[str, Any]) -> None:
         """``opt``'s backward of one of the first steps, looked at before (cleared
@@ -60,13 +61,26 @@ class BackwardLook:
             opt.get_scaled_loss(loss).backward(**kwargs)
             return
         params = opt._weights.model_params()
+        if opt._book.micro == 0:  # a group's first backward: counted here, eagerly (under
+            self.steps += 1  # torch.compile(opt.step) the step's look is not run)
         self._before_backward(params, opt._book.micro, opt.accumulation_steps)
-        if self.steps == 0 and self.versions is None:  # the first backward: once
-            _say_if_hooks_see_scaled(params, opt._loss_scaler.get_scale())
         opt.get_scaled_loss(loss).backward(**kwargs)
         self.versions = grad_versions(params)
         self.weights = opt._weights.half_versions()
         self.seen = _note_backward(opt._loss_scaler.get_scale())  # no fold of device steps
+
+    def looking(self, micro: int) -> bool:
+        """Whether the backward about to run is looked at: one of the first ``STEPS``
+        groups' (counted at each group's first backward), or a later micro-batch of the
+        last of them."""
+        return self.steps < self.STEPS or (micro > 0 and self.versions is not None)
+
+    def first_scaled_loss(self, params: list[torch.Tensor], scale: float) -> None:
+        """At the first scaled loss (``opt.backward``, or ``get_scaled_loss`` as the
+        integrations call it): the gradient hooks that will see it scaled."""
+        if not torch.compiler.is_compiling():  # looked at in an eager call
+            self.hooks_looked = True
+            _say_if_hooks_see_scaled(params, scale)
 
     def _before_backward(self, params: list[torch.Tensor], micro: int, steps: int) -> None:
         then = self.versions
@@ -91,7 +105,6 @@ class BackwardLook:
         then, self.versions = self.versions, None
         if then is None or torch.compiler.is_compiling():
             return
-        self.steps += 1
         written = self.weights is not None and weights.half_versions() != self.weights
         if written and _said_inexact_restore(weights, self.weights):  # type: ignore[arg-type]
             self.steps = self.STEPS  # said once
@@ -171,8 +184,9 @@ def _said_inexact_restore(weights: MasterWeights, then: list[tuple[int, int]]) -
     it was said."""
     near = []
     with torch.no_grad():
+        # A group added since the backward (add_param_group) has weights beyond ``then``.
         for p, m, stored, was in zip(weights.half, weights.masters, weights.stored, then,
-                                     strict=True):  # fmt: skip
+                                     strict=False):  # fmt: skip
             if (p._version, p.data_ptr()) == was:
                 continue
             low = rounding.narrower(p.dtype, stored)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mixprec import _averaged_copies as averaged_copies
-from mixprec._dist import is_dtensor
+from mixprec._dist import agree_found_inf, is_distributed, is_dtensor
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec._warn import caller_stacklevel, warn_at_caller
@@ -232,7 +232,7 @@ def after_step(
         reset_nonfinite_statistics(weights.model_params())
     watch_health(health, result, scaler)
     if averaged_copies.PENDING or averaged_copies.WATCHED:  # 16-bit averages (made since)
-        _say_averaged_eagerly(has_live_master)  # compiled: one break and one recompile
+        _say_averaged_eagerly(has_live_master, weights)  # compiled: one break, once
 
 
 def looks_after_step(
@@ -330,7 +330,12 @@ def drop_unscaled_group(opt: LossScaleOptimizer) -> None:
     never did, and every batch was dropped)."""
     book = opt._book
     book.micro, book.fresh, book.backwards = 0, False, 0
-    if not book.no_grads and bool(book.found_inf.any()):  # type: ignore[union-attr]
+    if book.no_grads and not is_distributed():
+        return
+    # Agreed across ranks as a step's is (every rank drops the batch, or none could step):
+    # one rank's overflow backs off every rank's scale, or the scales drift apart.
+    found = agree_found_inf(book.found_inf.reshape(1).float())  # type: ignore[union-attr]
+    if bool(found.any()):
         opt._read_device_steps()
         opt._folded(True)
 

@@ -254,7 +254,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         way has added some layers' gradients: its whole group goes (``drop_gradients``)."""
         look = self._book.look
         try:
-            if look.steps < look.STEPS:  # the first steps: looked at around it (checks.py)
+            if look.looking(self._book.micro):  # the first steps (backward_look.py)
                 look.backward(self, loss, kwargs)
             else:
                 self.get_scaled_loss(loss).backward(**kwargs)

@@ -35,6 +35,8 @@ _DATA_SAMPLE = 4096  # values of each weight the one look for writes through .da
 # new optimizer over the same model (a second fit, a later phase of training) starts from
 # it while it lives, rather than from the rounded weight. A master that is gone is said.
 _LATEST_MASTER: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Every master made, weakly: an optimizer wrapped twice holds them (``_refuse_master``).
+_MASTERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _starting_values(p: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -128,6 +130,7 @@ class MasterWeights:
         self.index.update({id(p): (False, i) for i, p in enumerate(self.plain)})
         for p, master in zip(self.half, self.masters, strict=True):
             _LATEST_MASTER[p] = weakref.ref(master)
+            _MASTERS[master] = True
         self.versions = self.half_versions()
 
     def adopt(
@@ -147,6 +150,7 @@ class MasterWeights:
                     "a parameter of this LossScaleOptimizer; a parameter may appear in one "
                     "param group of one inner optimizer only"
                 )
+            _refuse_master(p, f"{where}['params'][{j}]")
             if p.dtype == torch.float16:
                 self.checked.append(_local(p))
             if needs_master(p):
@@ -155,6 +159,7 @@ class MasterWeights:
                 self.lost += lost
                 master.requires_grad_(True)
                 _LATEST_MASTER[p] = weakref.ref(master)
+                _MASTERS[master] = True
                 state = inner.state.pop(p, None)
                 if state:
                     # Moments become float32 like the master; scalar entries (step) stay as is.
@@ -415,6 +420,20 @@ def _check_param(p: Any, where: str) -> None:
 def _local(p: torch.Tensor) -> torch.Tensor:
     """The local shard of an FSDP2 parameter, else the parameter."""
     return p.to_local() if is_dtensor(p) else p  # type: ignore[attr-defined,no-any-return]
+
+
+def _refuse_master(p: torch.Tensor, where: str) -> None:
+    """A torch optimizer wrapped twice (a cell run again) holds the first wrapper's masters:
+    the second took them for float32 parameters, and the weights were never stepped again."""
+    if p in _MASTERS:
+        raise ArgumentError(
+            f"{where} is the float32 master of a 16-bit weight (shape {tuple(p.shape)}): "
+            "this torch optimizer was wrapped in a LossScaleOptimizer already (a cell run "
+            "again?), whose masters replaced the model's weights in it. A second wrapper "
+            "would step the masters alone and leave the weights as they are. Keep using the "
+            "first wrapper, or build a new torch optimizer over model.parameters() and wrap "
+            "that"
+        )
 
 
 def _refuse_sharded(p: torch.Tensor, where: str) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -43,11 +44,12 @@ class HeldInterrupt:
             self._previous = signal.signal(signal.SIGINT, self._handler)
 
     def uninstall(self) -> None:
-        """Put the handler back; a Ctrl-C held when an error ended the window is dropped
-        (the error goes on)."""
+        """Put the handler back (unless one of the user's replaced it since: theirs stays);
+        a Ctrl-C held when an error ended the window is dropped (the error goes on)."""
         self.holding = self.pending = False
         if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+            if signal.getsignal(signal.SIGINT) == self._handler:
+                signal.signal(signal.SIGINT, self._previous)
             self._previous = None
 
     def __enter__(self) -> HeldInterrupt:
@@ -66,11 +68,14 @@ class HeldInterrupt:
     def hold(self) -> None:
         self.holding = True
 
-    def release(self) -> None:
-        """End the window; a Ctrl-C that came during it is raised now."""
+    def release(self, before_raising: Callable[[], None] | None = None) -> None:
+        """End the window; a Ctrl-C that came during it is raised now, after
+        ``before_raising`` (an accumulation group left half taken is rewound)."""
         self.holding = False
         if self.pending:
             self.pending = False
+            if before_raising is not None:
+                before_raising()
             raise KeyboardInterrupt
 
 
@@ -88,6 +93,13 @@ class GroupStart:
         to note without accumulation)."""
         if self.optimizer.accumulation_steps > 1 and self.optimizer.pending_micro_steps == 0:
             self.step, self.sums = step, meter.snapshot()
+
+    def rewind_pending(self, trainer: Any, step: int, meter: EpochMeter) -> None:
+        """Ctrl-C held over batch ``step``'s bookkeeping, raised after it: a group that
+        batch left half taken goes whole, and ``trainer`` resumes at its first batch (else
+        the state could not be saved: a group half taken)."""
+        if self.optimizer.pending_micro_steps:
+            trainer._step_in_epoch = self.rewind(step + 1, meter)
 
     def rewind(self, step: int, meter: EpochMeter) -> int:
         """After the batch ``step`` raised: the group is dropped whole, and the batch to go

@@ -18,8 +18,9 @@ __all__ = ["raise_if_about_labels"]
 
 # F.cross_entropy's and mp.cross_entropy's own words: the labels, whatever their value.
 _TARGET = re.compile(r"\b[Tt]arget -?\d+ is out of bounds")
-# A gather's, or any indexing: the labels only where they hold that index.
-_INDEX = re.compile(r"\bindex (-?\d+) is out of bounds")
+# A gather's, or any indexing: the labels only where they hold that index, and it was
+# out of bounds along a class dimension (a table's rows, dimension 0, are a model's own).
+_INDEX = re.compile(r"\bindex (-?\d+) is out of bounds(?! for dimension 0\b)")
 
 
 def raise_if_about_labels(err: BaseException, targets: Any, epoch: int, step: int) -> None:
