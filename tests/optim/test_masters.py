@@ -87,18 +87,21 @@ def test_o3_has_no_masters():
 
 def test_warns_when_adam_eps_vanishes_in_pure_float16():
     model = mp.auto_mixed_precision(make_mlp(), "float16", "O3")
-    with pytest.warns(UserWarning, match=r"eps=1e-08 .* rounds to 0 in float16") as seen:
+    said = r"squared-gradient state in float16.*eps=1e-08 is 0 in float16"
+    with pytest.warns(UserWarning, match=said) as seen:
         mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters()))
-    # At the user's line, directly and through build_train_step.
-    assert [w.filename for w in seen] == [__file__]
-    with pytest.warns(UserWarning, match=r"eps=1e-08 .* rounds to 0 in float16") as seen:
+    # At the user's line, directly and through build_train_step; AdamW's default decay
+    # (1e-5 of a weight a step) rounds away in float16 too.
+    assert [w.filename for w in seen] == [__file__, __file__]
+    assert "weight decay takes 1e-05 of a weight a step" in str(seen[1].message)
+    with pytest.warns(UserWarning, match=said) as seen:
         mp.build_train_step(model, torch.optim.AdamW(model.parameters()), "cross_entropy",
                             "float16", "O3")  # fmt: skip
     assert [w.filename for w in seen if "eps=" in str(w.message)] == [__file__]
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), eps=1e-4))
+        mp.LossScaleOptimizer(mp.CompensatedAdamW(model.parameters()))  # float32 state
         o2 = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
         mp.LossScaleOptimizer(torch.optim.AdamW(o2.parameters()))  # masters: float32 math
 

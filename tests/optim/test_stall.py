@@ -1,5 +1,6 @@
 """16-bit weights stepped in place that stopped moving (``mixprec.optim.stall``): said once
-when none moved over ``WINDOW`` applied steps; not for weights that move, however few."""
+when fewer than a tenth of their values moved over ``WINDOW`` applied steps; not for
+weights that move, nor for weights behind float32 masters."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def _train(level: str, make_opt) -> list[warnings.WarningMessage]:
             opt.zero_grad()
             opt.backward(F.cross_entropy(model(x), y))
             assert opt.step().applied
-    return [w for w in seen if "applied steps: each update is below" in str(w.message)]
+    return [w for w in seen if "applied steps: most updates are below" in str(w.message)]
 
 
 def test_o3_weights_that_no_update_moves_are_said():
@@ -36,15 +37,39 @@ def test_o3_weights_that_no_update_moves_are_said():
     said = _train("O3", lambda p: torch.optim.SGD(p, lr=1e-4))
     assert len(said) == 1 and said[0].filename == __file__
     message = str(said[0].message)
-    assert "none of the 4 bfloat16 weights" in message and "mp.CompensatedAdamW" in message
+    assert message.startswith("0.0% of the values of the 4 bfloat16 weights")
+    assert "mp.CompensatedAdamW" in message
+
+
+def test_adam_at_a_small_rate_that_moves_few_elements_is_said():
+    """Adam at lr 3e-5: 2.7% of the elements moved (tiny ones), the weights went 0.023
+    where float32's went 0.153. A watch of norms, which those few kept changing, was
+    quiet (this case was once asserted quiet, as a 16-bit norm had missed moved ones)."""
+    assert len(_train("O3", lambda p: torch.optim.Adam(p, lr=3e-5))) == 1
+
+
+def test_a_fine_tuning_where_few_elements_move_is_said():
+    """AdamW at lr 1e-5 on bfloat16 weights: 4.3% of the elements moved (a few near-zero
+    biases), which kept every weight's norm changing, so the watch of norms said nothing
+    while the loss stalled at 2.31 (float32: 2.09)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.LayerNorm(256),
+                                torch.nn.GELU(), torch.nn.Linear(256, 10))  # fmt: skip
+    model = mp.auto_mixed_precision(model, "bfloat16", "O3")
+    opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-5))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(128, 64, generator=g), torch.randint(0, 10, (128,), generator=g)
+    with pytest.warns(UserWarning, match=r"^\d+\.\d% of the values of the 6 bfloat16 weights"):
+        for _ in range(START + WINDOW):
+            opt.zero_grad()
+            opt.backward(F.cross_entropy(model(x).float(), y))
+            opt.step()
 
 
 @pytest.mark.parametrize(
     ("level", "make_opt"),
     [
         ("O3", lambda p: mp.CompensatedAdamW(p, lr=1e-4)),  # compensated: they move
-        # Adam at a small rate moves a few thousand elements, which a 16-bit norm missed.
-        ("O3", lambda p: torch.optim.Adam(p, lr=3e-5)),
         ("O3", lambda p: torch.optim.SGD(p, lr=0.1)),  # large enough to move
         ("O2", lambda p: torch.optim.SGD(p, lr=1e-4)),  # float32 masters: not watched
     ],

@@ -63,6 +63,8 @@ class BackwardLook:
         params = opt._weights.model_params()
         if opt._book.micro == 0:  # a group's first backward: counted here, eagerly (under
             self.steps += 1  # torch.compile(opt.step) the step's look is not run)
+            if self.steps == 1:
+                _say_if_loss_16bit(loss, opt._loss_scaler.get_scale())
         self._before_backward(params, opt._book.micro, opt.accumulation_steps)
         opt.get_scaled_loss(loss).backward(**kwargs)
         self.versions = grad_versions(params)
@@ -168,6 +170,22 @@ def _say_if_hooks_see_scaled(params: list[torch.Tensor], scale: float) -> None:
             "opt.master_params()), or divide by opt.loss_scaler.get_scale() in the hook. "
             "A hook that is linear in the gradient (a sign flip, a mask) is exact: then "
             "nothing is wrong (said once)"
+        )
+
+
+def _say_if_loss_16bit(loss: torch.Tensor, scale: float) -> None:
+    """A loss computed in 16 bits (a pure policy's 16-bit outputs into F.cross_entropy):
+    its steps (0.0078 near 1.0 in bfloat16) hide improvement, so a ReduceLROnPlateau fed
+    it cut the learning rate to 1e-8 (float32: none), and in float16 the scaled loss's
+    own gradient, the scale, is inf past 65504 (every first step skipped), unsaid."""
+    if isinstance(loss, torch.Tensor) and loss.dtype in (torch.float16, torch.bfloat16):
+        overflows = loss.dtype == torch.float16 and scale > 65504
+        warn_at_caller(
+            f"the loss is {str(loss.dtype).removeprefix('torch.')}: its rounding (steps of "
+            "0.0078 near 1.0 in bfloat16) hides real progress from what reads it (a "
+            "ReduceLROnPlateau cut the learning rate to 1e-8 where float32 kept 1e-3)"
+            + (f", and at loss scale {scale:g} its own gradient overflows" if overflows else "")
+            + ". Compute it in float32: loss_fn(output.float(), target)"
         )
 
 

@@ -13,7 +13,8 @@ import torch
 from mixprec._errors import MisuseError
 from mixprec.optim.checks import say_if_grads_unfilled
 from mixprec.optim.fused import _fuse
-from mixprec.optim.masters import MasterWeights, warn_if_eps_vanishes
+from mixprec.optim.in_place import say_what_in_place_loses
+from mixprec.optim.masters import MasterWeights
 
 if TYPE_CHECKING:
     from mixprec.optim.loss_scale_optimizer import _Bookkeeping
@@ -65,7 +66,7 @@ class ParamGroups:
     def _adopted(self, inner: torch.optim.Optimizer, i: int) -> None:
         """What follows the adoption of ``inner``'s group ``i``."""
         _fuse(inner, inner.param_groups[i])  # first: a fused kernel adds eps in float32
-        warn_if_eps_vanishes(
+        say_what_in_place_loses(
             inner, inner.param_groups[i], f"{type(inner).__name__} param_groups[{i}]"
         )
         self._decide_host_path()

@@ -40,9 +40,10 @@ from mixprec.optim.direct import FusedStep
 from mixprec.optim.fused import _fuse, _unfuse_sparse, needs_scaling, step_inner_fused_safely
 from mixprec.optim.groups import ParamGroups
 from mixprec.optim.host_step import host_step
+from mixprec.optim.in_place import say_what_in_place_loses
 from mixprec.optim.keras_api import KerasMethods, keras_scaler
 from mixprec.optim.lr_watch import say_if_rates_moved
-from mixprec.optim.masters import MasterWeights, warn_if_eps_vanishes
+from mixprec.optim.masters import MasterWeights
 from mixprec.optim.replicas import masters_of_rank0_if_replicas, state_of_rank
 from mixprec.optim.sharing import Sharing, check_partners, note_partners
 from mixprec.optim.stall import StallWatch
@@ -190,7 +191,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         for inner in self.optimizers:
             for i, group in enumerate(inner.param_groups):
                 _fuse(inner, group)  # first: a fused kernel adds eps in float32
-                warn_if_eps_vanishes(inner, group, f"{type(inner).__name__} param_groups[{i}]")
+                say_what_in_place_loses(inner, group, f"{type(inner).__name__} param_groups[{i}]")
         groups = [len(inner.param_groups) for inner in self.optimizers]
         model_params = self._weights.model_params()
         # Where found_inf lives when no parameter has a gradient (a rank with none).

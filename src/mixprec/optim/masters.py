@@ -388,25 +388,6 @@ class MasterWeights:
         )
 
 
-def warn_if_eps_vanishes(inner: torch.optim.Optimizer, group: dict[str, Any], where: str) -> None:
-    """Pure float16 weights (O3) make Adam-style optimizers compute in float16, where the
-    default eps=1e-8 rounds to 0: a zero gradient then gives 0/0 = NaN weights. Not said
-    where eps is added in float32: ``CompensatedAdamW`` (``EPS_IN_FLOAT32``), and torch's
-    fused kernels (a group fused by the user, or by ``_fuse``, on CUDA by default)."""
-    if getattr(inner, "EPS_IN_FLOAT32", False) or group.get("fused"):
-        return
-    eps = group.get("eps")
-    if not isinstance(eps, float) or eps <= 0:
-        return
-    vanishes = torch.tensor(eps, dtype=torch.float16).item() == 0.0
-    if vanishes and any(p.dtype == torch.float16 for p in group["params"]):
-        warn_at_caller(
-            f"{where} has eps={eps!r} and float16 parameters without float32 masters "
-            "(level O3): eps rounds to 0 in float16 and a zero gradient will make NaN "
-            "weights. Use eps >= 1e-4, or level O2."
-        )
-
-
 def _check_param(p: Any, where: str) -> None:
     if not isinstance(p, torch.Tensor):
         raise ArgumentError(f"{where} must be a tensor, got {type(p).__name__}")

@@ -19,10 +19,11 @@ import signal
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mixprec.optim import LossScaleOptimizer
-from mixprec.train.meter import EpochMeter
+if TYPE_CHECKING:
+    from mixprec.optim import LossScaleOptimizer
+    from mixprec.train.meter import EpochMeter
 
 __all__ = ["GroupStart", "HeldInterrupt"]
 
