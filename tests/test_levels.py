@@ -627,3 +627,44 @@ def test_embedding_bag_takes_per_sample_weights_computed_in_the_model(policy, le
     model = mp.auto_mixed_precision(copy.deepcopy(control), policy, level)
     out = model(idx, offsets, feats).float()
     torch.testing.assert_close(out, control(idx, offsets, feats), rtol=2e-2, atol=2e-2)
+
+
+def test_a_hugging_face_models_own_float32_modules_are_kept():
+    """T5 declares _keep_in_fp32_modules = {"wo"} (its float16 output overflows) and HF's
+    own float16 loading keeps it float32; prepared by mixprec it computed and was stored in
+    float16, unsaid. _keep_in_fp32_modules_strict holds under bfloat16 too."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wi, self.wo = nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.wo(torch.relu(self.wi(x)))
+
+    class T5Like(nn.Module):
+        _keep_in_fp32_modules = frozenset({"wo"})
+        _keep_in_fp32_modules_strict = frozenset({"gate"})
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.ModuleList([Block(), Block()])
+            self.gate, self.word = nn.Linear(8, 8), nn.Linear(8, 8)  # "word": no match
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.block:
+                x = block(x)
+            return self.word(self.gate(x))
+
+    dtypes = {}
+    for policy in ("mixed_float16", "mixed_bfloat16"):
+        model = mp.auto_mixed_precision(T5Like(), policy, "O2")
+        model(torch.randn(2, 8)).sum().backward()
+        dtypes[policy] = {n: p.dtype for n, p in model.named_parameters() if n.endswith("weight")}
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    assert dtypes["mixed_float16"] == {
+        "block.0.wi.weight": f16, "block.0.wo.weight": f32, "block.1.wi.weight": f16,
+        "block.1.wo.weight": f32, "gate.weight": f32, "word.weight": f16,
+    }  # fmt: skip
+    assert dtypes["mixed_bfloat16"]["block.0.wo.weight"] == bf16  # not strict: HF's too
+    assert dtypes["mixed_bfloat16"]["gate.weight"] == f32

@@ -5,14 +5,23 @@ named modules of a model they stand for (``auto_mixed_precision``'s ``keep_float
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Iterable
 
+import torch
 from torch import nn
 
 from mixprec._dtypes import closest
 from mixprec._errors import ArgumentError
 
-__all__ = ["KeepEntry", "inside", "keep_list", "kept_modules", "named_modules"]
+__all__ = [
+    "KeepEntry",
+    "declared_float32",
+    "inside",
+    "keep_list",
+    "kept_modules",
+    "named_modules",
+]
 
 KeepEntry = type[nn.Module] | str | nn.Module
 
@@ -86,3 +95,19 @@ def kept_modules(
 def inside(modules: Iterable[nn.Module]) -> set[int]:
     """Ids of the given modules and all their descendants."""
     return {id(sub) for m in modules for sub in m.modules()}
+
+
+def declared_float32(model: nn.Module, compute: torch.dtype) -> list[nn.Module]:
+    """The modules a Hugging Face model declares float32 for this compute dtype, as its own
+    loading keeps them: ``_keep_in_fp32_modules`` under float16 (T5's ``wo``, whose float16
+    output overflows), ``_keep_in_fp32_modules_strict`` under either 16-bit dtype. Named
+    by a component of a module's name. Before, they computed in 16 bits, unsaid."""
+    names: set[str] = set()
+    if compute == torch.float16:
+        names.update(getattr(model, "_keep_in_fp32_modules", None) or ())
+    if compute in (torch.float16, torch.bfloat16):
+        names.update(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if not names:
+        return []
+    pattern = re.compile(r"(^|\.)(" + "|".join(map(re.escape, sorted(names))) + r")($|\.)")
+    return [m for n, m in model.named_modules() if n and pattern.search(n)]

@@ -54,7 +54,7 @@ from mixprec.float8 import (
     is_float8,
 )
 from mixprec.keep import KeepEntry as KeepEntry  # re-exported: callers import it from here
-from mixprec.keep import inside, kept_modules
+from mixprec.keep import declared_float32, inside, kept_modules
 from mixprec.keep import keep_list as keep_list  # re-exported too
 from mixprec.policy import UNSET, Policy, PolicyLike, get_policy, global_policy
 from mixprec.region import Region, get_region, set_region, to_float
@@ -247,7 +247,9 @@ def auto_mixed_precision(
     check_float64(model)  # before anything changes
     if planned is not None:
         planned.preset()  # the plan's regions in its other 16-bit dtype, which the level keeps
-    kept = kept_modules(model, keep_float32)
+    # A Hugging Face model's own float32 modules join keep_float32, as HF's loading keeps them.
+    declared = declared_float32(model, resolved.compute_dtype) if lvl != "O0" else []
+    kept = kept_modules(model, [*keep_list(keep_float32), *declared])
     bf16_kept = kept_modules(model, keep_bfloat16, "keep_bfloat16")
     if (resolved.float8_recipe is None or lvl == "O0") and (bf16_kept or float8 is not None):
         why = "O0 computes in float32: use O1-O3" if resolved.float8_recipe else "use mixed_float8"
