@@ -232,3 +232,30 @@ def test_float16_weight_added_later_is_checked_too() -> None:
             assert opt.step().applied
     with pytest.raises(FloatingPointError, match=r"1\.bias \(float16"):
         opt.step()
+
+
+def test_frozen_weights_keeping_their_float32_values_are_said_once():
+    """A frozen backbone at O2: its 16-bit weights kept their float32 values for good (no
+    optimizer takes them), 1.5 times the float32 model's weight memory, unsaid."""
+    torch.manual_seed(0)
+    backbone = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)]).requires_grad_(False)
+    model = mp.auto_mixed_precision(nn.Sequential(backbone, nn.Linear(256, 10)),
+                                    "mixed_bfloat16", "O2")  # fmt: skip
+    opt = mp.LossScaleOptimizer(
+        torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    )
+    x, y = torch.randn(4, 256), torch.randint(0, 10, (4,))
+    with pytest.warns(UserWarning, match=r"16 16-bit weights no LossScaleOptimizer holds .* "
+                      r"2\.0 MiB more.*release_float32_copies") as said:  # fmt: skip
+        for _ in range(3):
+            opt.zero_grad()
+            opt.backward(nn.functional.cross_entropy(model(x), y))
+            opt.step()
+    assert len([w for w in said if "no LossScaleOptimizer holds" in str(w.message)]) == 1
+    assert mp.release_float32_copies(model) == 8 * (256 * 256 + 256) * 4
+    trained = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")  # all held
+    opt = mp.LossScaleOptimizer(torch.optim.AdamW(trained.parameters()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.backward(loss_of(trained))
+        opt.step()

@@ -28,6 +28,7 @@ from mixprec import _averaged_copies as averaged_copies
 from mixprec._dist import agree_found_inf, is_distributed, is_dtensor
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError, MisuseError
+from mixprec._float32_copies import say_if_frozen_copies
 from mixprec._warn import caller_stacklevel, warn_at_caller
 from mixprec.casting import POLICY_ATTR
 from mixprec.optim import sharing
@@ -40,6 +41,7 @@ from mixprec.optim.step_result import DeviceFlag, StepResult
 from mixprec.policy import global_policy
 from mixprec.scaling import LossScaler, NoOpLossScaler
 from mixprec.scaling.health import ScalerHealth, scale_floor
+from mixprec.trace import models_of
 
 if TYPE_CHECKING:
     from mixprec.optim.loss_scale_optimizer import LossScaleOptimizer, _Bookkeeping
@@ -231,6 +233,8 @@ def after_step(
     if result.found_inf is True:  # decided; a DeviceFlag is observed at its read
         reset_nonfinite_statistics(weights.model_params())
     watch_health(health, result, scaler)
+    if weights.step_looks == 1 and not weights.said_frozen:  # the first step that looked
+        _say_frozen_eagerly(weights)  # at the 16-bit weights; compiled: one break, once
     if averaged_copies.PENDING or averaged_copies.WATCHED:  # 16-bit averages (made since)
         _say_averaged_eagerly(has_live_master, weights)  # compiled: one break, once
 
@@ -259,6 +263,12 @@ def _observe(health: ScalerHealth, result: StepResult, scaler: LossScaler) -> No
 # torch's lazy form of torch.compiler.disable: dynamo is imported at the first call (under
 # compile, when it is loaded anyway), not when mixprec is.
 _observe_eagerly = torch._disable_dynamo(_observe)  # type: ignore[attr-defined]
+def _say_frozen(weights: MasterWeights) -> None:
+    weights.said_frozen = True
+    say_if_frozen_copies(models_of(weights.half))
+
+
+_say_frozen_eagerly = torch._disable_dynamo(_say_frozen)  # type: ignore[attr-defined]
 _say_averaged_eagerly = torch._disable_dynamo(averaged_copies.say_averaged_copies)  # type: ignore[attr-defined]
 
 

@@ -119,7 +119,7 @@ class MasterWeights:
         # Steps that looked for external writes, counted to 2: the second also looks for
         # writes the version counters miss (through .data).
         self.step_looks = 0
-        self.said_data_saves = False  # follow_data_writes said its warning
+        self.said_data_saves = self.said_frozen = False  # said once (.data saves; checks)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Unpickled or deep-copied with its optimizer: the parameters are new objects, so
