@@ -263,6 +263,8 @@ def _observe(health: ScalerHealth, result: StepResult, scaler: LossScaler) -> No
 # torch's lazy form of torch.compiler.disable: dynamo is imported at the first call (under
 # compile, when it is loaded anyway), not when mixprec is.
 _observe_eagerly = torch._disable_dynamo(_observe)  # type: ignore[attr-defined]
+
+
 def _say_frozen(weights: MasterWeights) -> None:
     weights.said_frozen = True
     say_if_frozen_copies(models_of(weights.half))
