@@ -668,3 +668,16 @@ def test_a_hugging_face_models_own_float32_modules_are_kept():
     }  # fmt: skip
     assert dtypes["mixed_bfloat16"]["block.0.wo.weight"] == bf16  # not strict: HF's too
     assert dtypes["mixed_bfloat16"]["gate.weight"] == f32
+
+
+def test_describe_counts_a_parametrized_weight_in_its_modules_row():
+    """weight_norm's weight lives in a ParametrizationList child, which O2 leaves float32:
+    describe said "bfloat16" for the Linear (its bias alone), unsaid."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    model = nn.Sequential(weight_norm(nn.Linear(64, 64)), nn.ReLU(), nn.Linear(64, 10))
+    model = mp.auto_mixed_precision(model, "mixed_bfloat16", "O2")
+    rows = {r.name: r for r in mp.dtype_table.module_dtypes(model)}
+    assert rows["0"].storage == "bfloat16,float32"  # the bias, and the weight's g and v
+    assert model[0].parametrizations.weight.original0.dtype == torch.float32
+    assert rows["2"].storage == "bfloat16"

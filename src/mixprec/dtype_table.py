@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from mixprec._dtypes import dtype_name
 from mixprec._module_kinds import MIXED_NORM_MODULES
@@ -45,7 +46,10 @@ def module_dtypes(model: nn.Module) -> list[ModuleDtypes]:
         region = get_region(module)
         if region is not None:
             compute = region.compute_dtype
-        dtypes = sorted({dtype_name(p.dtype) for p in module.parameters(recurse=False)})
+        params = list(module.parameters(recurse=False))
+        if parametrize.is_parametrized(module):  # weight_norm & co: its weight is a child's
+            params += module.parametrizations.parameters()  # type: ignore[union-attr,operator]
+        dtypes = sorted({dtype_name(p.dtype) for p in params})
         # Batch and layer norm kernels take 16-bit input with float32 weights and keep their
         # arithmetic and running statistics in float32: "float16" alone would mislead.
         mixed_norm = (
