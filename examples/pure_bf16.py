@@ -52,7 +52,7 @@ def run(policy: str, level: str, make_opt: Callable[..., Any], args: argparse.Na
     for _ in range(args.epochs):
         for idx in torch.randperm(len(xt), generator=order).split(args.batch_size):
             opt.zero_grad()
-            opt.backward(F.cross_entropy(model(xt[idx]), yt[idx]))
+            opt.backward(F.cross_entropy(model(xt[idx]).float(), yt[idx]))  # loss in float32
             opt.step()
     with torch.no_grad():
         out = model(xs).float()

@@ -644,12 +644,12 @@ def test_a_hugging_face_models_own_float32_modules_are_kept():
 
     class T5Like(nn.Module):
         _keep_in_fp32_modules = frozenset({"wo"})
-        _keep_in_fp32_modules_strict = frozenset({"gate"})
+        _keep_in_fp32_modules_strict = frozenset({"gate", "word.bias"})  # a module, a tensor
 
         def __init__(self) -> None:
             super().__init__()
             self.block = nn.ModuleList([Block(), Block()])
-            self.gate, self.word = nn.Linear(8, 8), nn.Linear(8, 8)  # "word": no match
+            self.gate, self.word = nn.Linear(8, 8), nn.Linear(8, 8)  # "word" is not "wo"
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             for block in self.block:
@@ -664,10 +664,17 @@ def test_a_hugging_face_models_own_float32_modules_are_kept():
     f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
     assert dtypes["mixed_float16"] == {
         "block.0.wi.weight": f16, "block.0.wo.weight": f32, "block.1.wi.weight": f16,
-        "block.1.wo.weight": f32, "gate.weight": f32, "word.weight": f16,
+        "block.1.wo.weight": f32, "gate.weight": f32, "word.weight": f32,
     }  # fmt: skip
     assert dtypes["mixed_bfloat16"]["block.0.wo.weight"] == bf16  # not strict: HF's too
     assert dtypes["mixed_bfloat16"]["gate.weight"] == f32
+    # Asked again with the same keep_float32 (a second MixprecTrainer): as prepared, not a
+    # refusal naming the declared modules as another keep_float32.
+    from mixprec._prepare_once import needs_preparation
+
+    model = mp.auto_mixed_precision(T5Like(), "mixed_float16", "O2", keep_float32=["word"])
+    assert not needs_preparation(model, "mixed_float16", "O2", where="test",
+                                 keep_float32=["word"])  # fmt: skip
 
 
 def test_describe_counts_a_parametrized_weight_in_its_modules_row():

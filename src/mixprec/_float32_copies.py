@@ -86,8 +86,8 @@ def release_float32_copies(model: torch.nn.Module) -> int:
 
 
 def say_if_frozen_copies(models: list[nn.Module]) -> None:
-    """At the first step: the float32 values still kept on a model's 16-bit weights are
-    those of weights no optimizer holds (frozen: a backbone, an adapter's base), kept for
+    """At the first step: the float32 values still kept on a model's frozen 16-bit weights
+    (``requires_grad`` off: a backbone, an adapter's base), which no optimizer takes, kept for
     good so that a save writes them exactly. A frozen 8-layer backbone took 1.5 times its
     float32 model's weight memory where 0.5 was meant, unsaid. Said once a model, at 1 MiB
     and more."""
@@ -95,7 +95,9 @@ def say_if_frozen_copies(models: list[nn.Module]) -> None:
         if model.__dict__.get(_SAID):
             continue
         model.__dict__[_SAID] = True
-        kept = [p.__dict__.get(FP32_COPY_ATTR) for p in model.parameters()]
+        # Frozen alone: a weight that trains and has no optimizer yet (Fabric wraps each
+        # at its own first step) takes its values when one is built.
+        kept = [p.__dict__.get(FP32_COPY_ATTR) for p in model.parameters() if not p.requires_grad]
         copies = [k.values for k in kept if isinstance(k, Float32Copy)]
         held = sum(v.numel() * v.element_size() for v in copies)
         if held >= 2**20:
@@ -104,7 +106,8 @@ def say_if_frozen_copies(models: list[nn.Module]) -> None:
                 "backbone, an adapter's base) keep their float32 values beside them, "
                 f"{held / 2**20:.1f} MiB more, so that a save writes them exactly: those "
                 "weights take 1.5 times their float32 memory. mp.release_float32_copies("
-                "model) frees them (a save then writes their 16-bit values)"
+                "model) frees them (a save then writes their 16-bit values, and a weight "
+                "unfrozen later starts its master from them)"
             )
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from mixprec._errors import ArgumentError
 from mixprec._plan_apply import PlanLike
-from mixprec.keep import KeepEntry, keep_list, kept_modules
+from mixprec.keep import KeepEntry, declared_float32, keep_list, kept_modules
 from mixprec.levels import applied, resolve_level
 from mixprec.policy import PolicyLike, get_policy
 
@@ -71,6 +71,9 @@ def needs_preparation(
             f"prepared once: {use}build the model again"
         )
     keep = keep_list(keep_float32)
+    if keep:  # with the modules a Hugging Face model declares float32, as preparation added
+        declared = declared_float32(model, done.policy.compute_dtype) if done.level != "O0" else []
+        keep = (*keep, *declared)
     wanted = tuple(sorted(kept_modules(model, keep))) if keep else done.keep_float32
     if wanted != done.keep_float32:
         raise ArgumentError(

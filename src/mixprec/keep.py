@@ -101,7 +101,8 @@ def declared_float32(model: nn.Module, compute: torch.dtype) -> list[nn.Module]:
     """The modules a Hugging Face model declares float32 for this compute dtype, as its own
     loading keeps them: ``_keep_in_fp32_modules`` under float16 (T5's ``wo``, whose float16
     output overflows), ``_keep_in_fp32_modules_strict`` under either 16-bit dtype. Named
-    by a component of a module's name. Before, they computed in 16 bits, unsaid."""
+    by components of a module's name, or of a parameter's or buffer's (its module kept).
+    Before, they computed in 16 bits, unsaid."""
     names: set[str] = set()
     if compute == torch.float16:
         names.update(getattr(model, "_keep_in_fp32_modules", None) or ())
@@ -110,4 +111,10 @@ def declared_float32(model: nn.Module, compute: torch.dtype) -> list[nn.Module]:
     if not names:
         return []
     pattern = re.compile(r"(^|\.)(" + "|".join(map(re.escape, sorted(names))) + r")($|\.)")
-    return [m for n, m in model.named_modules() if n and pattern.search(n)]
+    modules = dict(model.named_modules())
+    found = {n for n in modules if n and pattern.search(n)}
+    # Entries naming a parameter or buffer ("gate.weight", "e_score_correction_bias"):
+    # its module is kept, as keep_float32 keeps modules.
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    found.update(n.rpartition(".")[0] for n, _ in tensors if pattern.search(n))
+    return [modules[n] for n in sorted(found) if n]

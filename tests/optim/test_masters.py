@@ -87,7 +87,7 @@ def test_o3_has_no_masters():
 
 def test_warns_when_adam_eps_vanishes_in_pure_float16():
     model = mp.auto_mixed_precision(make_mlp(), "float16", "O3")
-    said = r"squared-gradient state in float16.*eps=1e-08 is 0 in float16"
+    said = r"gradient statistics .* in float16.*eps=1e-08 is 0 in float16"
     with pytest.warns(UserWarning, match=said) as seen:
         mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters()))
     # At the user's line, directly and through build_train_step; AdamW's default decay
@@ -259,3 +259,19 @@ def test_frozen_weights_keeping_their_float32_values_are_said_once():
         warnings.simplefilter("error")
         opt.backward(loss_of(trained))
         opt.step()
+
+
+def test_weights_that_train_under_a_later_optimizer_are_not_taken_for_frozen():
+    """Fabric wraps each optimizer at its own first step: at the first one's step the
+    second's weights still kept their float32 values, and were said as frozen."""
+    torch.manual_seed(0)
+    model = mp.auto_mixed_precision(
+        nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512)), "mixed_bfloat16", "O2"
+    )
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    x = torch.randn(4, 512)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first = mp.LossScaleOptimizer(torch.optim.SGD(biases, lr=0.1))
+        first.backward(model(x).float().pow(2).mean())
+        first.step()

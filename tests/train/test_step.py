@@ -342,3 +342,19 @@ def test_a_compiled_step_slower_than_eager_is_said_once(compiled_ms):
         assert "(medians of 3 steps each, steps 4-9)" in str(said[0].message)
     else:
         assert said == []
+
+
+def test_a_pure_policys_loss_by_name_is_computed_in_float32():
+    """Trainer/build_train_step with policy="bfloat16" and the loss named: F.cross_entropy
+    took the 16-bit output, and the first backward said "the loss is bfloat16: compute it
+    in float32", which a loss given by name cannot do."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    step = mp.build_train_step(model, mp.CompensatedAdamW(model.parameters()), "cross_entropy",
+                               "bfloat16", "O3")  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss, _ = step(torch.randn(8, 8), torch.randint(0, 4, (8,)))
+    assert loss.dtype == torch.float32

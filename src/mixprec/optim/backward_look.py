@@ -182,8 +182,9 @@ def _say_if_loss_16bit(loss: torch.Tensor, scale: float) -> None:
         overflows = loss.dtype == torch.float16 and scale > 65504
         warn_at_caller(
             f"the loss is {str(loss.dtype).removeprefix('torch.')}: its rounding (steps of "
-            "0.0078 near 1.0 in bfloat16) hides real progress from what reads it (a "
-            "ReduceLROnPlateau cut the learning rate to 1e-8 where float32 kept 1e-3)"
+            f"{torch.finfo(loss.dtype).eps:.2g} near 1.0) hides real progress from what "
+            "reads it (a ReduceLROnPlateau cut the learning rate to 1e-8 where float32 kept "
+            "1e-3)"
             + (f", and at loss scale {scale:g} its own gradient overflows" if overflows else "")
             + ". Compute it in float32: loss_fn(output.float(), target)"
         )

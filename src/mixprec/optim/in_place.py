@@ -6,9 +6,11 @@ said when the wrapper takes the group: host numbers alone, nothing per step.
   about ``m / eps``: AdamW at O3 ended 5.7 times float32's movement away from it with
   ``eps=1e-4`` (the docs' old advice), 109 times with 1e-6, 140 fused, unsaid; and the
   default ``eps=1e-8`` is 0 in float16 (a zero gradient gives NaN weights).
-- A decoupled weight decay (AdamW) or SGD's decay whose share of a weight per step is
-  below half a unit in the last place rounds away at every step: a bfloat16 block that
-  float32 decayed to 0.74 of its norm kept 1.000, unsaid.
+- AdamW's decoupled weight decay, applied unfused as a multiplication of its own, whose
+  share of a weight per step is below half a unit in the last place rounds away at every
+  step: a bfloat16 block that float32 decayed to 0.74 of its norm kept 1.000, unsaid.
+  (SGD's decay is part of the gradient, and a fused kernel rounds decay and update once:
+  where a weight has a gradient, both decay as in float32.)
 
 ``CompensatedAdamW`` (``EPS_IN_FLOAT32``) keeps its state and decay exact; O2 keeps float32
 masters. Both are named.
@@ -55,12 +57,11 @@ def say_what_in_place_loses(
         zero = zero and not group.get("fused")  # the fused kernels add eps in float32
         nan = f"; eps={eps!r} is 0 in float16, so a zero gradient gives NaN weights"
         warn_at_caller(
-            f"{where} keeps its squared-gradient state in float16 for float16 parameters "
-            "without float32 masters (level O3): (1 - beta2) * grad**2 underflows for "
-            "gradients below about 5e-3, and the update grows toward m / eps (AdamW ended "
-            "5.7 to 140 times float32's movement away from it, whatever the eps or kernel)"
-            + (nan if zero else "")
-            + f". {_FIX}."
+            f"{where} keeps its gradient statistics (squares, or Adamax's max) in float16 "
+            "for float16 parameters without float32 masters (level O3): small gradients' "
+            "squares underflow (below about 5e-3 in Adam's second moment), and the update "
+            "grows toward m / eps (AdamW ended 5.7 to 140 times float32's movement away "
+            "from it, whatever the eps or kernel)" + (nan if zero else "") + f". {_FIX}."
         )
     share = _decay_share(inner, group)
     if share is not None and 0 < share < torch.finfo(dtype).eps / 2:
@@ -73,15 +74,12 @@ def say_what_in_place_loses(
 
 
 def _decay_share(inner: torch.optim.Optimizer, group: dict[str, Any]) -> float | None:
-    """The share of a weight one step's decay takes: ``lr * weight_decay`` for AdamW's
-    decoupled decay, over ``1 - momentum`` for SGD's (its buffer sums it up); None where
-    the decay goes through a normalised update (Adam's L2) or there is none."""
+    """The share of a weight one step's decay takes where it is a rounding of its own:
+    ``lr * weight_decay`` for AdamW's decoupled decay, which the unfused step applies as
+    ``param.mul_(1 - lr * wd)`` before the update. None where the decay is rounded together
+    with the update (SGD's, part of the gradient; a fused kernel's), or there is none."""
     lr, wd = group.get("lr"), group.get("weight_decay")
     if not isinstance(lr, float) or not isinstance(wd, (int, float)) or not wd:
         return None
-    if isinstance(inner, torch.optim.AdamW) or group.get("decoupled_weight_decay"):
-        return lr * wd
-    if type(inner) is torch.optim.SGD:
-        momentum = float(group.get("momentum") or 0.0)
-        return lr * wd / (1.0 - momentum) if momentum < 1 else None
-    return None
+    decoupled = isinstance(inner, torch.optim.AdamW) or group.get("decoupled_weight_decay")
+    return lr * wd if decoupled and not group.get("fused") else None

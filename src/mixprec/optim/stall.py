@@ -37,6 +37,7 @@ class StallWatch:
         self.params = [p for p in params if p.dtype in HALF_DTYPES]
         self.calls = 0
         self.samples: list[torch.Tensor | None] | None = None
+        self.touched: list[torch.Tensor | None] = []  # where the gradient was not 0
 
     def after_step(self, applied: object) -> None:
         """After a step: ``applied`` is the result's (a step decided on the device, whose
@@ -50,16 +51,27 @@ class StallWatch:
             self._compare(self.samples, self._sample())
 
     def _sample(self) -> list[torch.Tensor | None]:
-        """Up to ``SAMPLE`` values of each weight, spread over it (None: no gradient then,
-        frozen or unused). Values, not norms: a few near-zero elements (biases) always
-        move, so a fine-tuning where 4% of the elements moved kept every norm changing."""
+        """Up to ``SAMPLE`` values of each weight, spread over it, where its gradient was
+        not 0 at the first look (None: no gradient then, frozen or unused). Values, not
+        norms: a few near-zero elements (biases) always move, so a fine-tuning where 4% of
+        the elements moved kept every norm changing. Where the gradient was not 0: an
+        embedding table's rows no batch touched do not move in float32 either."""
+        out: list[torch.Tensor | None] = []
+        first = self.samples is None
         with torch.no_grad():
-            return [
-                p.detach().reshape(-1)[:: max(1, p.numel() // SAMPLE)][:SAMPLE].clone()
-                if p.grad is not None
-                else None
-                for p in self.params
-            ]
+            for i, p in enumerate(self.params):
+                step = max(1, p.numel() // SAMPLE)
+                if p.grad is None or (not first and self.touched[i] is None):
+                    out.append(None)
+                    if first:
+                        self.touched.append(None)
+                    continue
+                if first:
+                    grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
+                    self.touched.append(grad.reshape(-1)[::step][:SAMPLE] != 0)
+                values = p.detach().reshape(-1)[::step][:SAMPLE]
+                out.append(values[self.touched[i]].clone())  # type: ignore[index]
+        return out
 
     def _compare(self, before: list[torch.Tensor | None], after: list[torch.Tensor | None]) -> None:
         pairs = [

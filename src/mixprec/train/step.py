@@ -30,6 +30,7 @@ from mixprec._errors import ArgumentError
 from mixprec._plan_apply import PlanLike
 from mixprec._prepare_once import needs_preparation
 from mixprec.levels import auto_mixed_precision
+from mixprec.losses import cross_entropy
 from mixprec.optim import LossScaleOptimizer, StepResult
 from mixprec.policy import PolicyLike
 from mixprec.scaling import LossScaler
@@ -86,7 +87,11 @@ class TrainStep:
 
     def _forward_and_loss(self, x: Any, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         output = model_output(call(self.model, x))
-        return checked_loss(self.loss_fn(output, y)), output
+        # A pure policy's 16-bit output: the loss from its float32 copy (a 16-bit loss's
+        # rounding hides progress; mp.cross_entropy upcasts its chunks itself).
+        upcast = output.dtype in (torch.float16, torch.bfloat16)
+        upcast = upcast and self.loss_fn is not cross_entropy
+        return checked_loss(self.loss_fn(output.float() if upcast else output, y)), output
 
     def __call__(
         self, x: Any, y: torch.Tensor, *, flush: bool = False
