@@ -205,8 +205,10 @@ def test_channels_last_after_the_first_steps_changes_nothing(policy, level, inne
         return model[0].weight.detach().float()
 
     control, got = run(True, False), run(True, True)
-    # Convolutions in channels_last add up in another order: float32 rounding apart.
-    assert ((got - control).abs().max() / control.abs().max()).item() < 1e-4
+    # Convolutions in channels_last add up in another order: float32 rounding apart at O0;
+    # at O1 16-bit rounding apart where the kernels differ (AVX2: 0.009; the defect: 0.19).
+    tolerance = 1e-4 if level == "O0" else 0.03
+    assert ((got - control).abs().max() / control.abs().max()).item() < tolerance
     if level == "O0":
         torch.testing.assert_close(got, run(False, True), rtol=1e-5, atol=1e-6)
 
