@@ -114,7 +114,8 @@ def test_a_second_ctrl_c_does_not_wait_and_a_handler_of_ones_own_is_left_alone()
     from mixprec.train.interrupts import HeldInterrupt
 
     held = HeldInterrupt()
-    with held:
+    held.install()
+    try:
         assert signal.getsignal(signal.SIGINT) == held._handler
         held.hold()
         os.kill(os.getpid(), signal.SIGINT)  # held
@@ -123,14 +124,17 @@ def test_a_second_ctrl_c_does_not_wait_and_a_handler_of_ones_own_is_left_alone()
             os.kill(os.getpid(), signal.SIGINT)  # the second: at once
         with pytest.raises(KeyboardInterrupt):
             held.release()  # the held one, after the window
+    finally:
+        held.uninstall()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     seen = []
     previous = signal.signal(signal.SIGINT, lambda *_: seen.append(1))
     try:
-        with held:
-            held.hold()
-            os.kill(os.getpid(), signal.SIGINT)
-            held.release()
+        held.install()  # a handler of one's own: not replaced
+        held.hold()
+        os.kill(os.getpid(), signal.SIGINT)
+        held.release()
+        held.uninstall()
         assert seen == [1] and not held.pending
     finally:
         signal.signal(signal.SIGINT, previous)

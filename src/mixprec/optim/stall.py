@@ -46,32 +46,34 @@ class StallWatch:
             return
         self.calls += 1
         if self.calls == START:
+            self.touched = self._touched()
             self.samples = self._sample()
         elif self.calls == START + WINDOW and self.samples is not None:
             self._compare(self.samples, self._sample())
 
+    def _positions(self, t: torch.Tensor) -> torch.Tensor:
+        """Up to ``SAMPLE`` values of ``t`` (a weight or its gradient), spread over it."""
+        return t.reshape(-1)[:: max(1, t.numel() // SAMPLE)][:SAMPLE]
+
+    def _touched(self) -> list[torch.Tensor | None]:
+        """Where each weight's gradient is not 0 now, at the sampled positions (None: no
+        gradient, frozen or unused). An embedding table's rows no batch touched do not
+        move in float32 either."""
+        grads = [p.grad for p in self.params]
+        return [
+            None if g is None else self._positions(g.to_dense() if g.is_sparse else g) != 0
+            for g in grads
+        ]
+
     def _sample(self) -> list[torch.Tensor | None]:
-        """Up to ``SAMPLE`` values of each weight, spread over it, where its gradient was
-        not 0 at the first look (None: no gradient then, frozen or unused). Values, not
-        norms: a few near-zero elements (biases) always move, so a fine-tuning where 4% of
-        the elements moved kept every norm changing. Where the gradient was not 0: an
-        embedding table's rows no batch touched do not move in float32 either."""
-        out: list[torch.Tensor | None] = []
-        first = self.samples is None
+        """The sampled values of each weight where its gradient was not 0 at the first
+        look. Values, not norms: a few near-zero elements (biases) always move, so a
+        fine-tuning where 4% of the elements moved kept every norm changing."""
         with torch.no_grad():
-            for i, p in enumerate(self.params):
-                step = max(1, p.numel() // SAMPLE)
-                if p.grad is None or (not first and self.touched[i] is None):
-                    out.append(None)
-                    if first:
-                        self.touched.append(None)
-                    continue
-                if first:
-                    grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
-                    self.touched.append(grad.reshape(-1)[::step][:SAMPLE] != 0)
-                values = p.detach().reshape(-1)[::step][:SAMPLE]
-                out.append(values[self.touched[i]].clone())  # type: ignore[index]
-        return out
+            return [
+                None if mask is None else self._positions(p.detach())[mask].clone()
+                for p, mask in zip(self.params, self.touched, strict=True)
+            ]
 
     def _compare(self, before: list[torch.Tensor | None], after: list[torch.Tensor | None]) -> None:
         pairs = [

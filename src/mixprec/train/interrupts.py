@@ -53,13 +53,6 @@ class HeldInterrupt:
                 signal.signal(signal.SIGINT, self._previous)
             self._previous = None
 
-    def __enter__(self) -> HeldInterrupt:
-        self.install()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.uninstall()
-
     def _handler(self, signum: int, frame: FrameType | None) -> None:
         if self.holding and not self.pending:
             self.pending = True  # raised once the batch's bookkeeping is done
@@ -69,14 +62,14 @@ class HeldInterrupt:
     def hold(self) -> None:
         self.holding = True
 
-    def release(self, before_raising: Callable[[], None] | None = None) -> None:
+    def release(self, before_raising: Callable[..., None] | None = None, *args: Any) -> None:
         """End the window; a Ctrl-C that came during it is raised now, after
-        ``before_raising`` (an accumulation group left half taken is rewound)."""
+        ``before_raising(*args)`` (an accumulation group left half taken is rewound)."""
         self.holding = False
         if self.pending:
             self.pending = False
             if before_raising is not None:
-                before_raising()
+                before_raising(*args)
             raise KeyboardInterrupt
 
 

@@ -328,7 +328,7 @@ class Trainer:
                         "overflow": str(result.overflow) if result.overflow else None,
                     },
                 )
-                held.release(lambda: group.rewind_pending(self, step, meter))  # noqa: B023
+                held.release(group.rewind_pending, self, step, meter)
                 # Asked by a callback (Keras: after this batch); an accumulation group ends
                 # first, or its gradients would be left for the next fit to add to.
                 if self._agreed_stop() and not self.optimizer.pending_micro_steps:
