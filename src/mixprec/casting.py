@@ -27,6 +27,7 @@ from mixprec._float32_copies import (
     keep_float32_on_load,
     take_float32_copy,
 )
+from mixprec._live_masters import live_master
 from mixprec._output_sources import remember_source
 from mixprec._rebuilt import Casts
 from mixprec._unwalked_outputs import say_if_unwalked
@@ -254,6 +255,9 @@ def store_as(
         if isinstance(t, nn.Parameter):
             if dtype == torch.float32:
                 original = take_float32_copy(t)
+                if original is None:  # trained since: its live master's values, if any
+                    original = live_master(t)
+                    original = None if original is None else original.detach().clone()
                 if original is not None:
                     return original
             elif keep_float32_copy and dtype in HALF_DTYPES and t.dtype == torch.float32:

@@ -20,8 +20,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mixprec._dist import note_fsdp_float16
 from mixprec._errors import ArgumentError
+from mixprec._live_masters import live_master
 from mixprec.optim import LossScaleOptimizer
-from mixprec.optim.masters import live_master
 from mixprec.policy import PolicyLike, get_policy
 
 __all__ = [

@@ -13,10 +13,10 @@ from torch import nn
 from mixprec._dist import is_dtensor
 from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import ArgumentError, shown
+from mixprec._live_masters import float32_values, has_live_master
 from mixprec._plain_optimizers import is_wrapped
 from mixprec.checkpoint.format import CheckpointError
 from mixprec.optim import LossScaleOptimizer
-from mixprec.optim.masters import float32_values
 
 __all__ = [
     "check_arguments",
@@ -102,10 +102,13 @@ def master_tensors(
             for name in names.get(id(param), []):
                 masters[name] = master
     # Weights no given optimizer covers (no optimizer yet, a weights-only save, frozen
-    # ones) still stand for float32 values: kept at preparation, or a live master's.
+    # ones) still stand for float32 values: kept at preparation, or a live master's (also
+    # of a weight widened since: model.float()).
     for param in model.parameters():
         found = names.get(id(param), [])
-        if param.dtype in HALF_DTYPES and found and found[0] not in masters:
+        if (param.dtype in HALF_DTYPES or has_live_master(param)) and (
+            found and found[0] not in masters
+        ):
             values = float32_values(param)
             if values is not None:
                 masters.update(dict.fromkeys(found, values))

@@ -29,13 +29,14 @@ from mixprec._dist import agree_found_inf, is_distributed, is_dtensor
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec._float32_copies import say_if_frozen_copies
+from mixprec._live_masters import has_live_master
 from mixprec._warn import caller_stacklevel, warn_at_caller
 from mixprec.casting import POLICY_ATTR
 from mixprec.optim import sharing
 from mixprec.optim.backward_look import grad_versions
 from mixprec.optim.fused import needs_scaling
 from mixprec.optim.lr_watch import note_rates_at_skip
-from mixprec.optim.masters import MasterWeights, has_live_master, needs_master
+from mixprec.optim.masters import MasterWeights, needs_master
 from mixprec.optim.norm_statistics import reset_nonfinite_statistics
 from mixprec.optim.step_result import DeviceFlag, StepResult
 from mixprec.policy import global_policy

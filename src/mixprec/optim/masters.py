@@ -10,7 +10,6 @@ they are. The weights' version counters show writes made outside the optimizer
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -19,22 +18,19 @@ from torch.utils.weak import WeakIdKeyDictionary
 from mixprec._dist import is_dtensor
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
-from mixprec._float32_copies import current_float32_copy, take_float32_copy
+from mixprec._float32_copies import take_float32_copy
+from mixprec._live_masters import live_master_of, note_master, take_masters
 from mixprec._plain_optimizers import needs_master
 from mixprec._warn import warn_at_caller
 from mixprec.optim import rounding
 from mixprec.scaling import all_finite
 from mixprec.trace import model_of
 
-__all__ = ["MasterWeights", "float32_values", "has_live_master", "needs_master"]
+__all__ = ["MasterWeights", "needs_master"]
 
 _DATA_SAMPLE = 4096  # values of each weight the one look for writes through .data compares
 
 
-# 16-bit weight -> the float32 master of the latest LossScaleOptimizer over it, weakly: a
-# new optimizer over the same model (a second fit, a later phase of training) starts from
-# it while it lives, rather than from the rounded weight. A master that is gone is said.
-_LATEST_MASTER: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # Every master made, weakly: an optimizer wrapped twice holds them (``_refuse_master``).
 _MASTERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -47,43 +43,10 @@ def _starting_values(p: torch.Tensor) -> tuple[torch.Tensor, bool]:
     original = take_float32_copy(p)
     if original is not None:
         return original, False
-    latest, gone = _live_master(p)
+    latest, gone = live_master_of(p)
     if latest is not None:
         return latest.detach().clone(), False
     return p.detach().float(), gone
-
-
-def has_live_master(p: torch.Tensor) -> bool:
-    """Whether a live ``LossScaleOptimizer`` keeps a master of ``p`` (a copy of a model
-    trained by a wrapper of its own: its weights are written at each step by design)."""
-    ref = _LATEST_MASTER.get(p)
-    return ref is not None and ref() is not None
-
-
-def _live_master(p: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
-    """The master of the latest ``LossScaleOptimizer`` over ``p`` while it lives and ``p``
-    still rounds from it, and whether such a master existed and is gone."""
-    ref = _LATEST_MASTER.get(p)
-    latest = ref() if ref is not None else None
-    if latest is not None and latest.shape == p.shape and latest.device == p.device:
-        with torch.no_grad():
-            if torch.equal(latest.to(p.dtype), p.detach()):
-                return latest, False
-    return None, ref is not None and latest is None
-
-
-def live_master(p: torch.Tensor) -> torch.Tensor | None:
-    """The float32 master of the latest ``LossScaleOptimizer`` over ``p``, while it lives
-    and ``p`` still rounds from it; else ``None``."""
-    return _live_master(p)[0]
-
-
-def float32_values(p: torch.Tensor) -> torch.Tensor | None:
-    """The float32 values a 16-bit weight stands for when no optimizer is given (a
-    weights-only save, an export, an evaluation-only trainer): those kept when it went to
-    16 bits while current, else the live master it rounds from; ``None`` if neither."""
-    kept = current_float32_copy(p)
-    return kept if kept is not None else _live_master(p)[0]
 
 
 class MasterWeights:
@@ -116,8 +79,7 @@ class MasterWeights:
         self.saw_sparse = False  # a sparse gradient was seen (fused groups then step unfused)
         self.lost = 0  # weights whose earlier master is gone: they start from their rounding
         self.state_view: Any = None  # LossScaleOptimizer.state's StateView, made at first use
-        # Steps that looked for external writes, counted to 2: the second also looks for
-        # writes the version counters miss (through .data).
+        # Steps that looked for external writes, to 2: the second also sees .data writes.
         self.step_looks = 0
         self.said_data_saves = self.said_frozen = False  # said once (.data saves; checks)
 
@@ -128,8 +90,8 @@ class MasterWeights:
         self.__dict__.update(state)
         self.index = {id(p): (True, i) for i, p in enumerate(self.half)}
         self.index.update({id(p): (False, i) for i, p in enumerate(self.plain)})
-        for p, master in zip(self.half, self.masters, strict=True):
-            _LATEST_MASTER[p] = weakref.ref(master)
+        for p, master, stored in zip(self.half, self.masters, self.stored, strict=True):
+            note_master(p, master, stored)
             _MASTERS[master] = True
         self.versions = self.half_versions()
 
@@ -158,7 +120,7 @@ class MasterWeights:
                 master, lost = _starting_values(p)
                 self.lost += lost
                 master.requires_grad_(True)
-                _LATEST_MASTER[p] = weakref.ref(master)
+                note_master(p, master, p.dtype)
                 _MASTERS[master] = True
                 state = inner.state.pop(p, None)
                 if state:
@@ -175,6 +137,7 @@ class MasterWeights:
                 self.masters.append(master)
                 adopted.append(master)
             else:
+                take_masters((p,))  # widened since its master was made (model.float())
                 self.index[id(p)] = (False, len(self.plain))
                 self.plain.append(p)
                 adopted.append(p)

@@ -1,0 +1,78 @@
+"""Which float32 master each 16-bit weight stands for, while the ``LossScaleOptimizer``
+that keeps it lives: a new optimizer over the same model (a second fit, a later phase)
+starts from it, and so do a save, ``mp.to_float`` and the first step after the model was
+widened (``model.float()``), rather than from the weight's rounding. Below ``casting`` and
+``optim`` so that both read it."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from mixprec._float32_copies import current_float32_copy
+
+__all__ = ["float32_values", "has_live_master", "live_master", "note_master", "take_masters"]
+
+# weight -> (the latest master, weakly; the weight's 16-bit dtype when that master was made)
+_LATEST: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def note_master(p: torch.Tensor, master: torch.Tensor, stored: torch.dtype) -> None:
+    """``master`` is now ``p``'s, for ``p`` stored in ``stored``."""
+    _LATEST[p] = (weakref.ref(master), stored)
+
+
+def has_live_master(p: torch.Tensor) -> bool:
+    """Whether a live ``LossScaleOptimizer`` keeps a master of ``p`` (a copy of a model
+    trained by a wrapper of its own: its weights are written at each step by design)."""
+    entry = _LATEST.get(p)
+    return entry is not None and entry[0]() is not None
+
+
+def live_master_of(p: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+    """The latest master of ``p`` while it lives and ``p`` still rounds from it (in the
+    16-bit dtype it was stored in, also once widened since), and whether such a master
+    existed and is gone. A weight written since (a load) is its own."""
+    entry = _LATEST.get(p)
+    if entry is None:
+        return None, False
+    latest = entry[0]()
+    if latest is not None and latest.shape == p.shape and latest.device == p.device:
+        with torch.no_grad():
+            if torch.equal(latest.to(entry[1]).to(p.dtype), p.detach()):
+                return latest, False
+    return None, latest is None
+
+
+def live_master(p: torch.Tensor) -> torch.Tensor | None:
+    """The float32 master of the latest ``LossScaleOptimizer`` over ``p``, while it lives
+    and ``p`` still rounds from it; else ``None``."""
+    return live_master_of(p)[0]
+
+
+def take_masters(params: Iterable[torch.Tensor]) -> int:
+    """Write into each float32 weight of ``params`` the live master it still rounds from
+    (a 16-bit weight widened since: ``model.float()``), and return how many. A new
+    optimizer over the widened model, or a plain one's first step, would otherwise start
+    from the roundings and lose the masters' digits. Once per optimizer."""
+    taken = 0
+    with torch.no_grad():
+        for p in params:
+            if p.dtype != torch.float32 or p not in _LATEST:
+                continue
+            master = live_master(p)
+            if master is not None and not torch.equal(master, p):
+                p.copy_(master)
+                taken += 1
+    return taken
+
+
+def float32_values(p: torch.Tensor) -> torch.Tensor | None:
+    """The float32 values a weight stands for when no optimizer is given (a weights-only
+    save, an export, an evaluation-only trainer): those kept when it went to 16 bits while
+    current, else the live master it rounds from; ``None`` if neither."""
+    kept = current_float32_copy(p) if p.dtype != torch.float32 else None
+    return kept if kept is not None else live_master(p)
