@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from mixprec._aliases import Memory, memory_of
 from mixprec._dtypes import HALF_DTYPES
 from mixprec._float32_copies import (
     FP32_COPY_ATTR,
@@ -248,27 +249,38 @@ def store_as(
     parameter was not written to since (``take_float32_copy``).
     """
     copies: list[tuple[nn.Parameter, Float32Copy]] = []
+    # A second Parameter over a weight's memory (nn.Parameter(emb.weight)) gets the same
+    # converted tensor: cast on its own, it was untied from the weight.
+    done: dict[Memory, torch.Tensor] = {}
 
     def convert(t: torch.Tensor) -> torch.Tensor:
         if not t.is_floating_point() or t.dtype == dtype:
             return t
-        if isinstance(t, nn.Parameter):
-            if dtype == torch.float32:
-                original = take_float32_copy(t)
-                if original is None:  # trained since: its live master's values, if any
-                    original = live_master(t)
-                    original = None if original is None else original.detach().clone()
-                if original is not None:
-                    return original
-            elif keep_float32_copy and dtype in HALF_DTYPES and t.dtype == torch.float32:
-                record = Float32Copy(t.detach())
-                setattr(t, FP32_COPY_ATTR, record)
-                copies.append((t, record))
+        # Each Parameter its own note of its float32 values, for a load under its name.
+        half = dtype in HALF_DTYPES and t.dtype == torch.float32
+        if keep_float32_copy and half and isinstance(t, nn.Parameter):
+            record = Float32Copy(t.detach())
+            setattr(t, FP32_COPY_ATTR, record)
+            copies.append((t, record))
+        memory = memory_of(t)
+        if memory in done:
+            return done[memory]
+        out = _converted(t)
+        if memory is not None:
+            done[memory] = out
+        return out
+
+    def _converted(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, nn.Parameter) and dtype == torch.float32:
+            original = take_float32_copy(t)
+            if original is None:  # trained since: its live master's values, if any
+                original = live_master(t)
+                original = None if original is None else original.detach().clone()
+            if original is not None:
+                return original
         return t.to(dtype)
 
-    hooked: list[nn.Module] = []
-
-    modules = module.modules() if recurse else iter([module])
+    modules = list(module.modules() if recurse else [module])
     for sub in modules:
         if skip(sub):
             continue
@@ -280,12 +292,13 @@ def store_as(
 
         # Module._apply keeps Parameter objects (it assigns .data) and lets modules such as
         # RNNs refresh their derived state after the change.
-        before = len(copies)
         sub._apply(apply, recurse=False)
-        if len(copies) > before:
-            hooked.append(sub)
-    for sub in hooked:  # a float32 checkpoint loaded later keeps its values for the masters
-        keep_float32_on_load(sub)
+    # A float32 checkpoint loaded later keeps its values for the masters: under every name
+    # of a weight, so every module holding one (a tied head as well as its embedding).
+    noted = {id(p) for p, _ in copies}
+    for sub in modules:
+        if any(id(p) in noted for p in sub._parameters.values() if p is not None):
+            keep_float32_on_load(sub)
 
 
 def upcast_16bit(module: nn.Module) -> list[tuple[str, torch.dtype, bool]]:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec._aliases import Memory, memory_of
 from mixprec._dist import is_dtensor
 from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import ArgumentError, shown
@@ -146,20 +147,17 @@ def _model_tensors(
     masters = master_tensors(model, optimizer)
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
-    seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype], str] = {}
+    seen: dict[Memory, str] = {}
     for key, value in model.state_dict().items():
         value = _unwrapped(masters.get(key, value))
-        storage = value.untyped_storage().data_ptr()
-        # The strides too: a transposed view of a weight has its storage, offset and (when
-        # square) shape, and is another tensor.
-        ident = (
-            storage, int(value.storage_offset()), tuple(value.shape), tuple(value.stride()),
-            value.dtype,
-        )  # fmt: skip
-        if value.numel() and ident in seen:
+        # The strides count too: a transposed view of a weight has its storage, offset and
+        # (when square) shape, and is another tensor.
+        ident = memory_of(value)
+        if ident is not None and ident in seen:
             aliases[key] = seen[ident]
             continue
-        seen[ident] = key
+        if ident is not None:
+            seen[ident] = key
         tensors[f"model/{key}"] = value.detach().cpu().contiguous()
     return tensors, aliases, sorted(masters)
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from mixprec._aliases import refuse_aliases
 from mixprec._dist import is_dtensor
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
@@ -71,8 +72,7 @@ class MasterWeights:
         self.checked: list[torch.Tensor] = []  # float16 weights, checked after each update
         self.versions: list[tuple[int, int]] = []
         # Keep the masters' float32 gradients across zero_grad (keep_grad_buffers=True):
-        # 4 bytes a parameter held through the forward, for no fresh allocation per step.
-        self.keep_grads = False
+        self.keep_grads = False  # 4 bytes a parameter through the forward, no new allocation
         # Every parameter on the CPU and local (no DTensor): checks may read their answer at
         # once, as that costs no device synchronisation.
         self.on_host = True
@@ -102,6 +102,7 @@ class MasterWeights:
         every 16-bit weight's version."""
         adopted = []
         master_ids = {id(m) for m in self.masters}
+        refuse_aliases(params, self.half, where, needs_master)
         for j, p in enumerate(params):
             _check_param(p, f"{where}['params'][{j}]")
             if id(p) in self.index or id(p) in master_ids:
