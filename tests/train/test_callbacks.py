@@ -166,6 +166,23 @@ def test_progress_bar_on_a_terminal():
     assert "epoch 1/1" in text and "2/2" in text and "loss" in text
 
 
+def test_progress_bar_of_a_resumed_epoch_counts_the_batches_done_before(tmp_path):
+    """Resumed 3 batches into an epoch of 4, the bar ended at 1/4 (25%) on a terminal."""
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    x, y = classification_data(n=128)  # 4 batches of 32 an epoch
+    every = mp.ModelCheckpoint(tmp_path, every_n_epochs=None, every_n_steps=3)
+    trainer().fit(x, y, epochs=1, callbacks=[every], verbose=0)
+    stream = Tty()
+    trainer().fit(x, y, epochs=1, callbacks=[mp.ProgressBar(stream)], verbose=0,
+                  resume_from=tmp_path / "step-00000003.safetensors")  # fmt: skip
+    last = stream.getvalue().replace("\r", "\n").strip().splitlines()[-1]
+    assert "4/4" in last and "100%" in last
+
+
 @pytest.mark.parametrize(("policy", "shown"), [("mixed_bfloat16", False), ("mixed_float16", True)])
 def test_epoch_lines_show_the_loss_scale_only_when_scaling(policy, shown, capsys):
     x, y = classification_data(n=64)

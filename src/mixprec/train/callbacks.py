@@ -180,6 +180,7 @@ class ProgressBar(Callback):
 
             self._bar = tqdm(
                 total=logs.get("steps"),
+                initial=int(logs.get("initial_step", 0)),  # a resumed epoch's batches done
                 desc=f"epoch {epoch + 1}/{self._epochs}",
                 file=stream,
                 leave=True,

@@ -239,15 +239,15 @@ class Trainer:
         if resume_from is not None:
             resume.restore_callbacks(self._callbacks, chosen, point.callbacks)
         for epoch in range(point.epoch, epochs):
-            cbs.on_epoch_begin(epoch, {"steps": steps})
-            skip, meter = 0, None
+            skip = point.skip if point.replay is not None else 0  # batches done before
+            cbs.on_epoch_begin(epoch, {"steps": steps, "initial_step": skip})
             if point.replay is not None:  # the interrupted epoch: its order, its sums
                 self._epoch_rng = point.replay
                 batches.set_sampler_epoch(x, epoch)
                 epoch_data = resume.replay_epoch(one_epoch, point.replay, point.skip)
-                skip, meter, point.replay = point.skip, point.meter, None
+                meter, point.replay = point.meter, None
             else:
-                self._epoch_rng = torch.get_rng_state()
+                self._epoch_rng, meter = torch.get_rng_state(), None
                 batches.set_sampler_epoch(x, epoch)
                 epoch_data = iter(one_epoch())
             logs = self._run_epoch(epoch, epoch_data, cbs, skip, meter)
