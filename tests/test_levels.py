@@ -221,7 +221,9 @@ def test_describe_lists_every_module():
     assert row["0"][1:] == ["Linear", "bfloat16", "bfloat16"]
     # LayerNorm: 16-bit input, float32 weights and statistics (PyTorch's mixed kernel).
     assert row["3"][1:4] == ["LayerNorm", "bfloat16", "float32"]
-    assert " ".join(row["3"][4:]) == "16-bit in and out; float32 weights and statistics"
+    assert " ".join(row["3"][4:]) == (
+        "output in its input's dtype (16-bit after a 16-bit layer); float32 weights and statistics"
+    )
     assert row["5"][2:] == ["Linear", "float32", "float32"]
     assert row["1"][1:] == ["ReLU", "bfloat16", "-"]
     plain = mp.describe(make_mlp())
@@ -487,9 +489,22 @@ def test_describe_says_what_16_bit_batch_and_layer_norm_keep(level: str) -> None
     rows = {r.name: r for r in mp.module_dtypes(model)}
     for name in ("1", "2"):
         assert (rows[name].compute, rows[name].storage) == ("float16", "float32")
-        assert rows[name].note == "16-bit in and out; float32 weights and statistics"
+        assert rows[name].note.startswith("output in its input's dtype (16-bit after")
     assert rows["3"].note == ""  # GroupNorm is a float32 island: its compute says so
     assert "note" in mp.describe(model).splitlines()[1]
+
+
+def test_describe_does_not_say_16_bit_in_for_a_norm_given_float32() -> None:
+    """A LayerNorm first in an O1 model gets the float32 input as given and hands float32
+    on; its note said "16-bit in and out"."""
+    model = mp.auto_mixed_precision(nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 4)),
+                                    "mixed_bfloat16", "O1")  # fmt: skip
+    seen = []
+    model[0].register_forward_hook(lambda m, i, o: seen.append((i[0].dtype, o.dtype)))
+    model(torch.randn(2, 8))
+    assert seen == [(torch.float32, torch.float32)]
+    note = {r.name: r.note for r in mp.module_dtypes(model)}["0"]
+    assert note.startswith("output in its input's dtype") and "16-bit in and out" not in note
 
 
 def test_describe_has_no_note_column_when_no_row_needs_one() -> None:
@@ -688,3 +703,21 @@ def test_describe_counts_a_parametrized_weight_in_its_modules_row():
     assert rows["0"].storage == "bfloat16,float32"  # the bias, and the weight's g and v
     assert model[0].parametrizations.weight.original0.dtype == torch.float32
     assert rows["2"].storage == "bfloat16"
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_o2_keeps_a_layer_under_torchs_old_spectral_norm_in_float32(policy: str) -> None:
+    """``nn.utils.spectral_norm`` (the hook, not the parametrization) iterates with float32
+    buffers against ``weight_orig``: stored in 16 bits at O2, every forward failed."""
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.utils.spectral_norm(nn.Linear(16, 16)), nn.ReLU(), nn.Linear(16, 4))
+
+    x = torch.randn(8, 16)
+    control = model()
+    prepared = mp.auto_mixed_precision(model(), policy, "O2")
+    assert prepared[0].weight_orig.dtype == torch.float32
+    assert prepared[2].weight.dtype != torch.float32  # the rest is O2 as before
+    out = prepared(x).float()
+    assert torch.allclose(out, control(x), rtol=0.05, atol=0.02)  # 16-bit matmuls

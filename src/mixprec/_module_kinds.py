@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.utils.spectral_norm import SpectralNorm
 
 __all__ = [
     "FLOAT32_MODULES",
@@ -49,6 +50,10 @@ def is_half_storage(module: nn.Module, compute: torch.dtype) -> bool:
         and isinstance(module, (nn.Embedding, nn.EmbeddingBag))
         and module.sparse
     ):
+        return False
+    # torch's old spectral_norm hook does its power iteration with float32 buffers (u, v)
+    # against weight_orig: in 16 bits the forward failed (addmv "same dtype"), at O2 only.
+    if any(isinstance(h, SpectralNorm) for h in module._forward_pre_hooks.values()):
         return False
     kind = type(module)
     return isinstance(module, HALF_STORAGE_MODULES) or (

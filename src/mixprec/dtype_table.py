@@ -35,7 +35,11 @@ class ModuleDtypes:
     note: str = ""
 
 
-_NORM_NOTE = "16-bit in and out; float32 weights and statistics"
+# Not "16-bit in and out": a norm first in an O1 model, or after a softmax, gets float32 in
+# and gives float32 out; the note holds whatever the input.
+_NORM_NOTE = (
+    "output in its input's dtype (16-bit after a 16-bit layer); float32 weights and statistics"
+)
 
 
 def module_dtypes(model: nn.Module) -> list[ModuleDtypes]:
