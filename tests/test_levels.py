@@ -721,3 +721,40 @@ def test_o2_keeps_a_layer_under_torchs_old_spectral_norm_in_float32(policy: str)
     assert prepared[2].weight.dtype != torch.float32  # the rest is O2 as before
     out = prepared(x).float()
     assert torch.allclose(out, control(x), rtol=0.05, atol=0.02)  # 16-bit matmuls
+
+
+def test_a_shared_module_is_kept_in_float32_by_any_of_its_names() -> None:
+    """``keep_float32`` read the model's names without repeats: a block used twice could
+    not be named by its second name, which ``describe`` lists ("matches no module")."""
+    block = nn.Linear(8, 8)
+    model = nn.Sequential(nn.ModuleList([block, block]), nn.Linear(8, 2))
+    model.enc = block  # type: ignore[assignment]
+    assert "enc" in {r.name for r in mp.module_dtypes(model)}
+    for name in ("enc", "0.1"):
+        prepared = mp.auto_mixed_precision(copy.deepcopy(model), "mixed_bfloat16", "O2",
+                                           keep_float32=[name])  # fmt: skip
+        assert prepared.enc.weight.dtype == torch.float32 and prepared.enc is prepared[0][1]
+        assert prepared[1].weight.dtype == torch.bfloat16
+
+
+class _TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x))
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_to_float_before_preparing_keeps_a_tied_weight_float32(level: str) -> None:
+    """``mp.to_float(head, "float32")`` before ``auto_mixed_precision`` on a head tied to
+    the embedding: the embedding stored the shared weight in 16 bits, and every forward
+    failed ("expected m1 and m2 to have the same dtype"). As with keep_float32 now."""
+    model = _TiedLM()
+    mp.to_float(model.head, "float32")
+    mp.auto_mixed_precision(model, "mixed_bfloat16", level)
+    assert model.head.weight.dtype == torch.float32
+    assert model(torch.randint(0, 50, (2, 3))).dtype == torch.float32

@@ -55,7 +55,8 @@ def kept_modules(
 ) -> dict[str, nn.Module]:
     """Resolve ``keep_float32`` entries (types, name patterns, modules) to named modules."""
     keep_float32 = keep_list(keep_float32, argument)
-    named = dict(model.named_modules())
+    # Every name of a module used twice (model.enc = blocks[0]), as describe lists them.
+    named = dict(model.named_modules(remove_duplicate=False))
     kept: dict[str, nn.Module] = {}
     for entry in keep_float32:
         if isinstance(entry, type) and issubclass(entry, nn.Module):
