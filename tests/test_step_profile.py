@@ -14,6 +14,7 @@ from mixprec._step_profile import (
     matmul_ms,
     memory_parts,
     no_gain_line,
+    other_work,
     profile_step,
     why_no_gain,
 )
@@ -83,4 +84,21 @@ def test_no_gain_line_words_the_measured_reason():
     emulated = "bfloat16 matmuls are emulated on this CPU (no AVX512-BF16 or AMX)"
     assert why_no_gain(2.0, 7.0, base_matmul_ms=1.0, emulated=emulated) == (
         emulated + ": 7.00 ms a step against float32's 2.00 ms"
+    )
+
+
+def test_the_rest_of_a_step_names_only_what_the_step_does():
+    """The reason named "float32 masters" for every mode, a torch.autocast loop or O1 (no
+    masters) included, and "float32's" for any baseline."""
+    assert other_work(masters=True) == "casts, float32 masters, optimizer"
+    assert other_work(masters=False) == "casts, optimizer"
+    assert other_work(masters=False, loss_scaling=True) == "casts, loss scaling, optimizer"
+    reason = why_no_gain(10.0, 9.5, base_matmul_ms=8.0, mixed_matmul_ms=2.0,
+                         base="mixed_bfloat16 (O2)", rest=other_work(masters=False))  # fmt: skip
+    assert reason == (
+        "its matmuls took 2.00 ms against mixed_bfloat16 (O2)'s 8.00, but the rest of its "
+        "step (casts, optimizer) took 7.50 ms against mixed_bfloat16 (O2)'s 2.00"
+    )
+    assert no_gain_line(1.05, "why", over="mixed_bfloat16 (O2)") == (
+        "mixed precision buys little over mixed_bfloat16 (O2) here (1.05x): why"
     )

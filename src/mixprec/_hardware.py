@@ -96,5 +96,6 @@ def probe_cpu() -> Hardware:
     if not flags:
         # No /proc/cpuinfo (macOS, Windows): ask oneDNN whether it has a bf16 path.
         mkldnn_bf16 = bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
-        return Hardware("cpu", mkldnn_bf16, False, "CPU (oneDNN bf16 support reported)")
+        said = "reports bf16 support" if mkldnn_bf16 else "reports no bf16 support"
+        return Hardware("cpu", mkldnn_bf16, False, f"CPU (no CPU flags to read; oneDNN {said})")
     return Hardware("cpu", False, False, "CPU without AVX512-BF16 or AMX")

@@ -96,52 +96,65 @@ def why_no_gain(
     base_matmul_ms: float | None = None,
     mixed_matmul_ms: float | None = None,
     emulated: str | None = None,
+    base: str = "float32",
+    rest: str = "casts, float32 masters, optimizer",
 ) -> str:
-    """Why a mixed step of ``mixed_ms`` gains less than ``GAIN_THRESHOLD`` over a float32
-    one of ``base_ms``, worded from measured figures: how much of each step is matmuls
-    (``matmul_ms``), the only work 16-bit math speeds up. ``emulated``: what the device
-    lacks where it emulates the mixed step's 16-bit matmuls (such as "bfloat16 matmuls are
-    emulated on this CPU (no AVX512-BF16 or AMX)"); the step times say the rest. The first
-    that holds:
+    """Why a mixed step of ``mixed_ms`` gains less than ``GAIN_THRESHOLD`` over a ``base``
+    one (a float32 step unless named) of ``base_ms``, worded from measured figures: how
+    much of each step is matmuls (``matmul_ms``), the only work 16-bit math speeds up.
+    ``emulated``: what the device lacks where it emulates the mixed step's 16-bit matmuls
+    (such as "bfloat16 matmuls are emulated on this CPU (no AVX512-BF16 or AMX)"); the step
+    times say the rest. ``rest``: what the mixed step does besides matmuls
+    (``other_work``; the default is an O2 step's). The first that holds:
 
     - the matmuls are emulated;
-    - the float32 step is overhead-bound: under half of it is matmuls, so even free
+    - the ``base`` step is overhead-bound: under half of it is matmuls, so even free
       matmuls would leave most of it (also where the mixed step's matmuls were not
       profiled);
-    - the mixed step's matmuls are hardly faster (less than 1.2x) than float32's;
-    - its matmuls are faster, and the rest of its step (casts, masters, optimizer) grew by
-      more than they saved.
+    - the mixed step's matmuls are hardly faster (less than 1.2x) than ``base``'s;
+    - its matmuls are faster, and the rest of its step (``rest``) grew by more than they
+      saved.
     """
     if emulated is not None:
-        return f"{emulated}: {mixed_ms:.2f} ms a step against float32's {base_ms:.2f} ms"
+        return f"{emulated}: {mixed_ms:.2f} ms a step against {base}'s {base_ms:.2f} ms"
     if base_matmul_ms is None:
-        return f"{mixed_ms:.2f} ms a step against float32's {base_ms:.2f} ms"
+        return f"{mixed_ms:.2f} ms a step against {base}'s {base_ms:.2f} ms"
     other = base_ms - base_matmul_ms
     if base_matmul_ms < 0.5 * base_ms or mixed_matmul_ms is None:
-        rest = "stay"
+        grown = "stay"
         if mixed_matmul_ms is not None and mixed_ms - mixed_matmul_ms > 1.05 * other:
-            rest = f"grow to {mixed_ms - mixed_matmul_ms:.2f} ms in the mixed step"
+            grown = f"grow to {mixed_ms - mixed_matmul_ms:.2f} ms in the mixed step"
         return (
             f"the step is overhead-bound, {base_matmul_ms:.2f} of {base_ms:.2f} ms in matmuls, "
             f"the only part 16-bit math speeds up; the other {other:.2f} ms (optimizer, casts, "
-            f"Python) {rest}. A larger batch or model gains."
+            f"Python) {grown}. A larger batch or model gains."
         )
     if mixed_matmul_ms * 1.2 > base_matmul_ms:
         return (
-            f"its matmuls are hardly faster than float32's: {mixed_matmul_ms:.2f} against "
-            f"{base_matmul_ms:.2f} ms of a {base_ms:.2f} ms float32 step"
+            f"its matmuls are hardly faster than {base}'s: {mixed_matmul_ms:.2f} against "
+            f"{base_matmul_ms:.2f} ms of a {base_ms:.2f} ms {base} step"
         )
     return (
-        f"its matmuls took {mixed_matmul_ms:.2f} ms against float32's {base_matmul_ms:.2f}, "
-        f"but the rest of its step (casts, float32 masters, optimizer) took "
-        f"{mixed_ms - mixed_matmul_ms:.2f} ms against float32's {other:.2f}"
+        f"its matmuls took {mixed_matmul_ms:.2f} ms against {base}'s {base_matmul_ms:.2f}, "
+        f"but the rest of its step ({rest}) took {mixed_ms - mixed_matmul_ms:.2f} ms against "
+        f"{base}'s {other:.2f}"
     )
 
 
-def no_gain_line(speedup: float, reason: str) -> str:
+def other_work(*, masters: bool, loss_scaling: bool = False) -> str:
+    """What a mixed step does besides its matmuls, for ``why_no_gain``'s ``rest``: casts,
+    float32 masters only where it keeps them (O2; not O1 or a ``torch.autocast`` loop),
+    loss scaling only where it scales (float16, a GradScaler), and its optimizer step."""
+    return ", ".join(
+        ["casts"] + ["float32 masters"] * masters + ["loss scaling"] * loss_scaling + ["optimizer"]
+    )
+
+
+def no_gain_line(speedup: float, reason: str, over: str | None = None) -> str:
     """The one line that says a mixed run buys (almost) nothing: its ``speedup`` over
-    float32 and ``why_no_gain``'s reason."""
-    return f"mixed precision buys little here ({speedup:.2f}x): {reason}"
+    float32, or over the run named ``over``, and ``why_no_gain``'s reason."""
+    against = f" over {over}" if over is not None else ""
+    return f"mixed precision buys little{against} here ({speedup:.2f}x): {reason}"
 
 
 @contextlib.contextmanager

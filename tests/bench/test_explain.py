@@ -34,7 +34,14 @@ def profiles(monkeypatch):
 
 
 def steps_of(*modes):
-    return {m: types.SimpleNamespace(mode=m) for m in modes}
+    """Stub steps with the ``level`` that ``build_step`` gives each mode's step."""
+    return {m: types.SimpleNamespace(mode=m, level=_level(m)) for m in modes}
+
+
+def _level(mode):
+    if mode.startswith(("float32", "torch-autocast")):
+        return "-"  # the hand-written loops
+    return "O2" if mode.startswith("auto") else mode[:2]
 
 
 def test_an_overhead_bound_step_says_so_with_its_matmul_time(profiles):
@@ -68,6 +75,28 @@ def test_other_measured_reasons(profiles):
         "7.60 ms against float32's 2.00",
     }
     assert sorted(profiles.profiled) == ["O1-bf16", "O2-bf16", "float32"]  # float32 once
+
+
+def test_the_rest_of_the_step_names_only_what_the_mode_does(profiles, monkeypatch):
+    """torch.autocast loops and O1 keep no float32 masters, yet their line blamed them;
+    GradScaler and float16's dynamic scaling scale the loss."""
+    monkeypatch.setattr(explain, "cpu_fast", lambda dtype: True)  # float16 profiled too
+    modes = ["torch-autocast-bf16", "torch-autocast-scaler-bf16", "torch-autocast-fp16",
+             "O1-bf16", "O3-bf16", "O2-fp16", "O2-bf16+compile"]  # fmt: skip
+    profiles.shares.update({"float32": 0.8, **dict.fromkeys(modes, 0.2)})
+    ms = {"float32": 10.0, **dict.fromkeys(modes, 9.5)}
+    speedups = {"float32": 1.0, **dict.fromkeys(modes, 1.05)}
+    lines, _ = explain.reasons(steps_of(*ms), ms, speedups, CPU)
+    rest = {mode: line.split("rest of its step (")[1].split(")")[0] for mode, line in lines.items()}
+    assert rest == {
+        "torch-autocast-bf16": "casts, optimizer",
+        "torch-autocast-scaler-bf16": "casts, loss scaling, optimizer",
+        "torch-autocast-fp16": "casts, loss scaling, optimizer",
+        "O1-bf16": "casts, optimizer",
+        "O3-bf16": "casts, optimizer",
+        "O2-fp16": "casts, float32 masters, loss scaling, optimizer",
+        "O2-bf16+compile": "casts, float32 masters, optimizer",
+    }
 
 
 def test_emulated_16_bit_matmuls_are_the_reason_without_a_profile(profiles, monkeypatch):

@@ -282,7 +282,7 @@ def test_each_mode_is_paired_with_plain_autocast_in_its_dtype(monkeypatch):
     got = {r.mode: (r.autocast_peer, r.vs_autocast) for r in results}
     assert got == {
         "float32": (None, None),
-        "torch-autocast-bf16": ("torch-autocast-bf16", 1.0),
+        "torch-autocast-bf16": (None, None),  # a peer is not compared with itself
         "O2-bf16": ("torch-autocast-bf16", 0.8),
         "torch-autocast-scaler-bf16": ("torch-autocast-bf16", 1.0),
         "O1-fp16": (None, None),
@@ -306,6 +306,10 @@ def test_autocast_peers_are_run_the_same_way():
     assert bench.autocast_peer("auto-fp16") == "torch-autocast-fp16"
     assert bench.autocast_peer("O2-fp8") == "torch-autocast-bf16"  # float8: against bf16
     assert bench.autocast_peer("float32+compile") is None
+    # A peer is not its own: "vs autocast 1.00x" against itself said nothing.
+    assert bench.autocast_peer("torch-autocast-bf16") is None
+    assert bench.autocast_peer("torch-autocast-fp16+compile") is None
+    assert bench.autocast_peer("torch-autocast-scaler-bf16") == "torch-autocast-bf16"
     assert bench.autocast_peer("auto") == (
         None if mp.Policy("auto").compute_dtype == torch.float32 else "torch-autocast-bf16"
     )

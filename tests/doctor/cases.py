@@ -1,7 +1,8 @@
 """The models and batches the 16-bit doctor tests diagnose: one that overflows float16 in
 the forward, healthy ones, issue 15 item 4's model whose float32-kept block sends
 gradients ``gain`` times larger back into the 16-bit layers before it (issue 31's model at
-gain 1e5, with its draws), and the bench's MLP with a blow-up injected."""
+gain 1e5, with its draws), the bench's MLP with a blow-up injected, and one whose saturated
+head's gradients no float16 loss scale fits."""
 
 from __future__ import annotations
 
@@ -74,6 +75,20 @@ def gained(gain: float, seed: int = 0) -> nn.Module:
         nn.Linear(32, 64), nn.ReLU(), nn.Sequential(Blow(gain), nn.Linear(64, 64)), nn.ReLU(),
         nn.Linear(64, 4),
     )  # fmt: skip
+
+
+def saturated_head() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """A 16-32-32-4 MLP whose last Linear is x300, and its batch of 16 (the report's
+    reproducer): the saturated softmax's gradients, ~1e-13 and below, flush in float16 at
+    the head, and the backward's largest (26.5, in '2') back the scale off to 2048, at which
+    the small gradients before the head flush too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )  # fmt: skip
+    with torch.no_grad():
+        model[4].weight.mul_(300)
+    return model, torch.randn(16, 16), torch.randint(0, 4, (16,))
 
 
 def wide_batch(seed: int = 1):
@@ -152,7 +167,7 @@ def module(name: str, order: int, **figures: Any) -> ModuleReport:
         "nonfinite_output": 0, "nonfinite_grad": 0, "nonfinite_input": 0,
         "output_underflow": 0.0, "output_subnormal": 0.0, "grad_underflow": 0.0,
         "grad_subnormal": 0.0, "output_rel_error": 1e-4, "grad_rel_error": 1e-3,
-        "float32": False, "min_grad": 1e-6,
+        "float32": False, "grad_dtype": "float16", "min_grad": 1e-6,
     }  # fmt: skip
     values.update(figures)
     return ModuleReport(name=name, order=order, **values)

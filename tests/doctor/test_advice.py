@@ -3,12 +3,14 @@ scaler that applies it."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
 
 import mixprec as mp
-from tests.doctor.cases import CE, batch, healthy
+from mixprec.doctor.headroom import percent
+from tests.doctor.cases import CE, batch, healthy, saturated_head
 
 
 def test_underflowing_gradients_get_the_loss_scale_that_fixes_them():
@@ -39,6 +41,41 @@ def test_underflowing_gradients_get_the_loss_scale_that_fixes_them():
         )
     assert errors["default"] > 0.3  # most of the gradient is lost at 2**16
     assert errors["suggested"] < 0.05  # float16 rounding only
+
+
+def test_no_loss_scale_fits_is_said_alone_and_flushed_gradients_are_not_at_the_edge():
+    """The advice read "use a loss scale in [5.71e+28, 2.47e+03], e.g. StaticLossScaler(2048)"
+    (an empty range, with an example) before "no single float16 loss scale fits"; and it put
+    '2' and '3' "at the edge" where their small gradients x 2048 sat over 100x below
+    float16's smallest subnormal: flushed already."""
+    model, x, y = saturated_head()
+    reference, outputs = copy.deepcopy(model), {}
+    for i in (2, 3):
+        reference[i].register_forward_hook(lambda m, a, out, i=i: outputs.update({i: out}))
+    loss = CE(reference(x), y)
+    taken = dict(zip(outputs, torch.autograd.grad(loss, list(outputs.values())), strict=True))
+    report = mp.diagnose(model, x, y, CE, policy="mixed_float16", check_steps=0)
+    low, high = report.loss_scale_range
+    assert low > high and report.loss_scale_reached == 2048 and report.at_edge == []
+    assert report.advice[1:] == [
+        "past the edge: at loss scale 2048 some small gradients of '2', '3' fall below "
+        "float16's smallest subnormal (5.96e-08) and flush to zero",
+        "no single float16 loss scale fits both the smallest and the largest gradients: use "
+        "bfloat16, or keep the layers with the largest gradients in float32",
+    ]
+    by_name = {m.name: m for m in report.modules}
+    assert by_name["2"].reasons == [
+        "small gradients (2.13e-13) x loss scale 2048 = 4.36e-10, 137x below float16's "
+        "smallest subnormal (5.96e-08): 7.54% of its gradients flush to zero at that scale"
+    ]
+    assert by_name["3"].reasons[-1] == (
+        "small gradients (2.33e-13) x loss scale 2048 = 4.78e-10, 125x below float16's "
+        "smallest subnormal (5.96e-08): 6.25% of its gradients flush to zero at that scale"
+    )
+    # The shares are those of the float32 gradients that float16 at 2048 makes zero.
+    for i, said in ((2, "7.54%"), (3, "6.25%")):
+        grad = taken[i][taken[i] != 0]
+        assert percent(float(((grad * 2048).half() == 0).float().mean())) == said
 
 
 class _Loop(torch.nn.Module):

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import mixprec as mp
+from mixprec.doctor.headroom import HEADROOM
 from tests.doctor.cases import (
     CE,
     ISSUE_DRAWS,
@@ -27,6 +28,7 @@ from tests.doctor.cases import (
     injected_mlp,
     issue_batch,
     overflowing,
+    saturated_head,
     train_applied,
     wide_batch,
 )
@@ -95,6 +97,41 @@ def test_healthy_model_gets_a_clean_report(policy, seed):
     assert report.healthy, str(report)
     assert report.recommended_keep_float32 == [] and report.advice == []
     assert abs(report.loss_mixed - report.loss_float32) < 0.02
+
+
+def test_a_float32_output_is_not_flagged_for_gradients_that_flush_in_float16():
+    """At O2 the model's output is float32, and so is the gradient it takes: it loses
+    nothing there, and flushes where the head casts it to float16 (flagged at '4'). The
+    model's row read "41% of gradients flush to zero" and it was a culprit: its float32
+    gradient was measured as if cast to float16."""
+    model, x, y = saturated_head()
+    report = mp.diagnose(model, x, y, CE, policy="mixed_float16", check_steps=0)
+    by_name = {m.name: m for m in report.modules}
+    root, head = by_name["(model)"], by_name["4"]
+    assert [m.name for m in report.culprits()] == ["3", "4", "2", "1", "0"]
+    assert (root.dtype, root.grad_dtype, root.grad_underflow, root.grad_subnormal) == (
+        "float32", "float32", 0.0, 0.0,
+    )  # fmt: skip
+    assert root.risk == 0 and root.reasons == [] and root.range_used < HEADROOM
+    assert (head.grad_dtype, head.reasons) == ("float16", ["41% of gradients flush to zero"])
+
+    # A leaf whose own region upcasts its float16 result casts the gradient back in its
+    # backward: a one-layer model (the model's boundary), an Embedding at O2 (not at O1,
+    # where autocast leaves it in float32).
+    torch.manual_seed(0)
+    lone = nn.Linear(16, 4)
+    with torch.no_grad():
+        lone.weight.mul_(300)
+    single = mp.diagnose(lone, x, y, CE, policy="mixed_float16", check_steps=0)
+    (only,) = single.modules
+    assert (only.dtype, only.grad_dtype) == ("float32", "float16") and only.grad_underflow > 0.05
+    assert [m.name for m in single.culprits()] == ["(model)"]
+    tokens = torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    embedded = nn.Sequential(nn.Embedding(10, 16), nn.Linear(16, 4))
+    for level, taken_in in (("O1", "float32"), ("O2", "float16")):
+        table = mp.diagnose(embedded, tokens, y, CE, level=level, check_steps=0).modules[0]
+        assert (table.kind, table.dtype, table.grad_dtype) == ("Embedding", "float32", taken_in)
 
 
 def dropped(model: nn.Module) -> nn.Module:

@@ -108,3 +108,29 @@ def test_small_gradients_near_the_flush_are_named_at_the_edge():
     ]
     assert flushed.reasons == ["30% of gradients flush to zero"]  # not flagged twice
     assert kept.reasons == [] and kept.small_grad_fraction == pytest.approx(0.25)
+
+
+def test_small_gradients_past_the_flush_say_how_many_flush_not_at_the_edge():
+    """Small gradients x the scale below the smallest subnormal are gone, not "within the
+    headroom": flagged with the share of gradients that flushes at that scale (where the
+    doctor measured it), and not named at the edge. A module whose output gradient is
+    float32 is measured against float32's flush point: nothing. All of a module's small
+    gradients rounding up to the subnormal (none flushed): at the edge."""
+    scale = 2.0**4
+    past = module("past", 0, min_grad=2.0**-28 / scale)  # 2**-28 once scaled: 16x below
+    unknown = module("unknown", 1, min_grad=2.0**-28 / scale)
+    rounded = module("rounded", 2, min_grad=1.5 * 2.0**-25 / scale)
+    wide = module("wide", 3, min_grad=2.0**-28 / scale, grad_dtype="float32")
+    reports = [past, unknown, rounded, wide]
+    half = {"past", "unknown", "rounded", "wide"}
+    flushed = {"past": 0.25, "rounded": 0.0}
+    at_edge = flag_small_gradients(reports, half, F16, scale, HEADROOM, flushed)
+    assert at_edge == ["rounded"]
+    assert past.reasons == [
+        "small gradients (2.33e-10) x loss scale 16 = 3.73e-09, 16x below float16's smallest "
+        "subnormal (5.96e-08): 25% of its gradients flush to zero at that scale"
+    ]
+    assert past.risk == pytest.approx(2.25) and past.small_grad_fraction == pytest.approx(16)
+    assert unknown.reasons[0].endswith("(5.96e-08): they flush to zero")
+    assert rounded.reasons[0].startswith("at the edge: ")
+    assert wide.reasons == [] and wide.risk == 0 and wide.small_grad_fraction < 1e-30

@@ -10,7 +10,13 @@ from collections.abc import Mapping
 import torch
 
 from mixprec._hardware import cpu_fast
-from mixprec._step_profile import GAIN_THRESHOLD, no_gain_line, profile_step, why_no_gain
+from mixprec._step_profile import (
+    GAIN_THRESHOLD,
+    no_gain_line,
+    other_work,
+    profile_step,
+    why_no_gain,
+)
 from mixprec.bench.modes import COMPILED, Step, _matmul_dtype, is_float8_mode
 from mixprec.policy import Policy
 
@@ -32,6 +38,14 @@ def emulated(mode: str, device: torch.device) -> str | None:
     if dtype == "float16" and not cpu_fast("float16"):
         return "float16 matmuls are emulated on this CPU (no AMX-FP16)"
     return None
+
+
+def _other_work(mode: str, step: Step) -> str:
+    """What ``mode``'s step does besides its matmuls: a ``torch.autocast`` loop and O1 keep
+    no float32 masters (the step's ``level``: ``"-"`` for the loops, ``build_step``); float16
+    modes and a GradScaler scale the loss."""
+    scaled = _matmul_dtype(mode) == "float16" or "-scaler-" in mode
+    return other_work(masters=getattr(step, "level", "-") == "O2", loss_scaling=scaled)
 
 
 def _auto_float32(mode: str) -> bool:
@@ -83,7 +97,7 @@ def reasons(
         else:
             reason = why_no_gain(
                 base_ms, ms_per_step[mode], base_matmul_ms=profiled("float32"),
-                mixed_matmul_ms=profiled(mode),
+                mixed_matmul_ms=profiled(mode), rest=_other_work(mode, steps[mode]),
             )  # fmt: skip
         lines[mode] = no_gain_line(speedup, reason)
     return lines, matmuls

@@ -108,9 +108,10 @@ def autocast_peer(mode: str) -> str | None:
     """The plain ``torch.autocast`` mode that ``mode`` is compared with, run the same way
     (a ``+compile`` mode against the compiled peer): the peer of its matmul dtype
     (``AUTOCAST_PEERS``; float8 modes: bfloat16's; ``auto``: the dtype it picks here).
-    ``None`` for a mode whose matmuls run in float32."""
+    ``None`` for a mode whose matmuls run in float32, and for a peer itself (its "vs
+    autocast" would be 1.00x against itself)."""
     peer = AUTOCAST_PEERS.get(_matmul_dtype(mode))
-    if peer is None:
+    if peer is None or mode.removesuffix(COMPILED) == peer:
         return None
     return peer + (COMPILED if mode.endswith(COMPILED) else "")
 

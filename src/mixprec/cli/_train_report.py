@@ -5,14 +5,51 @@ from __future__ import annotations
 
 from typing import Any
 
-from mixprec._step_profile import GAIN_THRESHOLD, no_gain_line, why_no_gain
+from mixprec._step_profile import GAIN_THRESHOLD, no_gain_line, other_work, why_no_gain
+from mixprec.levels import resolve_level
+from mixprec.policy import Policy
+
+#: What ``math_of`` gives a run whose math is float32 throughout.
+FLOAT32_MATH = ("float32",)
+
+
+def math_of(run: dict[str, Any]) -> tuple[object, ...]:
+    """What a run computes, to say when two runs do the same math: float32 at O0 whatever
+    the policy, and for a float32 policy; else its policy (dtypes and float8 recipe) and
+    level, as O1, O2 and O3 compute with the same dtype but cast, store and step
+    different tensors in it."""
+    policy = Policy(run["policy"])
+    level = resolve_level(run["level"], policy)
+    if level == "O0" or policy == Policy("float32"):
+        return FLOAT32_MATH
+    return (policy, level)
+
+
+def same_math_text(runs: list[dict[str, Any]]) -> str:
+    """What replaces the speed figure where both runs do the same math (``math_of``)."""
+    o0 = any(r["level"] == "O0" for r in runs)
+    why = " (O0 computes in float32 whatever the policy)" if o0 else ""
+    return f"the same math in both runs{why}: the speed column is run-to-run noise"
+
+
+def _name(run: dict[str, Any]) -> str:
+    """A run's name in a line comparing it: "float32" where its math is float32."""
+    return "float32" if math_of(run) == FLOAT32_MATH else f"{run['policy']} ({run['level']})"
+
+
+def _other_work(run: dict[str, Any]) -> str:
+    """What a run's step does besides its matmuls: float32 masters where it keeps them
+    (``run_training``'s ``masters``; O2 where that is missing), loss scaling for float16."""
+    scaled = Policy(run["policy"]).loss_scaling == "dynamic" and run["level"] != "O0"
+    return other_work(masters=run.get("masters", run["level"] == "O2"), loss_scaling=scaled)
 
 
 def explain_speed(runs: list[dict[str, Any]], same_math: bool = False) -> list[str]:
     """Lines that say where the step time goes in each run and, where the mixed run gains
     less than ``GAIN_THRESHOLD``, why: mixed precision speeds up matmuls, so a step that
     spends little of its time in them gains little on any hardware. ``same_math``: both
-    runs compute in the same dtype (a mixed policy at O0): no gain is expected, nor said."""
+    runs do the same math (``math_of``): no gain is expected, nor said. The first run is
+    named where its math is not float32."""
     lines = []
     for r in runs:
         if r.get("matmul_ms") is not None:
@@ -32,8 +69,11 @@ def explain_speed(runs: list[dict[str, Any]], same_math: bool = False) -> list[s
                 mixed["ms_per_step"],
                 base_matmul_ms=base["matmul_ms"],
                 mixed_matmul_ms=mixed["matmul_ms"],
+                base=_name(base),
+                rest=_other_work(mixed),
             )
-            lines.append(no_gain_line(speedup, reason))
+            over = None if _name(base) == "float32" else _name(base)
+            lines.append(no_gain_line(speedup, reason, over))
     return lines
 
 

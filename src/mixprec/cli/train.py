@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -169,8 +170,9 @@ def run_training(config: dict[str, Any]) -> dict[str, Any]:
         "final_loss": (history.history.get("loss") or [math.nan])[-1],
         "loss_curve": history.history.get("loss", []),
         "val_loss_curve": history.history.get("val_loss", []),
-        # Before an epoch ends (a step raised): the time over the steps taken.
-        "ms_per_step": sorted(history.history["ms_per_step"])[len(history.epoch) // 2]
+        # The median over the epochs of each epoch's median step; before an epoch ends (a
+        # step raised), the time over the steps taken.
+        "ms_per_step": statistics.median(history.history["ms_per_step"])
         if history.epoch
         else 1000 * seconds / max(trainer.global_step, 1),
         "seconds": seconds,
@@ -183,6 +185,7 @@ def run_training(config: dict[str, Any]) -> dict[str, Any]:
         "optimizer": OPTIMIZER,
         "matmul_ms": matmul,
         "memory_parts": parts.describe(),
+        "masters": parts.masters > 0,  # what the "buys little" line may name
         # What the peak above the start holds for the parameters: the optimizer state and
         # gradients appear during training; weights and masters exist before it starts.
         "kept_mb": (parts.optimizer_state + parts.gradients) / 2.0**20,
@@ -269,13 +272,13 @@ def run(args: argparse.Namespace) -> int:
             say(f"{result['label']} run: float8 in {result['float8_layers']} Linear layers "
                 f"({rule}; the output head stays bfloat16)")  # fmt: skip
     say(f"(peak MB: {runs[0]['memory_kind']}; speedup: ms/step of the first row / this row)")
-    # By the math each run does: a mixed policy at O0 computes in float32 throughout.
-    same_math = len(runs) == 2 and _math_of(runs[0]) == _math_of(runs[1])
+    # By the math each run does: a mixed policy at O0 computes in float32 throughout; the
+    # same policy at O1, O2 and O3 does not compute the same.
+    same_math = len(runs) == 2 and report.math_of(runs[0]) == report.math_of(runs[1])
     if len(runs) == 2:
         diff = runs[1]["test_accuracy"] - runs[0]["test_accuracy"]
         speed = (
-            "the same math in both runs (O0 computes in float32 whatever the policy): the "
-            "speed column is run-to-run noise"
+            report.same_math_text(runs)
             if same_math
             else f"{runs[0]['ms_per_step'] / runs[1]['ms_per_step']:.2f}x the speed"
             + (" (float8 matmuls emulated on CPU)" if runs[1].get("float8_layers") else "")
@@ -342,14 +345,6 @@ def _mixed_run_policy(policy: str) -> tuple[str, str | None]:
 def _is_float8(policy: str) -> bool:
     """Whether ``policy`` (an option's text, "none" for --compare) has float8 matmuls."""
     return policy != "none" and Policy(policy).float8_recipe is not None
-
-
-def _math_of(run: dict[str, Any]) -> tuple[object, object]:
-    """What a run computes in: its compute dtype and float8 recipe (float32 at O0)."""
-    if run["level"] == "O0":
-        return torch.float32, None
-    policy = Policy(run["policy"])
-    return policy.compute_dtype, policy.float8_recipe
 
 
 def _run_name(policy: str, level: str) -> str:

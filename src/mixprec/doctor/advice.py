@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from mixprec.doctor.headroom import smallest_subnormal
 from mixprec.doctor.report import Report
 from mixprec.doctor.risk import UNDERFLOW_LIMIT
 
@@ -81,15 +82,40 @@ def advice(report: Report, compute: torch.dtype, left: set[str]) -> list[str]:
             f"{'finite' if check.finite else 'not finite'} after them: use bfloat16, or a "
             "lower learning rate if training diverges in float32 too"
         )
+    # The loss scales that fit every 16-bit gradient, if any: an empty range has no example.
+    fits = (
+        report.loss_scale_range is not None
+        and report.loss_scale_range[0] <= report.loss_scale_range[1]
+    )
+    scale = report.loss_scale_reached or report.loss_scale
+    larger = (
+        f" (suggested: {report.suggested_loss_scale:g})"
+        if fits and report.suggested_loss_scale and report.suggested_loss_scale > scale
+        else ""
+    )
     if report.at_edge:
-        scale = report.loss_scale_reached or report.loss_scale
         said.append(
             f"at the edge: the small gradients of {', '.join(map(repr, report.at_edge))} "
             f"sit within the headroom of {report.compute_dtype}'s flush to zero at loss "
-            f"scale {scale:g}; a larger loss scale gives them room"
-            + (f" (suggested: {report.suggested_loss_scale:g})"
-               if report.suggested_loss_scale and report.suggested_loss_scale > scale else "")
-        )  # fmt: skip
+            f"scale {scale:g}; a larger loss scale gives them room{larger}"
+        )
+    # Past it: below the smallest subnormal at that scale (flagged by flag_small_gradients;
+    # those over the underflow limit at report.loss_scale have the range lines below).
+    past = [
+        m.name
+        for m in sorted(report.modules, key=lambda m: m.order)
+        if m.name in left
+        and m.name not in report.at_edge
+        and m.small_grad_fraction > 1
+        and m.grad_underflow <= UNDERFLOW_LIMIT
+    ]
+    if past:
+        said.append(
+            f"past the edge: at loss scale {scale:g} some small gradients of "
+            f"{', '.join(map(repr, past))} fall below {report.compute_dtype}'s smallest "
+            f"subnormal ({smallest_subnormal(compute):.3g}) and flush to zero"
+            + (f"; a larger loss scale lifts them{larger}" if larger else "")
+        )
     if compute == torch.float16 and report.loss_scale_range is not None:
         low, high = report.loss_scale_range
         scale = report.suggested_loss_scale or 1.0
@@ -97,17 +123,17 @@ def advice(report: Report, compute: torch.dtype, left: set[str]) -> list[str]:
         ceiling = ""
         if scale > 2.0**24:
             ceiling = f", max_scale={_scale(2.0 ** math.floor(math.log2(max(high, scale))))}"
-        if any(m.grad_underflow > UNDERFLOW_LIMIT for m in report.modules):
+        if low > high:  # no range to pick from: what to do instead
+            said.append(
+                "no single float16 loss scale fits both the smallest and the largest "
+                "gradients: use bfloat16, or keep the layers with the largest gradients in "
+                "float32"
+            )
+        elif any(m.grad_underflow > UNDERFLOW_LIMIT for m in report.modules):
             said.append(
                 f"gradients underflow float16 at loss scale {report.loss_scale:g}: use a "
                 f"loss scale in [{low:.3g}, "
                 f"{high:.3g}], e.g. StaticLossScaler({_scale(scale)}) or "
                 f"DynamicLossScaler(init_scale={_scale(scale)}{ceiling})"
-            )
-        if low > high:
-            said.append(
-                "no single float16 loss scale fits both the smallest and the largest "
-                "gradients: use bfloat16, or keep the layers with the largest gradients in "
-                "float32"
             )
     return said

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from mixprec._dtypes import dtype_name
+from mixprec._dtypes import HALF_DTYPES, dtype_name
 from mixprec._errors import ArgumentError
 from mixprec._input_casts import BOUNDARY_LOOK
 from mixprec._rng import same_draws
@@ -53,9 +53,10 @@ from mixprec.doctor.risk import SCALE_FLOOR, loss_scale_range, nonfinite_origin,
 from mixprec.doctor.verify import CHECK_STEPS, OptimizerLike, check_optimizer, check_plan
 from mixprec.dtype_table import module_dtypes
 from mixprec.float8 import Float8Options
-from mixprec.keep import ROOT_NAME
+from mixprec.keep import ROOT_NAME, named_modules
 from mixprec.levels import KeepEntry, applied, auto_mixed_precision
 from mixprec.policy import PolicyLike, get_policy
+from mixprec.region import get_region
 
 if TYPE_CHECKING:
     from mixprec.doctor.float8 import Float8Report
@@ -200,7 +201,10 @@ def _diagnose(
     limit = float(torch.finfo(compute).max)
     # Modules that compute in float32 under the policy (islands, kept modules, inside them).
     islands = {row.name for row in module_dtypes(mixed) if row.compute == "float32"}
-    reports = _module_reports(ref_calls, mixed_calls, compute, float(loss_scale), islands)
+    grad_dtypes = _gradient_dtypes(mixed, mixed_calls)
+    reports = _module_reports(
+        ref_calls, mixed_calls, compute, float(loss_scale), islands, grad_dtypes
+    )
     # Where values are computed: the leaves, and a module with children whose own forward
     # made the inf/NaN (a hand-written attention's q @ k^T), which only keeping it fixes.
     leaves = {n or ROOT_NAME for n, m in model.named_modules() if not list(m.children())}
@@ -260,15 +264,20 @@ def _diagnose(
             reached = check.scale
     order = {r.name: r.order for r in reports}
     recommended.sort(key=lambda n: order.get(n, len(order)))
-    at_edge = flag_small_gradients(
-        reports, half & leaves, compute, reached or float(loss_scale), headroom
-    )
+    # Small gradients flush where training runs: at the scale reached, not the one measured.
+    runs_at, left = reached or float(loss_scale), half & leaves
+    flushed = {
+        name: lost(ref_calls[name]["grad"] * runs_at, grad_dtypes.get(name, compute))[0]
+        for name in left
+        if name in ref_calls and ref_calls[name]["grad"] is not None
+    }
+    at_edge = flag_small_gradients(reports, left, compute, runs_at, headroom, flushed)
     # The loss scale range for what stays in 16 bits once the recommendation is applied.
     # (None on inf inputs: no scale to suggest until they are in range.)
     scale, scale_range = (
         (None, None)
         if cast_inf
-        else loss_scale_range([r for r in reports if r.name in half & leaves], compute)
+        else loss_scale_range([r for r in reports if r.name in left], compute)
     )
     bf16_max = float(torch.finfo(torch.bfloat16).max)
     at_risk = any(max(r.input_fraction, r.output_fraction, r.grad_fraction) > headroom
@@ -301,7 +310,7 @@ def _diagnose(
         check=check,
         inputs_overflow=cast_inf,
     )
-    report.advice = advice(report, compute, half & leaves)
+    report.advice = advice(report, compute, left)
     return report
 
 
@@ -324,20 +333,42 @@ def _own_arithmetic_origins(model: nn.Module, reports: list[ModuleReport]) -> se
     return found
 
 
+def _gradient_dtypes(mixed: nn.Module, calls: dict[str, dict[str, Any]]) -> dict[str, torch.dtype]:
+    """The dtype each module that ran in the mixed run takes its output gradient in: its
+    output's (the model's float32 output keeps a float32 gradient; the 16-bit layer that
+    made it takes the cast back, and is measured there), but for a leaf whose own region
+    upcasts its 16-bit result (a one-layer model's boundary, a float16 Embedding at O2):
+    its backward casts the gradient back to that compute dtype itself."""
+    found = {}
+    for name, module in named_modules(mixed).items():
+        if name not in calls:
+            continue
+        found[name] = calls[name]["output"].dtype
+        region = get_region(module)
+        leaf = not list(module.children())
+        if leaf and region is not None and region.compute_dtype in HALF_DTYPES:
+            found[name] = region.compute_dtype
+    return found
+
+
 def _module_reports(
     ref_calls: dict[str, dict[str, Any]],
     mixed_calls: dict[str, dict[str, Any]],
     compute: torch.dtype,
     loss_scale: float,
     islands: set[str],
+    grad_dtypes: dict[str, torch.dtype],
 ) -> list[ModuleReport]:
-    """Each module's figures from the float32 run and the mixed run (recorded by ``run``)."""
+    """Each module's figures from the float32 run and the mixed run (recorded by ``run``);
+    gradient underflow in the dtype each module takes its output gradient in
+    (``_gradient_dtypes``; the compute dtype for a module the mixed run missed)."""
     reports = []
     for name, ref in ref_calls.items():
         mix = mixed_calls.get(name, {})
         out_zero, out_sub = lost(ref["output"], compute)
         scaled_ref = None if ref["grad"] is None else ref["grad"] * loss_scale
-        grad_zero, grad_sub = lost(scaled_ref, compute)
+        grad_dtype = grad_dtypes.get(name, compute)
+        grad_zero, grad_sub = lost(scaled_ref, grad_dtype)
         reports.append(
             ModuleReport(
                 name=name,
@@ -362,6 +393,7 @@ def _module_reports(
                 output_rel_error=error(mix.get("output"), ref["output"]),
                 grad_rel_error=error(mix.get("grad"), ref["grad"]),
                 float32=name in islands or compute == torch.float32,
+                grad_dtype=dtype_name(grad_dtype),
                 min_grad=min_nonzero(ref["grad"]),
                 max_input_grad=max_abs(ref["input_grad"]),
                 max_param_grad=ref["param_grad_max"],

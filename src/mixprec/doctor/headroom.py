@@ -13,13 +13,15 @@ The fractions, per module, as a fraction of the range (above 1: beyond it):
 * ``grad_fraction``: max |gradient| at the lowest loss scale training reaches (the dynamic
   scaler's floor, 1) / the dtype's max: above the headroom there, backing off cannot make
   room;
-* ``small_grad_fraction``: the dtype's smallest subnormal (below it values flush to zero) /
-  the small |gradient| (1st percentile) at the loss scale training runs at.
+* ``small_grad_fraction``: the smallest subnormal (below it values flush to zero) of the dtype
+  the module takes its output gradient in / the small |gradient| (1st percentile) at the
+  loss scale training runs at (above 1: they flush).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -148,27 +150,46 @@ def flag_small_gradients(
     compute: torch.dtype,
     scale: float,
     headroom: float,
+    flushed: Mapping[str, float] | None = None,
 ) -> list[str]:
     """Set each module's ``small_grad_fraction`` at loss scale ``scale`` (where training
-    runs), and name the leaves left in 16 bits (``half``) whose small gradients sit within
-    ``headroom`` of the flush to zero: they are at the edge, and the report says so (a
-    larger loss scale, not float32, is the remedy). Modules already flagged for gradients
-    that flush are past the edge, and named for that."""
-    flush = smallest_subnormal(compute)
+    runs), against the flush point of the dtype it takes its output gradient in
+    (``grad_dtype``), and name the leaves left in 16 bits (``half``) whose small gradients
+    sit within ``headroom`` of the flush to zero: they are at the edge, and the report says
+    so (a larger loss scale, not float32, is the remedy).
+
+    Past the edge, not named: modules already flagged for gradients that flush, and those
+    whose small gradients x ``scale`` fall below the smallest subnormal, which are flagged
+    as flushing, with the share of their gradients that does (``flushed``: name -> that
+    fraction at ``scale``, where known)."""
     at_edge = []
     for r in sorted(reports, key=lambda r: r.order):
+        grad_dtype = getattr(torch, r.grad_dtype) if r.grad_dtype else compute
+        name, flush = dtype_name(grad_dtype), smallest_subnormal(grad_dtype)
         small = r.min_grad * scale
         r.small_grad_fraction = flush / small if small > 0 else 0.0
         if r.name not in half or r.float32 or compute == torch.float32:
             continue
         # ``risk.score``'s reason for gradients that flush (over its underflow limit).
-        flushing = any(reason.endswith("of gradients flush to zero") for reason in r.reasons)
-        if r.small_grad_fraction > headroom and not flushing:
+        if any(reason.endswith("of gradients flush to zero") for reason in r.reasons):
+            continue
+        product = f"small gradients ({r.min_grad:.3g}) x loss scale {scale:g}"
+        share = (flushed or {}).get(r.name)
+        # Below the smallest subnormal they are gone, not at the edge (unless all of them
+        # round up to it: values above half of it do).
+        if r.small_grad_fraction > 1 and share != 0:
+            r.risk += 2 + (share or 0.0)
+            r.reasons.append(
+                f"{product} = {small:.3g}, {flush / small:.3g}x below {name}'s smallest "
+                f"subnormal ({flush:.3g}): "
+                + ("they flush to zero" if share is None else
+                   f"{percent(share)} of its gradients flush to zero at that scale")
+            )  # fmt: skip
+        elif r.small_grad_fraction > headroom:
             at_edge.append(r.name)
             r.risk += 1 + min(r.small_grad_fraction, 1.0)
             r.reasons.append(
-                f"at the edge: small gradients ({r.min_grad:.3g}) x loss scale {scale:g} "
-                f"sit within the headroom ({headroom_text(headroom)}) of "
-                f"{dtype_name(compute)}'s flush to zero ({flush:.3g})"
+                f"at the edge: {product} sit within the headroom ({headroom_text(headroom)}) "
+                f"of {name}'s flush to zero ({flush:.3g})"
             )
     return at_edge

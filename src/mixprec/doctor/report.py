@@ -43,6 +43,11 @@ class ModuleReport:
     min_grad: float = 0.0  # smallest non-zero |gradient| in float32
     max_input_grad: float = 0.0  # max |gradient of its input| (float32 run)
     max_param_grad: float = 0.0  # max |gradient of its own parameters| (float32 run)
+    # The dtype its backward takes its output gradient in under the policy: its output's,
+    # or the compute dtype of a leaf whose own region upcasts a 16-bit result. Underflow
+    # (``grad_*``, ``small_grad_fraction``) is measured in it: a float32 one loses nothing.
+    # "" (a report built by hand): the compute dtype.
+    grad_dtype: str = ""
     risk: float = 0.0
     reasons: list[str] = field(default_factory=list)
     # How close each tensor came to a limit of the 16-bit dtype, as a fraction of the range
