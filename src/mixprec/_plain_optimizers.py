@@ -36,11 +36,22 @@ _HOOK: list[Any] = []  # the handle, once installed
 # turn (Lookahead's base) is the wrapper's, its gradients unscaled.
 _STEPPING = [0]
 _CHECKED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-# Each wrapped optimizer -> its wrapper's bookkeeping (``stepping_inner`` is True while the
-# wrapper steps it), weakly: once the wrapper is gone, the optimizer is a plain one again.
-_WRAPPED: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[Any]] = (
+# Each wrapped optimizer -> its wrappers' bookkeeping (``stepping_inner`` is True while a
+# wrapper steps it), weakly: once they are gone, the optimizer is a plain one again. Every
+# wrapper's: with one per optimizer, a second wrapper over it (a cell run again over a
+# float32 model) made the first one's steps refused, and once the second was gone, a step
+# of the optimizer itself went through while the first still wrapped it.
+_WRAPPED: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[weakref.ref[Any]]] = (
     weakref.WeakKeyDictionary()
 )
+
+
+def _live_books(optimizer: Any) -> list[Any]:
+    try:
+        refs = _WRAPPED.get(optimizer, ())
+    except TypeError:  # not weak-referenceable: no optimizer
+        return []
+    return [book for book in (ref() for ref in refs) if book is not None]
 
 
 def watch_plain_optimizers() -> None:
@@ -71,7 +82,7 @@ def watch_wrapped(
     groups hold the float32 masters, so it cleared theirs alone, and the 16-bit weights'
     gradients added up over every step (0.853 against float32's 0.234 after 20)."""
     _install()
-    _WRAPPED[optimizer] = weakref.ref(book)
+    _WRAPPED[optimizer] = [weakref.ref(b) for b in [*_live_books(optimizer), book]]
     optimizer.zero_grad = _WrapperZeroGrad(optimizer, zero_grad)  # type: ignore[method-assign]
 
 
@@ -96,11 +107,7 @@ class _WrapperZeroGrad:
 def is_wrapped(optimizer: object) -> bool:
     """Whether a live ``LossScaleOptimizer`` wraps ``optimizer`` (its state alone holds
     neither the loss scale nor which 16-bit weight each float32 master stands for)."""
-    try:
-        ref = _WRAPPED.get(optimizer)  # type: ignore[call-overload]
-    except TypeError:  # not weak-referenceable: no optimizer
-        return False
-    return ref is not None and ref() is not None
+    return bool(_live_books(optimizer))
 
 
 def step_inner(optimizer: torch.optim.Optimizer, book: Any) -> None:
@@ -129,10 +136,9 @@ def no_other_global_hooks() -> bool:
 def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if torch.compiler.is_compiling():
         return
-    ref = _WRAPPED.get(optimizer)
-    book = ref() if ref is not None else None
-    if book is not None:
-        if book.stepping_inner:
+    books = _live_books(optimizer)
+    if books:
+        if any(book.stepping_inner for book in books):
             return
         kind = type(optimizer)
         raise MisuseError(
@@ -191,6 +197,10 @@ def _say_if_unscaled(optimizer: torch.optim.Optimizer) -> None:
     ]
     if not scaled or _called_by_a_grad_scaler():
         return
+    from mixprec.scaling.scalers import unscaled_by_hand  # below: scaling imports casting
+
+    if unscaled_by_hand([p.grad for p in scaled if p.grad is not None]):
+        return  # a MindSpore-style loop: loss_scaler.unscale_(grads), then step
     kind = type(optimizer)
     name = f"torch.optim.{kind.__name__}" if kind.__module__.startswith("torch.") else kind.__name__
     warnings.warn(

@@ -117,6 +117,22 @@ def test_a_second_plain_optimizer_over_a_float16_model_is_told_of_the_scaling(le
         assert not [w for w in seen if "by itself" in str(w.message)]
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_loop_that_unscales_by_hand_is_not_told_of_the_scaling(level):
+    """MindSpore's manual loop (docs/migration.md): the scaler's unscale_(grads), then a
+    plain step. It was told "nothing unscales or checks their gradients"."""
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", level)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = mp.DynamicLossScaler()
+    scaler.scale(loss_of(model)).backward()
+    grads = [p.grad for p in model.parameters()]
+    scaler.unscale_(grads)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        opt.step()
+    assert not [w for w in seen if "by itself" in str(w.message)]
+
+
 def test_no_scaling_warning_for_a_wrapped_delegating_optimizer_or_a_float32_model():
     """A Lookahead-style optimizer in a LossScaleOptimizer steps its base optimizer, whose
     gradients the wrapper unscaled; a model taken back to float32 (mp.to_float) computes
@@ -186,6 +202,27 @@ def test_stepping_the_wrapped_optimizer_itself_is_refused(policy, level):
     opt.backward(loss_of(model))
     with pytest.raises(mp.MisuseError, match=INNER_STEP):
         inner.step()
+
+
+def test_a_second_wrapper_over_one_optimizer_leaves_the_first_one_working_and_guarded():
+    """A float32 model's optimizer wrapped twice (no masters to refuse it): the first
+    wrapper's steps were refused as the optimizer's own, and once the second wrapper was
+    gone, the optimizer's own step went through while the first still wrapped it."""
+    import gc
+
+    model = make_mlp()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = mp.LossScaleOptimizer(inner)
+    second = mp.LossScaleOptimizer(inner)
+    first.backward(loss_of(model))
+    assert first.step().applied
+    del second
+    gc.collect()
+    first.zero_grad()
+    first.backward(loss_of(model))
+    with pytest.raises(mp.MisuseError, match=INNER_STEP):
+        inner.step()
+    assert first.step().applied
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])

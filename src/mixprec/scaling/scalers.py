@@ -12,6 +12,7 @@ device-to-host transfer of ``found_inf`` per step.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from typing import Any, TypeVar
@@ -31,9 +32,24 @@ from mixprec.scaling.schedule import (
     to_float32,
 )
 
-__all__ = ["DynamicLossScaler", "LossScaler", "NoOpLossScaler", "StaticLossScaler"]
+__all__ = [
+    "DynamicLossScaler", "LossScaler", "NoOpLossScaler", "StaticLossScaler", "unscaled_by_hand",
+]  # fmt: skip
 
 T = TypeVar("T")
+
+
+# Every scaler made, weakly: a plain optimizer's gradients unscaled by hand by one of them
+# (a MindSpore-style loop) are not said to be unscaled (``unscaled_by_hand``).
+_LIVE: weakref.WeakSet[LossScaler] = weakref.WeakSet()
+
+
+def unscaled_by_hand(grads: Sequence[torch.Tensor]) -> bool:
+    """Whether a live scaler's latest ``unscale_`` divided a list that began with one of
+    ``grads``: the loop unscales them itself before a plain optimizer steps. Once per
+    optimizer, at its first step."""
+    firsts = {getattr(s, "_unscaled_first", 0) for s in _LIVE}
+    return any(id(g) in firsts for g in grads)
 
 
 class LossScaler:
@@ -42,6 +58,7 @@ class LossScaler:
 
     def __init__(self, scale: float) -> None:
         self._state = ScalerState(scale=scale)
+        _LIVE.add(self)
 
     @property
     def state(self) -> ScalerState:
@@ -104,6 +121,8 @@ class LossScaler:
         """Divide ``grads`` by the scale (and multiply them by ``factor``) in place, in one
         pass that also checks them; return the 0-dim ``found_inf`` tensor (on ``device``
         when ``grads`` is empty)."""
+        if grads and not torch.compiler.is_compiling():
+            self._unscaled_first = id(grads[0])  # unscaled_by_hand: a loop's own unscale_
         return unscale_grads_(grads, factor / self._state.scale, device)
 
     def update(self, found_inf: bool | torch.Tensor) -> None:
