@@ -197,7 +197,7 @@ def _say_if_unscaled(optimizer: torch.optim.Optimizer) -> None:
     ]
     if not scaled or _called_by_a_grad_scaler():
         return
-    from mixprec.scaling.scalers import unscaled_by_hand  # below: scaling imports casting
+    from mixprec.scaling.by_hand import unscaled_by_hand  # below: scaling imports casting
 
     if unscaled_by_hand([p.grad for p in scaled if p.grad is not None]):
         return  # a MindSpore-style loop: loss_scaler.unscale_(grads), then step

@@ -5,14 +5,12 @@ arguments and of the state they load.
 Float16 has a 5-bit exponent: gradients below 2**-24 flush to zero. Multiplying the loss by
 a scale S before backward lifts them into range; dividing the gradients by S afterwards
 restores them. A step whose gradients overflowed is skipped and, for the dynamic scaler,
-the scale backs off. The scale is kept on the host, so that deciding to skip costs the one
-device-to-host transfer of ``found_inf`` per step.
+the scale backs off. The scale is kept on the host: a skip costs one read of ``found_inf``.
 """
 
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from typing import Any, TypeVar
@@ -21,6 +19,7 @@ import torch
 
 from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import ArgumentError, shown
+from mixprec.scaling.by_hand import LIVE
 from mixprec.scaling.finite import unscale_grads_
 from mixprec.scaling.schedule import (
     SMALLEST_NORMAL_F32,
@@ -32,24 +31,9 @@ from mixprec.scaling.schedule import (
     to_float32,
 )
 
-__all__ = [
-    "DynamicLossScaler", "LossScaler", "NoOpLossScaler", "StaticLossScaler", "unscaled_by_hand",
-]  # fmt: skip
+__all__ = ["DynamicLossScaler", "LossScaler", "NoOpLossScaler", "StaticLossScaler"]
 
 T = TypeVar("T")
-
-
-# Every scaler made, weakly: a plain optimizer's gradients unscaled by hand by one of them
-# (a MindSpore-style loop) are not said to be unscaled (``unscaled_by_hand``).
-_LIVE: weakref.WeakSet[LossScaler] = weakref.WeakSet()
-
-
-def unscaled_by_hand(grads: Sequence[torch.Tensor]) -> bool:
-    """Whether a live scaler's latest ``unscale_`` divided a list that began with one of
-    ``grads``: the loop unscales them itself before a plain optimizer steps. Once per
-    optimizer, at its first step."""
-    firsts = {getattr(s, "_unscaled_first", 0) for s in _LIVE}
-    return any(id(g) in firsts for g in grads)
 
 
 class LossScaler:
@@ -58,7 +42,7 @@ class LossScaler:
 
     def __init__(self, scale: float) -> None:
         self._state = ScalerState(scale=scale)
-        _LIVE.add(self)
+        LIVE.add(self)  # by_hand: a loop's own unscale_ is known
 
     @property
     def state(self) -> ScalerState:
@@ -121,8 +105,8 @@ class LossScaler:
         """Divide ``grads`` by the scale (and multiply them by ``factor``) in place, in one
         pass that also checks them; return the 0-dim ``found_inf`` tensor (on ``device``
         when ``grads`` is empty)."""
-        if grads and not torch.compiler.is_compiling():
-            self._unscaled_first = id(grads[0])  # unscaled_by_hand: a loop's own unscale_
+        if grads and not torch.compiler.is_compiling():  # by_hand: a loop's own unscale_
+            self._unscaled_first = id(grads[0])
         return unscale_grads_(grads, factor / self._state.scale, device)
 
     def update(self, found_inf: bool | torch.Tensor) -> None:
