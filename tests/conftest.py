@@ -90,6 +90,19 @@ def make_transformer(seed: int = 0) -> nn.Module:
     return TinyTransformer()
 
 
+class TiedLM(nn.Module):
+    """An embedding and a head tied by assignment (``head.weight = emb.weight``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(x))
+
+
 def classification_data(n: int = 512, d_in: int = 32, classes: int = 10, seed: int = 1):
     """A learnable task: labels from a fixed random linear teacher."""
     g = torch.Generator().manual_seed(seed)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec as mp
+from tests.conftest import TiedLM
 
 
 def _aliased(frozen: bool) -> nn.Sequential:
@@ -78,22 +79,11 @@ def test_the_same_parameter_tied_under_two_names_is_not_refused():
     assert model[0].weight is model[1].weight
 
 
-class _LM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(50, 16)
-        self.head = nn.Linear(16, 50, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.emb(x))
-
-
 @pytest.mark.parametrize("key", ["emb.weight", "head.weight"])
 def test_float32_values_loaded_under_either_name_of_a_tied_weight_start_the_master(key):
     torch.manual_seed(0)
     values = torch.randn(50, 16) * 0.02
-    model = mp.auto_mixed_precision(_LM(), "mixed_bfloat16", "O2")
+    model = mp.auto_mixed_precision(TiedLM(), "mixed_bfloat16", "O2")
     model.load_state_dict({key: values}, strict=False)
     opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.0))
     (master,) = [m for _, m in opt.master_weights()]

@@ -18,7 +18,7 @@ import mixprec as mp
 import mixprec.policy
 from mixprec import levels
 from mixprec.levels import Applied, applied, resolve_level
-from tests.conftest import ROOT, make_mlp, make_transformer
+from tests.conftest import ROOT, TiedLM, make_mlp, make_transformer
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -737,23 +737,12 @@ def test_a_shared_module_is_kept_in_float32_by_any_of_its_names() -> None:
         assert prepared[1].weight.dtype == torch.bfloat16
 
 
-class _TiedLM(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(50, 16)
-        self.head = nn.Linear(16, 50, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.emb(x))
-
-
 @pytest.mark.parametrize("level", ["O2", "O3"])
 def test_to_float_before_preparing_keeps_a_tied_weight_float32(level: str) -> None:
     """``mp.to_float(head, "float32")`` before ``auto_mixed_precision`` on a head tied to
     the embedding: the embedding stored the shared weight in 16 bits, and every forward
     failed ("expected m1 and m2 to have the same dtype"). As with keep_float32 now."""
-    model = _TiedLM()
+    model = TiedLM()
     mp.to_float(model.head, "float32")
     mp.auto_mixed_precision(model, "mixed_bfloat16", level)
     assert model.head.weight.dtype == torch.float32
