@@ -12,15 +12,19 @@ import torch
 
 from mixprec._errors import ArgumentError
 
-__all__ = ["Memory", "memory_of", "refuse_aliases"]
+__all__ = ["Memory", "frozen_aliases", "memory_of"]
 
 Memory = tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]
 
 
 def memory_of(t: torch.Tensor) -> Memory | None:
     """Where ``t``'s values live (storage, offset, shape, strides, dtype); ``None`` where that
-    says nothing (meta, empty, or a tensor subclass without storage of its own)."""
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device.type == "meta":
+    says nothing (meta, empty, sparse, or a tensor subclass without storage of its own)."""
+    if (
+        type(t) not in (torch.Tensor, torch.nn.Parameter)
+        or t.layout != torch.strided  # a sparse tensor has no storage to ask
+        or t.device.type == "meta"
+    ):
         return None
     ptr = t.untyped_storage().data_ptr()
     if not t.numel() or not ptr:
@@ -28,32 +32,50 @@ def memory_of(t: torch.Tensor) -> Memory | None:
     return ptr, int(t.storage_offset()), tuple(t.shape), tuple(t.stride()), t.dtype
 
 
-def refuse_aliases(
+def frozen_aliases(
     params: Sequence[Any],
     earlier: Iterable[torch.Tensor],
     where: str,
     needs_master: Callable[[torch.Tensor], bool],
-) -> None:
-    """Refuse two parameter objects over the same memory among the 16-bit weights that get
-    float32 masters (``earlier``, then those of a group's ``params`` that need one): one
-    master's copy-back would undo the other's update. The same object under two names (a
-    tied weight) is one parameter."""
-    seen: dict[Memory, int] = {}
+) -> set[int]:
+    """Among the 16-bit weights that would get float32 masters (``earlier``, then those of a
+    group's ``params`` that need one), two parameter objects over the same memory: the ids
+    of the frozen ones (``requires_grad=False``), which get none (their master's copy-back
+    would undo the trainable one's update); two trainable ones are refused (one's update
+    would overwrite the other's). The same object under two names (a tied weight) is one
+    parameter."""
+    seen: dict[Memory, torch.Tensor] = {}
     for p in earlier:
         key = memory_of(p)
         if key is not None:
-            seen[key] = id(p)
-    for j, p in enumerate(params):
-        if not isinstance(p, torch.Tensor) or not needs_master(p):
+            seen[key] = p
+    candidates = [
+        (j, p, memory_of(p))
+        for j, p in enumerate(params)
+        if isinstance(p, torch.Tensor) and needs_master(p)
+    ]
+    groups: dict[Memory, list[tuple[int, torch.Tensor]]] = {}
+    for j, p, key in candidates:
+        if key is not None:
+            groups.setdefault(key, []).append((j, p))
+    frozen: set[int] = set()
+    for key, members in groups.items():
+        objects = {id(p): (j, p) for j, p in members}
+        first = seen.get(key)
+        if first is not None and id(first) not in objects:
+            objects = {id(first): (-1, first), **objects}
+        if len(objects) < 2:
             continue
-        key = memory_of(p)
-        if key is None:
-            continue
-        if seen.setdefault(key, id(p)) != id(p):
+        trainable = [(j, p) for j, p in objects.values() if p.requires_grad]
+        if len(trainable) > 1 or (first is not None and not first.requires_grad and trainable):
+            j, p = trainable[-1]
             raise ArgumentError(
                 f"{where}['params'][{j}] (shape {tuple(p.shape)}, {p.dtype}) is a second "
                 "nn.Parameter over the memory of another parameter of this optimizer (made "
                 "as nn.Parameter(other.weight)): each would get a float32 master of its own "
                 "and one's update would overwrite the other's. Tie the weights by assigning "
-                "the parameter itself (head.weight = emb.weight)"
+                "the parameter itself (head.weight = emb.weight), or freeze one "
+                "(requires_grad=False) before the optimizer is built"
             )
+        frozen.update(id(p) for j, p in objects.values() if not p.requires_grad and j >= 0)
+    return frozen

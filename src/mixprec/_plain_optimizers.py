@@ -136,10 +136,14 @@ def no_other_global_hooks() -> bool:
 def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if torch.compiler.is_compiling():
         return
-    books = _live_books(optimizer)
-    if books:
-        if any(book.stepping_inner for book in books):
-            return
+    wrapped = False
+    for ref in _WRAPPED.get(optimizer, ()):  # one weakref per wrapper (most often one)
+        book = ref()
+        if book is not None:
+            if book.stepping_inner:
+                return
+            wrapped = True
+    if wrapped:
         kind = type(optimizer)
         raise MisuseError(
             f"{kind.__name__}.step() was called on the optimizer a LossScaleOptimizer wraps: "

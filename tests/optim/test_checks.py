@@ -133,6 +133,28 @@ def test_a_loop_that_unscales_by_hand_is_not_told_of_the_scaling(level):
     assert not [w for w in seen if "by itself" in str(w.message)]
 
 
+def test_gradients_no_unscale_reached_are_still_told_of_the_scaling():
+    """A GAN's D unscaled by hand and G not (G's gradients the scale times too large),
+    and an unscale_ of one gradient of four: both warned before the hand-unscale look, and
+    must still (a first version took one id, which a new gradient could reuse)."""
+    scaler = mp.DynamicLossScaler(init_scale=2.0**10)
+    d, g = (mp.auto_mixed_precision(make_mlp(seed=s), "mixed_float16", "O1") for s in (0, 1))
+    opt_d, opt_g = torch.optim.SGD(d.parameters(), lr=0.1), torch.optim.SGD(g.parameters())
+    scaler.scale(loss_of(d)).backward()
+    scaler.unscale_(p.grad for p in d.parameters())  # any iterable, as before
+    opt_d.step()
+    opt_d.zero_grad()
+    scaler.scale(loss_of(g)).backward()
+    with pytest.warns(UserWarning, match="by itself: nothing unscales"):
+        opt_g.step()
+    part = mp.auto_mixed_precision(make_mlp(seed=2), "mixed_float16", "O1")
+    opt = torch.optim.SGD(part.parameters(), lr=0.1)
+    scaler.scale(loss_of(part)).backward()
+    scaler.unscale_([part[0].weight.grad])
+    with pytest.warns(UserWarning, match="by itself: nothing unscales"):
+        opt.step()
+
+
 def test_no_scaling_warning_for_a_wrapped_delegating_optimizer_or_a_float32_model():
     """A Lookahead-style optimizer in a LossScaleOptimizer steps its base optimizer, whose
     gradients the wrapper unscaled; a model taken back to float32 (mp.to_float) computes

@@ -103,7 +103,8 @@ class SetupCheck:
         late = [
             p
             for p, then in zip(weights.plain, self.dtypes, strict=True)
-            if p.dtype.itemsize < then.itemsize or needs_master(p)
+            # (A frozen 16-bit alias of a trained weight has no master by design: _aliases.)
+            if p.dtype.itemsize < then.itemsize or (needs_master(p) and p.requires_grad)
         ]
         params = weights.model_params()
         unscaled = (

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from mixprec._aliases import refuse_aliases
+from mixprec._aliases import frozen_aliases
 from mixprec._dist import is_dtensor
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
@@ -102,7 +102,7 @@ class MasterWeights:
         every 16-bit weight's version."""
         adopted = []
         master_ids = {id(m) for m in self.masters}
-        refuse_aliases(params, self.half, where, needs_master)
+        aliases = frozen_aliases(params, self.half, where, needs_master)  # get no master
         for j, p in enumerate(params):
             _check_param(p, f"{where}['params'][{j}]")
             if id(p) in self.index or id(p) in master_ids:
@@ -116,7 +116,7 @@ class MasterWeights:
             _refuse_master(p, f"{where}['params'][{j}]")
             if p.dtype == torch.float16:
                 self.checked.append(_local(p))
-            if needs_master(p):
+            if needs_master(p) and id(p) not in aliases:
                 _refuse_sharded(p, f"{where}['params'][{j}]")
                 master, lost = _starting_values(p)
                 self.lost += lost

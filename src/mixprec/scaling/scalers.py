@@ -19,7 +19,7 @@ import torch
 
 from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import ArgumentError, shown
-from mixprec.scaling.by_hand import LIVE
+from mixprec.scaling.by_hand import NOTED_CALLS, note_unscaled
 from mixprec.scaling.finite import unscale_grads_
 from mixprec.scaling.schedule import (
     SMALLEST_NORMAL_F32,
@@ -42,7 +42,6 @@ class LossScaler:
 
     def __init__(self, scale: float) -> None:
         self._state = ScalerState(scale=scale)
-        LIVE.add(self)  # by_hand: a loop's own unscale_ is known
 
     @property
     def state(self) -> ScalerState:
@@ -102,11 +101,12 @@ class LossScaler:
         device: torch.device | str | None = None,
         factor: float = 1.0,
     ) -> torch.Tensor:
-        """Divide ``grads`` by the scale (and multiply them by ``factor``) in place, in one
-        pass that also checks them; return the 0-dim ``found_inf`` tensor (on ``device``
-        when ``grads`` is empty)."""
-        if grads and not torch.compiler.is_compiling():  # by_hand: a loop's own unscale_
-            self._unscaled_first = id(grads[0])
+        """Divide ``grads`` by the scale (times ``factor``) in place, in one pass that checks
+        them; return the 0-dim ``found_inf`` (on ``device`` when ``grads`` is empty)."""
+        noted = getattr(self, "_noted", 0)  # by_hand: a loop's own unscale_ (an old pickle)
+        if noted < NOTED_CALLS and not torch.compiler.is_compiling():
+            grads, self._noted = list(grads), noted + 1
+            note_unscaled(grads)
         return unscale_grads_(grads, factor / self._state.scale, device)
 
     def update(self, found_inf: bool | torch.Tensor) -> None:
