@@ -38,7 +38,21 @@ def reloaded(model: nn.Module) -> nn.Module:
     return torch.load(buffer, weights_only=False)
 
 
-@pytest.mark.parametrize("make_copy", [copy.deepcopy, reloaded], ids=["deepcopy", "torch.save"])
+def through_a_process_pipe(obj: object) -> object:
+    """What ``torch.multiprocessing`` (``spawn`` arguments, a ``Pool``, a ``Queue``) sends:
+    its pickler rebuilds each parameter over shared memory, without its ``__dict__``."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's reductions)
+
+    return pickle.loads(ForkingPickler.dumps(obj))
+
+
+@pytest.mark.parametrize(
+    "make_copy", [copy.deepcopy, reloaded, through_a_process_pipe],
+    ids=["deepcopy", "torch.save", "multiprocessing"],
+)  # fmt: skip
 def test_a_copy_of_a_float16_model_keeps_its_loss_scaling(make_copy):
     model = mp.auto_mixed_precision(net(), "mixed_float16", "O1")
     twin = make_copy(model)
@@ -46,6 +60,22 @@ def test_a_copy_of_a_float16_model_keeps_its_loss_scaling(make_copy):
     assert twin(torch.randn(2, 4)).dtype == torch.float32  # its region still runs
     island = mp.to_float(net(), torch.float16)
     assert scaler_of(copy.deepcopy(island)) == "DynamicLossScaler"
+
+
+def test_a_model_and_optimizer_sent_to_another_process_train_as_in_this_one():
+    """Sent with its optimizer before the first backward, an O3 float16 model was refused
+    in the child ("built before the model was prepared"); a plain optimizer over an O2
+    model there was not told it steps 16-bit weights without masters."""
+    model = mp.auto_mixed_precision(net(), "mixed_float16", "O3")
+    opt = mp.LossScaleOptimizer(mp.CompensatedAdamW(model.parameters(), lr=1e-3))
+    child, child_opt = through_a_process_pipe((model, opt))  # type: ignore[misc]
+    child_opt.backward(child(torch.randn(2, 4)).float().mean())
+    assert child_opt.step().applied
+    o2 = through_a_process_pipe(mp.auto_mixed_precision(net(), "mixed_bfloat16", "O2"))
+    plain = torch.optim.SGD(o2.parameters(), lr=0.1)  # type: ignore[attr-defined]
+    o2(torch.randn(2, 4)).float().sum().backward()  # type: ignore[operator]
+    with pytest.warns(UserWarning, match="no float32 master"):
+        plain.step()
 
 
 def test_a_copy_of_an_o3_model_gets_no_masters():

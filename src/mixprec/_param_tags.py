@@ -116,10 +116,14 @@ _UNPICKLED: list[weakref.ref[TagKeeper]] = []
 def unpickled_keepers() -> None:
     """Run the ``on_copy`` calls of the keepers unpickled since the last call, with their
     now whole modules: the registries a prepared model's parameters are known by (its
-    model, for adapters added later; trace.py) are filled again, as for a deep copy."""
+    model, for adapters added later; trace.py) are filled again, as for a deep copy. The
+    notes go back on the parameters first: torch.multiprocessing rebuilds a parameter
+    without its ``__dict__`` (a model given to ``spawn``, a ``Pool``, a ``Queue``), and a
+    float16 O1 child took itself for float32 and did no loss scaling, unsaid."""
     while _UNPICKLED:
         keeper = _UNPICKLED.pop()()
         if keeper is not None:
+            keeper.apply(keeper.module)
             params = list(keeper.module.parameters())
             for call in keeper.on_copy:
                 call(keeper.module, params)

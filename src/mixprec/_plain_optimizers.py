@@ -20,6 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from mixprec._dtypes import HALF_DTYPES, dtype_name
 from mixprec._errors import MisuseError
 from mixprec._live_masters import take_masters
+from mixprec._param_tags import unpickled_keepers
 from mixprec.casting import COMPUTE_ATTR, LEVEL_ATTR, MASTERS_ATTR, POLICY_ATTR
 
 
@@ -154,6 +155,7 @@ def _first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     if optimizer in _CHECKED or _STEPPING[0]:
         return
     _CHECKED.add(optimizer)
+    unpickled_keepers()  # a model from another process: its parameters' notes first
     # A model widened since its masters were made (model.float() for a float32 phase):
     # this first step starts from the masters, not their roundings, as the wrapper's would.
     take_masters(p for group in optimizer.param_groups for p in group["params"])

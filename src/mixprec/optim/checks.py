@@ -30,6 +30,7 @@ from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec._float32_copies import say_if_frozen_copies
 from mixprec._live_masters import has_live_master
+from mixprec._param_tags import unpickled_keepers
 from mixprec._warn import caller_stacklevel, warn_at_caller
 from mixprec.casting import POLICY_ATTR
 from mixprec.optim import sharing
@@ -99,6 +100,7 @@ class SetupCheck:
     def run(self, weights: MasterWeights, scaler: LossScaler) -> None:
         """Raise ``MisuseError`` with the right order when the model was prepared (or cast
         to 16 bits) after the optimizer was built."""
+        unpickled_keepers()  # sent to another process: the parameters' notes back first
         self.dtypes += [p.dtype for p in weights.plain[len(self.dtypes) :]]  # add_param_group
         late = [
             p
