@@ -437,3 +437,33 @@ def test_restoring_best_weights_from_a_checkpoint_that_kept_none_is_said(tmp_pat
     with pytest.warns(UserWarning, match=r"kept no best weights .*best val_loss [0-9.]+ cannot"):
         trainer().fit(x, y, batch_size=8, epochs=2, verbose=0, validation_data=val,
                       callbacks=[restoring], resume_from=first)  # fmt: skip
+
+
+@pytest.mark.parametrize("loader", ["own generator", "global RNG"])
+def test_a_mid_epoch_resume_says_when_the_loader_cannot_replay_its_order(tmp_path, loader):
+    """A DataLoader shuffling with a generator of its own: its state is in no checkpoint,
+    and the resumed epoch trained 8 samples of 32 twice and 8 never, unsaid."""
+    x, y = data(32)
+
+    def make() -> DataLoader:
+        gen = torch.Generator().manual_seed(1) if loader == "own generator" else None
+        return DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True, generator=gen)
+
+    saver = mp.ModelCheckpoint(tmp_path, every_n_epochs=None, every_n_steps=3)
+    trainer().fit(make(), None, epochs=1, callbacks=[saver], verbose=0)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer().fit(make(), None, epochs=1, verbose=0,
+                      resume_from=tmp_path / "step-00000003.safetensors")  # fmt: skip
+    said = [str(w.message) for w in seen if "cannot replay" in str(w.message)]
+    if loader == "own generator":
+        assert said == [
+            "resumed 3 batches into an epoch whose order this DataLoader cannot replay: it "
+            "shuffles with a generator of its own (DataLoader(generator=...)), whose state a "
+            "checkpoint does not hold; seed with torch.manual_seed instead. The rest of the "
+            "epoch may train some samples twice and leave out others. Resume from an "
+            "epoch's end (ModelCheckpoint(every_n_epochs=1)), or give the loader an order "
+            "the global RNG decides"
+        ]
+    else:
+        assert said == []

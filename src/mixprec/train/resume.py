@@ -238,14 +238,23 @@ def ranks_sync_sums(callbacks: dict[str, Callback]) -> list[int]:
 
 
 def replay_epoch(
-    epoch_batches: Callable[[], Iterable[Any]], rng: torch.Tensor, skip: int
+    epoch_batches: Callable[[], Iterable[Any]], rng: torch.Tensor, skip: int, data: Any = None
 ) -> Iterator[Any]:
     """The interrupted epoch's batches after the first ``skip``, in the same order.
 
     The order is drawn with the RNG at ``rng``, as it was: a shuffling ``DataLoader`` draws
     its seed when its first batch is asked for, not at ``iter()``, so the batches already
     done are drawn here too, under that RNG. The RNG is then put back as the checkpoint
-    left it, so that what comes next (dropout, augmentations) draws as it did."""
+    left it, so that what comes next (dropout, augmentations) draws as it did. A loader
+    (``data``) whose order that RNG does not decide is said."""
+    why = _order_not_replayed(data) if skip else None
+    if why is not None:
+        warn(
+            f"resumed {skip} batches into an epoch whose order this DataLoader cannot "
+            f"replay: {why}. The rest of the epoch may train some samples twice and leave "
+            "out others. Resume from an epoch's end (ModelCheckpoint(every_n_epochs=1)), "
+            "or give the loader an order the global RNG decides"
+        )
     now = torch.get_rng_state()
     torch.set_rng_state(rng)
     try:
@@ -259,6 +268,27 @@ def replay_epoch(
 
 
 _END = object()
+
+
+def _order_not_replayed(data: Any) -> str | None:
+    """Why a shuffling ``DataLoader``'s order is not a function of the global RNG when the
+    epoch starts, or ``None``. Either lost a resumed epoch 3 to 8 samples of 32, unsaid."""
+    if not isinstance(data, torch.utils.data.DataLoader):
+        return None
+    sampler = getattr(data.batch_sampler, "sampler", data.sampler)
+    if not isinstance(sampler, torch.utils.data.RandomSampler):
+        return None
+    if sampler.generator is not None:
+        return (
+            "it shuffles with a generator of its own (DataLoader(generator=...)), whose "
+            "state a checkpoint does not hold; seed with torch.manual_seed instead"
+        )
+    if data.persistent_workers and data.num_workers > 0:
+        return (
+            "it keeps persistent workers, reused from the epoch before, where a new "
+            "iterator first draws a seed for its workers (persistent_workers=False replays)"
+        )
+    return None
 
 
 def keyed(callbacks: Sequence[Callback]) -> dict[str, Callback]:
