@@ -427,6 +427,27 @@ def test_a_worker_killed_by_sigkill_is_named_with_the_out_of_memory_killer():
     assert "out-of-memory killer" in said and "a smaller --hidden or --batch-size" in said
 
 
+def test_a_run_that_finished_before_a_worker_ended_is_still_reported(monkeypatch, capsys):
+    """The float32 run done, the mixed run's worker killed: the failure alone was said, and
+    the finished run's accuracy and the checkpoint it wrote (maybe over an earlier one)
+    were not."""
+    done = {"policy": "float32", "level": "O0", "test_accuracy": 0.5, "test_loss": 1.25,
+            "ms_per_step": 3.0, "checkpoint": ("out/baseline.safetensors", True)}  # fmt: skip
+
+    def second_fails(config):
+        if config["label"] == "baseline":
+            return done
+        raise WorkerEndedError(config["label"], -9)
+
+    monkeypatch.setattr(train, "_in_subprocess", second_fails)
+    assert cli.main(["train", "--quiet", "--data", "synthetic", "--epochs", "1"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2:] == [
+        "the float32 (O0) run finished before: test accuracy 0.500, test loss 1.2500, 3.00 ms/step",
+        "checkpoint written to out/baseline.safetensors (replaced the file there)",
+    ]
+
+
 def test_a_worker_that_ended_is_one_line_exit_1(monkeypatch, capsys):
     def ended(config):
         raise WorkerEndedError(config["label"], 3)

@@ -156,3 +156,20 @@ def plot(runs: list[dict[str, Any]], path: str) -> None:
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def finished_before(runs: list[dict[str, Any]]) -> list[str]:
+    """What the runs that finished before one failed reached, and the checkpoints they
+    wrote: the failure's report alone left them unsaid (a --save file replaced, unsaid)."""
+    lines = []
+    for r in runs:
+        lines.append(
+            f"the {r['policy']} ({r['level']}) run finished before: test accuracy "
+            f"{r['test_accuracy']:.3f}, test loss {r['test_loss']:.4f}, "
+            f"{r['ms_per_step']:.2f} ms/step"
+        )
+        if r.get("checkpoint"):
+            path, replaced = r["checkpoint"]
+            lines.append(f"checkpoint written to {path}" + (" (replaced the file there)"
+                                                             if replaced else ""))  # fmt: skip
+    return lines

@@ -261,7 +261,12 @@ def run(args: argparse.Namespace) -> int:
                 config = {**config, "verbose": 0}
             runs.append(run_training(config))
             continue
-        runs.append(_in_subprocess(config))
+        try:
+            runs.append(_in_subprocess(config))
+        except Exception:
+            for line in report.finished_before(runs):  # not lost with the run that failed
+                say(line, flush=True)
+            raise
     probe = runs.pop() if auto_float32 is not None else None
     say()
     say(report.table(runs))
