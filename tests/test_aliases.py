@@ -71,6 +71,23 @@ def test_two_trainable_parameters_over_one_memory_are_refused_at_o2(tie):
         mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
 
 
+@pytest.mark.parametrize("how", ["keep_float32", "to_float before"])
+def test_an_alias_kept_in_float32_keeps_its_weight_float32_and_tied(how):
+    """The frozen head kept in float32 and the embedding cast on its own: untied, the head
+    never moved while the embedding did."""
+    model = _aliased(frozen=True)
+    if how == "keep_float32":
+        mp.auto_mixed_precision(model, "mixed_bfloat16", "O2", keep_float32=["1"])
+    else:
+        mp.to_float(model[1], "float32")
+        mp.auto_mixed_precision(model, "mixed_bfloat16", "O2")
+    assert model[0].weight.dtype == model[1].weight.dtype == torch.float32
+    assert model[0].weight.data_ptr() == model[1].weight.data_ptr()
+    start = model[1].weight.detach().clone()
+    _train(model, mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.5)), 2)
+    assert not torch.equal(model[1].weight, start)
+
+
 def test_a_sparse_gradient_passes_through_a_cast():
     """``mp.to_float`` of a model whose sparse embedding has a gradient: the memory look
     asked the sparse gradient for its storage ("Cannot access storage of

@@ -281,6 +281,9 @@ def store_as(
         return t.to(dtype)
 
     modules = list(module.modules() if recurse else [module])
+    for sub in modules:  # a weight a skipped module holds stays as it is under its aliases
+        if skip(sub):
+            done.update((m, p) for p in sub.parameters(False) if (m := memory_of(p)) is not None)
     for sub in modules:
         if skip(sub):
             continue
