@@ -74,33 +74,21 @@ class OverflowTracer:
         # from; one whose output lives (a model called twice before one backward) stays.
         self._pending: list[tuple[int, weakref.ref[torch.Tensor] | None]] = []
         self._backward_seen = False
-        self._handles = [model.register_forward_pre_hook(self._on_model_forward)]
+        # The hooks reach the tracer weakly, and go with it: a tracer whose optimizer was
+        # dropped (a cell run again, a second phase) kept recording every step into records
+        # no step cleared (+1.1 MB a step on a 12-layer transformer), its hooks on the model.
+        me = weakref.ref(self)
+
+        def on_model_forward(module: nn.Module, args: Any) -> None:
+            tracer = me()
+            if tracer is not None:
+                tracer._on_model_forward(module, args)
+
+        self._handles = [model.register_forward_pre_hook(on_model_forward)]
         for name, module in model.named_modules():
-            hook = self._forward_hook(name or ROOT_NAME, type(module).__name__, module is model)
+            hook = _forward_hook(me, name or ROOT_NAME, type(module).__name__, module is model)
             self._handles.append(module.register_forward_hook(hook))
-
-    def _forward_hook(self, name: str, kind: str, root: bool) -> Any:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if torch.compiler.is_compiling():
-                _off_under_compile()
-                return
-            out = first_floating(output)
-            if out is None or not torch.is_grad_enabled():  # evaluation: no step follows
-                return
-            self._records.append((name, kind, "forward", dtype_name(out.dtype), _summary(out)))
-            if root and out.requires_grad and self._pending:  # a backward may follow it
-                self._pending[-1] = (self._pending[-1][0], weakref.ref(out))
-            if out.requires_grad:
-
-                def on_grad(grad: torch.Tensor) -> None:
-                    self._backward_seen = True
-                    self._records.append(
-                        (name, kind, "backward", dtype_name(grad.dtype), _summary(grad))
-                    )
-
-                out.register_hook(on_grad)
-
-        return hook
+        weakref.finalize(self, _remove_all, self._handles)
 
     def _on_model_forward(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling() or not torch.is_grad_enabled():
@@ -141,9 +129,40 @@ class OverflowTracer:
         return None
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        _remove_all(self._handles)
+
+
+def _remove_all(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
+def _forward_hook(me: weakref.ref[OverflowTracer], name: str, kind: str, root: bool) -> Any:
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            _off_under_compile()
+            return
+        tracer = me()
+        out = first_floating(output)
+        if tracer is None or out is None or not torch.is_grad_enabled():  # evaluation
+            return
+        tracer._records.append((name, kind, "forward", dtype_name(out.dtype), _summary(out)))
+        if root and out.requires_grad and tracer._pending:  # a backward may follow it
+            tracer._pending[-1] = (tracer._pending[-1][0], weakref.ref(out))
+        if out.requires_grad:
+
+            def on_grad(grad: torch.Tensor) -> None:
+                live = me()
+                if live is not None:
+                    live._backward_seen = True
+                    live._records.append(
+                        (name, kind, "backward", dtype_name(grad.dtype), _summary(grad))
+                    )
+
+            out.register_hook(on_grad)
+
+    return hook
 
 
 def _off_under_compile() -> bool:
