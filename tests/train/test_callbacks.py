@@ -91,6 +91,27 @@ def test_tensorboard_writes_events(tmp_path):
     assert acc.Scalars("train/loss_scale")[0].value == 2.0**16
 
 
+def test_tensorboard_closes_the_writer_a_fit_that_raised_left_open(tmp_path):
+    """Each fit interrupted (Ctrl-C in a notebook) left its SummaryWriter and the writer's
+    thread running: 1 thread more per fit."""
+    pytest.importorskip("tensorboard")
+    import threading
+
+    class Raises(mp.Callback):
+        def on_train_batch_end(self, step, logs):
+            raise KeyboardInterrupt
+
+    x, y = classification_data(n=64)
+    board = mp.TensorBoard(tmp_path)
+    before = threading.active_count()
+    for _ in range(3):
+        with pytest.raises(KeyboardInterrupt):
+            trainer().fit(x, y, epochs=1, callbacks=[board, Raises()], verbose=0)
+    assert threading.active_count() - before <= 1  # the last fit's writer alone
+    trainer().fit(x, y, epochs=1, callbacks=[board], verbose=0)
+    assert threading.active_count() == before
+
+
 def _model_tensors(path):
     tensors, _ = mp.read_checkpoint(path)
     return {k: v for k, v in tensors.items() if k.startswith("model/")}

@@ -80,6 +80,9 @@ class TensorBoard(Callback):
         self._skipped = 0
 
     def on_train_begin(self, logs: Logs) -> None:
+        # A fit that raised (Ctrl-C in a notebook) never reached on_train_end: its writer,
+        # and the writer's thread, would outlive it, one more at each such fit.
+        self.on_train_end({})
         self._writer = self._writer_cls(self.log_dir)
 
     def on_train_batch_end(self, step: int, logs: Logs) -> None:
@@ -102,6 +105,7 @@ class TensorBoard(Callback):
     def on_train_end(self, logs: Logs) -> None:
         if self._writer is not None:
             self._writer.close()
+            self._writer = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self._step, "skipped": self._skipped}
