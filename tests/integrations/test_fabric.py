@@ -439,3 +439,23 @@ def test_what_a_model_sets_in_a_dict_it_is_given_reaches_the_caller(models: int)
     state = {"prev": given}
     model(torch.randn(2, 4), state)
     assert sorted(state) == ["h", "prev"] and state["prev"] is given
+
+
+def test_fabric_reused_for_a_sweep_holds_only_the_live_trials_optimizers() -> None:
+    """One Fabric across trials (a sweep, a notebook): the plugin kept every trial's
+    wrapper, masters and state (+15.7 MB a trial for a 4.5 MB model) and saved them all."""
+    import gc
+
+    plugin = MixprecFabricPrecision("mixed_bfloat16", level="O2")
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    for trial in range(3):
+        model = fabric.setup(_mlp(trial))
+        opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        x, y = next(iter(_data()))
+        fabric.backward(nn.functional.cross_entropy(model(x), y))
+        opt.step()
+        assert len(plugin.optimizers) == 1
+        assert len(plugin.state_dict()["optimizers"]) == 1
+        del model, opt
+        gc.collect()
+    assert plugin.optimizers == []

@@ -15,7 +15,7 @@ from torch import nn
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec.checkpoint import masters_of
 from mixprec.integrations.lightning._lightning import GradClipAlgorithmType, Precision, pl
-from mixprec.integrations.lightning.precision import _MixprecPlugin
+from mixprec.integrations.lightning.precision import Wrappers, _MixprecPlugin
 from mixprec.integrations.lightning.schedulers import _held_on_skip, _HeldOnSkip
 from mixprec.optim import LossScaleOptimizer
 
@@ -72,7 +72,7 @@ class MixprecPrecision(_MixprecPlugin, Precision):  # type: ignore[misc]
         so that it holds after a skipped step. Lightning calls this at every ``setup``, with
         the optimizers it already has outside ``fit``: those stay as they are."""
         if any(self._owner_of(opt) is None for opt in optimizers):
-            self._lsos, self._records = [], {}  # a new fit: configure_optimizers ran again
+            self._lsos, self._records = Wrappers(), {}  # a new fit: configure_optimizers again
         wrapped: list[torch.optim.Optimizer] = []
         for opt in optimizers:
             wrapped.append(self._owner_of(opt) or self._wrap(opt))
@@ -119,7 +119,7 @@ class MixprecPrecision(_MixprecPlugin, Precision):  # type: ignore[misc]
         if record is not None and not record:
             return []
         if record is None or self._toggled is None or self._toggled[0] is not record:
-            self._toggled = (record, _switched_off(self._lsos))
+            self._toggled = (record, _switched_off(list(self._lsos)))
         return self._toggled[1]
 
     def optimizer_step(  # type: ignore[override]

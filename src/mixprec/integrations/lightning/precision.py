@@ -65,6 +65,32 @@ def _keep_entries(owner: str, keep_float32: Any) -> tuple[KeepEntry, ...]:
     return entries
 
 
+class Wrappers:
+    """The ``LossScaleOptimizer``\\ s a plugin made, weakly, each kept alive by its torch
+    optimizer: a sweep or notebook reusing one Fabric kept every trial's wrapper, with its
+    masters and optimizer state (+15.7 MB a trial for a 4.5 MB model), and saved them all
+    in each checkpoint (69.5 MB by the fifth trial)."""
+
+    def __init__(self) -> None:
+        self._refs: list[weakref.ref[LossScaleOptimizer]] = []
+
+    def append(self, lso: LossScaleOptimizer, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.__dict__["_mixprec_wrapper"] = lso  # lives as long as the optimizer
+        self._refs = [ref for ref in self._refs if ref() is not None] + [weakref.ref(lso)]
+
+    def _live(self) -> list[LossScaleOptimizer]:
+        return [lso for lso in (ref() for ref in self._refs) if lso is not None]
+
+    def __iter__(self) -> Iterator[LossScaleOptimizer]:
+        return iter(self._live())
+
+    def __len__(self) -> int:
+        return len(self._live())
+
+    def __getitem__(self, index: int) -> LossScaleOptimizer:
+        return self._live()[index]
+
+
 @dataclass
 class _Record:
     """Per wrapped optimizer, between Lightning's calls."""
@@ -116,7 +142,7 @@ class _MixprecPlugin:
     def _reset_run(self) -> None:
         """State that belongs to one run (not pickled: see __getstate__)."""
         self._module: weakref.ref[nn.Module] | None = None
-        self._lsos: list[LossScaleOptimizer] = []  # in the order Lightning gave them
+        self._lsos = Wrappers()  # in the order Lightning gave them
         self._records: dict[int, _Record] = {}  # id(LossScaleOptimizer) -> record
         self._unwrapped_scale: float | None = None  # see _wrap
         #: Lightning's toggle record and the 16-bit weights it switches off (plugin.py).
@@ -254,7 +280,9 @@ class _MixprecPlugin:
         # Under DDP every rank starts from rank 0's float32 masters, not just its 16-bit
         # weights (a no-op outside torch.distributed).
         lso.broadcast_masters()
-        self._lsos.append(lso)
+        self._lsos.append(lso, optimizer)
+        live = {id(held) for held in self._lsos}
+        self._records = {k: r for k, r in self._records.items() if k in live}
         # Backward passes made before this optimizer was wrapped (Fabric's first step) were
         # scaled by the scale then: the correction in _unscale needs it.
         self._records[id(lso)] = _Record(backward_scale=self._unwrapped_scale)
