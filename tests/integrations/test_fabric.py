@@ -29,7 +29,7 @@ def _fabric_run(
     load: Any = None,
     save: Any = None,
     start: int = 0,
-) -> tuple[list[float], nn.Module]:
+) -> tuple[list[float], nn.Module, Any]:
     fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin] if plugin else None)
     model = _mlp(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -48,14 +48,14 @@ def _fabric_run(
         losses.append(loss.item())
     if save is not None:
         fabric.save(save, state)
-    return losses, model
+    return losses, model, opt  # the optimizer keeps its wrapper alive (the plugin: weakly)
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_fabric_o2_tracks_float32(policy: str) -> None:
-    reference, _ = _fabric_run(None, steps=24)
+    reference, *_ = _fabric_run(None, steps=24)
     plugin = MixprecFabricPrecision(policy, level="O2")
-    losses, model = _fabric_run(plugin, steps=24)
+    losses, model, _ = _fabric_run(plugin, steps=24)
     # The Trainer's model, data and steps, with clipping: measured max |loss difference|
     # 0.0011 (bfloat16) and 0.00042 (float16), the Trainer's figures to the last bit.
     tolerance = 0.005 if policy == "mixed_bfloat16" else 0.002
@@ -72,14 +72,14 @@ def test_fabric_o2_tracks_float32(policy: str) -> None:
 
 def test_fabric_checkpoint_with_the_plugin_resumes_bitwise(tmp_path: Any) -> None:
     whole_plugin = MixprecFabricPrecision("mixed_float16", level="O2", loss_scaler=_scaler())
-    whole, whole_model = _fabric_run(whole_plugin, steps=12)
+    whole, whole_model, _whole_opt = _fabric_run(whole_plugin, steps=12)
     path = tmp_path / "fabric.ckpt"
     first_plugin = MixprecFabricPrecision("mixed_float16", level="O2", loss_scaler=_scaler())
     _fabric_run(first_plugin, steps=6, save=path)
     assert first_plugin.loss_scaler.get_scale() != 2.0**10  # so restoring it is tested
     # Loaded before Fabric shows the plugin the optimizer: the masters wait for it.
     plugin = MixprecFabricPrecision("mixed_float16", level="O2", loss_scaler=_scaler())
-    rest, model = _fabric_run(plugin, steps=6, seed=7, load=path, start=6)
+    rest, model, _opt = _fabric_run(plugin, steps=6, seed=7, load=path, start=6)
     assert rest == whole[6:]
     assert all(
         torch.equal(a, b) for a, b in zip(model.parameters(), whole_model.parameters(), strict=True)

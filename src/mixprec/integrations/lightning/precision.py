@@ -191,7 +191,8 @@ class _MixprecPlugin:
 
     @property
     def optimizers(self) -> list[LossScaleOptimizer]:
-        """The ``LossScaleOptimizer``\\ s this plugin made, in Lightning's order."""
+        """The ``LossScaleOptimizer``\\ s this plugin made whose torch optimizers
+        live, in Lightning's order."""
         return list(self._lsos)
 
     # -- the model --------------------------------------------------------------------------
