@@ -239,8 +239,12 @@ def store_as(
     buffers: bool = False,
     skip: Callable[[nn.Module], bool] = lambda m: False,
     keep_float32_copy: bool = True,
+    keep: Callable[[nn.Module], bool] | None = None,
 ) -> None:
     """Store the floating parameters (and optionally buffers) of ``module`` in ``dtype``.
+
+    ``keep``: the skipped modules whose weights stay as they are under every alias too
+    (``skip`` where not given); another skipped module's weight follows its aliases.
 
     Parameters keep their identity (optimizers holding them stay valid). With
     ``keep_float32_copy``, a float32 parameter going to 16 bits keeps its float32 values so
@@ -256,18 +260,19 @@ def store_as(
     def convert(t: torch.Tensor) -> torch.Tensor:
         if not t.is_floating_point() or t.dtype == dtype:
             return t
-        # Each Parameter its own note of its float32 values, for a load under its name.
-        half = dtype in HALF_DTYPES and t.dtype == torch.float32
+        memory = memory_of(t)
+        out = done.get(memory) if memory is not None else None
+        if out is None:
+            out = _converted(t)
+            if memory is not None:
+                done[memory] = out
+        # Each Parameter gone 16-bit its own note of its float32 values, for a load under
+        # its name (an alias too; one kept float32 under a kept module's weight has none).
+        half = out.dtype in HALF_DTYPES and t.dtype == torch.float32
         if keep_float32_copy and half and isinstance(t, nn.Parameter):
             record = Float32Copy(t.detach())
             setattr(t, FP32_COPY_ATTR, record)
             copies.append((t, record))
-        memory = memory_of(t)
-        if memory in done:
-            return done[memory]
-        out = _converted(t)
-        if memory is not None:
-            done[memory] = out
         return out
 
     def _converted(t: torch.Tensor) -> torch.Tensor:
@@ -281,8 +286,8 @@ def store_as(
         return t.to(dtype)
 
     modules = list(module.modules() if recurse else [module])
-    for sub in modules:  # a weight a skipped module holds stays as it is under its aliases
-        if skip(sub):
+    for sub in modules:  # a weight a kept module holds stays as it is under its aliases
+        if (keep or skip)(sub):
             done.update((m, p) for p in sub.parameters(False) if (m := memory_of(p)) is not None)
     for sub in modules:
         if skip(sub):

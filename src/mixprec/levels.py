@@ -294,6 +294,7 @@ def auto_mixed_precision(
             compute,
             # float8 layers keep float32 weights: torchao casts them to float8 each forward.
             skip=lambda m: id(m) in fixed or not is_half_storage(m, compute) or is_float8(m),
+            keep=lambda m: id(m) in fixed or is_float8(m),  # a norm's tied weight may go
         )
     else:  # O3: no float32 copies either, unless there will be master weights
         store_as(

@@ -442,23 +442,28 @@ def test_restoring_best_weights_from_a_checkpoint_that_kept_none_is_said(tmp_pat
 @pytest.mark.parametrize("loader", ["own generator", "global RNG"])
 def test_a_mid_epoch_resume_says_when_the_loader_cannot_replay_its_order(tmp_path, loader):
     """A DataLoader shuffling with a generator of its own: its state is in no checkpoint,
-    and the resumed epoch trained 8 samples of 32 twice and 8 never, unsaid."""
+    and a resume in the second epoch trained 8 samples of 32 twice and 8 never, unsaid.
+    In the first epoch a loader made anew draws as the first run's did: nothing to say."""
     x, y = data(32)
 
     def make() -> DataLoader:
         gen = torch.Generator().manual_seed(1) if loader == "own generator" else None
         return DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True, generator=gen)
 
-    saver = mp.ModelCheckpoint(tmp_path, every_n_epochs=None, every_n_steps=3)
-    trainer().fit(make(), None, epochs=1, callbacks=[saver], verbose=0)
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        trainer().fit(make(), None, epochs=1, verbose=0,
-                      resume_from=tmp_path / "step-00000003.safetensors")  # fmt: skip
-    said = [str(w.message) for w in seen if "cannot replay" in str(w.message)]
+    saver = mp.ModelCheckpoint(tmp_path, every_n_epochs=None, every_n_steps=3, keep_last=5)
+    trainer().fit(make(), None, epochs=2, callbacks=[saver], verbose=0)  # 8 steps an epoch
+
+    def said_at(step: int) -> list[str]:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            trainer().fit(make(), None, epochs=2, verbose=0,
+                          resume_from=tmp_path / f"step-{step:08d}.safetensors")  # fmt: skip
+        return [str(w.message) for w in seen if "cannot replay" in str(w.message)]
+
+    assert said_at(3) == []  # the first epoch
     if loader == "own generator":
-        assert said == [
-            "resumed 3 batches into an epoch whose order this DataLoader cannot replay: it "
+        assert said_at(12) == [
+            "resumed 4 batches into an epoch whose order this DataLoader cannot replay: it "
             "shuffles with a generator of its own (DataLoader(generator=...)), whose state a "
             "checkpoint does not hold; seed with torch.manual_seed instead. The rest of the "
             "epoch may train some samples twice and leave out others. Resume from an "
@@ -466,4 +471,4 @@ def test_a_mid_epoch_resume_says_when_the_loader_cannot_replay_its_order(tmp_pat
             "the global RNG decides"
         ]
     else:
-        assert said == []
+        assert said_at(12) == []

@@ -244,7 +244,7 @@ class Trainer:
             if point.replay is not None:  # the interrupted epoch: its order, its sums
                 self._epoch_rng = point.replay
                 batches.set_sampler_epoch(x, epoch)
-                epoch_data = resume.replay_epoch(one_epoch, point.replay, point.skip, x)
+                epoch_data = resume.replay_epoch(one_epoch, point.replay, point.skip, x, epoch)
                 meter, point.replay = point.meter, None
             else:
                 self._epoch_rng, meter = torch.get_rng_state(), None
