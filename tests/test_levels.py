@@ -747,3 +747,26 @@ def test_to_float_before_preparing_keeps_a_tied_weight_float32(level: str) -> No
     mp.auto_mixed_precision(model, "mixed_bfloat16", level)
     assert model.head.weight.dtype == torch.float32
     assert model(torch.randint(0, 50, (2, 3))).dtype == torch.float32
+
+
+def test_o1_runs_a_bilinear_layer_after_a_16_bit_one_in_float32() -> None:
+    """Autocast casts no ``bilinear``: after a 16-bit Linear its bfloat16 inputs met its
+    float32 weights ("All tensors must have the same dtype"), as under plain autocast,
+    and ``describe`` said it computed in bfloat16."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.bil = nn.Linear(8, 8), nn.Bilinear(8, 8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            return self.bil(h, h)
+
+    torch.manual_seed(0)
+    control = Net()
+    model = mp.auto_mixed_precision(copy.deepcopy(control), "mixed_bfloat16", "O1")
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(model(x).float(), control(x), atol=0.05, rtol=0.05)
+    rows = {r.name: r.compute for r in mp.module_dtypes(model)}
+    assert rows["bil"] == "float32" and rows["lin"] == "bfloat16"

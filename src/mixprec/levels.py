@@ -336,6 +336,10 @@ def auto_mixed_precision(
                 set_region(sub, Region(torch.float32, None, output_like_input=True))
             elif isinstance(sub, FLOAT32_MODULES):
                 set_region(sub, Region(torch.float32, torch.float32))
+            elif lvl == "O1" and isinstance(sub, nn.Bilinear):
+                # Autocast casts no bilinear: 16-bit inputs met its float32 weights in "All
+                # tensors must have the same dtype". It computes in float32, as it did.
+                set_region(sub, Region(torch.float32, None, output_like_input=True))
 
     # At O1 the first ops decide their own dtype under autocast; at O2/O3 the weights are
     # 16-bit, so inputs are cast once at the model's boundary. A float32 policy (``auto`` on a
