@@ -442,6 +442,10 @@ def test_a_run_that_finished_before_a_worker_ended_is_still_reported(monkeypatch
     monkeypatch.setattr(train, "_in_subprocess", second_fails)
     assert cli.main(["train", "--quiet", "--data", "synthetic", "--epochs", "1"]) == 1
     out = capsys.readouterr().out.splitlines()
+    monkeypatch.setattr(train, "run_training", second_fails)  # --in-process: the same
+    assert cli.main(["train", "--quiet", "--data", "synthetic", "--epochs", "1",
+                     "--in-process"]) == 1  # fmt: skip
+    assert capsys.readouterr().out.splitlines()[-2:] == out[-2:]
     assert out[-2:] == [
         "the float32 (O0) run finished before: test accuracy 0.500, test loss 1.2500, 3.00 ms/step",
         "checkpoint written to out/baseline.safetensors (replaced the file there)",

@@ -256,13 +256,11 @@ def run(args: argparse.Namespace) -> int:
     for config in configs:
         doing = "timing" if config.get("probe_steps") else "training"
         say(f"{doing} {_run_name(config['policy'], config['level'])} ...", flush=True)
-        if args.in_process or under_torchrun:
-            if under_torchrun and config["verbose"] and os.environ.get("RANK", "0") != "0":
-                config = {**config, "verbose": 0}
-            runs.append(run_training(config))
-            continue
+        if under_torchrun and config["verbose"] and os.environ.get("RANK", "0") != "0":
+            config = {**config, "verbose": 0}
         try:
-            runs.append(_in_subprocess(config))
+            here = args.in_process or under_torchrun
+            runs.append(run_training(config) if here else _in_subprocess(config))
         except Exception:
             for line in report.finished_before(runs):  # not lost with the run that failed
                 say(line, flush=True)
