@@ -44,29 +44,20 @@ def frozen_aliases(
     would undo the trainable one's update); two trainable ones are refused (one's update
     would overwrite the other's). The same object under two names (a tied weight) is one
     parameter."""
-    seen: dict[Memory, torch.Tensor] = {}
-    for p in earlier:
-        key = memory_of(p)
-        if key is not None:
-            seen[key] = p
-    candidates = [
-        (j, p, memory_of(p))
-        for j, p in enumerate(params)
-        if isinstance(p, torch.Tensor) and needs_master(p)
-    ]
-    groups: dict[Memory, list[tuple[int, torch.Tensor]]] = {}
-    for j, p, key in candidates:
-        if key is not None:
-            groups.setdefault(key, []).append((j, p))
+    groups: dict[Memory, dict[int, tuple[int, torch.Tensor]]] = {}  # memory -> id -> (j, p)
+    for j, p in enumerate(params):
+        if isinstance(p, torch.Tensor) and needs_master(p) and (key := memory_of(p)):
+            groups.setdefault(key, {})[id(p)] = (j, p)
+    earlier_at = {key: p for p in earlier if (key := memory_of(p))} if groups else {}
     frozen: set[int] = set()
-    for key, members in groups.items():
-        objects = {id(p): (j, p) for j, p in members}
-        first = seen.get(key)
-        if first is not None and id(first) not in objects:
-            objects = {id(first): (-1, first), **objects}
+    for key, objects in groups.items():
+        first = earlier_at.get(key)  # given a master before this group (position -1)
+        if first is not None:
+            objects.setdefault(id(first), (-1, first))
         if len(objects) < 2:
             continue
-        trainable = [(j, p) for j, p in objects.values() if p.requires_grad]
+        trainable = [jp for jp in objects.values() if jp[1].requires_grad]
+        trainable.sort(key=lambda jp: jp[0])  # the message names the latest position
         if len(trainable) > 1 or (first is not None and not first.requires_grad and trainable):
             j, p = trainable[-1]
             raise ArgumentError(
@@ -77,5 +68,5 @@ def frozen_aliases(
                 "the parameter itself (head.weight = emb.weight), or freeze one "
                 "(requires_grad=False) before the optimizer is built"
             )
-        frozen.update(id(p) for j, p in objects.values() if not p.requires_grad and j >= 0)
+        frozen.update(id(p) for j, p in objects.values() if j >= 0 and not p.requires_grad)
     return frozen

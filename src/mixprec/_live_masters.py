@@ -12,9 +12,16 @@ from collections.abc import Iterable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from mixprec._float32_copies import current_float32_copy
+from mixprec._float32_copies import current_float32_copy, take_float32_copy
 
-__all__ = ["float32_values", "has_live_master", "live_master", "note_master", "take_masters"]
+__all__ = [
+    "float32_start",
+    "float32_values",
+    "has_live_master",
+    "live_master",
+    "note_master",
+    "take_masters",
+]
 
 # weight -> (the latest master, weakly; the weight's 16-bit dtype when that master was made)
 _LATEST: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -68,6 +75,20 @@ def take_masters(params: Iterable[torch.Tensor]) -> int:
                 p.copy_(master)
                 taken += 1
     return taken
+
+
+def float32_start(p: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The float32 values ``p`` starts from (a new master, a weight widened again), and
+    whether an earlier master of it is gone: the values auto_mixed_precision (or a
+    checkpoint load) kept, while current; else the live master ``p`` still rounds from (a
+    weight written since, by a load, wins); else ``p`` itself, widened. Its own copies."""
+    original = take_float32_copy(p)
+    if original is not None:
+        return original, False
+    latest, gone = live_master_of(p)
+    if latest is not None:
+        return latest.detach().clone(), False
+    return p.detach().float(), gone
 
 
 def float32_values(p: torch.Tensor) -> torch.Tensor | None:

@@ -28,7 +28,7 @@ from mixprec._float32_copies import (
     keep_float32_on_load,
     take_float32_copy,
 )
-from mixprec._live_masters import live_master
+from mixprec._live_masters import float32_start
 from mixprec._output_sources import remember_source
 from mixprec._rebuilt import Casts
 from mixprec._unwalked_outputs import say_if_unwalked
@@ -277,12 +277,7 @@ def store_as(
 
     def _converted(t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, nn.Parameter) and dtype == torch.float32:
-            original = take_float32_copy(t)
-            if original is None:  # trained since: its live master's values, if any
-                original = live_master(t)
-                original = None if original is None else original.detach().clone()
-            if original is not None:
-                return original
+            return float32_start(t)[0]  # kept values, or a live master's: not the rounding
         return t.to(dtype)
 
     modules = list(module.modules() if recurse else [module])

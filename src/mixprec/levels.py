@@ -350,9 +350,6 @@ def auto_mixed_precision(
         set_region(model, boundary)
     for module in kept.values():
         to_float(module, torch.float32)
-    for module in preset:  # to_float(m, "float32") before: a weight tied elsewhere went 16-bit
-        if get_region(module).compute_dtype == torch.float32:  # type: ignore[union-attr]
-            store_as(module, torch.float32, buffers=True)
 
     notes: dict[str, Any] = {POLICY_ATTR: resolved, LEVEL_ATTR: lvl}
     if o3_masters:

@@ -20,7 +20,7 @@ from mixprec._dist import is_dtensor
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
 from mixprec._float32_copies import take_float32_copy
-from mixprec._live_masters import live_master_of, note_master, take_masters
+from mixprec._live_masters import float32_start, note_master, take_masters
 from mixprec._plain_optimizers import needs_master
 from mixprec._warn import warn_at_caller
 from mixprec.optim import rounding
@@ -34,20 +34,6 @@ _DATA_SAMPLE = 4096  # values of each weight the one look for writes through .da
 
 # Every master made, weakly: an optimizer wrapped twice holds them (``_refuse_master``).
 _MASTERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def _starting_values(p: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """A new master's values, and whether an earlier master of ``p`` is gone: the float32
-    values auto_mixed_precision (or a checkpoint load) kept, while current; else the live
-    master of an earlier optimizer that ``p`` still rounds from (a weight written since,
-    by a load, wins); else ``p`` itself, widened."""
-    original = take_float32_copy(p)
-    if original is not None:
-        return original, False
-    latest, gone = live_master_of(p)
-    if latest is not None:
-        return latest.detach().clone(), False
-    return p.detach().float(), gone
 
 
 class MasterWeights:
@@ -118,7 +104,7 @@ class MasterWeights:
                 self.checked.append(_local(p))
             if needs_master(p) and id(p) not in aliases:
                 _refuse_sharded(p, f"{where}['params'][{j}]")
-                master, lost = _starting_values(p)
+                master, lost = float32_start(p)
                 self.lost += lost
                 master.requires_grad_(True)
                 note_master(p, master, p.dtype)
