@@ -427,6 +427,23 @@ def test_a_worker_killed_by_sigkill_is_named_with_the_out_of_memory_killer():
     assert "out-of-memory killer" in said and "a smaller --hidden or --batch-size" in said
 
 
+def _terminated(config):
+    """A run whose process someone else sends SIGTERM (a job scheduler, `kill`)."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    signal.pause()
+
+
+def test_a_worker_stopped_by_sigterm_is_named_by_the_signal_not_a_bare_status():
+    """Its handler exits 143 so that `finally` blocks run: that was said as "exited with
+    status 143", which names no signal."""
+    with pytest.raises(WorkerEndedError) as caught:
+        in_subprocess(_terminated, {"label": "float32"})
+    assert str(caught.value) == (
+        "the float32 run's process was stopped by SIGTERM from outside mixprec "
+        "(exit status 143) before it returned a result"
+    )
+
+
 def test_a_run_that_finished_before_a_worker_ended_is_still_reported(monkeypatch, capsys):
     """The float32 run done, the mixed run's worker killed: the failure alone was said, and
     the finished run's accuracy and the checkpoint it wrote (maybe over an earlier one)

@@ -59,9 +59,12 @@ class WorkerEndedError(RuntimeError):
 
     def __init__(self, label: str, exitcode: int | None) -> None:
         signum = -exitcode if exitcode is not None and exitcode < 0 else None
-        how = (
-            f"was killed by {_signal_name(signum)}" if signum else f"exited with status {exitcode}"
-        )
+        if signum:
+            how = f"was killed by {_signal_name(signum)}"
+        elif exitcode == 128 + signal.SIGTERM:  # the code _exit_on_sigterm exits with
+            how = f"was stopped by SIGTERM from outside mixprec (exit status {exitcode})"
+        else:
+            how = f"exited with status {exitcode}"
         said = f"the {label} run's process {how} before it returned a result"
         if signum == signal.SIGKILL:
             said += (
