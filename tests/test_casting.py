@@ -73,6 +73,47 @@ def test_to_float_float32_restores_storage_and_disables_autocast():
     assert captured["out"] == torch.float32  # autocast is off inside the float32 module
 
 
+class _Bag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag, self.lin = nn.EmbeddingBag(50, 8, mode="sum"), nn.Linear(8, 4)
+
+    def forward(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.bag(ids, per_sample_weights=weights))
+
+
+def _cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 36, 4)
+    )
+
+
+@pytest.mark.parametrize(
+    "make, policy, level, inputs",
+    [
+        (_cnn, "bfloat16", "O3", lambda: (torch.randn(2, 3, 8, 8),)),
+        (_Bag, "mixed_bfloat16", "O2", lambda: (torch.randint(0, 50, (2, 5)), torch.rand(2, 5))),
+    ],
+    ids=["O3 BatchNorm", "O2 EmbeddingBag"],
+)
+def test_to_float_float32_runs_the_regions_inside_in_float32_too(make, policy, level, inputs):
+    """The 16-bit regions the level put inside (O3's norms, O2's EmbeddingBag) stayed: they
+    cast on to 16 bits what then met float32 weights, and the forward failed on dtypes."""
+    torch.manual_seed(0)
+    control = make()
+    model = mp.auto_mixed_precision(copy.deepcopy(control), policy, level)
+    args = inputs()
+    model(*args)
+    mp.to_float(model, torch.float32)
+    assert {r.compute for r in mp.module_dtypes(model)} == {"float32"}
+    if level == "O3":  # keeps no float32 values: the weights come back as their roundings
+        with torch.no_grad():
+            for p in control.parameters():
+                p.copy_(p.to(torch.bfloat16))
+    # Exactly the float32 model's forward (train mode: BatchNorm's batch statistics).
+    torch.testing.assert_close(model(*args), control(*args), rtol=0, atol=0)
+
+
 def test_to_float_errors():
     with pytest.raises(TypeError, match="needs a torch.nn.Module, got str"):
         mp.to_float("layer", torch.float32)  # type: ignore[arg-type]

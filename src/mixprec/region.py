@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -294,7 +295,9 @@ def to_float(module: M, dtype: str | torch.dtype) -> M:
     Floating inputs are cast to ``dtype`` on entry, the forward runs under ``dtype``
     (``torch.autocast`` off for float32), and floating outputs leave in ``dtype``. For float32
     the module's parameters are also stored in float32 (restoring the original float32 values
-    when ``auto_mixed_precision`` had stored them in 16 bits). Returns ``module``.
+    when ``auto_mixed_precision`` had stored them in 16 bits), and the regions inside it that
+    computed in 16 bits are removed (a later ``to_float`` of a child sets one again). Returns
+    ``module``.
     """
     if not isinstance(module, nn.Module):
         raise ArgumentError(
@@ -303,6 +306,13 @@ def to_float(module: M, dtype: str | torch.dtype) -> M:
     target = parse_dtype(dtype, argument="to_float dtype")
     if target == torch.float32:
         store_as(module, torch.float32, buffers=True)
+        # The whole module in float32, as MindSpore's recursive to_float: a 16-bit region
+        # inside (O3's norms, an O2 EmbeddingBag) cast on to 16 bits what then met float32
+        # weights, and the forward failed on dtypes.
+        for sub in itertools.islice(module.modules(), 1, None):
+            inner = get_region(sub)
+            if inner is not None and inner.compute_dtype != torch.float32:
+                clear_region(sub)
     set_region(module, Region(compute_dtype=target, output_dtype=target, cast_inputs=True))
     # Tell LossScaleOptimizer how these weights are used (float16 math needs loss scaling).
     tag(module, {COMPUTE_ATTR: target})
