@@ -78,6 +78,43 @@ def test_a_model_and_optimizer_sent_to_another_process_train_as_in_this_one():
         plain.step()
 
 
+def _first_master(model: nn.Module) -> torch.Tensor:
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), 0.1))
+    return next(iter(opt.master_params()))
+
+
+def test_a_deep_copy_of_an_o2_model_keeps_the_float32_values_its_weights_stand_for(tmp_path):
+    """``best = copy.deepcopy(model)``: ``Parameter.__deepcopy__`` dropped the kept float32
+    values, and the live masters are the original's, so the copy's export and a new
+    optimizer over it started from the bfloat16 roundings, unsaid (torch.save kept them)."""
+    from safetensors.torch import load_file
+
+    init = net()[0].weight.detach().clone()
+    model = mp.auto_mixed_precision(net(), "mixed_bfloat16", "O2")
+    assert torch.equal(_first_master(copy.deepcopy(model)), init)  # before training
+    opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for _ in range(5):
+        opt.zero_grad()
+        opt.backward(model(torch.randn(8, 4)).square().mean())
+        opt.step()
+    master = opt.master_weights()[0][1].detach().clone()
+    assert not torch.equal(master.to(torch.bfloat16).float(), master)  # digits to lose
+    best = copy.deepcopy(model)
+    mp.export_weights(best, tmp_path / "best.safetensors", "float32")
+    assert torch.equal(load_file(tmp_path / "best.safetensors")["0.weight"], master)
+    assert torch.equal(_first_master(best), master)
+    # Copied with its optimizer, in either order: the copy's masters hold the values, and
+    # no second float32 copy stays on its weights.
+    from mixprec._float32_copies import FP32_COPY_ATTR
+
+    for model_first in (True, False):
+        twin, twin_opt = copy.deepcopy((model, opt))
+        if not model_first:
+            twin_opt, twin = copy.deepcopy((opt, model))
+        assert torch.equal(twin_opt.master_weights()[0][1], master)
+        assert not any(FP32_COPY_ATTR in p.__dict__ for p in twin.parameters())
+
+
 def test_a_copy_of_an_o3_model_gets_no_masters():
     model = mp.auto_mixed_precision(net(), "bfloat16", "O3")
     assert masters_of(model) == masters_of(copy.deepcopy(model)) == 0

@@ -12,7 +12,9 @@ from collections.abc import Iterable
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from mixprec._float32_copies import current_float32_copy, take_float32_copy
+from mixprec._dtypes import HALF_DTYPES
+from mixprec._float32_copies import current_float32_copy, remember_float32, take_float32_copy
+from mixprec._param_tags import carry_on_copy
 
 __all__ = [
     "float32_start",
@@ -97,3 +99,20 @@ def float32_values(p: torch.Tensor) -> torch.Tensor | None:
     current, else the live master it rounds from; ``None`` if neither."""
     kept = current_float32_copy(p) if p.dtype != torch.float32 else None
     return kept if kept is not None else live_master(p)
+
+
+def _carry_float32_values(original: torch.Tensor, copied: torch.Tensor) -> None:
+    """A deep copy of a 16-bit weight (``best = copy.deepcopy(model)``, a fork to fine-tune)
+    keeps the float32 values the weight stands for, as ``torch.save`` of the model does:
+    ``Parameter.__deepcopy__`` drops the kept copy, and the live master is the original's,
+    so the copy's export, save or new optimizer started from the roundings, unsaid. Not
+    where the copy has a master of its own (the optimizer copied with it)."""
+    if copied.dtype not in HALF_DTYPES or has_live_master(copied):
+        return
+    values = float32_values(original)
+    if values is not None:
+        with torch.no_grad():
+            remember_float32(copied, values.detach().clone())
+
+
+carry_on_copy(_carry_float32_values)

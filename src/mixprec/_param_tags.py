@@ -104,9 +104,22 @@ class TagKeeper:
         for name, attrs in new.notes.items():
             if name in copies:
                 copies[name].__dict__.update(attrs)
+        for name, original in originals.items():
+            for carry in _CARRIED:
+                carry(original, copies[name])
         for call in new.on_copy:
             call(new.module, list(copies.values()))
         return new
+
+
+# Called with (parameter, its deep copy) for each parameter of a copied module: what is
+# known of a parameter outside its notes (the float32 values it stands for: _live_masters).
+_CARRIED: list[Any] = []
+
+
+def carry_on_copy(call: Any) -> None:
+    """Run ``call(parameter, copy)`` for each parameter of a prepared module deep-copied."""
+    _CARRIED.append(call)
 
 
 # TagKeepers unpickled since the last ``unpickled_keepers()``, weakly.
