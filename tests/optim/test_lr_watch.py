@@ -63,3 +63,29 @@ def test_a_group_added_after_a_skip_is_no_change_to_say():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert opt.step().applied
+
+
+@pytest.mark.parametrize("kind", ["StepLR", "ReduceLROnPlateau"])
+def test_a_scheduler_stepped_per_epoch_over_an_epochs_skipped_last_step_is_not_said(kind):
+    """torch's per-epoch idiom, the epoch's last step skipped (an outlier batch): the rate
+    moves at the epoch's end, as it should, and was said with advice that would have
+    dropped the epoch's decay."""
+    torch.manual_seed(0)
+    model = mp.auto_mixed_precision(torch.nn.Linear(4, 4), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    if kind == "StepLR":
+        sched: object = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    else:
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    skipped = 0
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for epoch in range(3):
+            for i in range(4):
+                gain = 1e6 if i == 3 else 1.0  # the epoch's last batch overflows float16
+                opt.zero_grad()
+                opt.backward(F.mse_loss(model(torch.randn(2, 4)) * gain, torch.zeros(2, 4)))
+                skipped += not opt.step()
+            sched.step(1.0) if kind != "StepLR" else sched.step()  # type: ignore[attr-defined]
+    assert skipped == 3 and opt.param_groups[0]["lr"] < 0.1  # skips, and the rate moved
+    assert not [w for w in seen if "learning rate changed" in str(w.message)]

@@ -114,6 +114,7 @@ class _Bookkeeping:
     share: Sharing = field(default_factory=Sharing)
     rates_at_skip: list[Any] | None = None  # learning rates after a skip (lr_watch)
     said_rates: bool = False
+    rate_moved: tuple[int, Any, Any] | None = None  # a move after the last skip (lr_watch)
     stall: StallWatch = field(default_factory=lambda: StallWatch([]))  # O3's weights
 
 
