@@ -335,6 +335,12 @@ def test_a_float_mask_whose_counts_pass_the_dtype_is_said():
         # One-hot features: many ones in all, one a row.
         onehot = nn.functional.one_hot(torch.arange(512) % 300, 300).float()  # 512 ones
         short(torch.randn(512, 300, 4), onehot)
+        # 0/1 features, not named as a mask (multi-hot words, binarised pixels): they go
+        # into matmuls, cast exactly, and were said with advice that failed on dtypes.
+        words = mp.auto_mixed_precision(nn.Linear(2000, 4), "mixed_bfloat16", "O2")
+        words((torch.rand(8, 2000) < 0.3).float())  # a row's ~600 ones
+        pixels = mp.auto_mixed_precision(nn.Linear(784, 4), "mixed_float16", "O2")
+        pixels((torch.rand(512, 784) < 0.2).float())  # ~80000 ones in all
 
 
 def test_whole_numbers_of_a_batch_of_positions_are_said():

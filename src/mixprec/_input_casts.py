@@ -191,8 +191,10 @@ class InputLook:
             # gradient 0, the step applied), mask.cumsum() positions past 256 round in
             # bfloat16. Said where all its ones, or those of one row (along its last long
             # dimension, where cumsum counts positions), pass that far; not for one-hot
-            # features, whose rows hold a single one.
-            mask = whole and low >= 0 and top == 1
+            # features, whose rows hold a single one. Only an input named as a mask: 0/1
+            # features (binarised pixels, multi-hot words, one-hot DNA) go into matmuls,
+            # exactly, and a bool or integer tensor there fails on dtypes.
+            mask = whole and low >= 0 and top == 1 and "mask" in path.lower()
             ones = round(mean * given.numel()) if mask else 0
             counted = mask and (ones > torch.finfo(dtype).max or row > exact)
             # A timestep or a position (one number a sample, a 1-D ramp, or a batch of
