@@ -687,3 +687,36 @@ def test_a_gradient_another_optimizer_scaled_differently_is_said():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second's gradients are its own: nothing to say
         opt_b.step()
+
+
+def test_a_loop_that_steps_whole_groups_applies_an_epochs_shorter_last_group_as_its_mean():
+    """10 batches at accumulation_steps=4, step() every 4th and at the epoch's end (the loop
+    Hugging Face documents): the last 2 were refused as "2 backward() calls" and dropped,
+    and a last 1 went into the next epoch's first group, which then raised. Applied as the
+    mean of its micro-batches, as a float32 loop that divides by the group's size does."""
+    x, y = classification_data(n=80)
+    batches = [(x[8 * i : 8 * (i + 1)], y[8 * i : 8 * (i + 1)]) for i in range(10)]
+    model = mp.auto_mixed_precision(make_mlp(), "float32")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=4)
+    control = make_mlp()
+    plain = torch.optim.SGD(control.parameters(), lr=0.1)
+    for length in (10, 9):  # groups of 4, 4, 2; then 4, 4, 1
+        group: list[int] = []
+        for i, (xb, yb) in enumerate(batches[:length]):
+            opt.backward(nn.functional.cross_entropy(model(xb), yb))
+            group.append(i)
+            if len(group) == 4 or i + 1 == length:
+                assert opt.step().applied and opt.pending_micro_steps == 0
+                opt.zero_grad()
+                for j in group:
+                    xj, yj = batches[j]
+                    (nn.functional.cross_entropy(control(xj), yj) / len(group)).backward()
+                plain.step()
+                plain.zero_grad()
+                group = []
+    for a, b in zip(control.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+    # A step() after each backward since: accumulation as before (not taken for tails).
+    for i in range(4):
+        opt.backward(loss_of(model))
+        assert opt.step().applied == (i == 3)

@@ -80,7 +80,7 @@ def test_a_scheduler_stepped_per_epoch_over_an_epochs_skipped_last_step_is_not_s
     skipped = 0
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        for epoch in range(3):
+        for _epoch in range(3):
             for i in range(4):
                 gain = 1e6 if i == 3 else 1.0  # the epoch's last batch overflows float16
                 opt.zero_grad()

@@ -205,27 +205,38 @@ def watch_health(health: ScalerHealth | None, result: StepResult, scaler: LossSc
         _observe(health, result, scaler)
 
 
-def check_micro_batches(book: Any, accumulation_steps: int, drop: Callable[[], None]) -> None:
+def check_micro_batches(book: Any, accumulation_steps: int, drop: Callable[[], None]) -> bool:
     """At ``step()``: with accumulation, each backward counts as a micro-batch, so two per
     micro-batch (two losses, a ``retain_graph`` double backward, a gradient penalty through
     ``get_scaled_loss``) applied the group early: 4 steps where float32 took 2, unsaid.
     Allowed: one backward per ``step()`` call, or a whole group's before one ``step()``
     (the loop that steps every N-th batch). With two per micro-batch at N=2 the two look
     alike; that case cannot be told. Refused, the group is dropped (``drop``): a second
-    ``step()`` would apply it."""
-    taken = book.backwards
-    if accumulation_steps > 1 and taken > 1 and not taken == book.micro == accumulation_steps:
+    ``step()`` would apply it.
+
+    Returns whether this is a shorter group's ``step()`` in a loop that stepped whole
+    groups (an epoch's last batches: 10 at N=4 end in 2), to apply as the mean of its
+    micro-batches: it was refused, its gradients dropped, or, for one, carried into the
+    next epoch's first group."""
+    taken, n = book.backwards, accumulation_steps
+    tail = n > 1 and book.whole_groups and 0 < taken == book.micro < n
+    if n > 1 and taken > 1 and not taken == book.micro == n and not tail:
         drop()
         raise MisuseError(
             f"{taken} backward() calls since the last step(), with accumulation_steps="
-            f"{accumulation_steps}: each backward counts as a micro-batch, so step() must "
-            f"follow each backward (it applies every {accumulation_steps}th) or exactly "
-            f"{accumulation_steps} of them. Sum a micro-batch's losses into one backward "
-            "(opt.backward(loss_a + loss_b)); for torch.autograd.grad of an inner loss (a "
-            "gradient penalty) take opt.scale_loss(loss), which starts no micro-batch. Their "
-            "gradients are dropped"
+            f"{n}: each backward counts as a micro-batch, so step() must follow each "
+            f"backward (it applies every {n}th) or exactly {n} of them (after whole groups, "
+            "a shorter one at an epoch's end is applied as its mean). Sum a micro-batch's "
+            "losses into one backward (opt.backward(loss_a + loss_b)); for "
+            "torch.autograd.grad of an inner loss (a gradient penalty) take "
+            "opt.scale_loss(loss), which starts no micro-batch. Their gradients are dropped"
         )
+    # Which loop this is: whole groups, or a step() each backward. Once a tail applied, the
+    # next group says again (a step() each after it is not taken for another tail).
+    if n > 1 and taken:
+        book.whole_groups = taken == n
     book.backwards = 0
+    return tail
 
 
 def after_step(

@@ -44,6 +44,7 @@ from mixprec.optim.in_place import say_what_in_place_loses
 from mixprec.optim.keras_api import KerasMethods, keras_scaler
 from mixprec.optim.lr_watch import say_if_rates_moved
 from mixprec.optim.masters import MasterWeights
+from mixprec.optim.partial_group import apply_partial_group
 from mixprec.optim.replicas import masters_of_rank0_if_replicas, state_of_rank
 from mixprec.optim.sharing import Sharing, check_partners, note_partners
 from mixprec.optim.stall import StallWatch
@@ -114,6 +115,7 @@ class _Bookkeeping:
     share: Sharing = field(default_factory=Sharing)
     rates_at_skip: list[Any] | None = None  # learning rates after a skip (lr_watch)
     said_rates: bool = False
+    whole_groups: bool = False  # the last step() came after a whole group's backwards
     rate_moved: tuple[int, Any, Any] | None = None  # a move after the last skip (lr_watch)
     stall: StallWatch = field(default_factory=lambda: StallWatch([]))  # O3's weights
 
@@ -278,7 +280,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
     def unscale_(self, factor: float = 1.0) -> None:
         """Unscale now (to inspect or clip ``master_params()`` grads yourself); ``step``
         then does not unscale again. ``factor``: a further multiplier, applied in the same
-        pass, before the inf/NaN check (``train.step.apply_partial_group`` passes a partial
+        pass, before the inf/NaN check (``optim.partial_group.apply_partial_group`` passes a partial
         accumulation group's ``accumulation_steps / micro-steps taken``)."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
             raise ArgumentError(f"unscale_(factor={factor!r}) is invalid; give a number > 0")
@@ -321,7 +323,8 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             raise MisuseError("LossScaleOptimizer.step() does not take a closure")
         if not self._book.fresh:
             raise no_backward_error(self._weights.model_params(), self._book)
-        check_micro_batches(self._book, self.accumulation_steps, self.drop_gradients)
+        if check_micro_batches(self._book, self.accumulation_steps, self.drop_gradients):
+            return apply_partial_group(self)  # an epoch's last, shorter group
         check_partners(self._book, self._loss_scaler)
         say_if_rates_moved(self._book, self.optimizers)
         self._book.fresh = False

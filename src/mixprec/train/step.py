@@ -32,6 +32,7 @@ from mixprec._prepare_once import needs_preparation
 from mixprec.levels import auto_mixed_precision
 from mixprec.losses import cross_entropy
 from mixprec.optim import LossScaleOptimizer, StepResult
+from mixprec.optim.partial_group import apply_partial_group
 from mixprec.policy import PolicyLike
 from mixprec.scaling import LossScaler
 from mixprec.train.metrics import LossFn, get_loss
@@ -177,29 +178,6 @@ def checked_loss(loss: Any) -> torch.Tensor:
         f"loss_fn returned {got}; valid: a floating-point scalar tensor "
         "(a loss with reduction='mean' or 'sum')"
     )
-
-
-def apply_partial_group(optimizer: LossScaleOptimizer) -> StepResult:
-    """``optimizer.step()``, applying the accumulated gradients even when fewer than
-    ``accumulation_steps`` micro-steps were taken, after a ``backward``.
-
-    Each micro-step's backward added ``grad / accumulation_steps``; a group of ``k`` is
-    rescaled by ``accumulation_steps / k`` in the unscale's pass (a 16-bit gradient in its
-    float32 master), so the update is the mean over the ``k`` micro-steps, as a full
-    group's is over its own. The finiteness check sees the rescaled gradients; clipping and
-    the loss scale's update then run as on any step."""
-    taken = optimizer.pending_micro_steps  # this backward included; 0 for a full group
-    group = optimizer.accumulation_steps
-    if not 0 < taken < group:
-        return optimizer.step()
-    optimizer.accumulation_steps = taken  # a group of `taken`, for this step only
-    try:
-        # The rescale in the unscale's own pass, before its inf/NaN check: multiplied after
-        # it, an O3 float16 gradient could overflow past the check into the weight.
-        optimizer.unscale_(factor=group / taken)
-        return optimizer.step()
-    finally:
-        optimizer.accumulation_steps = group
 
 
 def build_train_step(
