@@ -114,6 +114,38 @@ def test_to_float_float32_runs_the_regions_inside_in_float32_too(make, policy, l
     torch.testing.assert_close(model(*args), control(*args), rtol=0, atol=0)
 
 
+class _LossInside(nn.Module):
+    """A Hugging Face style forward: the loss computed inside, in float32, and a float64
+    statistic kept wide on purpose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.net(x)
+        loss = nn.functional.cross_entropy(logits.float(), labels)
+        self.inside = loss.detach().clone()
+        wide = logits.double().exp().sum(-1) * 1e300  # past float32's range
+        return {"loss": loss, "logits": logits, "wide": wide}
+
+
+@pytest.mark.parametrize(
+    ("policy", "level"), [("bfloat16", "O3"), ("mixed_bfloat16", "O1"), ("mixed_float16", "O2")]
+)
+def test_outputs_the_forward_made_wide_leave_as_they_are(policy, level):
+    """The output cast rounded a float32 loss computed inside forward to bfloat16 at O3
+    (1.3855 returned as 1.3828) and narrowed a float64 result to float32 (here inf): a
+    float64 output, and a float32 scalar where outputs leave in 16 bits, stay; the rest
+    leave in the policy's output dtype."""
+    torch.manual_seed(0)
+    model = mp.auto_mixed_precision(_LossInside(), policy, level)
+    out = model(torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    assert out["loss"].dtype == torch.float32 and torch.equal(out["loss"], model.inside)
+    assert out["wide"].dtype == torch.float64 and torch.isfinite(out["wide"]).all()
+    assert out["logits"].dtype == (torch.bfloat16 if level == "O3" else torch.float32)
+
+
 def test_to_float_errors():
     with pytest.raises(TypeError, match="needs a torch.nn.Module, got str"):
         mp.to_float("layer", torch.float32)  # type: ignore[arg-type]

@@ -54,13 +54,18 @@ def cast_floating(value: T, dtype: torch.dtype) -> T:
     return cast_linked(value, dtype, link=False)
 
 
-def cast_linked(value: T, dtype: torch.dtype, link: bool, casts: Casts | None = None) -> T:
+def cast_linked(
+    value: T, dtype: torch.dtype, link: bool, casts: Casts | None = None, outputs: bool = False
+) -> T:
     """``cast_floating``; with ``link``, each float32 upcast remembers its 16-bit source;
     with ``casts``, each object the cast makes and each container it rebuilds is noted
     there (a region's inputs: ``_rebuilt.write_back`` after the forward), and a container
-    met twice is rebuilt once."""
+    met twice is rebuilt once. ``outputs``: a region's outputs, where what the forward
+    made wide on purpose stays so (``_kept_wide``)."""
     if isinstance(value, torch.Tensor):
         if value.is_floating_point() and value.dtype != dtype:
+            if outputs and _kept_wide(value, dtype):
+                return value
             cast = value.to(dtype)
             if link:
                 remember_source(cast, value)
@@ -75,7 +80,7 @@ def cast_linked(value: T, dtype: torch.dtype, link: bool, casts: Casts | None = 
     # that fills a dict or list it is given (a KV cache, auxiliary losses) fills the
     # caller's, as it would without mixprec.
     if isinstance(value, tuple):  # immutable: rebuilt (dynamo cannot trace `is` on tuples)
-        items = [cast_linked(v, dtype, link, casts) for v in value]
+        items = [cast_linked(v, dtype, link, casts, outputs) for v in value]
         if hasattr(value, "_fields"):  # named tuple
             return type(value)(*items)  # type: ignore[return-value]
         if type(value) is not tuple:  # struct sequences such as torch.return_types.max
@@ -85,7 +90,7 @@ def cast_linked(value: T, dtype: torch.dtype, link: bool, casts: Casts | None = 
     if seen is not None:
         return seen  # type: ignore[no-any-return]
     if isinstance(value, list):
-        items = [cast_linked(v, dtype, link, casts) for v in value]
+        items = [cast_linked(v, dtype, link, casts, outputs) for v in value]
         if _unchanged(items, value):
             return value
         listed: Any = type(value)(items)
@@ -98,19 +103,19 @@ def cast_linked(value: T, dtype: torch.dtype, link: bool, casts: Casts | None = 
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = dataclasses.fields(value)
         changes = {
-            f.name: cast_linked(getattr(value, f.name), dtype, link, casts)
+            f.name: cast_linked(getattr(value, f.name), dtype, link, casts, outputs)
             for f in fields
             if f.init
         }
         later = {  # init=False fields (an auxiliary loss set after construction)
-            f.name: cast_linked(getattr(value, f.name), dtype, link, casts)
+            f.name: cast_linked(getattr(value, f.name), dtype, link, casts, outputs)
             for f in fields
             if not f.init and hasattr(value, f.name)
         }
         keys: dict[Any, Any] = {}  # a dict's keys set after construction are not fields
         if isinstance(value, dict):
             keys = {
-                k: cast_linked(v, dtype, link, casts) for k, v in value.items() if k not in changes
+                k: cast_linked(v, dtype, link, casts, outputs) for k, v in value.items() if k not in changes
             }
         if (
             _unchanged(changes.values(), [getattr(value, k) for k in changes])
@@ -127,7 +132,7 @@ def cast_linked(value: T, dtype: torch.dtype, link: bool, casts: Casts | None = 
             casts.note(value, rebuilt, {**changes, **later})
         return rebuilt  # type: ignore[no-any-return]
     if isinstance(value, (dict, UserDict)):
-        members = {k: cast_linked(v, dtype, link, casts) for k, v in value.items()}
+        members = {k: cast_linked(v, dtype, link, casts, outputs) for k, v in value.items()}
         if _unchanged(members.values(), value.values()):
             return value
         out: Any = members
@@ -143,6 +148,16 @@ def cast_linked(value: T, dtype: torch.dtype, link: bool, casts: Casts | None = 
     if link:  # the model's own output (not a region's input): what reaches the loss
         say_if_unwalked(value, dtype)
     return value
+
+
+def _kept_wide(value: torch.Tensor, dtype: torch.dtype) -> bool:
+    """An output a region's cast leaves as the forward made it, as autocast would: float64
+    (a likelihood kept wide on purpose became inf in float32), and a float32 scalar where
+    outputs leave in 16 bits (a loss computed inside forward, a Hugging Face ``labels=``
+    loss, rounded to steps of 0.0078 near 1.0 at O3)."""
+    if value.dtype == torch.float64:
+        return True
+    return value.dim() == 0 and value.dtype == torch.float32 and dtype in HALF_DTYPES
 
 
 def _unchanged(new: Any, old: Any) -> bool:

@@ -242,7 +242,7 @@ class _RegionForward:
         # The link is a Python attribute on a tensor: a compiled graph's outputs cannot carry
         # one (losses.cross_entropy says so once when it meets such an output).
         link = region.link_sources and not torch.compiler.is_compiling()
-        return cast_linked(output, dtype, link=link)
+        return cast_linked(output, dtype, link=link, outputs=True)
 
 
 _WALKED = "_mixprec_walked"  # a module some region's cached answer was read from
