@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -98,12 +99,24 @@ def test_disabled_is_a_no_op():
     assert not torch.equal(before, model.weight)
 
 
-def test_cuda_device_without_cuda_warns_and_disables():
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present")
-    with pytest.warns(UserWarning, match="CUDA is not available.  Disabling."):
+def test_cuda_device_without_cuda_warns_and_disables(monkeypatch):
+    """Disabled, as torch's; torch's words alone named no fix, and a CPU float16 loop went on
+    unscaled: the warning says what that costs and to pass the device."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
         s = mp.GradScaler()
+    assert [str(w.message) for w in said] == [
+        "mixprec.GradScaler is enabled, but CUDA is not available.  Disabling. Losses are not "
+        "scaled, so small float16 gradients may underflow to zero; to scale on the CPU, pass "
+        'GradScaler("cpu") (device="cpu"), as with torch.amp.GradScaler'
+    ]
+    assert [w.filename for w in said] == [__file__]
     assert not s.is_enabled()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fix it names: enabled, and said nothing
+        assert mp.GradScaler("cpu").is_enabled() and mp.GradScaler(device="cpu").is_enabled()
+        assert not mp.GradScaler(enabled=False).is_enabled()  # disabled on purpose: unsaid
 
 
 def both(action):

@@ -17,6 +17,7 @@ from torch import nn
 import mixprec as mp
 import mixprec.policy
 from mixprec import levels
+from mixprec._hardware import Hardware
 from mixprec.levels import Applied, applied, resolve_level
 from tests.conftest import ROOT, TiedLM, make_mlp, make_transformer
 
@@ -303,6 +304,29 @@ def test_migrant_mistakes_get_clear_messages():
         mp.auto_mixed_precision(make_mlp(), "O2")
     with pytest.warns(UserWarning, match=r"level=O2 with the float32 policy 'float32'"):
         mp.auto_mixed_precision(make_mlp(), level="O2")
+
+
+@pytest.mark.parametrize("given", ["auto", mp.Policy, None])
+def test_a_level_where_auto_picks_float32_says_why_not_to_pass_a_slow_policy(monkeypatch, given):
+    # Portable code (policy="auto", level="O2") on a CPU without fast bfloat16: auto picks
+    # float32 on purpose, as bfloat16 matmuls are emulated there. The warning advised
+    # passing policy='mixed_bfloat16', the slow policy auto had just ruled out.
+    cpu = Hardware("cpu", False, False, "CPU without AVX512-BF16 or AMX")
+    monkeypatch.setattr(mixprec.policy, "probe_hardware", lambda: cpu)
+    if given is None:  # the global policy set to auto keeps its reason
+        mp.set_global_policy("auto")
+    policy = mp.Policy("auto") if given is mp.Policy else given
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = mp.auto_mixed_precision(make_mlp(), policy, level="O2")
+    said = [str(w.message) for w in caught if "changes nothing" in str(w.message)]
+    assert said == [
+        "level=O2 changes nothing here: policy='auto' picks float32 on this machine (CPU "
+        "without AVX512-BF16 or AMX: no fast 16-bit matrix units; float32 is fastest), so the "
+        "model stays float32; where auto picks a mixed policy, O2 applies"
+    ]
+    assert [w.filename for w in caught] == [__file__]
+    assert applied(model).policy.name == "float32" and model[0].weight.dtype == F32
 
 
 def test_o2_float16_embeddings_hand_on_float32():

@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 import mixprec as mp
+from mixprec import _hardware
+from mixprec._hardware import Hardware
 from mixprec._step_profile import (
     StepProfile,
     matmul_ms,
@@ -101,4 +103,40 @@ def test_the_rest_of_a_step_names_only_what_the_step_does():
     )
     assert no_gain_line(1.05, "why", over="mixed_bfloat16 (O2)") == (
         "mixed precision buys little over mixed_bfloat16 (O2) here (1.05x): why"
+    )
+
+
+def test_slower_16bit_matmuls_are_said_slower_not_hardly_faster(monkeypatch):
+    """Matmuls that got slower were "hardly faster" (bench: bfloat16's 8.31 against float32's
+    1.78 ms) or, in an overhead-bound step, the "only part 16-bit math speeds up" (train:
+    0.33 against 0.13 ms). The rest of the step is named where it grew too."""
+    amx = Hardware("cpu", True, False, "CPU with amx_bf16, amx_tile, avx512_bf16")
+    monkeypatch.setattr(_hardware, "probe_hardware", lambda: amx)
+    assert why_no_gain(2.43, 16.30, base_matmul_ms=1.78, mixed_matmul_ms=8.31) == (
+        "its matmuls are 4.7x slower than float32's: 8.31 against 1.78 ms of a 2.43 ms float32 "
+        "step, and the rest of its step (casts, float32 masters, optimizer) took 7.99 ms against "
+        "float32's 0.65"
+    )
+    assert why_no_gain(0.57, 0.78, base_matmul_ms=0.13, mixed_matmul_ms=0.33) == (
+        "its matmuls are 2.5x slower than float32's: 0.33 against 0.13 ms of a 0.57 ms float32 step"
+    )
+    assert why_no_gain(10.0, 10.2, base_matmul_ms=8.0, mixed_matmul_ms=8.2).startswith(
+        "its matmuls are no faster than float32's: 8.20 against 8.00 ms"
+    )
+    # A CPU-only machine without fast bfloat16 emulates them: said, against float32 only.
+    avx2 = Hardware("cpu", False, False, "CPU without AVX512-BF16 or AMX")
+    monkeypatch.setattr(_hardware, "probe_hardware", lambda: avx2)
+    assert why_no_gain(0.57, 0.78, base_matmul_ms=0.13, mixed_matmul_ms=0.33) == (
+        "its matmuls are 2.5x slower than float32's, as 16-bit matmuls are emulated on this CPU "
+        "(no AVX512-BF16 or AMX): 0.33 against 0.13 ms of a 0.57 ms float32 step"
+    )
+    over = why_no_gain(1.0, 1.1, base_matmul_ms=0.6, mixed_matmul_ms=0.9, base="mixed_float16 (O2)")
+    assert over.startswith("its matmuls are 1.5x slower than mixed_float16 (O2)'s: 0.90 against")
+    # With CUDA the step may have run on either device: no emulation is claimed.
+    gpu = Hardware("cuda", True, True, "CUDA H100 (sm_90)")
+    monkeypatch.setattr(_hardware, "probe_hardware", lambda: gpu)
+    assert "emulated" not in why_no_gain(0.57, 0.78, base_matmul_ms=0.13, mixed_matmul_ms=0.33)
+    # No matmuls in either step: overhead-bound, as before.
+    assert why_no_gain(1.0, 1.2, base_matmul_ms=0.0, mixed_matmul_ms=0.0).startswith(
+        "the step is overhead-bound, 0.00 of 1.00 ms in matmuls"
     )

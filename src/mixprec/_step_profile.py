@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mixprec import _hardware
+
 #: Below this speedup a mixed run is said to buy nothing (run-to-run noise is ~5%).
 GAIN_THRESHOLD = 1.1
 
@@ -108,6 +110,9 @@ def why_no_gain(
     (``other_work``; the default is an O2 step's). The first that holds:
 
     - the matmuls are emulated;
+    - the mixed step's matmuls took as long as ``base``'s or longer: how many times
+      longer, that they are emulated where this machine has no GPU and no fast bfloat16
+      (``_emulated_here``), and the rest of the step where it grew too;
     - the ``base`` step is overhead-bound: under half of it is matmuls, so even free
       matmuls would leave most of it (also where the mixed step's matmuls were not
       profiled);
@@ -120,6 +125,10 @@ def why_no_gain(
     if base_matmul_ms is None:
         return f"{mixed_ms:.2f} ms a step against {base}'s {base_ms:.2f} ms"
     other = base_ms - base_matmul_ms
+    if mixed_matmul_ms is not None and 0 < base_matmul_ms <= mixed_matmul_ms:
+        # Before the overhead-bound branch: its "the only part 16-bit math speeds up" is
+        # untrue of matmuls that got slower (bfloat16's 0.33 against float32's 0.13 ms).
+        return _slower_matmuls(base_ms, mixed_ms, base_matmul_ms, mixed_matmul_ms, base, rest)
     if base_matmul_ms < 0.5 * base_ms or mixed_matmul_ms is None:
         grown = "stay"
         if mixed_matmul_ms is not None and mixed_ms - mixed_matmul_ms > 1.05 * other:
@@ -139,6 +148,40 @@ def why_no_gain(
         f"but the rest of its step ({rest}) took {mixed_ms - mixed_matmul_ms:.2f} ms against "
         f"{base}'s {other:.2f}"
     )
+
+
+#: Why a CPU without fast bfloat16 runs 16-bit matmuls slower than float32's.
+EMULATED = "16-bit matmuls are emulated on this CPU (no AVX512-BF16 or AMX)"
+
+
+def _emulated_here() -> bool:
+    """Whether a step timed here ran its 16-bit matmuls emulated: a machine without CUDA
+    (with CUDA, the step may have run on either device) whose CPU has no fast bfloat16, and
+    so no fast float16 either. From the cached CPU flags: cheap."""
+    hw = _hardware.probe_hardware()  # by the module: tests set what it says
+    return hw.device == "cpu" and not hw.bf16_fast
+
+
+def _slower_matmuls(
+    base_ms: float, mixed_ms: float, base_matmul_ms: float, mixed_matmul_ms: float,
+    base: str, rest: str,
+) -> str:  # fmt: skip
+    """``why_no_gain`` where the mixed step's matmuls took as long as ``base``'s or longer."""
+    times = f"{mixed_matmul_ms / base_matmul_ms:.1f}"
+    how = "no faster than" if times == "1.0" else f"{times}x slower than"
+    # Emulation explains slower matmuls against float32's only: a 16-bit base is emulated too.
+    why = f", as {EMULATED}" if base == "float32" and _emulated_here() else ""
+    text = (
+        f"its matmuls are {how} {base}'s{why}: {mixed_matmul_ms:.2f} against "
+        f"{base_matmul_ms:.2f} ms of a {base_ms:.2f} ms {base} step"
+    )
+    other, mixed_other = base_ms - base_matmul_ms, mixed_ms - mixed_matmul_ms
+    if mixed_other > 1.05 * other:  # the rest grew too (run-to-run noise is ~5%)
+        text += (
+            f", and the rest of its step ({rest}) took {mixed_other:.2f} ms against {base}'s "
+            f"{other:.2f}"
+        )
+    return text
 
 
 def other_work(*, masters: bool, loss_scaling: bool = False) -> str:

@@ -80,6 +80,24 @@ def _say_auto(name: str, reason: str) -> None:
     )
 
 
+def _say_level_unused(level: str, policy: Policy) -> None:
+    """A 16-bit level under a float32 policy changes nothing: say so at the user's line.
+    Where ``auto`` chose float32 (only ``auto`` sets a reason), that was on purpose: 16-bit
+    matmuls are emulated or slow on this machine, so the advice to pass a 16-bit policy
+    would slow the model down; the warning says why, and that the level holds elsewhere."""
+    if policy.reason is not None:
+        warn_at_caller(
+            f"level={level} changes nothing here: policy='auto' picks float32 on this machine "
+            f"({policy.reason}), so the model stays float32; where auto picks a mixed "
+            f"policy, {level} applies"
+        )
+        return
+    warn_at_caller(
+        f"level={level} with the float32 policy {policy.name!r} changes nothing: pass "
+        "policy='mixed_bfloat16' or 'mixed_float16' (or set_global_policy)"
+    )
+
+
 def _lower_float64(model: nn.Module, level: str) -> None:
     """Store a float64 model's float64 tensors in float32 and say so at the user's line."""
     params, buffers = lower_float64(model)
@@ -232,10 +250,7 @@ def auto_mixed_precision(
     resolved = get_policy("auto" if defaulted else policy)
     lvl = resolve_level(level, resolved)
     if lvl in ("O1", "O2", "O3") and not resolved.is_mixed:
-        warn_at_caller(
-            f"level={lvl} with the float32 policy {resolved.name!r} changes nothing: pass "
-            "policy='mixed_bfloat16' or 'mixed_float16' (or set_global_policy)"
-        )
+        _say_level_unused(lvl, resolved)
     if hasattr(model, _APPLIED_ATTR):
         done: Applied = getattr(model, _APPLIED_ATTR)
         raise RuntimeError(
