@@ -115,7 +115,9 @@ def cast_linked(
         keys: dict[Any, Any] = {}  # a dict's keys set after construction are not fields
         if isinstance(value, dict):
             keys = {
-                k: cast_linked(v, dtype, link, casts, outputs) for k, v in value.items() if k not in changes
+                k: cast_linked(v, dtype, link, casts, outputs)
+                for k, v in value.items()
+                if k not in changes
             }
         if (
             _unchanged(changes.values(), [getattr(value, k) for k in changes])

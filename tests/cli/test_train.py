@@ -160,6 +160,19 @@ def test_main_job_where_auto_picks_float32_trains_float32_and_says_why(monkeypat
     assert "(CPU without AVX512-BF16 or AMX)" in line and "--policy mixed_bfloat16" in line
 
 
+def test_a_bfloat16_probe_faster_than_float32_is_not_said_slower():
+    """A CPU whose flags hide fast bfloat16 (a virtual machine's) and whose probe step came
+    out faster: "(0.5x slower; ... emulated)" was printed."""
+    from mixprec.cli._train_report import probe_line
+
+    said = probe_line("CPU without AVX512-BF16 or AMX", {"ms_per_step": 80.0},
+                      {"ms_per_step": 40.0})  # fmt: skip
+    assert "(2.0x faster here, although this CPU's flags show no fast bfloat16)" in said
+    slow = probe_line("CPU without AVX512-BF16 or AMX", {"ms_per_step": 2.0},
+                      {"ms_per_step": 9.0})  # fmt: skip
+    assert "(4.5x slower; 16-bit matmuls are emulated on this CPU)" in slow
+
+
 def test_every_run_names_the_same_optimizer_and_where_its_time_goes(capsys):
     """Like with like: one optimizer implementation in both runs, named; each run's matmul
     time and its memory by kind."""

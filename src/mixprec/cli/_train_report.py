@@ -101,11 +101,15 @@ def explain_memory(runs: list[dict[str, Any]]) -> list[str]:
 def probe_line(reason: str, base: dict[str, Any], probe: dict[str, Any]) -> str:
     """``auto`` picked float32: say why, with the mixed_bfloat16 steps timed here."""
     slower = probe["ms_per_step"] / base["ms_per_step"]
+    if slower >= 1:
+        how = f"{slower:.1f}x slower; 16-bit matmuls are emulated on this CPU"
+    else:  # the CPU's flags said no fast bfloat16, and this step says otherwise
+        how = f"{1 / slower:.1f}x faster here, although this CPU's flags show no fast bfloat16"
     return (
         f"auto picks float32 here ({reason}): a mixed_bfloat16 step took "
         f"{probe['ms_per_step']:.1f} ms against float32's {base['ms_per_step']:.1f} ms "
-        f"({slower:.1f}x slower; 16-bit matmuls are emulated on this CPU), so only float32 "
-        "trains. --policy mixed_bfloat16 trains the mixed run anyway."
+        f"({how}), so only float32 trains. --policy mixed_bfloat16 trains the mixed run "
+        "anyway."
     )
 
 
