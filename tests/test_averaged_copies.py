@@ -195,3 +195,86 @@ def test_a_gan_ema_under_two_wrappers_is_said_and_a_copy_synced_by_loads_is_not(
             opt.backward(policy(torch.randn(8, 8)).mean())
             opt.step()
             old.load_state_dict(policy.state_dict())
+
+
+def _written_copy_message(line: int) -> str:
+    return (
+        f"the copy of the model made at {__file__}:{line} holds its bfloat16 weights and was "
+        "written in place at each step since: an average kept by hand (an EMA, as timm's "
+        "ModelEmaV2 keeps one; or a plain optimizer's steps) moves in bfloat16, where an "
+        "update below half a unit in the last place of a weight rounds away, and at "
+        "decay=0.999 it stops moving. Keep the copy in float32 (copy.float() once made: the "
+        "state dict's values are cast as they are copied in), or use the Trainer's "
+        "mp.EMA(decay)"
+    )
+
+
+@pytest.mark.parametrize("sync", ["after the step", "before the forward"])
+def test_a_copy_kept_in_step_with_the_model_is_not_said_and_an_ema_beside_it_is(sync):
+    """Review: a previous-step (or target) copy, ``q.copy_(p)`` each step, was said as a
+    16-bit average that stops moving: it is an exact copy, nothing rounds away."""
+    torch.manual_seed(0)
+    model = mp.auto_mixed_precision(
+        nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), "mixed_bfloat16", "O2"
+    )
+    opt = mp.LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+    prev = copy.deepcopy(model).requires_grad_(False)
+    line = inspect.currentframe().f_lineno + 1
+    ema = copy.deepcopy(model).requires_grad_(False)
+
+    def sync_prev():
+        with torch.no_grad():
+            for q, p in zip(prev.parameters(), model.parameters(), strict=True):
+                q.copy_(p)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(8):
+            x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+            if sync == "before the forward":
+                sync_prev()
+            with torch.no_grad():
+                target = prev(x).softmax(-1)
+            out = model(x)
+            loss = nn.functional.cross_entropy(out, y) + nn.functional.kl_div(
+                out.log_softmax(-1), target, reduction="batchmean"
+            )
+            opt.zero_grad()
+            opt.backward(loss)
+            opt.step()
+            if sync == "after the step":
+                sync_prev()
+            with torch.no_grad():
+                for e, p in zip(ema.parameters(), model.parameters(), strict=True):
+                    e.copy_(p.lerp(e, 0.999))
+    said = [str(w.message) for w in caught if "copy of the model" in str(w.message)]
+    assert said == [_written_copy_message(line)]  # the EMA's, not the synced copy's
+    assert not mp._averaged_copies.WATCHED  # both looked at, then dropped: no more cost
+
+
+def test_a_gan_generators_synced_copy_under_two_wrappers_is_not_said():
+    # Written after G's steps alone, looked at by D's steps too: equal to G as it was at
+    # the look before the last, whichever wrapper's step that was.
+    gen = mp.auto_mixed_precision(
+        nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), "mixed_bfloat16", "O2"
+    )
+    disc = mp.auto_mixed_precision(
+        nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1)), "mixed_bfloat16", "O2"
+    )
+    g_prev = copy.deepcopy(gen).eval()
+    opt_g = mp.LossScaleOptimizer(torch.optim.Adam(gen.parameters(), lr=1e-3))
+    opt_d = mp.LossScaleOptimizer(torch.optim.Adam(disc.parameters(), lr=1e-3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(8):
+            z, real = torch.randn(8, 8), torch.randn(8, 4)
+            opt_d.zero_grad()
+            opt_d.backward(disc(gen(z).detach()).mean() - disc(real).mean())
+            opt_d.step()
+            opt_g.zero_grad()
+            opt_g.backward(-disc(gen(z)).mean())
+            opt_g.step()
+            with torch.no_grad():
+                for e, p in zip(g_prev.parameters(), gen.parameters(), strict=True):
+                    e.copy_(p)
+    assert not mp._averaged_copies.WATCHED

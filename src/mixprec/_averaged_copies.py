@@ -13,7 +13,11 @@ e + (1 - d) * v)`` over the state dicts) stalls the same way (an O2 bfloat16 EMA
 of float32's distance in 60 steps, unsaid). A copy cannot be told from a frozen teacher or a
 best model kept aside when it is made, so it is said when it is written in place at each of
 the first ``_WRITTEN_STEPS`` steps after it: a version read per copy at those steps, none
-after.
+after. A copy kept exactly in step with the model (``q.copy_(p)`` after each step: a target
+network, the previous step's model for a consistency loss) is written as often but averages
+nothing: at the last of those steps it holds the model's weights of the step before, so the
+model's 16-bit weights are kept at the look before it (one copy, for one step) and a copy
+equal to them, weight for weight, is dropped unsaid.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.optim.swa_utils import AveragedModel
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mixprec._dtypes import HALF_DTYPES, dtype_name
-from mixprec._param_tags import keeper_of
+from mixprec._param_tags import carry_on_copy, keeper_of
 from mixprec._warn import warn_at_caller
 
 __all__ = ["PENDING", "WATCHED", "say_averaged_copies", "watch_averaged_copies"]
@@ -54,6 +59,11 @@ class _Watched:
     seen: dict[int, tuple[int, int]] = field(default_factory=dict)
     loaded: bool = False  # synced by load_state_dict: a copy, not an average
     looks: int = 0  # steps of any wrapper that looked: at most _LOOKS, then dropped
+    # The copy's 16-bit weights and the model's they were copied from, weakly.
+    pairs: list[tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = field(
+        default_factory=list
+    )
+    before: list[torch.Tensor] | None = None  # the model's weights at the look before the last
 
 
 WATCHED: list[_Watched] = []
@@ -62,6 +72,9 @@ _WATCH_AT_MOST = 8  # copies watched at once (a loop that copies each step adds 
 # Steps (of any wrapper) a copy is watched over at most: a copy only another wrapper would
 # write (or none) costs no step a look for long. A GAN's two wrappers: 8 to be said.
 _LOOKS = 12
+# A 16-bit weight of a deep copy being made -> the model's weight it copies, weakly: set by
+# the copy's carry (before its on_copy), taken by _note_if_averaged.
+_ORIGINALS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def watch_averaged_copies(model: nn.Module) -> None:
@@ -87,6 +100,7 @@ def _loaded(module: nn.Module) -> None:
 def _note_if_averaged(copy: nn.Module, params: list[torch.Tensor]) -> None:
     """Note this deep copy if it holds 16-bit weights and an ``AveragedModel`` is making it
     (a look up the stack, made only where a prepared model is copied)."""
+    originals = [_ORIGINALS.pop(p, None) for p in params]
     half = next((p for p in params if p.dtype in HALF_DTYPES), None)
     if half is None:
         return
@@ -98,7 +112,19 @@ def _note_if_averaged(copy: nn.Module, params: list[torch.Tensor]) -> None:
         where = f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller else "?"
         PENDING.append((weakref.ref(half), where))
     elif len(WATCHED) < _WATCH_AT_MOST:
-        WATCHED.append(_Watched(weakref.ref(half), _user_frame()))
+        pairs = [
+            (weakref.ref(p), o) for p, o in zip(params, originals, strict=True) if o is not None
+        ]
+        WATCHED.append(_Watched(weakref.ref(half), _user_frame(), pairs=pairs))
+
+
+def _pair(original: torch.Tensor, copied: torch.Tensor) -> None:
+    """Each 16-bit weight of a deep copy of a prepared model: the model's weight it copies."""
+    if copied.dtype in HALF_DTYPES:
+        _ORIGINALS[copied] = weakref.ref(original)
+
+
+carry_on_copy(_pair)
 
 
 def _user_frame() -> str:
@@ -128,8 +154,12 @@ def _say_written_copies(stepped: Callable[[torch.Tensor], bool], stepper: int) -
             continue  # left alone over a step: no average kept by hand
         entry.seen[stepper] = (weight._version, steps + 1)
         if steps + 1 < _WRITTEN_STEPS:
+            if max(n for _, n in entry.seen.values()) + 1 >= _WRITTEN_STEPS:
+                entry.before = _model_weights(entry)  # the next look may be the last
             kept.append(entry)
             continue
+        if _in_step(entry):
+            continue  # kept equal to the model (a target network): nothing averages
         name = dtype_name(weight.dtype)
         warn_at_caller(
             f"the copy of the model made at {entry.where} holds its {name} weights and was "
@@ -141,6 +171,31 @@ def _say_written_copies(stepped: Callable[[torch.Tensor], bool], stepper: int) -
             "the Trainer's mp.EMA(decay)"
         )
     WATCHED[:] = kept
+
+
+def _model_weights(entry: _Watched) -> list[torch.Tensor] | None:
+    """The model's weights that ``entry`` copies, as they are now (``None`` if one is gone)."""
+    weights = [original() for _, original in entry.pairs]
+    if not weights or any(w is None for w in weights):
+        return None
+    return [w.detach().clone() for w in weights if w is not None]
+
+
+def _in_step(entry: _Watched) -> bool:
+    """Whether the copy equals, weight for weight, the model as it was at the look before
+    this one: written after (or before) each step from the model, as a synced copy is. An
+    average moves a fraction of the way, and differs."""
+    before, entry.before = entry.before, None
+    if before is None:
+        return False
+    with torch.no_grad():
+        for (copied, _), was in zip(entry.pairs, before, strict=True):
+            now = copied()
+            if now is None or now.shape != was.shape or now.dtype != was.dtype:
+                return False
+            if not torch.equal(now.detach(), was):
+                return False
+    return True
 
 
 def say_averaged_copies(stepped: Callable[[torch.Tensor], bool], stepper: object = None) -> None:

@@ -87,10 +87,12 @@ def release_float32_copies(model: torch.nn.Module) -> int:
 
 def say_if_frozen_copies(models: list[nn.Module]) -> None:
     """At the first step: the float32 values still kept on a model's frozen 16-bit weights
-    (``requires_grad`` off: a backbone, an adapter's base), which no optimizer takes, kept for
-    good so that a save writes them exactly. A frozen 8-layer backbone took 1.5 times its
-    float32 model's weight memory where 0.5 was meant, unsaid. Said once a model, at 1 MiB
-    and more."""
+    (``requires_grad`` off: a backbone, an adapter's base), which no optimizer takes yet,
+    kept so that a save writes them exactly and a weight unfrozen later (gradual
+    unfreezing, ``add_param_group``) starts its master from them. A backbone frozen for good
+    (8 layers) took 1.5 times its float32 model's weight memory where 0.5 was meant,
+    unsaid; releasing them, as advised alone before, made a weight unfrozen later start from
+    its 16-bit rounding. Said once a model, at 1 MiB and more."""
     for model in models:
         if model.__dict__.get(_SAID):
             continue
@@ -104,10 +106,12 @@ def say_if_frozen_copies(models: list[nn.Module]) -> None:
             warn_at_caller(
                 f"{len(copies)} 16-bit weights no LossScaleOptimizer holds (frozen: a "
                 "backbone, an adapter's base) keep their float32 values beside them, "
-                f"{held / 2**20:.1f} MiB more, so that a save writes them exactly: those "
-                "weights take 1.5 times their float32 memory. mp.release_float32_copies("
-                "model) frees them (a save then writes their 16-bit values, and a weight "
-                "unfrozen later starts its master from them)"
+                f"{held / 2**20:.1f} MiB more: a save writes them exactly, and a weight "
+                "unfrozen later (add_param_group) starts its master from them. If these "
+                "weights stay frozen, they take 1.5 times their float32 memory for good: "
+                "mp.release_float32_copies(model) frees them (a save then writes their "
+                "16-bit values, and a weight unfrozen later starts its master from its "
+                "16-bit rounding)"
             )
 
 

@@ -151,3 +151,88 @@ def test_the_stuck_tracer_is_removed_when_a_step_raises(one_thread):
 def test_scaler_health_refuses_bad_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ScalerHealth(**kwargs)
+
+
+def _feed(health: ScalerHealth, scaler, flags: str, culprit=None) -> list[str]:
+    """Step ``scaler`` by ``flags`` ("0" a skipped step, "1" an applied one) and observe each
+    as the optimizer does; the warnings said."""
+    said = []
+    for flag in flags:
+        skipped = flag == "0"
+        scaler.update(skipped)
+        said.append(health.observe(scaler.state, skipped, culprit, scale_floor(scaler)))
+    return [m for m in said if m]
+
+
+_TF1 = dict(init_loss_scale=2**32, incr_every_n_steps=1000, decr_every_n_nan_or_inf=2,
+            decr_ratio=0.5)  # fmt: skip
+
+
+def _streak(skips: int, scale: str) -> str:
+    return (
+        f"{skips} steps in a row were skipped for inf/NaN gradients (scale now {scale}). If "
+        "the scale is already low, values overflow even unscaled (in the forward pass, or in a "
+        "backward through a large gain): run mp.diagnose(model, x, y, loss_fn) to find the "
+        "layers, then keep them in float32 or use bfloat16."
+    )
+
+
+def test_a_scale_settling_from_a_high_start_is_no_streak_and_no_skip_rate():
+    # Review: TF1's manager from 2**32 (halved every 2nd overflow, as docs/migration.md maps
+    # it) skipped its first 31 steps settling, then trained: warned of a 10-step streak at
+    # 2**27, and at step 100 that 31 of the last 100 steps were skipped. MindSpore's
+    # manager from 2**24: its first 12 skips warned too.
+    assert _feed(ScalerHealth(), mp.ExponentialUpdateLossScaleManager(**_TF1), "0" * 31
+                 + "1" * 70 + ("1" * 19 + "0") * 5) == []  # fmt: skip
+    assert _feed(ScalerHealth(), mp.DynamicLossScaleManager(), "0" * 12 + "10" + "1" * 100) == []
+
+
+def test_a_real_streak_or_skip_rate_still_warns():
+    # Skips going on after a step was applied: the scale settled and overflows again.
+    said = _feed(ScalerHealth(), mp.DynamicLossScaler(), "1" + "0" * 10)
+    assert said == [_streak(10, "64")]
+    # Settling, applied steps, then skips: only those after count.
+    health, scaler = ScalerHealth(), mp.ExponentialUpdateLossScaleManager(**_TF1)
+    assert _feed(health, scaler, "0" * 31 + "1" * 8 + "0" * 9) == []
+    assert _feed(health, scaler, "0") == [_streak(10, "4096")]
+    # A forward overflow traced: no scale causes it, so it is never settling.
+    forward = Overflow("2", "Scale", "forward", "float16", 32, -1.0, 1.0)
+    said = _feed(ScalerHealth(), mp.DynamicLossScaler(), "0" * 10, forward)
+    came = f"64). The first non-finite values came from {forward}."
+    assert said == [_streak(10, "64").replace("64).", came)]
+    # A scaler resumed after applied steps (its counters say so): skips count at once.
+    scaler = mp.DynamicLossScaler()
+    _feed(ScalerHealth(), scaler, "1")
+    assert _feed(ScalerHealth(), scaler, "0" * 10) == [_streak(10, "64")]
+    # From the usual start (2**16) nothing settles: 10 in a row are said, then the floor
+    # reached with every step skipped: stuck, said once.
+    said = _feed(ScalerHealth(), mp.DynamicLossScaler(), "0" * 24)
+    assert len(said) == 2 and said[0] == _streak(10, "64")
+    assert said[1].startswith("training is stuck: the loss scale is at its floor (1) and the "
+                              "last 4 steps")  # fmt: skip
+    # After settling, the skip rate counts the steps since: 25 of 100 skipped warn.
+    said = _feed(ScalerHealth(), mp.DynamicLossScaleManager(), "0" * 8 + ("1" * 3 + "0") * 25)
+    assert said == [
+        "25 of the last 100 steps were skipped. Occasional skips are how dynamic loss scaling "
+        "probes the range; this many waste training: lower growth_factor or raise "
+        "growth_interval, or find the layer with mp.diagnose."
+    ]
+
+
+def test_a_loss_scale_optimizer_settling_from_tf1s_start_says_nothing(recwarn):
+    # The review's reproducer: an O1 float16 MLP under TF1's manager from 2**32.
+    torch.manual_seed(0)
+    model = mp.auto_mixed_precision(
+        torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)),
+        "mixed_float16", "O1",
+    )  # fmt: skip
+    opt = mp.LossScaleOptimizer(torch.optim.Adam(model.parameters(), 1e-3),
+                                mp.ExponentialUpdateLossScaleManager(**_TF1))  # fmt: skip
+    applied = []
+    for _ in range(40):
+        x, y = torch.randn(64, 16) * 4, torch.randint(0, 4, (64,))
+        opt.zero_grad()
+        opt.backward(torch.nn.functional.cross_entropy(model(x), y))
+        applied.append(opt.step().applied)
+    assert applied[:31] == [False] * 31 and all(applied[31:])  # settled, then trained
+    assert not [w for w in recwarn.list if "skipped" in str(w.message)]

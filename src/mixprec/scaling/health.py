@@ -30,7 +30,14 @@ class ScalerHealth:
     the module where the inf/NaN starts when known. When it is not known, the first
     ``observe`` that finds the run stuck returns nothing and sets ``needs_trace``: the caller
     may trace the next step (``mixprec.trace.OverflowTracer``) and pass its culprit; the
-    warning comes then, with the module or without it."""
+    warning comes then, with the module or without it.
+
+    Settling is not a streak: a scale that starts high (TensorFlow 1's 2**32, MindSpore's
+    2**24) skips steps until it backs off into range. Skips before any step was applied
+    that each lower the scale (or spend its hysteresis) while it stays at or above 2**16
+    (the usual start) and above the floor, with no forward overflow (which no scale causes)
+    traced, count toward neither the streak nor the skip rate. Once a step was applied, at
+    the floor, or without ``floor``, every skip counts."""
 
     def __init__(
         self,
@@ -61,6 +68,9 @@ class ScalerHealth:
         self.needs_trace = False
         self._first_loss: float | None = None
         self.warned: set[str] = set()
+        self._applied = False  # a step was applied: settling is over, for good
+        self._last: tuple[float, int] | None = None  # scale, hysteresis_left while settling
+        self._settling = 0  # skips in the current run that were settling
 
     def observe(
         self,
@@ -72,9 +82,11 @@ class ScalerHealth:
     ) -> str | None:
         """``floor``: the scaler's lowest scale (``scale_floor``); ``loss``: this step's
         loss, for the stuck warning to show how it moved since the first step observed."""
-        self._steps += 1
-        if skipped:
-            self._skips.append(self._steps)
+        # Settling skips stay out of the window; a flag check once a step was applied.
+        if self._applied or not self._settles(state, skipped, culprit, floor):
+            self._steps += 1
+            if skipped:
+                self._skips.append(self._steps)
         while self._skips and self._skips[0] <= self._steps - self.window:
             self._skips.popleft()
         if self._first_loss is None and loss is not None:
@@ -99,7 +111,8 @@ class ScalerHealth:
                 "policy='mixed_bfloat16', or keep the layers named by mp.diagnose(...) in "
                 "float32 (keep_float32=report.recommended_keep_float32)."
             )
-        if state.consecutive_skips >= self.max_consecutive_skips and "streak" not in self.warned:
+        streak = state.consecutive_skips - self._settling
+        if streak >= self.max_consecutive_skips and "streak" not in self.warned:
             self.warned.add("streak")
             return (
                 f"{state.consecutive_skips} steps in a row were skipped for inf/NaN "
@@ -121,6 +134,37 @@ class ScalerHealth:
                 "layer with mp.diagnose."
             )
         return None
+
+    def _settles(
+        self,
+        state: ScalerState,
+        skipped: bool,
+        culprit: str | Overflow | None,
+        floor: float | None,
+    ) -> bool:
+        """Whether this step is a skip of the scale settling from a high start: nothing
+        applied yet (here or, per the scaler's counters, before a resume), and the skip
+        lowered the scale or spent hysteresis, still above the floor."""
+        last, self._last = self._last, (state.scale, state.hysteresis_left)
+        if not skipped or state.skipped_steps < state.steps:
+            self._applied, self._settling = True, 0
+            return False
+        if floor is None or state.scale <= floor:
+            return False  # at the floor (or a scale that never moves) nothing settles
+        if state.scale < _USUAL_START:  # below torch's and mixprec's start: no settling left
+            return False
+        if isinstance(culprit, Overflow) and culprit.phase == "forward":
+            return False  # the forward overflows whatever the scale
+        if last is not None and state.scale >= last[0] and state.hysteresis_left >= last[1]:
+            return False
+        self._settling += 1
+        return True
+
+
+# float16's usual starting scale (torch's GradScaler, mixprec's DynamicLossScaler): skips
+# that bring a higher start down to it settle; below it they count (10 in a row from 2**16
+# leave 64, low enough to be said).
+_USUAL_START = 2.0**16
 
 
 def _stuck_message(
