@@ -15,13 +15,16 @@ from torch.utils.weak import WeakIdKeyDictionary
 from mixprec._dtypes import HALF_DTYPES
 from mixprec._float32_copies import current_float32_copy, remember_float32, take_float32_copy
 from mixprec._param_tags import carry_on_copy
+from mixprec._warn import warn_at_caller
 
 __all__ = [
     "float32_start",
     "float32_values",
+    "forget_gone_master",
     "has_live_master",
     "live_master",
     "note_master",
+    "say_masters_gone",
     "take_masters",
 ]
 
@@ -60,6 +63,27 @@ def live_master(p: torch.Tensor) -> torch.Tensor | None:
     """The float32 master of the latest ``LossScaleOptimizer`` over ``p``, while it lives
     and ``p`` still rounds from it; else ``None``."""
     return live_master_of(p)[0]
+
+
+def forget_gone_master(p: torch.Tensor) -> bool:
+    """Whether ``p``'s latest master is gone (its ``LossScaleOptimizer`` deleted: trained
+    inside a function, a Trainer dropped); forgotten once asked, so that it is said once."""
+    entry = _LATEST.get(p)
+    if entry is None or entry[0]() is not None:
+        return False
+    del _LATEST[p]
+    return True
+
+
+def say_masters_gone(count: int, what: str) -> None:
+    """``what`` takes the 16-bit roundings of ``count`` weights whose masters are gone."""
+    if count:
+        warn_at_caller(
+            f"{what} the 16-bit roundings of {count} weight(s) whose float32 masters were "
+            "in a LossScaleOptimizer that is gone (deleted with the function or Trainer that "
+            "trained them): their digits past 16 bits are lost. Save, export or widen while "
+            "the optimizer lives (mp.save_checkpoint(path, model, opt)), or keep it"
+        )
 
 
 def take_masters(params: Iterable[torch.Tensor]) -> int:

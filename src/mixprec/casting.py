@@ -28,7 +28,7 @@ from mixprec._float32_copies import (
     keep_float32_on_load,
     take_float32_copy,
 )
-from mixprec._live_masters import float32_start
+from mixprec._live_masters import float32_start, forget_gone_master, say_masters_gone
 from mixprec._output_sources import remember_source
 from mixprec._rebuilt import Casts
 from mixprec._unwalked_outputs import say_if_unwalked
@@ -292,9 +292,14 @@ def store_as(
             copies.append((t, record))
         return out
 
+    gone: list[bool] = []  # weights whose masters' optimizer is gone: widened from roundings
+
     def _converted(t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, nn.Parameter) and dtype == torch.float32:
-            return float32_start(t)[0]  # kept values, or a live master's: not the rounding
+            values, lost = float32_start(t)  # kept values, or a live master's: not the rounding
+            if lost and forget_gone_master(t):
+                gone.append(True)
+            return values
         return t.to(dtype)
 
     modules = list(module.modules() if recurse else [module])
@@ -319,6 +324,7 @@ def store_as(
     for sub in modules:
         if any(id(p) in noted for p in sub._parameters.values() if p is not None):
             keep_float32_on_load(sub)
+    say_masters_gone(len(gone), "storing the model in float32 (mp.to_float) widens")
 
 
 def upcast_16bit(module: nn.Module) -> list[tuple[str, torch.dtype, bool]]:

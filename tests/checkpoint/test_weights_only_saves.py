@@ -6,6 +6,7 @@ is written as it is."""
 from __future__ import annotations
 
 import gc
+import warnings
 
 import pytest
 import torch
@@ -97,8 +98,17 @@ def test_a_weight_written_since_is_written_as_it_is_and_a_gone_master_is_not_use
     assert torch.equal(out["2.weight"], master)
     del opt, master
     gc.collect()
-    out = written(tmp_path, model, "checkpoint")
+    # Its optimizer gone (trained inside a function), the save writes the roundings: said
+    # at the caller's line, once (before, unsaid, in a file the user took for float32).
+    with pytest.warns(UserWarning, match=r"the save writes the 16-bit roundings of 4 "
+                      r"weight\(s\) whose float32 masters were in a LossScaleOptimizer that "
+                      r"is gone") as said:  # fmt: skip
+        out = written(tmp_path, model, "checkpoint")
+    assert [w.filename for w in said if "is gone" in str(w.message)] == [__file__]
     assert out["2.weight"].dtype == torch.bfloat16  # no float32 values left to write
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        written(tmp_path, model, "export")
 
 
 def test_a_load_of_a_weights_only_save_starts_the_masters_from_its_float32_values(tmp_path):

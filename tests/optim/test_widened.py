@@ -41,6 +41,24 @@ def test_to_float_gives_back_the_live_masters_values():
     assert _same(_weights(model), masters)
 
 
+def test_to_float_after_the_optimizer_is_gone_says_the_masters_digits_are_lost():
+    """Trained inside a function, its optimizer gone: to_float widened the roundings, and
+    the model then evaluated and saved as float32 without the masters' digits, unsaid."""
+    import gc
+
+    import pytest
+
+    model, opt, masters = _trained()
+    del opt
+    gc.collect()
+    with pytest.warns(UserWarning, match=r"storing the model in float32 \(mp.to_float\) "
+                      r"widens the 16-bit roundings of 4 weight\(s\) whose float32 "
+                      r"masters were in a LossScaleOptimizer that is gone") as said:  # fmt: skip
+        mp.to_float(model, torch.float32)
+    assert [w.filename for w in said if "is gone" in str(w.message)] == [__file__]
+    assert not _same(_weights(model), masters)  # the roundings: what the warning says
+
+
 def test_a_new_wrapper_over_a_widened_model_starts_from_the_masters():
     model, _old, masters = _trained()
     model.float()

@@ -14,7 +14,12 @@ from mixprec._aliases import Memory, memory_of
 from mixprec._dist import is_dtensor
 from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import ArgumentError, shown
-from mixprec._live_masters import float32_values, has_live_master
+from mixprec._live_masters import (
+    float32_values,
+    forget_gone_master,
+    has_live_master,
+    say_masters_gone,
+)
 from mixprec._plain_optimizers import is_wrapped
 from mixprec.checkpoint.format import CheckpointError
 from mixprec.optim import LossScaleOptimizer
@@ -105,6 +110,7 @@ def master_tensors(
     # Weights no given optimizer covers (no optimizer yet, a weights-only save, frozen
     # ones) still stand for float32 values: kept at preparation, or a live master's (also
     # of a weight widened since: model.float()).
+    gone = 0
     for param in model.parameters():
         found = names.get(id(param), [])
         if (param.dtype in HALF_DTYPES or has_live_master(param)) and (
@@ -113,6 +119,9 @@ def master_tensors(
             values = float32_values(param)
             if values is not None:
                 masters.update(dict.fromkeys(found, values))
+            else:
+                gone += forget_gone_master(param)
+    say_masters_gone(gone, "the save writes")
     return masters
 
 
