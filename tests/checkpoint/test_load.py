@@ -186,6 +186,22 @@ def test_optimizer_state_of_another_class_is_refused_naming_both(tmp_path):
     mp.load_checkpoint(path, make_mlp(seed=2), torch.optim.AdamW(make_mlp().parameters()))
 
 
+def test_a_scaler_of_another_policy_is_refused_with_the_way_to_load_the_model(tmp_path):
+    """A bfloat16 run's checkpoint into a float16 run: the scaler states differ in kind, and
+    the error named the classes alone, not that the model loads without the optimizer."""
+    model, opt = trained("mixed_bfloat16", "O2", steps=1)
+    path = mp.save_checkpoint(tmp_path / "c.safetensors", model, opt)
+    half, half_opt = trained("mixed_float16", "O2", steps=0)
+    with pytest.raises(mp.CheckpointError, match=r"loss scaler state does not load: .* cannot "
+                       r"load into DynamicLossScaler \(saved under another policy, a bfloat16 "
+                       r"run's for a float16 one: load the model alone, load_checkpoint\(path, "
+                       r"model\), and start its optimizer anew\)"):  # fmt: skip
+        mp.load_checkpoint(path, half, half_opt)
+    mp.load_checkpoint(path, half)  # as the error says
+    master = dict(opt.master_weights())[model[0].weight]
+    assert torch.equal(half[0].weight, master.to(torch.float16))
+
+
 def test_inner_optimizer_of_another_class_is_refused_and_older_files_still_load(tmp_path):
     model, opt = trained("mixed_float16", "O2", steps=1)  # a LossScaleOptimizer over Adam
     path = mp.save_checkpoint(tmp_path / "c.safetensors", model, opt)

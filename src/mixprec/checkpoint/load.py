@@ -249,7 +249,13 @@ def _optimizer_state(
     try:  # the scaler's load checks each value by name; a copy keeps the real one as it is
         copy.deepcopy(optimizer.loss_scaler).load_state_dict(state["loss_scaler"])
     except Exception as err:  # whatever a bad state makes it raise
-        raise CheckpointError(f"{path}: loss scaler state does not load: {err}") from None
+        hint = ""
+        if "cannot load into" in str(err):  # another kind: saved under another policy
+            hint = (
+                " (saved under another policy, a bfloat16 run's for a float16 one: load the "
+                "model alone, load_checkpoint(path, model), and start its optimizer anew)"
+            )
+        raise CheckpointError(f"{path}: loss scaler state does not load: {err}{hint}") from None
     for each, each_state in zip(optimizer.optimizers, inner, strict=True):
         _try_load(path, each, each_state)
     names = _parameter_names(model)
