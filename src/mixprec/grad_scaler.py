@@ -112,9 +112,7 @@ class GradScaler(_Accessors):
         self._device = device
         self._enabled = enabled
         if device == "cuda" and enabled and not torch.cuda.is_available():
-            # torch's behaviour and words (disabled, so torch.amp scripts run unchanged), plus
-            # what they leave out: a CPU float16 loop then trains unscaled, and the fix.
-            warnings.warn(
+            warnings.warn(  # torch's behaviour and words, plus what they leave out
                 "mixprec.GradScaler is enabled, but CUDA is not available.  Disabling. Losses "
                 "are not scaled, so small float16 gradients may underflow to zero; to scale on "
                 'the CPU, pass GradScaler("cpu") (device="cpu"), as with torch.amp.GradScaler',
