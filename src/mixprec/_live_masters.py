@@ -13,7 +13,12 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from mixprec._dtypes import HALF_DTYPES
-from mixprec._float32_copies import current_float32_copy, remember_float32, take_float32_copy
+from mixprec._float32_copies import (
+    FP32_COPY_ATTR,
+    current_float32_copy,
+    remember_float32,
+    take_float32_copy,
+)
 from mixprec._param_tags import carry_on_copy
 from mixprec._warn import warn_at_caller
 
@@ -33,8 +38,11 @@ _LATEST: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def note_master(p: torch.Tensor, master: torch.Tensor, stored: torch.dtype) -> None:
-    """``master`` is now ``p``'s, for ``p`` stored in ``stored``."""
+    """``master`` is now ``p``'s, for ``p`` stored in ``stored``: float32 values still kept on
+    ``p`` (those a deep copy of the model carried, copied with its optimizer) go, as the
+    master holds them."""
     _LATEST[p] = (weakref.ref(master), stored)
+    p.__dict__.pop(FP32_COPY_ATTR, None)
 
 
 def has_live_master(p: torch.Tensor) -> bool:

@@ -19,7 +19,7 @@ from mixprec._aliases import frozen_aliases
 from mixprec._dist import is_dtensor
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
-from mixprec._float32_copies import FP32_COPY_ATTR, take_float32_copy
+from mixprec._float32_copies import take_float32_copy
 from mixprec._live_masters import float32_start, note_master, take_masters
 from mixprec._plain_optimizers import needs_master
 from mixprec._warn import warn_at_caller
@@ -78,7 +78,6 @@ class MasterWeights:
         self.index.update({id(p): (False, i) for i, p in enumerate(self.plain)})
         for p, master, stored in zip(self.half, self.masters, self.stored, strict=True):
             note_master(p, master, stored)
-            p.__dict__.pop(FP32_COPY_ATTR, None)  # what the model's copy carried: a master holds it
             _MASTERS[master] = True
         self.versions = self.half_versions()
 
