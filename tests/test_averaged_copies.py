@@ -157,31 +157,37 @@ def test_a_teacher_a_best_model_and_a_copy_trained_by_its_own_wrapper_are_not_sa
     assert not mp._averaged_copies.WATCHED  # nothing watched after the first steps
 
 
-def test_a_gan_ema_under_two_wrappers_is_said_and_a_copy_synced_by_loads_is_not():
-    """StyleGAN's G_ema, written after G's steps alone: D's step between found it unchanged
-    and dropped it, unsaid. PPO's old policy, loaded from the policy after each update, is
-    an exact copy: it was said as a stalled average."""
+def _gan_with_a_copy(steps: int, update) -> None:
+    """A GAN under two wrappers; after G's steps, ``update(copy_weight, g_weight)`` writes
+    the copy of G made before them (an EMA, a synced copy)."""
     gen = mp.auto_mixed_precision(
         nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), "mixed_bfloat16", "O2"
     )
     disc = mp.auto_mixed_precision(
         nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1)), "mixed_bfloat16", "O2"
     )
-    g_ema = copy.deepcopy(gen).eval()
+    copied = copy.deepcopy(gen).eval()
     opt_g = mp.LossScaleOptimizer(torch.optim.Adam(gen.parameters(), lr=1e-3))
     opt_d = mp.LossScaleOptimizer(torch.optim.Adam(disc.parameters(), lr=1e-3))
+    for _ in range(steps):
+        z, real = torch.randn(8, 8), torch.randn(8, 4)
+        opt_d.zero_grad()
+        opt_d.backward(disc(gen(z).detach()).mean() - disc(real).mean())
+        opt_d.step()
+        opt_g.zero_grad()
+        opt_g.backward(-disc(gen(z)).mean())
+        opt_g.step()
+        with torch.no_grad():
+            for e, p in zip(copied.parameters(), gen.parameters(), strict=True):
+                update(e, p)
+
+
+def test_a_gan_ema_under_two_wrappers_is_said_and_a_copy_synced_by_loads_is_not():
+    """StyleGAN's G_ema, written after G's steps alone: D's step between found it unchanged
+    and dropped it, unsaid. PPO's old policy, loaded from the policy after each update, is
+    an exact copy: it was said as a stalled average."""
     with pytest.warns(UserWarning, match="copy of the model made at") as said:
-        for _ in range(6):
-            z, real = torch.randn(8, 8), torch.randn(8, 4)
-            opt_d.zero_grad()
-            opt_d.backward(disc(gen(z).detach()).mean() - disc(real).mean())
-            opt_d.step()
-            opt_g.zero_grad()
-            opt_g.backward(-disc(gen(z)).mean())
-            opt_g.step()
-            with torch.no_grad():
-                for e, p in zip(g_ema.parameters(), gen.parameters(), strict=True):
-                    e.copy_(p.lerp(e, 0.999))
+        _gan_with_a_copy(6, lambda e, p: e.copy_(p.lerp(e, 0.999)))
     assert len([w for w in said if "copy of the model" in str(w.message)]) == 1
     policy = mp.auto_mixed_precision(
         nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), "mixed_bfloat16", "O2"
@@ -255,26 +261,7 @@ def test_a_copy_kept_in_step_with_the_model_is_not_said_and_an_ema_beside_it_is(
 def test_a_gan_generators_synced_copy_under_two_wrappers_is_not_said():
     # Written after G's steps alone, looked at by D's steps too: equal to G as it was at
     # the look before the last, whichever wrapper's step that was.
-    gen = mp.auto_mixed_precision(
-        nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), "mixed_bfloat16", "O2"
-    )
-    disc = mp.auto_mixed_precision(
-        nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1)), "mixed_bfloat16", "O2"
-    )
-    g_prev = copy.deepcopy(gen).eval()
-    opt_g = mp.LossScaleOptimizer(torch.optim.Adam(gen.parameters(), lr=1e-3))
-    opt_d = mp.LossScaleOptimizer(torch.optim.Adam(disc.parameters(), lr=1e-3))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for _ in range(8):
-            z, real = torch.randn(8, 8), torch.randn(8, 4)
-            opt_d.zero_grad()
-            opt_d.backward(disc(gen(z).detach()).mean() - disc(real).mean())
-            opt_d.step()
-            opt_g.zero_grad()
-            opt_g.backward(-disc(gen(z)).mean())
-            opt_g.step()
-            with torch.no_grad():
-                for e, p in zip(g_prev.parameters(), gen.parameters(), strict=True):
-                    e.copy_(p)
+        _gan_with_a_copy(8, lambda e, p: e.copy_(p))
     assert not mp._averaged_copies.WATCHED
