@@ -146,6 +146,44 @@ def test_outputs_the_forward_made_wide_leave_as_they_are(policy, level):
     assert out["logits"].dtype == (torch.bfloat16 if level == "O3" else torch.float32)
 
 
+class _InfoNCE(nn.Module):
+    """A contrastive loss written by hand inside forward: exp(similarity / 0.07), a sum and
+    a log, as CUDA's autocast runs them in float32 (and CPU autocast does not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(16, 32)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        za, zb = nn.functional.normalize(self.enc(a), dim=-1), self.enc(b)
+        zb = zb / zb.pow(2).sum(-1, keepdim=True).rsqrt().reciprocal()
+        sim = torch.exp(za @ zb.T / 0.07)
+        self.dtypes = {sim.dtype, za.dtype, zb.dtype}
+        return -torch.log(sim.diagonal() / sim.sum(-1)).mean()
+
+
+@pytest.mark.parametrize(("policy", "level"), [("mixed_float16", "O2"), ("mixed_bfloat16", "O1"),
+                                               ("bfloat16", "O3")])  # fmt: skip
+def test_hand_written_math_runs_and_returns_in_float32_as_cudas_autocast_does(policy, level):
+    """exp(14.3) is inf in float16: the loss was NaN from the first step and every step
+    skipped; in bfloat16 a cosine loss trained 12 times worse. exp, log, pow, sum,
+    rsqrt, reciprocal and normalize now run and return in float32, as CUDA's do."""
+    torch.manual_seed(0)
+    control = _InfoNCE()
+    a, b = torch.randn(64, 16), torch.randn(64, 16)
+    model = mp.auto_mixed_precision(copy.deepcopy(control), policy, level)
+    loss = model(a, b)
+    assert model.dtypes == {torch.float32} and torch.isfinite(loss)
+    expected = control(a, b)
+    tolerance = 2e-3 if policy == "mixed_float16" else 2e-2  # the encoder's 16-bit matmul
+    torch.testing.assert_close(loss, expected, rtol=tolerance, atol=0)
+    loss.backward()
+    expected.backward()
+    for p, q in zip(model.parameters(), control.parameters(), strict=True):
+        assert torch.isfinite(p.grad).all()
+        torch.testing.assert_close(p.grad.float(), q.grad, rtol=0, atol=0.1 * q.grad.abs().max())
+
+
 def test_to_float_errors():
     with pytest.raises(TypeError, match="needs a torch.nn.Module, got str"):
         mp.to_float("layer", torch.float32)  # type: ignore[arg-type]

@@ -172,8 +172,8 @@ def _unchanged(new: Any, old: Any) -> bool:
 # exp/log and mean/variance reductions lose the precision that losses and normalisation need.
 # batch_norm/instance_norm are not here: their running statistics are updated in place, and a
 # cast would update a copy. Their modules are float32 regions instead (see levels.py).
-# Losses return float32; the others return their input's dtype, so that the next layer (a
-# bfloat16 BatchNorm at O3, say) receives the dtype it was built for.
+# Losses and FLOAT32_MATH return float32; the others return their input's dtype, so that the
+# next layer (a bfloat16 BatchNorm at O3, say) receives the dtype it was built for.
 FLOAT32_LOSSES: frozenset[Callable[..., Any]] = frozenset(
     {
         F.cross_entropy, F.nll_loss, F.ctc_loss, F.kl_div, F.binary_cross_entropy,
@@ -193,13 +193,35 @@ UNBOUNDED_FUNCTIONS: frozenset[Callable[..., Any]] = frozenset(
         torch.norm, torch.Tensor.norm, torch.linalg.vector_norm,
     }
 )  # fmt: skip
-FLOAT32_FUNCTIONS: frozenset[Callable[..., Any]] = FLOAT32_LOSSES | UNBOUNDED_FUNCTIONS | frozenset(
+# The math of CUDA autocast's float32 list that CPU autocast leaves in 16 bits, for what a
+# forward writes by hand (an InfoNCE's exp(sim / 0.07), a log-variance's exp, 1 / p, x ** 2,
+# .sum()): exp(14.3) is inf in float16, log's backward (1/p) overflows below p = 1.5e-5, and
+# a cosine loss trained 12 times worse in bfloat16. Returned in float32, as CUDA returns them.
+FLOAT32_MATH: frozenset[Callable[..., Any]] = frozenset(
+    {
+        torch.exp, torch.Tensor.exp, torch.expm1, torch.Tensor.expm1,
+        torch.log, torch.Tensor.log, torch.log1p, torch.Tensor.log1p,
+        torch.log2, torch.Tensor.log2, torch.log10, torch.Tensor.log10,
+        torch.pow, torch.Tensor.pow, torch.Tensor.__pow__, torch.Tensor.__rpow__,
+        torch.reciprocal, torch.Tensor.reciprocal, torch.rsqrt, torch.Tensor.rsqrt,
+        torch.Tensor.__rtruediv__, torch.Tensor.__rdiv__,
+        torch.acos, torch.Tensor.acos, torch.asin, torch.Tensor.asin, torch.cosh,
+        torch.Tensor.cosh, torch.sinh, torch.Tensor.sinh, torch.tan, torch.Tensor.tan,
+        torch.erfinv, torch.Tensor.erfinv,
+        torch.sum, torch.Tensor.sum, torch.prod, torch.Tensor.prod,
+        F.softplus, F.cosine_similarity, torch.cosine_similarity, F.normalize,
+        F.pdist, torch.pdist, torch.dist, torch.Tensor.dist, torch.renorm, torch.Tensor.renorm,
+    }
+)  # fmt: skip
+# Results that leave in float32 whatever the inputs' 16-bit dtype.
+_FLOAT32_RESULTS = FLOAT32_LOSSES | FLOAT32_MATH
+FLOAT32_FUNCTIONS: frozenset[Callable[..., Any]] = frozenset(
     {
         F.softmax, F.log_softmax, F.softmin, torch.softmax, torch.log_softmax,
         torch.Tensor.softmax, torch.Tensor.log_softmax,
         F.layer_norm, F.group_norm, F.rms_norm,
     }
-)  # fmt: skip
+) | _FLOAT32_RESULTS | UNBOUNDED_FUNCTIONS  # fmt: skip
 
 
 class Float32Functions(TorchFunctionMode):
@@ -227,7 +249,7 @@ class Float32Functions(TorchFunctionMode):
         # A loss, or an output dtype the caller asked for (softmax(x, -1, dtype) or
         # softmax(x, -1, dtype=dtype)), stays.
         asked = kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)
-        if func in FLOAT32_LOSSES or first is None or asked:
+        if func in _FLOAT32_RESULTS or first is None or asked:
             return result
         if first.dtype == torch.float16 and func in UNBOUNDED_FUNCTIONS:
             return result
