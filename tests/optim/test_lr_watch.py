@@ -89,3 +89,22 @@ def test_a_scheduler_stepped_per_epoch_over_an_epochs_skipped_last_step_is_not_s
             sched.step(1.0) if kind != "StepLR" else sched.step()  # type: ignore[attr-defined]
     assert skipped == 3 and opt.param_groups[0]["lr"] < 0.1  # skips, and the rate moved
     assert not [w for w in seen if "learning rate changed" in str(w.message)]
+
+
+def test_a_scheduler_stepped_over_skipped_accumulation_groups_is_said():
+    """accumulation_steps=2, step() after each backward: the accumulating step() between two
+    skipped groups reset the run of skips, and the warning could not come."""
+    torch.manual_seed(0)
+    model = mp.auto_mixed_precision(torch.nn.Linear(4, 4), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for i in range(24):
+            gain = 1e6 if i < 8 else 1.0  # the first 4 groups overflow
+            opt.zero_grad()
+            opt.backward(F.mse_loss(model(torch.randn(2, 4)) * gain, torch.zeros(2, 4)))
+            if not opt.step().accumulating:
+                sched.step()  # once a group, over skipped ones too
+    said = [w for w in seen if "learning rate changed" in str(w.message)]
+    assert len(said) == 1 and "0.005 -> 0.01 -> 0.015" in str(said[0].message)

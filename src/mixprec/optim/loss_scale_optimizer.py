@@ -326,10 +326,10 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         if check_micro_batches(self._book, self.accumulation_steps, self.drop_gradients):
             return apply_partial_group(self)  # an epoch's last, shorter group
         check_partners(self._book, self._loss_scaler)
-        say_if_rates_moved(self._book, self.optimizers)
         self._book.fresh = False
         if self._book.micro < self.accumulation_steps:
             return StepResult(False, False, self._loss_scaler.get_scale(), accumulating=True)
+        say_if_rates_moved(self._book, self.optimizers)  # steps that apply or skip alone
         self._adopt_added_groups()
         if self._book.look.versions is not None:  # None after unscale_(), which looked
             self._book.look.before_unscale(self._weights, self._loss_scaler.get_scale())
