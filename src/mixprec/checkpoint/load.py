@@ -249,11 +249,17 @@ def _optimizer_state(
     try:  # the scaler's load checks each value by name; a copy keeps the real one as it is
         copy.deepcopy(optimizer.loss_scaler).load_state_dict(state["loss_scaler"])
     except Exception as err:  # whatever a bad state makes it raise
-        hint = ""
-        if "cannot load into" in str(err):  # another kind: saved under another policy
+        said, hint = str(err), ""
+        if "cannot load into" in said:  # another kind of scaler
+            # bfloat16 runs scale nothing (NoOpLossScaler): a float16 run's is dynamic.
+            why = (
+                "another policy, a bfloat16 run's for a float16 one or back"
+                if ("NoOpLossScaler" in said)
+                else "another loss scaler"
+            )
             hint = (
-                " (saved under another policy, a bfloat16 run's for a float16 one: load the "
-                "model alone, load_checkpoint(path, model), and start its optimizer anew)"
+                f" (saved with {why}: load the model alone, load_checkpoint(path, model), and "
+                "start its optimizer anew)"
             )
         raise CheckpointError(f"{path}: loss scaler state does not load: {err}{hint}") from None
     for each, each_state in zip(optimizer.optimizers, inner, strict=True):
