@@ -6,6 +6,7 @@ widened (``model.float()``), rather than from the weight's rounding. Below ``cas
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Iterable
 
@@ -35,14 +36,23 @@ __all__ = [
 
 # weight -> (the latest master, weakly; the weight's 16-bit dtype when that master was made)
 _LATEST: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_DIED_AT: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> its version as its master died
 
 
 def note_master(p: torch.Tensor, master: torch.Tensor, stored: torch.dtype) -> None:
     """``master`` is now ``p``'s, for ``p`` stored in ``stored``: float32 values still kept on
     ``p`` (those a deep copy of the model carried, copied with its optimizer) go, as the
     master holds them."""
-    _LATEST[p] = (weakref.ref(master), stored)
+    _LATEST[p] = (weakref.ref(master, functools.partial(_died, weakref.ref(p))), stored)
     p.__dict__.pop(FP32_COPY_ATTR, None)
+
+
+def _died(weight: weakref.ref[torch.Tensor], _: object) -> None:
+    """A master is gone: its weight's version then, so that a write since (a load: the
+    weight its own again) is told from the roundings the master left."""
+    p = weight()
+    if p is not None:
+        _DIED_AT[p] = p._version
 
 
 def has_live_master(p: torch.Tensor) -> bool:
@@ -75,12 +85,13 @@ def live_master(p: torch.Tensor) -> torch.Tensor | None:
 
 def forget_gone_master(p: torch.Tensor) -> bool:
     """Whether ``p``'s latest master is gone (its ``LossScaleOptimizer`` deleted: trained
-    inside a function, a Trainer dropped); forgotten once asked, so that it is said once."""
+    inside a function, a Trainer dropped) and ``p`` holds its rounding still (not written
+    since); forgotten once asked, so that it is said once."""
     entry = _LATEST.get(p)
     if entry is None or entry[0]() is not None:
         return False
     del _LATEST[p]
-    return True
+    return _DIED_AT.pop(p, None) == p._version
 
 
 def say_masters_gone(count: int, what: str) -> None:

@@ -109,6 +109,12 @@ def test_a_weight_written_since_is_written_as_it_is_and_a_gone_master_is_not_use
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         written(tmp_path, model, "export")
+        # Written since its master went (a load): its own values, nothing lost to say.
+        fresh = mp.auto_mixed_precision(net(), "mixed_bfloat16", "O2")
+        train(fresh)
+        gc.collect()
+        fresh.load_state_dict({k: v.clone() for k, v in fresh.state_dict().items()})
+        written(tmp_path, fresh, "checkpoint")
 
 
 def test_a_load_of_a_weights_only_save_starts_the_masters_from_its_float32_values(tmp_path):
