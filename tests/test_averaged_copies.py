@@ -265,3 +265,27 @@ def test_a_gan_generators_synced_copy_under_two_wrappers_is_not_said():
         warnings.simplefilter("error")
         _gan_with_a_copy(8, lambda e, p: e.copy_(p))
     assert not mp._averaged_copies.WATCHED
+
+
+def test_an_ema_over_a_model_that_first_stands_still_is_still_said():
+    """A float16 model whose first steps skip while the scale settles: its EMA equals the
+    still model, was taken for a synced copy at the looks of those steps and dropped,
+    unsaid. The decision waits for a move of the model."""
+    torch.manual_seed(0)
+    model = mp.auto_mixed_precision(
+        nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), "mixed_float16", "O2"
+    )
+    opt = mp.LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+    ema = copy.deepcopy(model).requires_grad_(False)
+    applied = []
+    with pytest.warns(UserWarning, match="copy of the model made at") as said:
+        for _ in range(12):
+            opt.zero_grad()
+            x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+            opt.backward(nn.functional.cross_entropy(model(x).float(), y) * 1e3)
+            applied.append(opt.step().applied)
+            with torch.no_grad():
+                for e, p in zip(ema.parameters(), model.parameters(), strict=True):
+                    e.copy_(p.lerp(e, 0.999))
+    assert applied[:4] == [False] * 4 and applied[-1]  # it stood still, then moved
+    assert len([w for w in said if "copy of the model" in str(w.message)]) == 1

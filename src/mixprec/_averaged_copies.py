@@ -64,6 +64,7 @@ class _Watched:
         default_factory=list
     )
     before: list[torch.Tensor] | None = None  # the model's weights at the look before the last
+    moved: bool = False  # the model's weights changed between the two looks before this one
 
 
 WATCHED: list[_Watched] = []
@@ -158,7 +159,16 @@ def _say_written_copies(stepped: Callable[[torch.Tensor], bool], stepper: int) -
                 entry.before = _model_weights(entry)  # the next look may be the last
             kept.append(entry)
             continue
-        if _in_step(entry):
+        synced = _in_step(entry)
+        if synced is None:  # no move of the model seen yet (skipped steps): a later look
+            now = _model_weights(entry)
+            entry.moved = (
+                now is not None and entry.before is not None and not _same(now, entry.before)
+            )
+            entry.before = now
+            kept.append(entry)
+            continue
+        if synced:
             continue  # kept equal to the model (a target network): nothing averages
         name = dtype_name(weight.dtype)
         warn_at_caller(
@@ -181,21 +191,27 @@ def _model_weights(entry: _Watched) -> list[torch.Tensor] | None:
     return [w.detach().clone() for w in weights if w is not None]
 
 
-def _in_step(entry: _Watched) -> bool:
+def _in_step(entry: _Watched) -> bool | None:
     """Whether the copy equals, weight for weight, the model as it was at the look before
-    this one: written after (or before) each step from the model, as a synced copy is. An
-    average moves a fraction of the way, and differs."""
-    before, entry.before = entry.before, None
+    this one, after a move of the model: written after (or before) each step from the
+    model, as a synced copy is. An average moves a fraction of the way, and differs.
+    ``None`` where it equals it and no move of the model was seen (steps skipped, or the
+    first look): an average of a still model equals it too."""
+    before = entry.before
     if before is None:
         return False
     with torch.no_grad():
-        for (copied, _), was in zip(entry.pairs, before, strict=True):
-            now = copied()
-            if now is None or now.shape != was.shape or now.dtype != was.dtype:
-                return False
-            if not torch.equal(now.detach(), was):
-                return False
-    return True
+        copies = [copied() for copied, _ in entry.pairs]
+        if any(c is None for c in copies) or not _same(copies, before):  # type: ignore[arg-type]
+            return False
+    return True if entry.moved else None
+
+
+def _same(tensors: list[torch.Tensor], others: list[torch.Tensor]) -> bool:
+    return all(
+        a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.detach(), b)
+        for a, b in zip(tensors, others, strict=True)
+    )
 
 
 def say_averaged_copies(stepped: Callable[[torch.Tensor], bool], stepper: object = None) -> None:
