@@ -289,3 +289,8 @@ def test_an_ema_over_a_model_that_first_stands_still_is_still_said():
                     e.copy_(p.lerp(e, 0.999))
     assert applied[:4] == [False] * 4 and applied[-1]  # it stood still, then moved
     assert len([w for w in said if "copy of the model" in str(w.message)]) == 1
+    # The float32 values the copy carried (a best model's export) were stale once averaged
+    # into: dropped, not kept beside the EMA for good (4 bytes a parameter).
+    from mixprec._float32_copies import FP32_COPY_ATTR
+
+    assert not any(FP32_COPY_ATTR in p.__dict__ for p in ema.parameters())

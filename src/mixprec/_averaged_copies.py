@@ -35,6 +35,7 @@ from torch.optim.swa_utils import AveragedModel
 from torch.utils.weak import WeakIdKeyDictionary
 
 from mixprec._dtypes import HALF_DTYPES, dtype_name
+from mixprec._float32_copies import FP32_COPY_ATTR
 from mixprec._param_tags import carry_on_copy, keeper_of
 from mixprec._warn import warn_at_caller
 
@@ -112,6 +113,7 @@ def _note_if_averaged(copy: nn.Module, params: list[torch.Tensor]) -> None:
         caller = frame.f_back
         where = f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller else "?"
         PENDING.append((weakref.ref(half), where))
+        _release(params)  # averaged in place from the first update: stale at once
     elif len(WATCHED) < _WATCH_AT_MOST:
         pairs = [
             (weakref.ref(p), o) for p, o in zip(params, originals, strict=True) if o is not None
@@ -146,6 +148,8 @@ def _say_written_copies(stepped: Callable[[torch.Tensor], bool], stepper: int) -
         weight = entry.weight()
         entry.looks += 1
         if weight is None or weight.dtype not in HALF_DTYPES or stepped(weight) or entry.loaded:
+            if weight is not None and not stepped(weight):  # made float32 (.float()), synced
+                _release([c() for c, _ in entry.pairs])  # their rounding: never current again
             continue  # gone, made float32, trained by a wrapper of its own, or synced
         if entry.looks > _LOOKS:
             continue  # not written at every step of any one wrapper: no average
@@ -168,6 +172,7 @@ def _say_written_copies(stepped: Callable[[torch.Tensor], bool], stepper: int) -
             entry.before = now
             kept.append(entry)
             continue
+        _release([c() for c, _ in entry.pairs])  # written in place: no longer current
         if synced:
             continue  # kept equal to the model (a target network): nothing averages
         name = dtype_name(weight.dtype)
@@ -205,6 +210,15 @@ def _in_step(entry: _Watched) -> bool | None:
         if any(c is None for c in copies) or not _same(copies, before):  # type: ignore[arg-type]
             return False
     return True if entry.moved else None
+
+
+def _release(params: list[torch.Tensor | None]) -> None:
+    """Drop the float32 values a deep copy carried (``_live_masters``) from ``params``: a
+    copy written in place, or widened by ``.float()``, no longer rounds from them, and an
+    EMA or a target network kept them (4 bytes a parameter) for good."""
+    for p in params:
+        if p is not None:
+            p.__dict__.pop(FP32_COPY_ATTR, None)
 
 
 def _same(tensors: list[torch.Tensor], others: list[torch.Tensor]) -> bool:

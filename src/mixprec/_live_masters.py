@@ -153,9 +153,9 @@ def _carry_float32_values(original: torch.Tensor, copied: torch.Tensor) -> None:
     if copied.dtype not in HALF_DTYPES or has_live_master(copied):
         return
     values = float32_values(original)
-    if values is not None:
+    if values is not None:  # in host memory, as a load keeps them: moved when used
         with torch.no_grad():
-            remember_float32(copied, values.detach().clone())
+            remember_float32(copied, values.detach().to("cpu", copy=True))
 
 
 carry_on_copy(_carry_float32_values)
