@@ -26,7 +26,7 @@ import copy
 import os
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -212,7 +212,7 @@ def _in_step(entry: _Watched) -> bool | None:
     return True if entry.moved else None
 
 
-def _release(params: list[torch.Tensor | None]) -> None:
+def _release(params: Iterable[torch.Tensor | None]) -> None:
     """Drop the float32 values a deep copy carried (``_live_masters``) from ``params``: a
     copy written in place, or widened by ``.float()``, no longer rounds from them, and an
     EMA or a target network kept them (4 bytes a parameter) for good."""

@@ -91,7 +91,7 @@ def forget_gone_master(p: torch.Tensor) -> bool:
     if entry is None or entry[0]() is not None:
         return False
     del _LATEST[p]
-    return _DIED_AT.pop(p, None) == p._version
+    return bool(_DIED_AT.pop(p, None) == p._version)
 
 
 def say_masters_gone(count: int, what: str) -> None:

@@ -215,13 +215,14 @@ FLOAT32_MATH: frozenset[Callable[..., Any]] = frozenset(
 )  # fmt: skip
 # Results that leave in float32 whatever the inputs' 16-bit dtype.
 _FLOAT32_RESULTS = FLOAT32_LOSSES | FLOAT32_MATH
-FLOAT32_FUNCTIONS: frozenset[Callable[..., Any]] = frozenset(
+_LIKE_INPUT: frozenset[Callable[..., Any]] = frozenset(
     {
         F.softmax, F.log_softmax, F.softmin, torch.softmax, torch.log_softmax,
         torch.Tensor.softmax, torch.Tensor.log_softmax,
         F.layer_norm, F.group_norm, F.rms_norm,
     }
-) | _FLOAT32_RESULTS | UNBOUNDED_FUNCTIONS  # fmt: skip
+)  # fmt: skip
+FLOAT32_FUNCTIONS = _LIKE_INPUT | _FLOAT32_RESULTS | UNBOUNDED_FUNCTIONS
 
 
 class Float32Functions(TorchFunctionMode):

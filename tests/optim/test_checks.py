@@ -720,3 +720,41 @@ def test_a_loop_that_steps_whole_groups_applies_an_epochs_shorter_last_group_as_
     for i in range(4):
         opt.backward(loss_of(model))
         assert opt.step().applied == (i == 3)
+
+
+def test_clipping_by_hand_before_an_epochs_shorter_last_group_applies_it_as_its_mean():
+    """unscale_() then clip_grad_norm_ before each step (the Hugging Face no-trainer loop):
+    the epoch's last 2 of 4 raised "unscale_() called after 2 of 4 micro-batches", for a
+    group that has no further micro-batch. Its unscale takes the group's mean, once."""
+    x, y = classification_data(n=80)
+    model = mp.auto_mixed_precision(make_mlp(), "float32")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=4)
+    control = make_mlp()
+    plain = torch.optim.SGD(control.parameters(), lr=0.1)
+    group: list[int] = []
+    for i in range(10):  # groups of 4, 4 and 2
+        opt.backward(nn.functional.cross_entropy(model(x[8 * i : 8 * i + 8]), y[8 * i : 8 * i + 8]))
+        group.append(i)
+        if len(group) == 4 or i == 9:
+            opt.unscale_()
+            nn.utils.clip_grad_norm_(list(opt.master_params()), 0.5)
+            assert opt.step().applied
+            opt.zero_grad()
+            for j in group:
+                loss = nn.functional.cross_entropy(
+                    control(x[8 * j : 8 * j + 8]), y[8 * j : 8 * j + 8]
+                )
+                (loss / len(group)).backward()
+            nn.utils.clip_grad_norm_(list(control.parameters()), 0.5)
+            plain.step()
+            plain.zero_grad()
+            group = []
+    for a, b in zip(control.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+    # Outside a loop of whole groups, unscale_() before a group's last micro-batch still
+    # raises.
+    opt.backward(loss_of(model))
+    opt.step()
+    opt.backward(loss_of(model))
+    with pytest.raises(mp.MisuseError, match=r"unscale_\(\) called after 2 of 4 accumulation"):
+        opt.unscale_()

@@ -219,7 +219,7 @@ def check_micro_batches(book: Any, accumulation_steps: int, drop: Callable[[], N
     micro-batches: it was refused, its gradients dropped, or, for one, carried into the
     next epoch's first group."""
     taken, n = book.backwards, accumulation_steps
-    tail = n > 1 and book.whole_groups and 0 < taken == book.micro < n
+    tail = _is_tail(book, n)
     if n > 1 and taken > 1 and not taken == book.micro == n and not tail:
         drop()
         raise MisuseError(
@@ -237,6 +237,26 @@ def check_micro_batches(book: Any, accumulation_steps: int, drop: Callable[[], N
         book.whole_groups = taken == n
     book.backwards = 0
     return tail
+
+
+def _is_tail(book: Any, n: int) -> bool:
+    """A shorter group's backwards in a loop that stepped whole groups (an epoch's end)."""
+    return n > 1 and book.whole_groups and 0 < book.backwards == book.micro < n
+
+
+def unscale_group_factor(book: Any, accumulation_steps: int) -> float:
+    """At ``unscale_()``: 1 after a whole group; ``N / k`` for an epoch's last, shorter
+    group of ``k`` in a loop that steps whole groups (its mean, as ``step()`` applies it:
+    clipping by hand before that step raised for want of a last micro-batch). Else,
+    before the group's last micro-batch, refused."""
+    if book.micro >= accumulation_steps:
+        return 1.0
+    if _is_tail(book, accumulation_steps):
+        return float(accumulation_steps / book.micro)
+    raise MisuseError(
+        f"LossScaleOptimizer.unscale_() called after {book.micro} of {accumulation_steps} "
+        "accumulation micro-batches; call it after the last"
+    )
 
 
 def after_step(

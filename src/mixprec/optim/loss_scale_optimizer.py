@@ -34,6 +34,7 @@ from mixprec.optim.checks import (
     no_gradients,
     say_if_half_grads_changed,
     say_if_masters_lost,
+    unscale_group_factor,
 )
 from mixprec.optim.deferred import Deferred, device_tail, on_device
 from mixprec.optim.direct import FusedStep
@@ -292,11 +293,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             raise MisuseError(
                 "LossScaleOptimizer.unscale_() called without a backward() since the last step()"
             )
-        if self._book.micro < self.accumulation_steps:
-            raise MisuseError(
-                f"LossScaleOptimizer.unscale_() called after {self._book.micro} of "
-                f"{self.accumulation_steps} accumulation micro-batches; call it after the last"
-            )
+        factor *= unscale_group_factor(self._book, self.accumulation_steps)
         self._adopt_added_groups()  # step() adopts before its own unscale
         self._book.look.before_unscale(self._weights, self._loss_scaler.get_scale())
         self._unscale(float(factor))

@@ -29,8 +29,10 @@ def apply_partial_group(optimizer: LossScaleOptimizer) -> StepResult:
     optimizer.accumulation_steps = taken  # a group of `taken`, for this step only
     try:
         # The rescale in the unscale's own pass, before its inf/NaN check: multiplied after
-        # it, an O3 float16 gradient could overflow past the check into the weight.
-        optimizer.unscale_(factor=group / taken)
+        # it, an O3 float16 gradient could overflow past the check into the weight. An
+        # unscale_() of the user's (to clip) did it already (checks.unscale_group_factor).
+        if optimizer._book.found_inf is None:
+            optimizer.unscale_(factor=group / taken)
         return optimizer.step()
     finally:
         optimizer.accumulation_steps = group
