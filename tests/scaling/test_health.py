@@ -208,6 +208,10 @@ def test_a_real_streak_or_skip_rate_still_warns():
     # reached with every step skipped: stuck, said once.
     said = _feed(ScalerHealth(), mp.DynamicLossScaler(), "0" * 24)
     assert len(said) == 2 and said[0] == _streak(10, "64")
+    # With hysteresis, the first skip at 2**16 spends it and lowers nothing: it counts too.
+    assert _feed(ScalerHealth(), mp.DynamicLossScaler(hysteresis=2), "0" * 10) == [
+        _streak(10, "2048")
+    ]
     assert said[1].startswith("training is stuck: the loss scale is at its floor (1) and the "
                               "last 4 steps")  # fmt: skip
     # After settling, the skip rate counts the steps since: 25 of 100 skipped warn.

@@ -34,8 +34,8 @@ class ScalerHealth:
 
     Settling is not a streak: a scale that starts high (TensorFlow 1's 2**32, MindSpore's
     2**24) skips steps until it backs off into range. Skips before any step was applied
-    that each lower the scale (or spend its hysteresis) while it stays at or above 2**16
-    (the usual start) and above the floor, with no forward overflow (which no scale causes)
+    that each lower the scale (or spend its hysteresis) while it stays above 2**16 (the
+    usual start) and above the floor, with no forward overflow (which no scale causes)
     traced, count toward neither the streak nor the skip rate. Once a step was applied, at
     the floor, or without ``floor``, every skip counts."""
 
@@ -151,7 +151,7 @@ class ScalerHealth:
             return False
         if floor is None or state.scale <= floor:
             return False  # at the floor (or a scale that never moves) nothing settles
-        if state.scale < _USUAL_START:  # below torch's and mixprec's start: no settling left
+        if state.scale <= _USUAL_START:  # down to torch's and mixprec's start: none left
             return False
         if isinstance(culprit, Overflow) and culprit.phase == "forward":
             return False  # the forward overflows whatever the scale
