@@ -297,9 +297,8 @@ def to_float(module: M, dtype: str | torch.dtype) -> M:
     float64 output, and a float32 scalar where ``dtype`` is 16-bit: ``casting._kept_wide``).
     For float32 the module's parameters are also stored in float32 (restoring the original
     float32 values when ``auto_mixed_precision`` had stored them in 16 bits), and the
-    regions inside it that
-    computed in 16 bits are removed (a later ``to_float`` of a child sets one again). Returns
-    ``module``.
+    regions inside it that computed in 16 bits are removed (a later ``to_float`` of a child
+    sets one again). Returns ``module``.
     """
     if not isinstance(module, nn.Module):
         raise ArgumentError(
