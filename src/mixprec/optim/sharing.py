@@ -114,6 +114,8 @@ def note_partners(book: Any, half: list[torch.Tensor], plain: list[torch.Tensor]
             _OWNERS[thing] = [*refs, mine]
     for partner in found.values():
         other: Any = partner.book()
+        if other is None:  # collected since it was found (a dropped wrapper's cycle)
+            continue
         other.share.stepped = False  # in use from now on only if it steps again
         partner.stale = other.backwards if other.fresh else 0
         partner.steps = other.share.checked
