@@ -172,8 +172,9 @@ def _unchanged(new: Any, old: Any) -> bool:
 # exp/log and mean/variance reductions lose the precision that losses and normalisation need.
 # batch_norm/instance_norm are not here: their running statistics are updated in place, and a
 # cast would update a copy. Their modules are float32 regions instead (see levels.py).
-# Losses and FLOAT32_MATH return float32; the others return their input's dtype, so that the
-# next layer (a bfloat16 BatchNorm at O3, say) receives the dtype it was built for.
+# Losses return float32; the others return their input's dtype (float16's unbounded results
+# and math excepted), so that the next layer (a bfloat16 BatchNorm at O3, say) receives the
+# dtype it was built for.
 FLOAT32_LOSSES: frozenset[Callable[..., Any]] = frozenset(
     {
         F.cross_entropy, F.nll_loss, F.ctc_loss, F.kl_div, F.binary_cross_entropy,
@@ -195,16 +196,17 @@ UNBOUNDED_FUNCTIONS: frozenset[Callable[..., Any]] = frozenset(
 )  # fmt: skip
 # The math of CUDA autocast's float32 list that CPU autocast leaves in 16 bits, for what a
 # forward writes by hand (an InfoNCE's exp(sim / 0.07), a log-variance's exp, 1 / p, x ** 2,
-# .sum()): exp(14.3) is inf in float16, log's backward (1/p) overflows below p = 1.5e-5, and
-# a cosine loss trained 12 times worse in bfloat16. Returned in float32, as CUDA returns them.
+# .sum()): exp(14.3) is inf in float16, and log's backward (1/p) overflows below p = 1.5e-5.
+# Like UNBOUNDED_FUNCTIONS: float32 results for float16 inputs, as CUDA returns them;
+# bfloat16 (float32's range) rounded back once, so that what follows keeps its dtype (a
+# top-k router's w / w.sum() into a bfloat16 index_add_ failed on float32).
 FLOAT32_MATH: frozenset[Callable[..., Any]] = frozenset(
     {
         torch.exp, torch.Tensor.exp, torch.expm1, torch.Tensor.expm1,
         torch.log, torch.Tensor.log, torch.log1p, torch.Tensor.log1p,
         torch.log2, torch.Tensor.log2, torch.log10, torch.Tensor.log10,
-        torch.pow, torch.Tensor.pow, torch.Tensor.__pow__, torch.Tensor.__rpow__,
-        torch.reciprocal, torch.Tensor.reciprocal, torch.rsqrt, torch.Tensor.rsqrt,
-        torch.Tensor.__rtruediv__, torch.Tensor.__rdiv__,
+        torch.pow, torch.Tensor.pow, torch.reciprocal, torch.Tensor.reciprocal,
+        torch.rsqrt, torch.Tensor.rsqrt,
         torch.acos, torch.Tensor.acos, torch.asin, torch.Tensor.asin, torch.cosh,
         torch.Tensor.cosh, torch.sinh, torch.Tensor.sinh, torch.tan, torch.Tensor.tan,
         torch.erfinv, torch.Tensor.erfinv,
@@ -213,8 +215,10 @@ FLOAT32_MATH: frozenset[Callable[..., Any]] = frozenset(
         F.pdist, torch.pdist, torch.dist, torch.Tensor.dist, torch.renorm, torch.Tensor.renorm,
     }
 )  # fmt: skip
-# Results that leave in float32 whatever the inputs' 16-bit dtype.
-_FLOAT32_RESULTS = FLOAT32_LOSSES | FLOAT32_MATH
+# x ** y, y ** x and y / x: FLOAT32_MATH too, compared by identity, as dynamo (torch 2.13)
+# evaluates a set's membership of these methods wrongly (a guard failed on the frame that
+# made it, and torch.compile of a model using ** raised).
+_OPERATORS = (torch.Tensor.__pow__, torch.Tensor.__rpow__, torch.Tensor.__rtruediv__)
 _LIKE_INPUT: frozenset[Callable[..., Any]] = frozenset(
     {
         F.softmax, F.log_softmax, F.softmin, torch.softmax, torch.log_softmax,
@@ -222,7 +226,9 @@ _LIKE_INPUT: frozenset[Callable[..., Any]] = frozenset(
         F.layer_norm, F.group_norm, F.rms_norm,
     }
 )  # fmt: skip
-FLOAT32_FUNCTIONS = _LIKE_INPUT | _FLOAT32_RESULTS | UNBOUNDED_FUNCTIONS
+FLOAT32_FUNCTIONS = _LIKE_INPUT | FLOAT32_LOSSES | UNBOUNDED_FUNCTIONS | FLOAT32_MATH
+# Those whose float16 results stay float32 (they grow past 65504, or overflow there).
+_WIDE_FOR_FLOAT16 = UNBOUNDED_FUNCTIONS | FLOAT32_MATH
 
 
 class Float32Functions(TorchFunctionMode):
@@ -236,7 +242,8 @@ class Float32Functions(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func not in FLOAT32_FUNCTIONS or kwargs.get("out") is not None:
+        operator = func is _OPERATORS[0] or func is _OPERATORS[1] or func is _OPERATORS[2]
+        if (not operator and func not in FLOAT32_FUNCTIONS) or kwargs.get("out") is not None:
             # out=: the caller's buffer, in the caller's dtype, is what gets written.
             return func(*args, **kwargs)
         first = first_floating(args)
@@ -250,9 +257,9 @@ class Float32Functions(TorchFunctionMode):
         # A loss, or an output dtype the caller asked for (softmax(x, -1, dtype) or
         # softmax(x, -1, dtype=dtype)), stays.
         asked = kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)
-        if func in _FLOAT32_RESULTS or first is None or asked:
+        if first is None or asked or (not operator and func in FLOAT32_LOSSES):
             return result
-        if first.dtype == torch.float16 and func in UNBOUNDED_FUNCTIONS:
+        if first.dtype == torch.float16 and (operator or func in _WIDE_FOR_FLOAT16):
             return result
         return cast_floating(result, first.dtype)
 
