@@ -294,3 +294,22 @@ def test_an_ema_over_a_model_that_first_stands_still_is_still_said():
     from mixprec._float32_copies import FP32_COPY_ATTR
 
     assert not any(FP32_COPY_ATTR in p.__dict__ for p in ema.parameters())
+
+
+def test_float32_values_loaded_into_a_copy_are_not_dropped_as_stale():
+    """A copy kept aside, then loaded with float32 weights: the watcher dropped the values
+    the load kept, taking them for those the copy carried, and the copy's export started
+    from the roundings (4.9e-4 off)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    loaded = {k: v + 1e-3 * torch.randn_like(v) for k, v in net.state_dict().items()}
+    model = mp.auto_mixed_precision(net, "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    best = copy.deepcopy(model)
+    best.load_state_dict(loaded)
+    for _ in range(2):
+        opt.zero_grad()
+        opt.backward(nn.functional.mse_loss(model(torch.randn(8, 16)), torch.zeros(8, 4)))
+        opt.step()
+    widened = mp.to_float(copy.deepcopy(best), "float32")
+    assert torch.equal(widened[0].weight, loaded["0.weight"])

@@ -216,9 +216,9 @@ def _release(params: Iterable[torch.Tensor | None]) -> None:
     """Drop the float32 values a deep copy carried (``_live_masters``) from ``params``: a
     copy written in place, or widened by ``.float()``, no longer rounds from them, and an
     EMA or a target network kept them (4 bytes a parameter) for good."""
-    for p in params:
-        if p is not None:
-            p.__dict__.pop(FP32_COPY_ATTR, None)
+    for p in params:  # not values a load kept since (float32 weights loaded into the copy)
+        if p is not None and getattr(p.__dict__.get(FP32_COPY_ATTR), "carried", False):
+            del p.__dict__[FP32_COPY_ATTR]
 
 
 def _same(tensors: list[torch.Tensor], others: list[torch.Tensor]) -> bool:

@@ -38,6 +38,7 @@ class Float32Copy:
     parameter still rounds from them (``current_float32_copy``)."""
 
     values: torch.Tensor
+    carried: bool = False  # by a deep copy of the model (dropped once the copy is stale)
 
 
 def take_float32_copy(param: torch.Tensor) -> torch.Tensor | None:
@@ -63,9 +64,10 @@ def current_float32_copy(param: torch.Tensor) -> torch.Tensor | None:
     return values if torch.equal(values.to(param.dtype), param.detach()) else None
 
 
-def remember_float32(param: torch.Tensor, values: torch.Tensor) -> None:
-    """Keep ``values`` (float32) as the current float32 copy of the 16-bit ``param``."""
-    record = Float32Copy(values.detach().float())
+def remember_float32(param: torch.Tensor, values: torch.Tensor, carried: bool = False) -> None:
+    """Keep ``values`` (float32) as the current float32 copy of the 16-bit ``param``;
+    ``carried``: by a deep copy of the model, from its original."""
+    record = Float32Copy(values.detach().float(), carried)
     setattr(param, FP32_COPY_ATTR, record)
 
 

@@ -155,7 +155,7 @@ def _carry_float32_values(original: torch.Tensor, copied: torch.Tensor) -> None:
     values = float32_values(original)
     if values is not None:  # in host memory, as a load keeps them: moved when used
         with torch.no_grad():
-            remember_float32(copied, values.detach().to("cpu", copy=True))
+            remember_float32(copied, values.detach().to("cpu", copy=True), carried=True)
 
 
 carry_on_copy(_carry_float32_values)

@@ -193,14 +193,15 @@ def test_a_scaler_of_another_policy_is_refused_with_the_way_to_load_the_model(tm
     path = mp.save_checkpoint(tmp_path / "c.safetensors", model, opt)
     half, half_opt = trained("mixed_float16", "O2", steps=0)
     with pytest.raises(mp.CheckpointError, match=r"loss scaler state does not load: .* cannot "
-                       r"load into DynamicLossScaler \(saved with another policy, a bfloat16 "
-                       r"run's for a float16 one or back: load the model alone, load_checkpoint"
-                       r"\(path, model\), and start its optimizer anew\)"):  # fmt: skip
+                       r"load into DynamicLossScaler \(saved with another policy: float32 and "
+                       r"bfloat16 runs scale no loss, float16 runs do; load the model alone, "
+                       r"load_checkpoint\(path, model\), and start its optimizer"):  # fmt: skip
         mp.load_checkpoint(path, half, half_opt)
     # The same policy, another scaler: not said to be another policy.
     static = mp.LossScaleOptimizer(torch.optim.Adam(half.parameters()), mp.StaticLossScaler(1024))
     with pytest.raises(mp.CheckpointError, match=r"cannot load into StaticLossScaler \(saved "
-                       r"with another loss scaler: load the model alone"):  # fmt: skip
+                       r"with another loss scaler: give the optimizer one of its kind, or load "
+                       r"the model alone"):  # fmt: skip
         mp.load_checkpoint(mp.save_checkpoint(tmp_path / "h.safetensors", half, half_opt),
                            half, static)  # fmt: skip
     mp.load_checkpoint(path, half)  # as the error says

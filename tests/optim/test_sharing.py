@@ -210,3 +210,26 @@ def test_a_shared_scale_moved_within_an_accumulation_group_or_before_an_unscale_
     assert not keras_d.step().applied
     with pytest.raises(mp.MisuseError, match=r"moved the shared scale"):
         keras_g.get_unscaled_gradients(grads)
+
+
+def test_a_wrapper_collected_while_a_new_one_looks_for_partners_is_passed_over():
+    """Any allocation may run the garbage collector: a dropped wrapper's cycle collected
+    between the look for live wrappers and their use raised AttributeError ('NoneType' has
+    no attribute 'share') from the new wrapper's constructor (seen once in a full run).
+    Simulated: each weak reference dies after its first call."""
+    from mixprec.optim import sharing
+
+    class DiesAfterFirstCall:
+        def __init__(self, ref):
+            self.ref, self.calls = ref, 0
+
+        def __call__(self):
+            self.calls += 1
+            return self.ref() if self.calls == 1 else None
+
+    model = mp.auto_mixed_precision(nn.Linear(4, 4), "mixed_bfloat16", "O2")
+    first = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for thing, refs in list(sharing._OWNERS.items()):
+        sharing._OWNERS[thing] = [DiesAfterFirstCall(r) for r in refs]
+    second = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert first._book.share.partners and second._book.share.partners  # noted both ways

@@ -251,16 +251,18 @@ def _optimizer_state(
     except Exception as err:  # whatever a bad state makes it raise
         said, hint = str(err), ""
         if "cannot load into" in said:  # another kind of scaler
-            # bfloat16 runs scale nothing (NoOpLossScaler): a float16 run's is dynamic.
-            why = (
-                "another policy, a bfloat16 run's for a float16 one or back"
-                if ("NoOpLossScaler" in said)
-                else "another loss scaler"
-            )
-            hint = (
-                f" (saved with {why}: load the model alone, load_checkpoint(path, model), and "
-                "start its optimizer anew)"
-            )
+            # float32 and bfloat16 runs scale nothing (NoOpLossScaler); float16 runs do.
+            alone = "load the model alone, load_checkpoint(path, model), and start its optimizer"
+            if "NoOpLossScaler" in said:
+                hint = (
+                    " (saved with another policy: float32 and bfloat16 runs scale no loss, "
+                    f"float16 runs do; {alone} anew)"
+                )
+            else:
+                hint = (
+                    " (saved with another loss scaler: give the optimizer one of its kind, "
+                    f"or {alone} anew)"
+                )
         raise CheckpointError(f"{path}: loss scaler state does not load: {err}{hint}") from None
     for each, each_state in zip(optimizer.optimizers, inner, strict=True):
         _try_load(path, each, each_state)

@@ -93,6 +93,9 @@ def note_partners(book: Any, half: list[torch.Tensor], plain: list[torch.Tensor]
     """At construction: note each live wrapper over any of ``half`` (16-bit weights with
     masters), ``plain`` or ``scaler`` in ``book.share.partners``, and ``book`` in theirs."""
     found: dict[int, Partner] = {}
+    # The owners found, strongly, by id: a dropped wrapper's cycle collected between a look
+    # and its use (any allocation may run the collector) raised here.
+    held: dict[int, Any] = {}
     # A scaler whose scale moves; a static or no-op one shared changes nothing.
     scalers = [scaler] if isinstance(scaler, DynamicLossScaler) else []
     groups: list[tuple[list[Any], bool]] = [(half, True), (plain, False), (scalers, False)]
@@ -100,9 +103,10 @@ def note_partners(book: Any, half: list[torch.Tensor], plain: list[torch.Tensor]
     _LIVE[book] = True
     for things, masters in groups:
         for thing in things:
-            refs = [r for r in _OWNERS.get(thing, ()) if r() is not None]
-            for ref in refs:
-                owner = ref()
+            alive = [(r, o) for r in _OWNERS.get(thing, ()) if (o := r()) is not None]
+            held.update((id(o), o) for _, o in alive)
+            refs = [r for r, _ in alive]
+            for ref, owner in alive:
                 if owner is book or owner.share.coordinated:
                     continue
                 is_scaler = thing is scaler
@@ -112,10 +116,8 @@ def note_partners(book: Any, half: list[torch.Tensor], plain: list[torch.Tensor]
                 seen.scaler |= is_scaler
                 seen.shape = seen.shape or shape
             _OWNERS[thing] = [*refs, mine]
-    for partner in found.values():
-        other: Any = partner.book()
-        if other is None:  # collected since it was found (a dropped wrapper's cycle)
-            continue
+    for key, partner in found.items():
+        other: Any = held[key]
         other.share.stepped = False  # in use from now on only if it steps again
         partner.stale = other.backwards if other.fresh else 0
         partner.steps = other.share.checked
