@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mixprec._dist import is_dtensor
 from mixprec._dtypes import HALF_DTYPES
@@ -20,6 +21,7 @@ from mixprec._warn import warn_at_caller
 
 __all__ = [
     "FP32_COPY_ATTR",
+    "LOADED_AT",
     "current_float32_copy",
     "keep_float32_on_load",
     "keep_loaded_float32",
@@ -30,6 +32,9 @@ __all__ = [
 ]
 
 FP32_COPY_ATTR = "_mixprec_fp32"  # Float32Copy of a parameter stored in 16 bits
+# A 16-bit weight's version right after the last load into it: a master that died after a
+# load (its optimizer in a reference cycle, collected later) left no roundings of its own.
+LOADED_AT: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 @dataclasses.dataclass
@@ -172,7 +177,10 @@ def _note_float32_values(
 
 def _keep_noted_values(module: nn.Module, incompatible_keys: Any) -> None:
     """After the copy into the weights (whose versions it changed): a copy kept now is
-    current."""
+    current; each weight's version now is noted (``LOADED_AT``)."""
+    for param in module._parameters.values():
+        if param is not None:
+            LOADED_AT[param] = param._version
     for name, value in module.__dict__.pop(_LOADING, {}).items():
         param = module._parameters.get(name)
         if param is not None:

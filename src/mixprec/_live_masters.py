@@ -16,6 +16,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from mixprec._dtypes import HALF_DTYPES
 from mixprec._float32_copies import (
     FP32_COPY_ATTR,
+    LOADED_AT,
     current_float32_copy,
     remember_float32,
     take_float32_copy,
@@ -91,7 +92,8 @@ def forget_gone_master(p: torch.Tensor) -> bool:
     if entry is None or entry[0]() is not None:
         return False
     del _LATEST[p]
-    return bool(_DIED_AT.pop(p, None) == p._version)
+    died = _DIED_AT.pop(p, None)  # a load the last write before it: the load's values
+    return bool(died == p._version and LOADED_AT.get(p) != died)
 
 
 def say_masters_gone(count: int, what: str) -> None:

@@ -100,3 +100,28 @@ def test_a_widened_weight_written_since_keeps_the_write():
     mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     assert torch.equal(model[0].weight, written[0])
     assert _same(_weights(model)[1:], masters[1:])
+
+
+def test_a_load_before_a_dropped_optimizer_is_collected_is_the_weights_own():
+    """The optimizer dropped but kept in a reference cycle until the collector runs: a
+    load in between made the weights the load's, yet the master that died after it was
+    taken for one whose roundings were left, and to_float said digits were lost."""
+    import gc
+    import warnings
+
+    other = mp.auto_mixed_precision(
+        nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), "mixed_bfloat16", "O2"
+    )
+    gc.disable()
+    try:
+        model, opt, _ = _trained()
+        opt.__dict__["_cycle"] = opt  # kept alive by a cycle alone once dropped
+        del opt
+        model.load_state_dict(other.state_dict())
+    finally:
+        gc.enable()
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp.to_float(model, torch.float32)
+    assert _same(_weights(model), [p.float() for p in other.parameters()])
