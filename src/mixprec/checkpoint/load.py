@@ -41,6 +41,7 @@ from mixprec.checkpoint.format import CheckpointError, LoadReport, OnRange, _cut
 from mixprec.checkpoint.read import read_checkpoint
 from mixprec.checkpoint.read import trainer_state as stored_trainer_state
 from mixprec.optim import LossScaleOptimizer
+from mixprec.optim.layouts import lay_state_as_params
 
 
 def load_checkpoint(
@@ -150,6 +151,8 @@ def load_checkpoint(
     if optimizer is not None:
         try:
             optimizer.load_state_dict(optim_state)
+            if not isinstance(optimizer, LossScaleOptimizer):  # which lays its own out
+                lay_state_as_params(optimizer)  # written contiguous: as its parameter again
         except (ValueError, TypeError, KeyError, RuntimeError) as err:
             # Only an optimizer with a load_state_dict of its own gets here (torch's is
             # tried on a stand-in first): its checks cannot run before the model loads.

@@ -17,7 +17,7 @@ from mixprec._dist import fsdp_computes_in_float16, is_dtensor
 from mixprec._plain_optimizers import step_inner
 from mixprec._warn import warn_at_caller
 from mixprec.casting import COMPUTE_ATTR, LEVEL_ATTR, POLICY_ATTR
-from mixprec.optim.layouts import match_state_layouts
+from mixprec.optim.layouts import is_dense, match_state_layouts
 from mixprec.policy import Policy, global_policy
 
 __all__ = ["needs_scaling"]
@@ -112,7 +112,7 @@ def _fuse(inner: torch.optim.Optimizer, group: dict[str, Any]) -> None:
         or group.get("differentiable")
         or group.get("capturable")
         or not all(
-            p.dtype in _FUSED_DTYPES.get(p.device.type, ()) and not is_dtensor(p)
+            p.dtype in _FUSED_DTYPES.get(p.device.type, ()) and not is_dtensor(p) and is_dense(p)
             for p in group["params"]
         )
     ):

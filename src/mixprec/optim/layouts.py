@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["match_state_layouts"]
+__all__ = ["is_dense", "lay_state_as_params", "match_state_layouts"]
 
 # Each optimizer -> (its parameter count when listed, its fused groups' 4+-dim parameters,
 # their strides when last matched).
@@ -54,14 +54,43 @@ def match_state_layouts(inner: torch.optim.Optimizer) -> None:
     if now == strides:
         return
     strides[:] = now
+    _lay(inner, params)
+
+
+def lay_state_as_params(inner: torch.optim.Optimizer) -> None:
+    """After a load: state tensors are laid out as saved (a checkpoint writes them
+    contiguous, and torch's load keeps that), so a channels_last conv's or a transposed
+    weight's ``exp_avg`` no longer matched its parameter, and the fused kernel updated it
+    with other elements' moments (0.35 of the update off after a resume, unsaid). Every
+    parameter, of any dimension, once a load."""
+    _lay(inner, [p for group in inner.param_groups for p in group["params"]])
+
+
+def _lay(inner: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
     for p in params:
         state: Any = inner.state.get(p)
-        if not state:
+        if not state or not is_dense(p):
             continue
         for key, value in list(state.items()):
             if (
                 isinstance(value, torch.Tensor)
+                and not value.is_sparse
                 and value.shape == p.shape
                 and value.stride() != p.stride()
             ):
                 state[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory without gaps or overlaps, in any order
+    (contiguous, channels_last, transposed): what a fused kernel's flat walk needs. Not a
+    slice with a step (``W[:, ::2]``), whose gradient autograd makes contiguous."""
+    if t.is_sparse or t.numel() <= 1:
+        return not t.is_sparse
+    expected = 1
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz != 1)
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True

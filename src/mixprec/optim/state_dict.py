@@ -20,6 +20,7 @@ from mixprec._plain_optimizers import watch_wrapped
 from mixprec._save_guard import guard_saves
 from mixprec._warn import warn_at_caller
 from mixprec.optim.checks import refuse_accelerate_wrapper
+from mixprec.optim.layouts import lay_state_as_params
 from mixprec.optim.masters import MasterWeights
 from mixprec.scaling import LossScaler
 from mixprec.trace import model_of
@@ -118,6 +119,7 @@ class StateDictMethods:
         copy.deepcopy(self._loss_scaler).load_state_dict(state_dict["loss_scaler"])
         for inner, inner_state in zip(self.optimizers, state_dict["optimizers"], strict=True):
             inner.load_state_dict(inner_state)
+            lay_state_as_params(inner)  # laid out as saved: as its parameter, for fused steps
         self._loss_scaler.load_state_dict(state_dict["loss_scaler"])
         self._weights.load(state_dict["master_weights"])
         self._book.micro = int(state_dict.get("micro_steps", 0))
