@@ -76,3 +76,41 @@ def test_a_parameter_with_gaps_is_stepped_unfused():
     between = mixed_w.untyped_storage()  # the gaps' values: untouched
     gaps = torch.tensor([], dtype=torch.float32).set_(between)[1::2]
     assert torch.equal(gaps, base.flatten()[1::2])
+
+
+class _Bag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(50, 16, sparse=True), nn.Linear(16, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids).mean(1))
+
+
+def test_sparse_optimizer_state_is_saved_dense_and_resumes_as_without_the_break(tmp_path):
+    """SGD's momentum over a sparse embedding is a sparse tensor: save_checkpoint raised
+    torch's "unsupported memory format option Contiguous". It is stored dense: the same
+    values, and the resumed run matches the uninterrupted one."""
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randint(0, 50, (32, 4), generator=g), torch.randint(0, 4, (32,), generator=g))
+               for _ in range(4)]  # fmt: skip
+
+    def run(resume: bool) -> nn.Module:
+        model = mp.auto_mixed_precision(_Bag(), "float32")
+        opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
+        for i, (ids, y) in enumerate(batches):
+            if resume and i == 2:
+                mp.save_checkpoint(tmp_path / "s.safetensors", model, opt)
+                model = mp.auto_mixed_precision(_Bag(), "float32")
+                opt = mp.LossScaleOptimizer(
+                    torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+                )
+                mp.load_checkpoint(tmp_path / "s.safetensors", model, opt)
+            opt.zero_grad()
+            opt.backward(nn.functional.cross_entropy(model(ids), y))
+            opt.step()
+        return model
+
+    for a, b in zip(run(False).parameters(), run(True).parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)

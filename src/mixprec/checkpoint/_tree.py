@@ -33,6 +33,8 @@ def _flatten(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
                 f"cannot store {prefix!r} in a checkpoint: its dtype {dtype_name(obj.dtype)} is "
                 f"not one safetensors holds ({', '.join(sorted(map(dtype_name, _STORABLE)))})"
             )
+        if obj.layout != torch.strided:  # SGD's momentum over a sparse embedding: no file
+            obj = obj.to_dense()  # holds one (torch's own error was raised); same values
         tensors[prefix] = obj.detach().cpu().contiguous()
         return {"__tensor__": prefix}
     if isinstance(obj, dict):
