@@ -190,6 +190,10 @@ def test_bad_optimizer_and_integer_parameters():
         TypeError, match=r"param_groups\[0\]\['params'\]\[0\] has dtype torch.int64"
     ):
         mp.LossScaleOptimizer(torch.optim.SGD([counts], lr=0.1))
+    # A complex parameter: the valid dtypes said (float64 too) and where it can be stepped.
+    with pytest.raises(TypeError, match=r"\(float32, float64, float16, bfloat16\)\. Step a "
+                       r"complex one with an optimizer of its own"):  # fmt: skip
+        mp.LossScaleOptimizer(torch.optim.SGD([nn.Parameter(torch.zeros(2, dtype=torch.cfloat))]))
 
 
 @pytest.mark.parametrize("level", ["auto", "O0"])

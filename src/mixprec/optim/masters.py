@@ -341,10 +341,12 @@ class MasterWeights:
 def _check_param(p: Any, where: str) -> None:
     if not isinstance(p, torch.Tensor):
         raise ArgumentError(f"{where} must be a tensor, got {type(p).__name__}")
-    if not p.is_floating_point():
-        raise ArgumentError(
-            f"{where} has dtype {p.dtype}; only floating-point parameters can be optimized "
-            "(float32, float16, bfloat16)"
+    if not p.is_floating_point():  # a complex one: its gradients' inf check and unscale
+        raise ArgumentError(  # would need their real view
+            f"{where} has dtype {p.dtype}; a LossScaleOptimizer steps real floating-point "
+            "parameters (float32, float64, float16, bfloat16). Step a complex one with an "
+            "optimizer of its own, outside the wrapper, under a policy with no loss scaling "
+            "(float32, bfloat16): under float16 its gradients would stay scaled"
         )
 
 
