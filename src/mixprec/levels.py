@@ -98,6 +98,21 @@ def _say_level_unused(level: str, policy: Policy) -> None:
     )
 
 
+def _encoder_region(model: nn.Module, compute: torch.dtype, lvl: str, fixed: set[int]) -> None:
+    """An encoder-decoder's encoder (Hugging Face's T5, BART, Whisper) a region of its own:
+    ``generate`` calls ``model.get_encoder()(...)`` outside the model's forward, where no
+    autocast ran: at O2 its 16-bit weights met float32 activations and raised, and at O1 it
+    computed in float32, unsaid. Inside the model's own forward it changes nothing."""
+    get_encoder = getattr(model, "get_encoder", None)
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return
+    encoder = get_encoder() if callable(get_encoder) else None
+    if not isinstance(encoder, nn.Module) or encoder is model or id(encoder) in fixed:
+        return
+    if get_region(encoder) is None:  # not one the user set (to_float, keep_float32)
+        set_region(encoder, Region(compute, None, cast_inputs=lvl != "O1"))
+
+
 def _lower_float64(model: nn.Module, level: str) -> None:
     """Store a float64 model's float64 tensors in float32 and say so at the user's line."""
     params, buffers = lower_float64(model)
@@ -363,6 +378,8 @@ def auto_mixed_precision(
     if resolved.is_mixed:
         boundary = Region(compute, output, lvl != "O1", link_sources=True, keep_inputs=kept_inputs)
         set_region(model, boundary)
+        if lvl != "O0":
+            _encoder_region(model, compute, lvl, fixed)
     for module in kept.values():
         to_float(module, torch.float32)
 
