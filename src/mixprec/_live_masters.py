@@ -22,6 +22,7 @@ from mixprec._float32_copies import (
     take_float32_copy,
 )
 from mixprec._param_tags import carry_on_copy
+from mixprec._strides import laid_out_as
 from mixprec._warn import warn_at_caller
 
 __all__ = [
@@ -131,10 +132,10 @@ def float32_start(p: torch.Tensor) -> tuple[torch.Tensor, bool]:
     weight written since, by a load, wins); else ``p`` itself, widened. Its own copies."""
     original = take_float32_copy(p)
     if original is not None:
-        return original, False
+        return laid_out_as(original, p), False
     latest, gone = live_master_of(p)
     if latest is not None:
-        return latest.detach().clone(), False
+        return laid_out_as(latest.detach().clone(), p), False
     return p.detach().float(), gone
 
 

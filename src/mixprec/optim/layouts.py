@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from mixprec._strides import is_dense
+
 __all__ = ["is_dense", "lay_state_as_params", "match_state_layouts"]
 
 # Each optimizer -> (its parameter count when listed, its fused groups' 4+-dim parameters,
@@ -79,18 +81,3 @@ def _lay(inner: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
                 and value.stride() != p.stride()
             ):
                 state[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
-
-
-def is_dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill its memory without gaps or overlaps, in any order
-    (contiguous, channels_last, transposed): what a fused kernel's flat walk needs. Not a
-    slice with a step (``W[:, ::2]``), whose gradient autograd makes contiguous."""
-    if t.is_sparse or t.numel() <= 1:
-        return not t.is_sparse
-    expected = 1
-    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz != 1)
-    for stride, size in dims:
-        if stride != expected:
-            return False
-        expected *= size
-    return True
