@@ -35,22 +35,28 @@ def test_a_channels_last_model_resumed_from_a_checkpoint_trains_as_without_the_b
     conv's exp_avg no longer matched its weight, and the fused AdamW kernel mixed
     elements' moments (0.35 of the update off after the resume), unsaid."""
 
-    def run(resume: bool) -> nn.Module:
-        model = mp.auto_mixed_precision(_cnn(0), "mixed_bfloat16", level)
-        opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-        for i, (x, y) in enumerate(_batches()):
-            if resume and i == 3:
-                mp.save_checkpoint(tmp_path / "c.safetensors", model, opt)
-                model = mp.auto_mixed_precision(_cnn(5), "mixed_bfloat16", level)
-                opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-                mp.load_checkpoint(tmp_path / "c.safetensors", model, opt)
-            opt.zero_grad()
-            opt.backward(nn.functional.cross_entropy(model(x), y))
-            opt.step()
-        return model
+    def make(seed: int) -> tuple[nn.Module, mp.LossScaleOptimizer]:
+        model = mp.auto_mixed_precision(_cnn(seed), "mixed_bfloat16", level)
+        return model, mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
 
-    for a, b in zip(run(False).parameters(), run(True).parameters(), strict=True):
+    path = tmp_path / "c.safetensors"
+    for a, b in zip(_run(make, _batches()), _run(make, _batches(), path, 3), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def _run(make, batches, path=None, at: int = 0) -> list[torch.Tensor]:
+    """``make(0)``'s model trained over ``batches``; with ``path``, saved there before batch
+    ``at`` and trained on from ``make(5)``'s, loaded from it. Its parameters."""
+    model, opt = make(0)
+    for i, (x, y) in enumerate(batches):
+        if path is not None and i == at:
+            mp.save_checkpoint(path, model, opt)
+            model, opt = make(5)
+            mp.load_checkpoint(path, model, opt)
+        opt.zero_grad()
+        opt.backward(nn.functional.cross_entropy(model(x), y))
+        opt.step()
+    return list(model.parameters())
 
 
 def test_a_parameter_with_gaps_is_stepped_unfused():
@@ -81,7 +87,6 @@ def test_a_parameter_with_gaps_is_stepped_unfused():
 class _Bag(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
         self.emb, self.head = nn.Embedding(50, 16, sparse=True), nn.Linear(16, 4)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -96,23 +101,15 @@ def test_sparse_optimizer_state_is_saved_dense_and_resumes_as_without_the_break(
     batches = [(torch.randint(0, 50, (32, 4), generator=g), torch.randint(0, 4, (32,), generator=g))
                for _ in range(4)]  # fmt: skip
 
-    def run(resume: bool) -> nn.Module:
+    def make(seed: int) -> tuple[nn.Module, mp.LossScaleOptimizer]:
+        torch.manual_seed(seed)
         model = mp.auto_mixed_precision(_Bag(), "float32")
-        opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9))
-        for i, (ids, y) in enumerate(batches):
-            if resume and i == 2:
-                mp.save_checkpoint(tmp_path / "s.safetensors", model, opt)
-                model = mp.auto_mixed_precision(_Bag(), "float32")
-                opt = mp.LossScaleOptimizer(
-                    torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-                )
-                mp.load_checkpoint(tmp_path / "s.safetensors", model, opt)
-            opt.zero_grad()
-            opt.backward(nn.functional.cross_entropy(model(ids), y))
-            opt.step()
-        return model
+        return model, mp.LossScaleOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        )
 
-    for a, b in zip(run(False).parameters(), run(True).parameters(), strict=True):
+    path = tmp_path / "s.safetensors"
+    for a, b in zip(_run(make, batches), _run(make, batches, path, 2), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
 
 
