@@ -147,10 +147,11 @@ def _say_written_copies(stepped: Callable[[torch.Tensor], bool], stepper: int) -
     for entry in WATCHED:
         weight = entry.weight()
         entry.looks += 1
-        if weight is None or weight.dtype not in HALF_DTYPES or stepped(weight) or entry.loaded:
-            if weight is not None and not stepped(weight):  # made float32 (.float()), synced
-                _release([c() for c, _ in entry.pairs])  # their rounding: never current again
-            continue  # gone, made float32, trained by a wrapper of its own, or synced
+        if weight is None or stepped(weight):
+            continue  # gone, or trained by a wrapper of its own (which took its values)
+        if weight.dtype not in HALF_DTYPES or entry.loaded:  # made float32 (.float()), synced
+            _release([c() for c, _ in entry.pairs])  # their rounding: never current again
+            continue
         if entry.looks > _LOOKS:
             continue  # not written at every step of any one wrapper: no average
         # A wrapper's first step after the copy may come before its first update.
@@ -165,11 +166,6 @@ def _say_written_copies(stepped: Callable[[torch.Tensor], bool], stepper: int) -
             continue
         synced = _in_step(entry)
         if synced is None:  # no move of the model seen yet (skipped steps): a later look
-            now = _model_weights(entry)
-            entry.moved = (
-                now is not None and entry.before is not None and not _same(now, entry.before)
-            )
-            entry.before = now
             kept.append(entry)
             continue
         _release([c() for c, _ in entry.pairs])  # written in place: no longer current
@@ -201,7 +197,8 @@ def _in_step(entry: _Watched) -> bool | None:
     this one, after a move of the model: written after (or before) each step from the
     model, as a synced copy is. An average moves a fraction of the way, and differs.
     ``None`` where it equals it and no move of the model was seen (steps skipped, or the
-    first look): an average of a still model equals it too."""
+    first look): an average of a still model equals it too; the model's weights now are
+    then kept for the next look, with whether they moved."""
     before = entry.before
     if before is None:
         return False
@@ -209,7 +206,11 @@ def _in_step(entry: _Watched) -> bool | None:
         copies = [copied() for copied, _ in entry.pairs]
         if any(c is None for c in copies) or not _same(copies, before):  # type: ignore[arg-type]
             return False
-    return True if entry.moved else None
+        if entry.moved:
+            return True
+        entry.before = _model_weights(entry)
+        entry.moved = entry.before is not None and not _same(entry.before, before)
+    return None
 
 
 def _release(params: Iterable[torch.Tensor | None]) -> None:

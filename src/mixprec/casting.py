@@ -218,7 +218,7 @@ FLOAT32_MATH: frozenset[Callable[..., Any]] = frozenset(
 # x ** y, y ** x and y / x: FLOAT32_MATH too, compared by identity, as dynamo (torch 2.13)
 # evaluates a set's membership of these methods wrongly (a guard failed on the frame that
 # made it, and torch.compile of a model using ** raised).
-_OPERATORS = (torch.Tensor.__pow__, torch.Tensor.__rpow__, torch.Tensor.__rtruediv__)
+_POW, _RPOW, _RDIV = torch.Tensor.__pow__, torch.Tensor.__rpow__, torch.Tensor.__rtruediv__
 _LIKE_INPUT: frozenset[Callable[..., Any]] = frozenset(
     {
         F.softmax, F.log_softmax, F.softmin, torch.softmax, torch.log_softmax,
@@ -242,7 +242,7 @@ class Float32Functions(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        operator = func is _OPERATORS[0] or func is _OPERATORS[1] or func is _OPERATORS[2]
+        operator = func is _POW or func is _RPOW or func is _RDIV
         if (not operator and func not in FLOAT32_FUNCTIONS) or kwargs.get("out") is not None:
             # out=: the caller's buffer, in the caller's dtype, is what gets written.
             return func(*args, **kwargs)

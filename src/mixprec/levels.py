@@ -103,9 +103,9 @@ def _encoder_region(model: nn.Module, compute: torch.dtype, lvl: str, fixed: set
     ``generate`` calls ``model.get_encoder()(...)`` outside the model's forward, where no
     autocast ran: at O2 its 16-bit weights met float32 activations and raised, and at O1 it
     computed in float32, unsaid. Inside the model's own forward it changes nothing."""
-    get_encoder = getattr(model, "get_encoder", None)
     if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         return
+    get_encoder = getattr(model, "get_encoder", None)
     encoder = get_encoder() if callable(get_encoder) else None
     if not isinstance(encoder, nn.Module) or encoder is model or id(encoder) in fixed:
         return

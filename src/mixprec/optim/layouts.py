@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from mixprec._strides import is_dense
+from mixprec._strides import is_dense, laid_out_as
 
 __all__ = ["is_dense", "lay_state_as_params", "match_state_layouts"]
 
@@ -71,13 +71,8 @@ def lay_state_as_params(inner: torch.optim.Optimizer) -> None:
 def _lay(inner: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
     for p in params:
         state: Any = inner.state.get(p)
-        if not state or not is_dense(p):
+        if not state:
             continue
         for key, value in list(state.items()):
-            if (
-                isinstance(value, torch.Tensor)
-                and not value.is_sparse
-                and value.shape == p.shape
-                and value.stride() != p.stride()
-            ):
-                state[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
+            if isinstance(value, torch.Tensor) and not value.is_sparse and value.shape == p.shape:
+                state[key] = laid_out_as(value, p)

@@ -149,9 +149,9 @@ class ScalerHealth:
         if not skipped or state.skipped_steps < state.steps:
             self._applied, self._settling = True, 0
             return False
-        if floor is None or state.scale <= floor:
-            return False  # at the floor (or a scale that never moves) nothing settles
-        if state.scale <= _USUAL_START:  # down to torch's and mixprec's start: none left
+        # No floor (a scale that never moves), or down to it or to torch's and mixprec's
+        # start: nothing settles.
+        if floor is None or state.scale <= max(floor, _USUAL_START):
             return False
         if isinstance(culprit, Overflow) and culprit.phase == "forward":
             return False  # the forward overflows whatever the scale
