@@ -93,3 +93,31 @@ def test_the_reentrant_variant_runs_and_says_once_what_its_recompute_does():
             assert all(p.grad is not None for p in model.parameters())
     said = [w for w in seen if "use_reentrant=True inside a prepared model" in str(w.message)]
     assert len(said) == 1
+
+
+def test_torch_checkpoint_failing_in_opt_backward_names_what_to_use():
+    # torch's message names tensor positions and dtypes only; opt.backward (and so the
+    # Trainer) says it again with the pointer, and the failed backward leaves no gradients.
+    model = mp.auto_mixed_precision(
+        Net(lambda b, x: checkpoint(b, x, use_reentrant=False)), "mixed_bfloat16", "O2"
+    )
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), 0.1))
+    loss = model(torch.randn(8, 32)).float().square().mean()
+    with pytest.raises(
+        torch.utils.checkpoint.CheckpointError,
+        match=r"(?s)different metadata.*mp\.activation_checkpoint\(block, \*args\).*"
+        r"context_fn=mp\.checkpoint_context",
+    ) as info:
+        opt.backward(loss)
+    assert isinstance(info.value.__cause__, torch.utils.checkpoint.CheckpointError)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_other_backward_errors_pass_through_as_they_were():
+    model = mp.auto_mixed_precision(Net(), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), 0.1))
+    loss = model(torch.randn(8, 32)).float().square().mean()
+    opt.backward(loss, retain_graph=False)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time") as info:
+        opt.backward(loss)
+    assert info.value.__cause__ is None

@@ -26,7 +26,12 @@ from torch.overrides import _get_current_function_mode_stack
 from mixprec._warn import warn_at_caller
 from mixprec.casting import Float32Functions
 
-__all__ = ["activation_checkpoint", "checkpoint_context", "checkpoint_like_the_forward"]
+__all__ = [
+    "activation_checkpoint",
+    "checkpoint_context",
+    "checkpoint_like_the_forward",
+    "with_pointer",
+]
 
 
 def _mode_on() -> bool:
@@ -91,3 +96,22 @@ def checkpoint_like_the_forward(model: nn.Module) -> int:
             )
             changed += 1
     return changed
+
+
+def with_pointer(err: BaseException) -> BaseException | None:
+    """torch's ``CheckpointError`` for a recompute whose dtypes differ from the forward's
+    (``torch.utils.checkpoint.checkpoint`` of a block inside a prepared model), said again
+    with what to use instead; ``None`` for any other error. torch's own message names
+    only tensor positions and dtypes, nothing of why they differ."""
+    if not isinstance(err, torch.utils.checkpoint.CheckpointError):
+        return None
+    text = str(err)
+    if "different metadata" not in text or "torch.float32" not in text:
+        return None
+    return torch.utils.checkpoint.CheckpointError(
+        f"{text}\n\nmixprec: a block inside a prepared model was checkpointed with "
+        "torch.utils.checkpoint.checkpoint, whose recompute runs softmax and normalisation "
+        "in 16 bits where the forward ran them in float32. Checkpoint it with "
+        "mp.activation_checkpoint(block, *args), or pass context_fn=mp.checkpoint_context "
+        "to torch's checkpoint (docs/policies-and-levels.md)"
+    )

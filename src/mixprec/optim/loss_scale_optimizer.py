@@ -52,6 +52,7 @@ from mixprec.optim.stall import StallWatch
 from mixprec.optim.state_dict import StateDictMethods
 from mixprec.optim.state_view import InnerViews, StepHooks
 from mixprec.optim.step_result import StepResult
+from mixprec.recompute import with_pointer
 from mixprec.scaling import (
     DynamicLossScaler,
     LossScaler,
@@ -263,8 +264,11 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
                 look.backward(self, loss, kwargs)
             else:
                 self.get_scaled_loss(loss).backward(**kwargs)
-        except BaseException:
+        except BaseException as err:
             self.drop_gradients()
+            pointed = with_pointer(err)  # torch's checkpoint of a block: what to use
+            if pointed is not None:
+                raise pointed from err
             raise
 
     def zero_grad(self, set_to_none: bool = True) -> None:
