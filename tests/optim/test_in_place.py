@@ -89,3 +89,30 @@ def test_a_16bit_loss_is_said_at_the_first_backward(policy):
         warnings.simplefilter("error")
         opt.zero_grad()
         opt.backward(nn.functional.cross_entropy(model(x).float(), y))
+
+
+@pytest.mark.parametrize("policy", ["bfloat16", "float16"])
+def test_a_16bit_loss_cast_to_float32_afterwards_is_said_too(policy):
+    """``loss_fn(output, target).float()`` keeps the 16-bit loss's rounding (a float32
+    control's loss differs by more than it) and was not said: its dtype is float32."""
+    model = mp.auto_mixed_precision(nn.Linear(16, 4), policy, "O3")
+    opt = mp.LossScaleOptimizer(mp.CompensatedAdamW(model.parameters()))
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    loss = nn.functional.cross_entropy(model(x), y).float()
+    control = nn.functional.cross_entropy(model(x).float(), y)
+    assert loss.dtype == torch.float32 and loss.item() != control.item()
+    with pytest.warns(UserWarning, match=rf"the loss is computed in {policy} and then cast"):
+        opt.backward(loss)
+
+
+def test_a_cast_of_a_float32_loss_or_of_a_16bit_term_is_not_said():
+    model = mp.auto_mixed_precision(nn.Linear(16, 4), "bfloat16", "O3")
+    opt = mp.LossScaleOptimizer(mp.CompensatedAdamW(model.parameters()))
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    out = model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # A float32 loss cast again, and a 16-bit term added to a float32 loss: the cast
+        # is not the loss's last op over a 16-bit loss.
+        loss = nn.functional.cross_entropy(out.float(), y).to(torch.float32, copy=True)
+        opt.backward(loss + 1e-3 * out.square().mean().float())

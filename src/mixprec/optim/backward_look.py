@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import MisuseError
 from mixprec._warn import warn_at_caller
 from mixprec.optim import rounding
@@ -177,17 +178,40 @@ def _say_if_loss_16bit(loss: torch.Tensor, scale: float) -> None:
     """A loss computed in 16 bits (a pure policy's 16-bit outputs into F.cross_entropy):
     its steps (0.0078 near 1.0 in bfloat16) hide improvement, so a ReduceLROnPlateau fed
     it cut the learning rate to 1e-8 (float32: none), and in float16 the scaled loss's
-    own gradient, the scale, is inf past 65504 (every first step skipped), unsaid."""
-    if isinstance(loss, torch.Tensor) and loss.dtype in (torch.float16, torch.bfloat16):
-        overflows = loss.dtype == torch.float16 and scale > 65504
+    own gradient, the scale, is inf past 65504 (every first step skipped), unsaid. Also
+    one computed in 16 bits and then cast (``loss_fn(output, target).float()``): the cast
+    keeps the rounding, and its backward passes the scale back in 16 bits."""
+    if not isinstance(loss, torch.Tensor):
+        return
+    dtype: torch.dtype | None = loss.dtype
+    cast = ""
+    if dtype not in HALF_DTYPES:
+        dtype, cast = _cast_from(loss), " and then cast"
+    if dtype in HALF_DTYPES:
+        overflows = dtype == torch.float16 and scale > 65504
         warn_at_caller(
-            f"the loss is {str(loss.dtype).removeprefix('torch.')}: its rounding (steps of "
-            f"{torch.finfo(loss.dtype).eps:.2g} near 1.0) hides real progress from what "
-            "reads it (a ReduceLROnPlateau cut the learning rate to 1e-8 where float32 kept "
-            "1e-3)"
+            f"the loss is computed in {str(dtype).removeprefix('torch.')}{cast}: its "
+            f"rounding (steps of {torch.finfo(dtype).eps:.2g} near 1.0) hides real progress "
+            "from what reads it (a ReduceLROnPlateau cut the learning rate to 1e-8 where "
+            "float32 kept 1e-3)"
             + (f", and at loss scale {scale:g} its own gradient overflows" if overflows else "")
             + ". Compute it in float32: loss_fn(output.float(), target)"
         )
+
+
+def _cast_from(loss: torch.Tensor) -> torch.dtype | None:
+    """The dtype of what ``loss`` was cast from, where its last op is a cast (``.float()``,
+    ``.to(...)``). Read from the autograd node before the cast: the metadata it keeps of
+    its forward's output (private in torch, so looked up with a default)."""
+    fn = loss.grad_fn
+    if fn is None or fn.name() != "ToCopyBackward0" or len(fn.next_functions) != 1:
+        return None
+    node, index = fn.next_functions[0]
+    meta = getattr(node, "_input_metadata", None)
+    if not meta or index >= len(meta):
+        return None
+    dtype: torch.dtype = meta[index].dtype
+    return dtype
 
 
 def _users(hook: Any) -> bool:
