@@ -284,6 +284,38 @@ def test_a_new_optimizer_starts_from_the_live_masters_of_the_last_one():
     assert all(torch.equal(m, p.float()) for p, m in third.master_weights())
 
 
+@pytest.mark.parametrize("inner", [False, True], ids=["add_param_group", "inner"])
+def test_a_group_added_after_the_last_optimizer_is_gone_says_its_masters_are_lost(inner):
+    """A head-only phase with a new optimizer, the first one dropped, then the backbone
+    unfrozen with ``add_param_group``: its masters restarted from the roundings (10 times
+    the first phase's movement off after AdamW at 1e-5), said only when a whole new
+    optimizer was built. Through the inner optimizer's own ``add_param_group``, said at
+    the next step."""
+    import gc
+
+    model = _o2()
+    first = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    _train(model, first, steps=3)
+    head = torch.optim.SGD(model[1].parameters(), lr=0.01)
+    second = mp.LossScaleOptimizer(head)
+    del first
+    gc.collect()
+    _train(model, second)
+    backbone = {"params": list(model[0].parameters())}
+    with pytest.warns(UserWarning, match=r"2 16-bit weight\(s\) had float32 masters in an "
+                      r"earlier LossScaleOptimizer that is gone") as seen:  # fmt: skip
+        if inner:
+            head.add_param_group(backbone)
+            _train(model, second)
+        else:
+            second.add_param_group(backbone)
+    assert __file__ in [w.filename for w in seen]
+    with warnings.catch_warnings():  # said once, for the weights of that group
+        warnings.simplefilter("error")
+        _train(model, second)
+        second.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+
+
 def test_a_write_of_the_masters_own_rounding_keeps_their_digits():
     """A checkpoint's 16-bit weights loaded after its masters (Fabric restores the masters
     first when "mixprec" comes before "model"): the weights change nothing, the masters

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mixprec._errors import MisuseError
-from mixprec.optim.checks import say_if_grads_unfilled
+from mixprec.optim.checks import say_if_grads_unfilled, say_if_masters_lost
 from mixprec.optim.fused import _fuse
 from mixprec.optim.in_place import say_what_in_place_loses
 from mixprec.optim.masters import MasterWeights
@@ -58,10 +58,19 @@ class ParamGroups:
         group = dict(param_group)
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        group["params"] = self._weights.adopt(self.optimizer, params, "param_group")
+        group["params"] = self._adopt(self.optimizer, params, "param_group")
         self.optimizer.add_param_group(group)
         self._book.groups[0] += 1  # self.optimizer is the first inner optimizer
         self._adopted(self.optimizer, len(self.optimizer.param_groups) - 1)
+
+    def _adopt(self, inner: torch.optim.Optimizer, params: list[Any], where: str) -> list[Any]:
+        """``MasterWeights.adopt``, saying where a weight's earlier master is gone: an
+        unfrozen backbone added to a head-only optimizer built after the first one was
+        dropped restarted from its roundings, 10 times the first phase's movement off."""
+        lost = self._weights.lost
+        adopted = self._weights.adopt(inner, params, where)
+        say_if_masters_lost(self._weights.lost - lost)
+        return adopted
 
     def _adopted(self, inner: torch.optim.Optimizer, i: int) -> None:
         """What follows the adoption of ``inner``'s group ``i``."""
@@ -83,7 +92,7 @@ class ParamGroups:
         for k, inner in enumerate(self.optimizers):
             for i in range(self._book.groups[k], len(inner.param_groups)):
                 group = inner.param_groups[i]
-                group["params"] = self._weights.adopt(inner, group["params"], f"param_groups[{i}]")
+                group["params"] = self._adopt(inner, group["params"], f"param_groups[{i}]")
                 self._adopted(inner, i)
             self._book.groups[k] = len(inner.param_groups)
 
