@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import mixprec as mp
 from mixprec.train import batches, metrics
+from mixprec.train import trainer as trainer_module
 from mixprec.train.metrics import get_loss, get_metric
 
 LOSS_NAMES = (
@@ -418,3 +419,36 @@ def test_a_batch_given_as_a_mapping_is_refused_naming_the_pairs_it_takes():
                          policy="float32", device="cpu", metrics=())  # fmt: skip
     with pytest.raises(mp.ArgumentError, match=r"a batch is a mapping \('x', 'y', 'mask'\)"):
         trainer.fit(loader, epochs=1, verbose=0)
+
+
+def test_the_batch_weights_are_chosen_once_from_the_whole_data(monkeypatch):
+    """``counted`` reduced and read each training step's labels (on CUDA a synchronisation
+    a step) where no label is padding, which ``fit`` knows from its data up front: the
+    weights are then the label counts, and the epoch's mean is the same."""
+    y = torch.randint(0, 3, (16, 5))
+    assert metrics.weigh_for(F.cross_entropy, y) is torch.Tensor.numel
+    assert metrics.weigh_for(F.cross_entropy, y)(y[:4]) == metrics.counted(F.cross_entropy, y[:4])
+    padded = y.clone()
+    padded[0, 0] = -100
+    for loss_fn, targets in ((F.cross_entropy, padded), (F.cross_entropy, None),
+                             (nn.MSELoss(), y.float())):  # fmt: skip
+        weigh = metrics.weigh_for(loss_fn, targets)
+        assert isinstance(weigh, functools.partial) and weigh.func is metrics.counted
+    assert metrics.weigh_for(F.cross_entropy, padded)(padded[:4]) == 19
+
+    def no_count(loss_fn, targets):
+        raise AssertionError("counted was called for data without padding")
+
+    monkeypatch.setattr(metrics, "counted", no_count)
+    monkeypatch.setattr(trainer_module, "counted", no_count)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    trainer = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), lr=0.0),
+                         policy="float32", device="cpu", metrics=())  # fmt: skip
+    x, labels = torch.randn(12, 4), torch.randint(0, 3, (12,))
+    history = trainer.fit(x, labels, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    with torch.no_grad():  # batches of 8 and 4, weighted by their rows
+        first = F.cross_entropy(model(x[:8]), labels[:8])
+        last = F.cross_entropy(model(x[8:]), labels[8:])
+    expected = (8 * first + 4 * last) / 12
+    assert history.history["loss"][0] == pytest.approx(expected.item(), rel=1e-6)

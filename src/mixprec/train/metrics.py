@@ -199,6 +199,19 @@ def counted(loss_fn: LossFn, targets: torch.Tensor) -> int:
     return int((targets != ignore).sum())
 
 
+def weigh_for(loss_fn: LossFn, targets: torch.Tensor | None) -> Callable[[torch.Tensor], int]:
+    """How ``fit`` weighs each batch in the epoch's means, chosen once from the whole
+    data's ``targets``: ``counted``, or where no label is the loss's ``ignore_index``, the
+    number of labels, which ``counted`` would return for every batch, without its per-step
+    reduction and host read (on CUDA a synchronisation a step). ``None``: a loader."""
+    ignore = ignore_index_of(loss_fn)
+    if ignore is None or targets is None or targets.is_floating_point() or targets.dim() == 0:
+        return functools.partial(counted, loss_fn)
+    if bool((targets == ignore).any()):  # padded: each batch counts what it keeps
+        return functools.partial(counted, loss_fn)
+    return torch.Tensor.numel
+
+
 def get_loss(loss: str | LossFn) -> LossFn:
     """A loss function from a name or a callable (``nn.Module`` losses included)."""
     if callable(loss):

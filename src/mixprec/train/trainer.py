@@ -12,7 +12,7 @@ import copy
 import functools
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ from mixprec.train.metrics import (
     get_loss,
     get_metrics,
     say_if_probabilities,
+    weigh_for,
 )
 from mixprec.train.step import build_train_step
 from mixprec.train.warn import warn
@@ -175,6 +176,8 @@ class Trainer:
         self._meter: EpochMeter | None = None  # the running epoch's
         self._callbacks: dict[str, Callback] = {}  # this fit's, by key (resume.keyed)
         self._data: dict[str, Any] = {}  # this fit's epoch shape (resume.data_shape)
+        # How a batch is weighed in the epoch's means (metrics.weigh_for, set by each fit).
+        self._weigh: Callable[[torch.Tensor], int] = functools.partial(counted, self.loss_fn)
 
     @property
     def policy(self) -> Any:
@@ -212,6 +215,7 @@ class Trainer:
             raise ArgumentError(f"epochs={epochs!r} is invalid; it must be an int >= 0")
         x, y, validation_data = batches.split_validation(x, y, validation_split, validation_data)
         self._validate(x, y)
+        self._weigh = weigh_for(self.loss_fn, None if y is None else batches.as_tensor(y, "y"))
         if validation_data is not None:
             self._validate(*validation_data)
         batches.check_ranks_agree(x, y, batch_size, epochs, validation_data, resume_from)
@@ -274,7 +278,7 @@ class Trainer:
     ) -> Logs:
         self.model.train()
         self._epoch, self._step_in_epoch, self._epoch_done = epoch, first_step, False
-        meter = self._meter = EpochMeter(self.metrics, functools.partial(counted, self.loss_fn))
+        meter = self._meter = EpochMeter(self.metrics, self._weigh)
         if sums is not None:  # a resumed epoch: its logs cover the batches before too
             meter.load_state_dict(sums)
         # With accumulation, the epoch's last batch applies the group it ends (read ahead).
