@@ -729,6 +729,42 @@ def test_describe_counts_a_parametrized_weight_in_its_modules_row():
     assert rows["2"].storage == "bfloat16"
 
 
+def test_a_parametrization_registered_after_preparation_is_said_at_the_optimizer():
+    """weight_norm registered on a prepared O2 Linear: torch computed g and v from the
+    bfloat16 weight, as new bfloat16 parameters, and their masters started from them
+    (g 2.3e-3 off a float32 control's), unsaid. Registered before, they stay float32."""
+    import torch.nn.utils.parametrize as parametrize
+    from torch.nn.utils.parametrizations import weight_norm
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    control = weight_norm(net()[0]).parametrizations.weight.original0.detach()
+    model = mp.auto_mixed_precision(net(), "mixed_bfloat16", "O2")
+    weight_norm(model[0])
+    with pytest.warns(UserWarning, match=r"0\.parametrizations\.weight\.original0, "
+                      r"0\.parametrizations\.weight\.original1: a parametrization registered "
+                      r"after auto_mixed_precision .* before preparing") as seen:  # fmt: skip
+        opt = mp.LossScaleOptimizer(torch.optim.AdamW(model.parameters(), 1e-5))
+    assert [w.filename for w in seen] == [__file__]
+    g = next(m for p, m in opt.master_weights() if p is model[0].parametrizations.weight.original0)
+    assert (g - control).abs().max() > 1e-3  # what it says: the roundings' values
+
+    class Scale(nn.Module):  # no right_inverse: the original is the prepared weight itself
+        def forward(self, w: torch.Tensor) -> torch.Tensor:
+            return 2 * w
+
+    same = mp.auto_mixed_precision(net(), "mixed_bfloat16", "O2")
+    parametrize.register_parametrization(same[0], "weight", Scale())
+    before = mp.auto_mixed_precision(nn.Sequential(weight_norm(nn.Linear(16, 4))),
+                                     "mixed_bfloat16", "O2")  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp.LossScaleOptimizer(torch.optim.AdamW(same.parameters(), 1e-5))
+        mp.LossScaleOptimizer(torch.optim.AdamW(before.parameters(), 1e-5))
+
+
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_o2_keeps_a_layer_under_torchs_old_spectral_norm_in_float32(policy: str) -> None:
     """``nn.utils.spectral_norm`` (the hook, not the parametrization) iterates with float32

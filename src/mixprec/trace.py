@@ -20,8 +20,9 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from mixprec._dtypes import dtype_name
+from mixprec._dtypes import HALF_DTYPES, dtype_name
 from mixprec._param_tags import keeper_of, unpickled_keepers
+from mixprec._warn import warn_at_caller
 from mixprec.casting import LEVEL_ATTR, POLICY_ATTR, first_floating
 from mixprec.keep import ROOT_NAME
 
@@ -240,6 +241,26 @@ def join_prepared_model(params: list[torch.Tensor]) -> None:
             p.__dict__.update(attrs)
             keeper.notes.setdefault(name, {}).update(attrs)
         _remember(model, list(joined.values()))
+        _say_if_parametrized_late([n for n, p in joined.items() if _late_original(n, p)])
+
+
+def _late_original(name: str, p: torch.Tensor) -> bool:
+    """A 16-bit original of a parametrization (``weight_norm``'s ``original0``) that is
+    new since preparation: registered on a prepared 16-bit weight, it was computed from
+    that weight's rounding. Registered before, originals stay float32."""
+    return ".parametrizations." in f".{name}" and ".original" in name and p.dtype in HALF_DTYPES
+
+
+def _say_if_parametrized_late(names: list[str]) -> None:
+    if names:
+        warn_at_caller(
+            f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}: a parametrization "
+            "registered after auto_mixed_precision (torch's weight_norm, orthogonal...) "
+            "computed its originals from the 16-bit weight, so they lost its float32 values "
+            "(weight_norm's g 2e-3 off in bfloat16) and train in 16 bits from those "
+            "roundings. Register parametrizations before preparing the model: their "
+            "originals then stay float32"
+        )
 
 
 def model_of(params: list[torch.Tensor]) -> nn.Module | None:
