@@ -12,7 +12,7 @@ import copy
 import functools
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +38,6 @@ from mixprec.train.meter import EpochMeter
 from mixprec.train.metrics import (
     LossFn,
     Metric,
-    counted,
     get_loss,
     get_metrics,
     say_if_probabilities,
@@ -176,8 +175,6 @@ class Trainer:
         self._meter: EpochMeter | None = None  # the running epoch's
         self._callbacks: dict[str, Callback] = {}  # this fit's, by key (resume.keyed)
         self._data: dict[str, Any] = {}  # this fit's epoch shape (resume.data_shape)
-        # How a batch is weighed in the epoch's means (metrics.weigh_for, set by each fit).
-        self._weigh: Callable[[torch.Tensor], int] = functools.partial(counted, self.loss_fn)
 
     @property
     def policy(self) -> Any:
@@ -309,8 +306,7 @@ class Trainer:
                 self._step_in_epoch = step + 1
                 loss_value = loss.item()  # after the step's own sync: no extra stall
                 elapsed = time.perf_counter() - start
-                # Plain bools for the callbacks' logs (a step decided on the device holds
-                # DeviceFlags): read after loss.item() above, so no extra stall.
+                # Plain bools for the logs (DeviceFlags on a device): read after the loss.
                 applied, found_inf = bool(result.applied), bool(result.found_inf)
                 self.global_step += applied
                 if not result.accumulating:
