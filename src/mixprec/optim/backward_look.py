@@ -15,6 +15,7 @@ from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import MisuseError
 from mixprec._warn import warn_at_caller
 from mixprec.optim import rounding
+from mixprec.optim.scaled_reach import say_what_else_sees_the_scale
 
 if TYPE_CHECKING:
     from mixprec.optim.loss_scale_optimizer import LossScaleOptimizer
@@ -78,12 +79,16 @@ class BackwardLook:
         last of them."""
         return self.steps < self.STEPS or (micro > 0 and self.versions is not None)
 
-    def first_scaled_loss(self, params: list[torch.Tensor], scale: float) -> None:
+    def first_scaled_loss(
+        self, params: list[torch.Tensor], scale: float, loss: torch.Tensor
+    ) -> None:
         """At the first scaled loss (``opt.backward``, or ``get_scaled_loss`` as the
-        integrations call it): the gradient hooks that will see it scaled."""
+        integrations call it): the gradient hooks, and the tensors outside ``params``,
+        that will see it scaled."""
         if not torch.compiler.is_compiling():  # looked at in an eager call
             self.hooks_looked = True
             _say_if_hooks_see_scaled(params, scale)
+            say_what_else_sees_the_scale(loss, params, scale)
 
     def _before_backward(self, params: list[torch.Tensor], micro: int, steps: int) -> None:
         then = self.versions

@@ -75,7 +75,7 @@ class KerasMethods:
         scale = self._loss_scaler.get_scale()
         self._book.share.note_scale(scale)  # a scaler shared with another wrapper
         if not self._book.look.hooks_looked:  # the first: hooks that will see it scaled
-            self._book.look.first_scaled_loss(self._weights.model_params(), scale)
+            self._book.look.first_scaled_loss(self._weights.model_params(), scale, loss)
         factor = scale / self.accumulation_steps
         return loss * factor if factor != 1.0 else loss
 

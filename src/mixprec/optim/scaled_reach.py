@@ -1,0 +1,64 @@
+"""What a scaled backward reaches beyond the optimizer's own parameters, said once at the
+first scaled loss: under float16 loss scaling every gradient of that backward is multiplied
+by the scale, and the step unscales only the parameters it holds. An input's gradient read
+for its size (a raw gradient-ascent attack, a saliency map) came back 65536 times float32's;
+a latent tensor stepped by a plain optimizer beside the wrapper moved 3130 times too far (and
+took the inf of a skipped step for good); a module backward hook that clipped saw the scaled
+values, all unsaid. Parameters of prepared models are left to the checks that know them (a
+GAN's other optimizer, a plain optimizer over a prepared model)."""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.graph import Node
+
+from mixprec._warn import warn_at_caller
+from mixprec.casting import POLICY_ATTR
+
+__all__ = ["say_what_else_sees_the_scale"]
+
+_HOOK_NODE = "BackwardHookFunctionBackward"  # register_full_backward_hook's node
+
+
+def say_what_else_sees_the_scale(
+    loss: torch.Tensor, params: list[torch.Tensor], scale: float
+) -> None:
+    """Walk ``loss``'s graph once (the first scaled loss) for leaves outside ``params``
+    that are no prepared model's parameters, and for module backward hooks."""
+    if scale == 1.0 or not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+        return
+    own = {id(p) for p in params}
+    outside: list[torch.Tensor] = []
+    hooked = False
+    seen: set[object] = set()
+    stack: list[Node | None] = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        hooked = hooked or node.name() == _HOOK_NODE
+        leaf = getattr(node, "variable", None)  # AccumulateGrad: the leaf it writes
+        if leaf is not None:
+            if id(leaf) not in own and not hasattr(leaf, POLICY_ATTR):
+                outside.append(leaf)
+            continue
+        stack.extend(fn for fn, _ in node.next_functions)
+    if outside:
+        shapes = ", ".join(str(tuple(t.shape)) for t in outside[:3])
+        warn_at_caller(
+            f"{len(outside)} tensor(s) outside this LossScaleOptimizer get gradients from its "
+            f"scaled backward (shapes {shapes}{', ...' if len(outside) > 3 else ''}: an input "
+            "with requires_grad, a latent or a model that another optimizer steps): their "
+            f".grad is multiplied by the loss scale ({scale:g}) and holds inf when a step is "
+            "skipped. Give another optimizer of them to this one, "
+            "mp.LossScaleOptimizer([opt, other]); for an input's gradient divide by "
+            "opt.loss_scaler.get_scale() (its sign, as FGSM takes it, is exact) (said once)"
+        )
+    if hooked:
+        warn_at_caller(
+            "module backward hooks (register_full_backward_hook) in this backward see "
+            f"gradients multiplied by the loss scale ({scale:g}): one that clips or clamps "
+            "them cuts the update by about the scale, and one that logs them logs them "
+            "scaled; divide by opt.loss_scaler.get_scale() in the hook (said once)"
+        )
