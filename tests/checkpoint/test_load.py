@@ -252,3 +252,34 @@ def test_arguments_of_the_wrong_kind_are_refused_by_name(tmp_path):
     with pytest.raises(mp.ArgumentError, match=r"dict key of type tuple \(\(1, 2\)\)"):
         mp.save_checkpoint(path, model, trainer_state={(1, 2): 3})
     assert mp.load_checkpoint(path, make_mlp()).missing == []  # the file is still whole
+
+
+def test_a_resume_in_another_precision_than_the_checkpoints_is_said(tmp_path):
+    """Saved where ``auto`` was mixed_bfloat16 at O2, resumed where it is float32 (or with
+    another policy by hand): the run went on in the new precision unsaid, 4.9e-4 off the
+    uninterrupted one after an epoch, and at O3 with its masters rounded."""
+    import warnings
+
+    model, opt = trained("mixed_bfloat16", "O2")
+    path = mp.save_checkpoint(tmp_path / "o2.safetensors", model, opt)
+
+    def resume(policy, level):
+        again = mp.auto_mixed_precision(make_mlp(seed=5), policy, level)
+        return again, mp.LossScaleOptimizer(torch.optim.Adam(again.parameters(), lr=1e-2))
+
+    plain = make_mlp(seed=5)  # never prepared: float32, as auto picks without fast bf16
+    plain_opt = mp.LossScaleOptimizer(torch.optim.Adam(plain.parameters(), lr=1e-2))
+    with pytest.warns(UserWarning, match=r"o2\.safetensors was trained with mixed_bfloat16 at "
+                      r"O2; this model is prepared with float32 at O0: training resumes so, "
+                      r".*policy='mixed_bfloat16', level='O2'") as seen:  # fmt: skip
+        mp.load_checkpoint(path, plain, plain_opt)
+    assert [w.filename for w in seen] == [__file__]
+    with pytest.warns(UserWarning, match=r"prepared with bfloat16 at O3: .*float32 masters "
+                      r"rounded to 16 bits"):  # fmt: skip
+        mp.load_checkpoint(path, *resume("bfloat16", "O3"))
+    with pytest.warns(UserWarning, match=r"prepared with mixed_bfloat16 at O1"):
+        mp.load_checkpoint(path, *resume("mixed_bfloat16", "O1"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp.load_checkpoint(path, *resume("mixed_bfloat16", "O2"))  # as it was trained
+        mp.load_checkpoint(path, make_mlp(seed=5))  # weights alone: a new run's choice
