@@ -25,6 +25,7 @@ import torch
 
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
+from mixprec._live_masters import float32_start
 
 __all__ = ["CompensatedAdamW", "stochastic_round"]
 
@@ -131,8 +132,9 @@ class CompensatedAdamW(torch.optim.Optimizer):
                     state["step"] = 0
                     state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                    if p.dtype != torch.float32 and group["compensation"] == "kahan":
-                        state["compensation"] = torch.zeros_like(p)
+                kahan = p.dtype != torch.float32 and group["compensation"] == "kahan"
+                if kahan and "compensation" not in state:  # also a state loaded without it
+                    state["compensation"] = _compensation(p)
                 state["step"] += 1
             self._update(group, params)
         return loss
@@ -171,6 +173,15 @@ class CompensatedAdamW(torch.optim.Optimizer):
                 p.copy_(stochastic_round(w + u, self.generator))
             else:
                 p.copy_((w + u).to(p.dtype))
+
+
+def _compensation(p: torch.Tensor) -> torch.Tensor:
+    """Kahan's buffer for a 16-bit weight at its first step: what its rounding lost from
+    the float32 values it stands for (a float32 checkpoint or an O2 run's masters loaded
+    into it), so that an O3 run goes on from them; zeros where it stands for none. A
+    state saved at O2 holds none: resumed at O3, the step raised ``KeyError``."""
+    start, _ = float32_start(p)
+    return (start - p.detach().float()).to(p.dtype)
 
 
 #: The weights it updates: float32 as torch's AdamW, 16-bit through float32. A float64
