@@ -143,3 +143,38 @@ def test_loads_while_another_process_replaces_the_file_see_one_whole_checkpoint(
     finally:
         writer.kill()
         writer.wait()
+
+
+def test_a_torch_style_o2_checkpoints_masters_beside_its_weights_are_said(tmp_path, capsys):
+    """``{"model": model.state_dict(), "optimizer": opt.state_dict()}`` at O2 (the migration
+    guide's Apex-style save): ``load_checkpoint`` and ``mixprec convert`` read the 16-bit
+    weights (9.6e-4 off the masters beside them), saying "0 tensors converted"; with an
+    optimizer, "holds no optimizer state", though one was there."""
+    from mixprec import cli
+    from tests.checkpoint._helpers import trained
+
+    model, opt = trained("mixed_bfloat16", "O2")
+    path = tmp_path / "run.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3}, path)
+    said = r"run\.pt: its 'model' entry holds 16-bit weights whose float32 masters are in its "
+    with pytest.warns(UserWarning, match=said + r"'optimizer' entry .*opt\.load_state_dict"):
+        mp.load_checkpoint(path, make_mlp())
+    with pytest.warns(UserWarning, match=said), pytest.raises(
+        mp.CheckpointError, match=r"holds no optimizer state mixprec reads: a torch\.save file, "
+        r"whose entries beside the weights \(epoch, optimizer\) are not read"
+    ):  # fmt: skip
+        mp.load_checkpoint(path, make_mlp(), mp.LossScaleOptimizer(torch.optim.Adam(
+            make_mlp().parameters())))  # fmt: skip
+    out = tmp_path / "out.safetensors"
+    with pytest.warns(UserWarning, match=said):
+        assert cli.main(["convert", str(path), str(out), "--dtype", "float32"]) == 0
+    assert "dropped: the file's other entries (epoch, optimizer)" in capsys.readouterr().out
+    # The same save of a float32 run, or of weights alone, says nothing.
+    plain = make_mlp()
+    torch.save({"model": plain.state_dict(), "optimizer": torch.optim.Adam(
+        plain.parameters()).state_dict()}, tmp_path / "f32.pt")  # fmt: skip
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp.load_checkpoint(tmp_path / "f32.pt", make_mlp())

@@ -126,7 +126,17 @@ def load_checkpoint(
     optim_state: Any = None
     if optimizer is not None:
         if header.get("optimizer") is None:
-            raise CheckpointError(f"{path}: holds no optimizer state")
+            other = header.get("other_entries")  # a torch.save file's, beside its weights
+            raise CheckpointError(
+                f"{path}: holds no optimizer state"
+                + (
+                    f" mixprec reads: a torch.save file, whose entries beside the weights "
+                    f"({', '.join(other)}) are not read; load an optimizer's state with "
+                    "opt.load_state_dict(torch.load(path)[key])"
+                    if other
+                    else ""
+                )
+            )
         for name in _tensor_names(header["optimizer"]):
             _count_non_finite(name, tensors[name], report)
     _raise_non_finite(report, on_range)

@@ -103,8 +103,9 @@ def run(args: argparse.Namespace) -> int:
         if was_torch_file:  # same name, another format: say it
             print(f"  in place: {args.output} is now a safetensors file, not a torch.save one: "
                   "torch.load no longer reads it (mixprec and safetensors do)")  # fmt: skip
-        for what in report.dropped or ["nothing (the input held weights only)"]:
-            print(f"  dropped: {what}")
+    # Not only in place: a new file leaves out the same (an optimizer's masters among it).
+    for what in report.dropped or (["nothing (the input held weights only)"] if in_place else []):
+        print(f"  dropped: {what}")
     return 0
 
 
