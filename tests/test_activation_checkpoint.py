@@ -121,3 +121,21 @@ def test_other_backward_errors_pass_through_as_they_were():
     with pytest.raises(RuntimeError, match="backward through the graph a second time") as info:
         opt.backward(loss)
     assert info.value.__cause__ is None
+
+
+def test_a_recompute_of_another_shape_outside_mixprec_gets_no_pointer():
+    # float32 on both sides (a block whose recompute takes another shape): not the float32
+    # functions mode's doing, so torch's message stands alone.
+    from mixprec.recompute import with_pointer
+
+    width = {"n": 4}
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        out = torch.tanh(x[:, : width["n"]])  # saves its output, which the recompute checks
+        width["n"] = 3
+        return out
+
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(torch.utils.checkpoint.CheckpointError) as info:
+        checkpoint(block, x, use_reentrant=False).sum().backward()
+    assert "torch.float32" in str(info.value) and with_pointer(info.value) is None

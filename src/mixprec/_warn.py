@@ -31,13 +31,17 @@ _MODULE_CALL = os.path.realpath(torch.nn.modules.module.__file__)
 #: (Its folder by path: importing dynamo costs most of a second, so it is not imported here.)
 _TORCH = os.path.dirname(os.path.realpath(torch.__file__))
 _DYNAMO = os.path.join(_TORCH, "_dynamo") + os.sep
-#: torch's module call, the wrapper of a function run eagerly (torch._disable_dynamo), and
-#: the wrappers of an optimizer's step (its hooks; a learning-rate scheduler's count).
+#: torch's module call, the wrapper of a function run eagerly (torch._disable_dynamo), the
+#: wrappers of an optimizer's step (its hooks; a learning-rate scheduler's count), and the
+#: backward's calls into the engine (a hook of mixprec's runs beneath the user's backward).
 _TORCH_CALLS = {
     _MODULE_CALL,
     os.path.join(_TORCH, "_compile.py"),
     os.path.join(_TORCH, "optim", "optimizer.py"),
     os.path.join(_TORCH, "optim", "lr_scheduler.py"),
+    os.path.join(_TORCH, "_tensor.py"),
+    os.path.join(_TORCH, "autograd", "__init__.py"),
+    os.path.join(_TORCH, "autograd", "graph.py"),
 }
 
 

@@ -255,7 +255,7 @@ def _say_if_parametrized_late(names: list[str]) -> None:
     if names:
         warn_at_caller(
             f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}: a parametrization "
-            "registered after auto_mixed_precision (torch's weight_norm, orthogonal...) "
+            "registered after auto_mixed_precision (torch's weight_norm...) "
             "computed its originals from the 16-bit weight, so they lost its float32 values "
             "(weight_norm's g 2e-3 off in bfloat16) and train in 16 bits from those "
             "roundings. Register parametrizations before preparing the model: their "

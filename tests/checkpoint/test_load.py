@@ -283,3 +283,26 @@ def test_a_resume_in_another_precision_than_the_checkpoints_is_said(tmp_path):
         warnings.simplefilter("error")
         mp.load_checkpoint(path, *resume("mixed_bfloat16", "O2"))  # as it was trained
         mp.load_checkpoint(path, make_mlp(seed=5))  # weights alone: a new run's choice
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed"),
+    [(("float32", "O1"), ("float32", "O2")), (("mixed_bfloat16", "O0"), None)],
+    ids=["float32-levels", "O0-to-unprepared"],
+)
+def test_a_resume_between_two_ways_of_training_float32_says_nothing(tmp_path, saved, resumed):
+    """The float32 policy at O1 or O2, any policy at O0, and a model never prepared all
+    train in float32: a resume between them changes nothing to say."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "level=O2 with the float32 policy changes nothing"
+        model, opt = trained(*saved)
+        path = mp.save_checkpoint(tmp_path / "f32.safetensors", model, opt)
+        again = make_mlp(seed=5)
+        if resumed is not None:
+            again = mp.auto_mixed_precision(again, *resumed)
+    again_opt = mp.LossScaleOptimizer(torch.optim.Adam(again.parameters(), lr=1e-2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp.load_checkpoint(path, again, again_opt)

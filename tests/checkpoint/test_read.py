@@ -178,3 +178,18 @@ def test_a_torch_style_o2_checkpoints_masters_beside_its_weights_are_said(tmp_pa
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mp.load_checkpoint(tmp_path / "f32.pt", make_mlp())
+
+
+@pytest.mark.parametrize("level", ["O1", "O3"])
+def test_a_torch_style_checkpoint_without_masters_says_nothing(tmp_path, level):
+    # A LossScaleOptimizer's state has a master_weights entry at every level, empty at O1
+    # and O3 (no masters): nothing lies unread beside the weights.
+    import warnings
+
+    from tests.checkpoint._helpers import trained
+
+    model, opt = trained("mixed_bfloat16", level)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "r.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mp.read_checkpoint(tmp_path / "r.pt")

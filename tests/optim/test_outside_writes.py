@@ -316,6 +316,24 @@ def test_a_group_added_after_the_last_optimizer_is_gone_says_its_masters_are_los
         second.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
 
 
+def test_weights_loaded_anew_after_the_last_optimizer_is_gone_are_their_own():
+    """The old optimizer deleted, then 16-bit weights loaded (a pretrained state dict):
+    nothing of a master is lost, yet a new optimizer and ``add_param_group`` said their
+    masters restart from the roundings."""
+    import gc
+
+    model = _o2()
+    first = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    _train(model, first, steps=2)
+    del first
+    gc.collect()
+    model.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = mp.LossScaleOptimizer(torch.optim.SGD(model[1].parameters(), lr=0.01))
+        second.add_param_group({"params": list(model[0].parameters())})
+
+
 def test_a_write_of_the_masters_own_rounding_keeps_their_digits():
     """A checkpoint's 16-bit weights loaded after its masters (Fabric restores the masters
     first when "mixprec" comes before "model"): the weights change nothing, the masters

@@ -111,3 +111,22 @@ def test_nothing_is_said_without_a_scale_or_outside_tensors():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         g_opt.backward(disc(gen(x)).float().mean())
+
+
+def test_nothing_is_said_where_no_grad_is_written():
+    """Keras' loop (``torch.autograd.grad`` over the scaled loss) and ``backward(inputs=
+    ...)`` write no ``.grad`` into the input: said before, though nothing was scaled there."""
+    x, y = _batch()
+    model = mp.auto_mixed_precision(_net(), "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), 0.1))
+    params = list(model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        xg = x.clone().requires_grad_(True)
+        scaled = opt.get_scaled_loss(F.cross_entropy(model(xg).float(), y))
+        grads = torch.autograd.grad(scaled, params)
+        assert xg.grad is None and all(g is not None for g in grads)
+        opt.zero_grad()
+        xg = x.clone().requires_grad_(True)
+        opt.backward(F.cross_entropy(model(xg).float(), y), inputs=params)
+        assert xg.grad is None

@@ -89,14 +89,16 @@ def check_masters_held(model: nn.Module, optimizer: torch.optim.Optimizer | None
 
 
 def master_tensors(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, compensated: bool = False
 ) -> dict[str, torch.Tensor]:
     """The float32 master of each 16-bit weight of ``model`` that ``optimizer`` (a
     ``LossScaleOptimizer``) keeps, under every state-dict key of the weight (a tied weight has
     several, all given the same master); for a weight it does not cover (or with no such
     optimizer), the float32 values the weight still rounds from (``float32_values``). What a
     checkpoint, an export and ``MixprecTrainer``'s ``save_model`` write in place of the
-    16-bit values."""
+    16-bit values. ``compensated`` (an export): O3 weights too, as weight plus the Kahan
+    compensation their optimizer keeps (a checkpoint holds the two apart: ``load`` joins
+    them for masters, and an O3 resume stays exact)."""
     names = _parameter_names(model)
     masters: dict[str, torch.Tensor] = {}
     if isinstance(optimizer, LossScaleOptimizer):
@@ -107,7 +109,8 @@ def master_tensors(
         for param, master in optimizer.master_weights():
             for name in names.get(id(param), []):
                 masters[name] = master
-        masters.update(_compensated(optimizer, names))  # O3 weights Kahan-compensated
+        if compensated:
+            masters.update(_compensated(optimizer, names))  # O3 weights Kahan-compensated
     # Weights no given optimizer covers (no optimizer yet, a weights-only save, frozen
     # ones) still stand for float32 values: kept at preparation, or a live master's (also
     # of a weight widened since: model.float()).
@@ -132,7 +135,8 @@ def _compensated(
     """The float32 values of the 16-bit weights a Kahan-compensated optimizer steps in
     place (O3, ``CompensatedAdamW``): the weight plus what its rounding lost, kept in its
     state. Saved as the 16-bit weight, a resume at O2 started its masters without them
-    (23% of 30 steps' movement lost) and an export wrote them rounded."""
+    (23% of 30 steps' movement lost, now joined at the load) and an export wrote them
+    rounded."""
     values: dict[str, torch.Tensor] = {}
     for inner in optimizer.optimizers:
         for param, state in inner.state.items():
@@ -172,10 +176,10 @@ def masters_in_place(
 
 
 def _model_tensors(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, compensated: bool = False
 ) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
     """State-dict tensors with masters in place of 16-bit weights; tied tensors stored once."""
-    masters = master_tensors(model, optimizer)
+    masters = master_tensors(model, optimizer, compensated)
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[Memory, str] = {}

@@ -76,7 +76,7 @@ def export_weights(
     safetensors file for inference; with a ``LossScaleOptimizer``, from its float32 masters.
     Raises ``CheckpointError`` if a value does not fit ``dtype`` or is NaN or inf."""
     check_arguments("export_weights", model, optimizer)
-    tensors, aliases, _ = _model_tensors(model, optimizer)
+    tensors, aliases, _ = _model_tensors(model, optimizer, compensated=True)
     weights = {k.removeprefix("model/"): v for k, v in tensors.items()}
     buffers = _buffer_names(model, weights)
     _write_weights(weights, dtype, "error", aliases, type(model).__name__, path, buffers)

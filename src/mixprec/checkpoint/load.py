@@ -19,7 +19,7 @@ from torch import nn
 
 from mixprec._errors import ArgumentError, shown
 from mixprec._float32_copies import keep_loaded_float32
-from mixprec._warn import warn_at_caller
+from mixprec.checkpoint._across_levels import compensations, say_if_trained_otherwise
 from mixprec.checkpoint._conversion import (
     _check_on_range,
     _convert,
@@ -41,10 +41,8 @@ from mixprec.checkpoint._tree import _tensor_names, _unflatten
 from mixprec.checkpoint.format import CheckpointError, LoadReport, OnRange, _cut, _is_count
 from mixprec.checkpoint.read import read_checkpoint
 from mixprec.checkpoint.read import trainer_state as stored_trainer_state
-from mixprec.levels import applied
 from mixprec.optim import LossScaleOptimizer
 from mixprec.optim.layouts import lay_state_as_params
-from mixprec.policy import Policy
 
 
 def load_checkpoint(
@@ -176,42 +174,8 @@ def load_checkpoint(
         _set_rng_state(rng_state)
     report.trainer_state = trainer_state
     if optimizer is not None:  # a resume: training goes on in this model's precision
-        _say_if_trained_otherwise(str(path), header, model)
+        say_if_trained_otherwise(str(path), header, model)
     return report
-
-
-def _precision(policy: str | None, level: str | None) -> tuple[str, str]:
-    """A policy's name and its level, as a header or ``applied`` holds them (``None``:
-    a model never prepared, which trains float32)."""
-    if policy is None:
-        return "float32", "O0"
-    try:
-        name = Policy(policy).name
-    except (ArgumentError, ValueError):  # a name this version does not know
-        name = policy
-    return name, level or "O0"
-
-
-def _say_if_trained_otherwise(path: str, header: dict[str, Any], model: nn.Module) -> None:
-    """A resume into a model prepared with another policy or level than the checkpoint's
-    (``auto`` picks float32 on a machine without fast bfloat16; another ``policy=`` by
-    hand) went on in the new precision unsaid: 4.9e-4 off the uninterrupted run after an
-    epoch, and at O3 its float32 masters rounded to 16 bits."""
-    if "policy" not in header:  # written before the header held it
-        return
-    done = applied(model)
-    was = _precision(header.get("policy"), header.get("level"))
-    now = _precision(str(done.policy), done.level) if done else ("float32", "O0")
-    if was == now:
-        return
-    rounded = ", its float32 masters rounded to 16 bits" if now[1] == "O3" != was[1] else ""
-    warn_at_caller(
-        f"{path} was trained with {was[0]} at {was[1]}; this model is prepared with "
-        f"{now[0]} at {now[1]}: training resumes so, from the checkpoint's values"
-        f"{rounded} (LoadReport.converted lists the casts). To go on as it was trained, "
-        f"prepare the model with policy={was[0]!r}, level={was[1]!r} (policy='auto' picks "
-        "by machine)"
-    )
 
 
 def _tied_conflicts(
@@ -320,7 +284,9 @@ def _optimizer_state(
         _try_load(path, each, each_state)
     names = _parameter_names(model)
     masters = []
-    for param, master in optimizer.master_weights():
+    pairs = optimizer.master_weights()
+    lost = compensations(optimizer, inner, {id(m) for _, m in pairs})
+    for param, master in pairs:
         found = [n for n in names.get(id(param), []) if n in saved]
         if not found:
             wanted = ", ".join(names.get(id(param), [])) or f"a {tuple(param.shape)} weight"
@@ -331,7 +297,8 @@ def _optimizer_state(
                 f"{path}: the saved {found[0]!r} has shape {tuple(value.shape)}, its float32 "
                 f"master {tuple(master.shape)}"
             )
-        masters.append(value.float())
+        kept = lost.get(id(master))  # an O3 run's Kahan compensation: what rounding lost
+        masters.append(value.float() + kept.float() if kept is not None else value.float())
     state["master_weights"] = masters
     return state
 

@@ -69,7 +69,7 @@ def _say_if_masters_beside(path: Path, obj: dict[Any, Any], key: str) -> None:
     "0 tensors converted"."""
     beside = [
         str(k) for k, v in obj.items()
-        if k != key and isinstance(v, dict) and "master_weights" in v
+        if k != key and isinstance(v, dict) and v.get("master_weights")  # O2's, not O1/O3's
     ]  # fmt: skip
     weights = obj[key].values()
     if beside and any(torch.is_tensor(t) and t.dtype in HALF_DTYPES for t in weights):

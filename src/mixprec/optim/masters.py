@@ -20,7 +20,7 @@ from mixprec._dist import is_dtensor
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
 from mixprec._float32_copies import take_float32_copy
-from mixprec._live_masters import float32_start, note_master, take_masters
+from mixprec._live_masters import float32_start, forget_gone_master, note_master, take_masters
 from mixprec._plain_optimizers import needs_master
 from mixprec._warn import warn_at_caller
 from mixprec.optim import rounding
@@ -105,7 +105,7 @@ class MasterWeights:
             if needs_master(p) and id(p) not in aliases:
                 _refuse_sharded(p, f"{where}['params'][{j}]")
                 master, lost = float32_start(p)
-                self.lost += lost
+                self.lost += lost and forget_gone_master(p)  # not if loaded anew since
                 master.requires_grad_(True)
                 note_master(p, master, p.dtype)
                 _MASTERS[master] = True

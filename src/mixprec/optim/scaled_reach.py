@@ -45,16 +45,7 @@ def say_what_else_sees_the_scale(
             continue
         stack.extend(fn for fn, _ in node.next_functions)
     if outside:
-        shapes = ", ".join(str(tuple(t.shape)) for t in outside[:3])
-        warn_at_caller(
-            f"{len(outside)} tensor(s) outside this LossScaleOptimizer get gradients from its "
-            f"scaled backward (shapes {shapes}{', ...' if len(outside) > 3 else ''}: an input "
-            "with requires_grad, a latent or a model that another optimizer steps): their "
-            f".grad is multiplied by the loss scale ({scale:g}) and holds inf when a step is "
-            "skipped. Give another optimizer of them to this one, "
-            "mp.LossScaleOptimizer([opt, other]); for an input's gradient divide by "
-            "opt.loss_scaler.get_scale() (its sign, as FGSM takes it, is exact) (said once)"
-        )
+        _say_when_written(outside, scale)
     if hooked:
         warn_at_caller(
             "module backward hooks (register_full_backward_hook) in this backward see "
@@ -62,3 +53,31 @@ def say_what_else_sees_the_scale(
             "them cuts the update by about the scale, and one that logs them logs them "
             "scaled; divide by opt.loss_scaler.get_scale() in the hook (said once)"
         )
+
+
+def _say_when_written(leaves: list[torch.Tensor], scale: float) -> None:
+    """Said at the first ``.grad`` the scaled backward writes into one of ``leaves`` (a
+    post-accumulate hook on each, all removed then): not for ``torch.autograd.grad`` over
+    the scaled loss (Keras' loop) or ``backward(inputs=...)`` without them, which write
+    none."""
+    handles: list[torch.utils.hooks.RemovableHandle] = []
+    shapes = ", ".join(str(tuple(t.shape)) for t in leaves[:3])
+    more = ", ..." if len(leaves) > 3 else ""
+
+    def written(_: torch.Tensor) -> None:
+        if not handles:
+            return
+        for handle in handles:
+            handle.remove()
+        handles.clear()
+        warn_at_caller(
+            f"{len(leaves)} tensor(s) outside this LossScaleOptimizer get gradients from its "
+            f"scaled backward (shapes {shapes}{more}: an input with requires_grad, a latent "
+            "or a model that another optimizer steps): their .grad is multiplied by the loss "
+            f"scale ({scale:g}) and holds inf when a step is skipped. Give another optimizer "
+            "of them to this one, mp.LossScaleOptimizer([opt, other]); for an input's "
+            "gradient divide by opt.loss_scaler.get_scale() (its sign, as FGSM takes it, is "
+            "exact) (said once)"
+        )
+
+    handles.extend(t.register_post_accumulate_grad_hook(written) for t in leaves)
