@@ -275,3 +275,40 @@ def test_weights_that_train_under_a_later_optimizer_are_not_taken_for_frozen():
         first = mp.LossScaleOptimizer(torch.optim.SGD(biases, lr=0.1))
         first.backward(model(x).float().pow(2).mean())
         first.step()
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_a_group_frozen_through_param_groups_stays_put_as_in_float32(policy):
+    """``for p in opt.param_groups[0]["params"]: p.requires_grad_(False)``, as float32 code
+    freezes a group: at O2 those are the masters, and each step still copied the 16-bit
+    weights' gradients into them, so the "frozen" layer kept training (0.068 moved in 10
+    AdamW steps where float32 moved 0), unsaid."""
+    torch.manual_seed(0)
+    model = mp.auto_mixed_precision(
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)),
+        policy, "O2",
+    )  # fmt: skip
+    params = list(model.parameters())
+    opt = mp.LossScaleOptimizer(
+        torch.optim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2)
+    )
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+
+    def step() -> None:
+        opt.zero_grad()
+        opt.backward(torch.nn.functional.cross_entropy(model(x).float(), y))
+        opt.step()
+
+    step()
+    for p in opt.param_groups[0]["params"]:
+        p.requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    head = model[2].weight.detach().clone()
+    for _ in range(5):
+        step()
+    assert torch.equal(model[0].weight, frozen)
+    assert not torch.equal(model[2].weight, head)  # the other group trains on
+    for p in opt.param_groups[0]["params"]:
+        p.requires_grad_(True)
+    step()
+    assert not torch.equal(model[0].weight, frozen)  # and unfrozen, it trains again

@@ -265,10 +265,9 @@ class MasterWeights:
     def zero_grad(self, set_to_none: bool) -> None:
         params = self.half + self.plain
         if set_to_none:
-            # The float32 master gradients go too unless kept: kept, they sit beside the next
-            # forward's activations (4 bytes a parameter at the peak); freed, each step
-            # allocates them again, which costs page faults where the allocator hands the
-            # memory back to the OS (the batch-8192 MLP with AdamW: 16% of its step).
+            # The master gradients go too unless kept: kept, they sit beside the next forward's
+            # activations (4 bytes a parameter at the peak); freed, each step allocates them
+            # again: page faults where the allocator gives memory back (8192-MLP AdamW: 16%).
             for p in params if self.keep_grads else params + self.masters:
                 p.grad = None
         else:
@@ -277,11 +276,12 @@ class MasterWeights:
                 torch._foreach_zero_(grads)
 
     def load_master_grads(self) -> None:
-        """The 16-bit gradients into the masters' float32 ones (one multi-tensor copy)."""
+        """The 16-bit gradients into the masters' (one multi-tensor copy); none into one
+        frozen through ``opt.param_groups`` (whose weight still took one)."""
         src, dst = [], []
         for p, m in zip(self.half, self.masters, strict=True):
             g = p.grad
-            if g is None:
+            if g is None or not m.requires_grad:
                 m.grad = None
             elif g.is_sparse:
                 # Widen before coalescing: summing duplicate indices in 16 bits can overflow.
