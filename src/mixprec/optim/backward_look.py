@@ -15,7 +15,7 @@ from mixprec._dtypes import HALF_DTYPES
 from mixprec._errors import MisuseError
 from mixprec._warn import warn_at_caller
 from mixprec.optim import rounding
-from mixprec.optim.scaled_reach import say_what_else_sees_the_scale
+from mixprec.optim.scaled_reach import say_what_sees_the_scale
 
 if TYPE_CHECKING:
     from mixprec.optim.loss_scale_optimizer import LossScaleOptimizer
@@ -87,8 +87,7 @@ class BackwardLook:
         that will see it scaled."""
         if not torch.compiler.is_compiling():  # looked at in an eager call
             self.hooks_looked = True
-            _say_if_hooks_see_scaled(params, scale)
-            say_what_else_sees_the_scale(loss, params, scale)
+            say_what_sees_the_scale(loss, params, scale)
 
     def _before_backward(self, params: list[torch.Tensor], micro: int, steps: int) -> None:
         then = self.versions
@@ -151,34 +150,6 @@ class BackwardLook:
             )
 
 
-def _say_if_hooks_see_scaled(params: list[torch.Tensor], scale: float) -> None:
-    """Gradient hooks on the parameters (``register_hook``,
-    ``register_post_accumulate_grad_hook``) see the gradients multiplied by the loss
-    scale: one that clamps them (per-parameter clipping in the backward) cut float16
-    updates to 1/65536 of float32's, unsaid; one that logs them logs them scaled."""
-    if scale == 1.0:
-        return
-    hooked = sum(
-        any(
-            _users(hook)
-            for hooks in (p._backward_hooks, getattr(p, "_post_accumulate_grad_hooks", None))
-            for hook in (hooks or {}).values()
-        )
-        for p in params
-    )
-    if hooked:
-        warn_at_caller(
-            f"{hooked} parameter(s) have gradient hooks (register_hook, "
-            "register_post_accumulate_grad_hook), which see the gradients multiplied by the "
-            f"loss scale ({scale:g}): a hook that clips or clamps them cuts the update by "
-            "about the scale, and one that logs them logs them scaled. Clip in the step "
-            "(LossScaleOptimizer(..., max_grad_norm=...), or opt.unscale_() then clip "
-            "opt.master_params()), or divide by opt.loss_scaler.get_scale() in the hook. "
-            "A hook that is linear in the gradient (a sign flip, a mask) is exact: then "
-            "nothing is wrong (said once)"
-        )
-
-
 def _say_if_loss_16bit(loss: torch.Tensor, scale: float) -> None:
     """A loss computed in 16 bits (a pure policy's 16-bit outputs into F.cross_entropy):
     its steps (0.0078 near 1.0 in bfloat16) hide improvement, so a ReduceLROnPlateau fed
@@ -217,12 +188,6 @@ def _cast_from(loss: torch.Tensor) -> torch.dtype | None:
         return None
     dtype: torch.dtype = meta[index].dtype
     return dtype
-
-
-def _users(hook: Any) -> bool:
-    """A hook of the user's: not torch's own (DDP's all-reduce, linear in the gradient)."""
-    fn = getattr(hook, "func", hook)  # a functools.partial's function
-    return not str(getattr(fn, "__module__", "") or "").startswith("torch.")
 
 
 def _said_inexact_restore(weights: MasterWeights, then: list[tuple[int, int]]) -> bool:

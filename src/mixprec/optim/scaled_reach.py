@@ -1,13 +1,16 @@
-"""What a scaled backward reaches beyond the optimizer's own parameters, said once at the
+"""What sees a scaled backward's gradients before the step unscales them, said once at the
 first scaled loss: under float16 loss scaling every gradient of that backward is multiplied
-by the scale, and the step unscales only the parameters it holds. An input's gradient read
-for its size (a raw gradient-ascent attack, a saliency map) came back 65536 times float32's;
-a latent tensor stepped by a plain optimizer beside the wrapper moved 3130 times too far (and
-took the inf of a skipped step for good); a module backward hook that clipped saw the scaled
-values, all unsaid. Parameters of prepared models are left to the checks that know them (a
-GAN's other optimizer, a plain optimizer over a prepared model)."""
+by the scale, and the step unscales only the parameters it holds. Gradient hooks on the
+parameters that clamped them cut float16 updates to 1/65536 of float32's. An input's
+gradient read for its size (a raw gradient-ascent attack, a saliency map) came back 65536
+times float32's; a latent tensor stepped by a plain optimizer beside the wrapper moved 3130
+times too far (and took the inf of a skipped step for good); a module backward hook that
+clipped saw the scaled values, all unsaid. Parameters of prepared models are left to the
+checks that know them (a GAN's other optimizer, a plain optimizer over a prepared model)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch.autograd.graph import Node
@@ -15,17 +18,18 @@ from torch.autograd.graph import Node
 from mixprec._warn import warn_at_caller
 from mixprec.casting import POLICY_ATTR
 
-__all__ = ["say_what_else_sees_the_scale"]
+__all__ = ["say_what_sees_the_scale"]
 
 _HOOK_NODE = "BackwardHookFunctionBackward"  # register_full_backward_hook's node
 
 
-def say_what_else_sees_the_scale(
-    loss: torch.Tensor, params: list[torch.Tensor], scale: float
-) -> None:
-    """Walk ``loss``'s graph once (the first scaled loss) for leaves outside ``params``
-    that are no prepared model's parameters, and for module backward hooks."""
-    if scale == 1.0 or not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+def say_what_sees_the_scale(loss: torch.Tensor, params: list[torch.Tensor], scale: float) -> None:
+    """The gradient hooks on ``params``; then, walking ``loss``'s graph once, the leaves
+    outside ``params`` that are no prepared model's parameters, and module backward hooks."""
+    if scale == 1.0:
+        return
+    _say_if_hooks_see_scaled(params, scale)
+    if not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
         return
     own = {id(p) for p in params}
     outside: list[torch.Tensor] = []
@@ -81,3 +85,35 @@ def _say_when_written(leaves: list[torch.Tensor], scale: float) -> None:
         )
 
     handles.extend(t.register_post_accumulate_grad_hook(written) for t in leaves)
+
+
+def _say_if_hooks_see_scaled(params: list[torch.Tensor], scale: float) -> None:
+    """Gradient hooks on the parameters (``register_hook``,
+    ``register_post_accumulate_grad_hook``) see the gradients multiplied by the loss
+    scale: one that clamps them (per-parameter clipping in the backward) cut float16
+    updates to 1/65536 of float32's, unsaid; one that logs them logs them scaled."""
+    hooked = sum(
+        any(
+            _users(hook)
+            for hooks in (p._backward_hooks, getattr(p, "_post_accumulate_grad_hooks", None))
+            for hook in (hooks or {}).values()
+        )
+        for p in params
+    )
+    if hooked:
+        warn_at_caller(
+            f"{hooked} parameter(s) have gradient hooks (register_hook, "
+            "register_post_accumulate_grad_hook), which see the gradients multiplied by the "
+            f"loss scale ({scale:g}): a hook that clips or clamps them cuts the update by "
+            "about the scale, and one that logs them logs them scaled. Clip in the step "
+            "(LossScaleOptimizer(..., max_grad_norm=...), or opt.unscale_() then clip "
+            "opt.master_params()), or divide by opt.loss_scaler.get_scale() in the hook. "
+            "A hook that is linear in the gradient (a sign flip, a mask) is exact: then "
+            "nothing is wrong (said once)"
+        )
+
+
+def _users(hook: Any) -> bool:
+    """A hook of the user's: not torch's own (DDP's all-reduce, linear in the gradient)."""
+    fn = getattr(hook, "func", hook)  # a functools.partial's function
+    return not str(getattr(fn, "__module__", "") or "").startswith("torch.")

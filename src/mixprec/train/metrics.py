@@ -205,11 +205,14 @@ def weigh_for(loss_fn: LossFn, targets: torch.Tensor | None) -> Callable[[torch.
     number of labels, which ``counted`` would return for every batch, without its per-step
     reduction and host read (on CUDA a synchronisation a step). ``None``: a loader."""
     ignore = ignore_index_of(loss_fn)
-    if ignore is None or targets is None or targets.is_floating_point() or targets.dim() == 0:
-        return functools.partial(counted, loss_fn)
-    if bool((targets == ignore).any()):  # padded: each batch counts what it keeps
-        return functools.partial(counted, loss_fn)
-    return torch.Tensor.numel
+    counts_all = not (
+        ignore is None
+        or targets is None
+        or targets.is_floating_point()
+        or targets.dim() == 0
+        or bool((targets == ignore).any())  # padded: each batch counts what it keeps
+    )
+    return torch.Tensor.numel if counts_all else functools.partial(counted, loss_fn)
 
 
 def get_loss(loss: str | LossFn) -> LossFn:
