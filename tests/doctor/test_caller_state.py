@@ -117,6 +117,8 @@ def test_inputs_past_the_16bit_range_at_o2_get_no_keep_list_that_cannot_work():
     assert report.inputs_overflow == [("inputs", 1e5)]
     assert report.recommended_keep_float32 == [] and not report.healthy
     assert "casts its inputs to float16 before any layer" in report.advice[0]
+    # The cast made the inf, not the model's own code (whose input was finite).
+    assert report.own_code is None and "own code" not in str(report)
     assert '"inputs_overflow": [["inputs", 100000.0]]' in report.to_json()
     # What it points to works: O1's own keep list gives a finite output on this batch.
     o1 = mp.diagnose(model, x, y, nn.CrossEntropyLoss(), "mixed_float16", "O1")

@@ -70,6 +70,50 @@ def test_overflowing_layer_is_named_first_and_keeping_it_float32_fixes_training(
     assert opt.loss_scaler.state.skipped_steps == 0 and losses[-1] < losses[0]
 
 
+class _OwnCode(nn.Module):
+    """Three Linears and a hand-written step in the forward's own code: ``h * 1e5``
+    between 'a' and 'b' ("mid"), or ``* 1e6`` on the last one's output ("end")."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+        self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
+        with torch.no_grad():
+            self.b.weight.mul_(1e-5)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        h = torch.relu(self.b(h * 1e5 if self.where == "mid" else h))
+        return self.c(h) * (1e6 if self.where == "end" else 1.0)
+
+
+@pytest.mark.parametrize(
+    ("where", "around", "applied"), [("mid", ("a", "b"), 30), ("end", ("c", None), 29)]
+)
+def test_an_overflow_in_the_forwards_own_code_is_placed_there_and_the_plan_fixes_it(
+    where, around, applied, one_thread
+):
+    """The model's own code (not a module) overflowed float16: the doctor blamed 'c' ("the
+    gradient of its output becomes inf/NaN here first") and said nothing of the code. It
+    now names the model's forward and the modules around the code, first among culprits."""
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 16), torch.randint(0, 4, (16,))
+    report = mp.diagnose(_OwnCode(where), x, y, CE, policy="mixed_float16")
+    assert report.own_code == around
+    first = report.culprits()[0]
+    assert first.name == "(model)" and first.reasons[0].startswith(
+        "inf/NaN starts in its own forward code, after "
+    )
+    said = report.advice[0]
+    assert said.startswith("inf/NaN starts in _OwnCode.forward's own code, not in a module")
+    assert f"with {around[0]!r} kept in float32 (below)" in said
+    assert around[0] in report.recommended_keep_float32
+    # The plan trains: at "end" the scaler backs off once more as the weights grow (its
+    # logits x 1e6 feed float16 gradients of 1e5 into 'b'), then applies every step.
+    torch.manual_seed(0)
+    assert follow(report, _OwnCode(where), x, y) == (applied, True)
+
+
 def test_backward_overflowing_at_the_scale_floor_is_kept_and_bfloat16_advised(one_thread):
     # Gain 1e8: the gradients before the block reach ~1e8 x 3e-3 even at loss scale 1, the
     # dynamic scaler's floor. With only the forward's keep list ('2.0', '2.1', '3', '4'),

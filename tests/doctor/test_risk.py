@@ -1,5 +1,6 @@
 """How the 16-bit doctor weighs a module (``mixprec.doctor.risk``), on hand-made figures:
-where inf/NaN starts, what each finding adds to a module's risk, and the loss-scale range."""
+where inf/NaN starts (in a module, or in the model's own forward code), what each finding
+adds to a module's risk, and the loss-scale range."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import torch
 
 from mixprec.doctor.risk import (
     OUTPUT_ERROR_LIMIT,
+    between,
     loss_scale_range,
     nonfinite_origin,
+    own_code_origin,
     score,
 )
 from tests.doctor.cases import module
@@ -61,6 +64,48 @@ def test_score_ranks_origin_then_range_then_underflow_then_error():
     island = module("f", 4, max_output=2 * F16_MAX, float32=True)
     score(island, compute, F16_MAX, None)
     assert island.risk == 0 and island.reasons == []
+
+
+def test_own_code_origin_is_where_the_models_code_between_modules_made_inf():
+    leaves = {"a", "b", "c"}
+    # 'a' gave finite values, 'b' was handed inf: the model's code between them made it.
+    reports = [
+        module("a", 0),
+        module("b", 1, nonfinite_output=4, nonfinite_input=3),
+        module("c", 2, nonfinite_output=4, nonfinite_input=4),
+        module("(model)", 3, nonfinite_output=4, overflow_origin=True),
+    ]
+    assert own_code_origin(reports, leaves) == ("a", "b")
+    assert between(("a", "b")) == "after 'a', before 'b'"
+    # After the last module: no module was handed inf/NaN.
+    last = [module("a", 0), module("b", 1), module("(model)", 2, overflow_origin=True)]
+    assert own_code_origin(last, leaves) == ("b", None)
+    assert between(("b", None)) == "after 'b', the last module"
+    # Before the first module: its first module was handed inf/NaN.
+    first = [module("a", 0, nonfinite_input=1), module("(model)", 1, overflow_origin=True)]
+    assert own_code_origin(first, leaves) == (None, "a")
+    # A module inside started it; a model without children is a leaf itself.
+    started = [module("a", 0, overflow_origin=True), module("(model)", 1, overflow_origin=True)]
+    assert own_code_origin(started, leaves) is None
+    assert own_code_origin(last, leaves | {"(model)"}) is None
+    assert own_code_origin([module("(model)", 0, nonfinite_output=1)], leaves) is None
+
+
+def test_where_inf_starts_outranks_values_and_gradients_far_beyond_the_range():
+    # 1e9 x float16's max, in values and in gradients, once counted 1e9 and ranked the
+    # origin (1000) second: the ranking is origin first, then the range.
+    far = module("far", 0, max_output=1e9 * F16_MAX, max_input=1e9 * F16_MAX)
+    score(far, torch.float16, F16_MAX, ("o", "forward"))
+    origin = module("o", 1, nonfinite_output=1)
+    score(origin, torch.float16, F16_MAX, ("o", "forward"))
+    root = module("(model)", 2, max_output=2 * F16_MAX)
+    score(root, torch.float16, F16_MAX, None, own_code=("a", "b"))
+    assert origin.risk > far.risk and root.risk > far.risk > 100
+    assert root.reasons[0] == "inf/NaN starts in its own forward code, after 'a', before 'b'"
+    # With the model's code the origin, the leaf origin is not flagged as one too.
+    leaf = module("o", 1, nonfinite_output=1)
+    score(leaf, torch.float16, F16_MAX, ("o", "backward"), own_code=("a", "b"))
+    assert leaf.risk == 0
 
 
 def test_an_infinite_error_is_not_scored_as_an_error():

@@ -9,7 +9,7 @@ import torch
 
 from mixprec.doctor.headroom import smallest_subnormal
 from mixprec.doctor.report import Report
-from mixprec.doctor.risk import UNDERFLOW_LIMIT
+from mixprec.doctor.risk import UNDERFLOW_LIMIT, between
 
 __all__ = ["advice"]
 
@@ -41,6 +41,19 @@ def advice(report: Report, compute: torch.dtype, left: set[str]) -> list[str]:
             "do. Scale them into range (normalise the features) and diagnose again, as layers "
             "may need keeping too, or use level 'O1', where a layer kept in float32 takes its "
             "input as it comes (diagnose at level='O1' for that keep list)"
+        )
+    if report.own_code is not None:
+        # Code after a kept module takes its float32 output (O1 to O3).
+        after = report.own_code[0]
+        said.append(
+            f"inf/NaN starts in {report.model or 'the model'}.forward's own code, not in a "
+            f"module: an operation there ({between(report.own_code)}) overflows "
+            f"{report.compute_dtype}; "
+            + (
+                f"with {after!r} kept in float32 (below) it runs on float32 values"
+                if after is not None and after in report.recommended_keep_float32
+                else "compute it in float32 (.float() on its operands) or keep it in range"
+            )
         )
     if report.recommended_keep_float32:
         said.append(

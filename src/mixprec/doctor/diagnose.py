@@ -49,7 +49,13 @@ from mixprec.doctor.passes import (
     run,
 )
 from mixprec.doctor.report import ModuleReport, Report
-from mixprec.doctor.risk import SCALE_FLOOR, loss_scale_range, nonfinite_origin, score
+from mixprec.doctor.risk import (
+    SCALE_FLOOR,
+    loss_scale_range,
+    nonfinite_origin,
+    own_code_origin,
+    score,
+)
 from mixprec.doctor.verify import CHECK_STEPS, OptimizerLike, check_optimizer, check_plan
 from mixprec.dtype_table import module_dtypes
 from mixprec.float8 import Float8Options
@@ -210,21 +216,26 @@ def _diagnose(
     leaves = {n or ROOT_NAME for n, m in model.named_modules() if not list(m.children())}
     leaves |= _own_arithmetic_origins(model, reports)
     origin = nonfinite_origin(reports, leaves)
+    done = applied(mixed)
+    # At O2/O3 the inputs are cast to 16 bits before any layer (handled below): an input
+    # the cast makes inf looks like the model's own code starting it.
+    casts_inputs = done is not None and done.level in ("O2", "O3")
+    own_code = own_code_origin(reports, leaves)
+    if own_code is not None and casts_inputs and inputs_cast_to_inf(inputs, compute):
+        own_code = None
     for rep in reports:
-        score(rep, compute, limit, origin)
+        score(rep, compute, limit, origin, own_code)
 
     dynamic = resolved.loss_scaling == "dynamic"
     floor = min(SCALE_FLOOR, float(loss_scale)) if dynamic else float(loss_scale)
     measure(reports, limit, floor)
     recommended = recommend(reports, leaves, compute, limit, floor, headroom)
-    done = applied(mixed)
     # The mixed run at this scale with nothing kept had nothing non-finite: nothing to back off.
     healthy = finite_run(mixed_calls, mixed_loss)
     # At O2/O3 the inputs are cast to 16 bits before any layer. Where that made them inf
     # and the run non-finite, a keep list helps only if it keeps the model itself (float32
     # throughout; every layer kept still gets inf), so none is recommended until they are
     # in range. (An inf that harms nothing, a -1e9 mask, an unused input, is left alone.)
-    casts_inputs = done is not None and done.level in ("O2", "O3")
     cast_inf = []
     if casts_inputs and not healthy and ROOT_NAME not in recommended:
         cast_inf = inputs_cast_to_inf(inputs, compute)
@@ -309,6 +320,7 @@ def _diagnose(
         at_edge=at_edge,
         check=check,
         inputs_overflow=cast_inf,
+        own_code=own_code,
     )
     report.advice = advice(report, compute, left)
     return report

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from mixprec.doctor.report import ModuleReport
 
 __all__ = [
+    "BEYOND_CAP",
     "EDGE_RISK",
     "HEADROOM",
     "flag_small_gradients",
@@ -50,6 +51,9 @@ __all__ = [
 HEADROOM = 2.0**-4
 # Risk added for a tensor inside the headroom but within the range: above underflow (2-3)
 # and large errors (1-11), below values beyond the range (100+) and the inf/NaN origin (1000+).
+# The most that values or gradients beyond the range add to a module's risk (over 100):
+# enough to order such modules by how far beyond they go, and below where inf/NaN starts.
+BEYOND_CAP = 800.0
 EDGE_RISK = 20.0
 
 
@@ -128,7 +132,7 @@ def recommend(
         if r.name not in leaves or r.float32 or floor * r.max_backward <= edge:
             continue
         if floor * r.max_backward > limit:
-            r.risk += 100 + floor * r.max_backward / limit
+            r.risk += 100 + min(floor * r.max_backward / limit, BEYOND_CAP)
             r.reasons.append(
                 f"gradients up to {r.max_backward:.3g} exceed {name} max "
                 f"{limit:.4g} even at loss scale {floor:g}"

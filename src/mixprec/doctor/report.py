@@ -132,6 +132,10 @@ class Report:
     #: Inputs the cast at the model's boundary (O2, O3) makes inf: (where, max |value|).
     #: No keep list helps then, so none is recommended.
     inputs_overflow: list[tuple[str, float]] = field(default_factory=list)
+    #: Where the model's own forward code (not a module) made the first inf/NaN: the
+    #: modules around that code, (finished just before it, first handed inf/NaN), either
+    #: ``None`` at an end; ``None`` where a module made it.
+    own_code: tuple[str | None, str | None] | None = None
 
     def culprits(self) -> list[ModuleReport]:
         """Flagged modules, most dangerous first (ties: execution order)."""

@@ -9,16 +9,21 @@ import math
 import torch
 
 from mixprec._dtypes import dtype_name
+from mixprec.doctor.headroom import BEYOND_CAP
 from mixprec.doctor.report import ModuleReport
+from mixprec.keep import ROOT_NAME
 from mixprec.scaling import DynamicConfig
 
 __all__ = [
     "GRAD_ERROR_LIMIT",
+    "ORIGIN_RISK",
     "OUTPUT_ERROR_LIMIT",
     "SCALE_FLOOR",
     "UNDERFLOW_LIMIT",
+    "between",
     "loss_scale_range",
     "nonfinite_origin",
+    "own_code_origin",
     "score",
 ]
 
@@ -34,6 +39,9 @@ UNDERFLOW_LIMIT = 0.05
 # off below it is not possible, so a backward that overflows float16 there overflows at every
 # step: such modules must compute in float32 (or the run needs bfloat16).
 SCALE_FLOOR = DynamicConfig().floor
+# Risk for where inf/NaN starts: above anything else a module can add up (values and
+# gradients beyond the range count at most 100 + BEYOND_CAP each), so it ranks first.
+ORIGIN_RISK = 10_000.0
 
 
 def nonfinite_origin(reports: list[ModuleReport], leaves: set[str]) -> tuple[str, str] | None:
@@ -50,21 +58,55 @@ def nonfinite_origin(reports: list[ModuleReport], leaves: set[str]) -> tuple[str
     return None
 
 
+def own_code_origin(
+    reports: list[ModuleReport], leaves: set[str]
+) -> tuple[str | None, str | None] | None:
+    """Where inf/NaN first appeared when the model's own forward code made it (``h * 1e5``
+    between two layers): the model, which has children, turned a finite input into a
+    non-finite output while no module inside did. Given as the modules around that code:
+    (the module finished just before it, the first module handed inf/NaN), either ``None``
+    where there is none (before the first module, after the last). ``None`` otherwise."""
+    root = next((r for r in reports if r.name == ROOT_NAME), None)
+    if root is None or ROOT_NAME in leaves or not root.overflow_origin:
+        return None
+    inside = sorted((r for r in reports if r.name != ROOT_NAME), key=lambda r: r.order)
+    if not inside or any(r.overflow_origin for r in inside):
+        return None
+    first = next((r for r in inside if r.nonfinite_input), None)
+    before = [r.name for r in inside if first is None or r.order < first.order]
+    return (before[-1] if before else None), (None if first is None else first.name)
+
+
+def between(around: tuple[str | None, str | None]) -> str:
+    """``own_code_origin``'s place in words: "after 'a', before 'b'"."""
+    after, before = around
+    said = [f"after {after!r}" if after else "", f"before {before!r}" if before else ""]
+    return ", ".join(part for part in said if part) + ("" if before else ", the last module")
+
+
 def score(
-    rep: ModuleReport, compute: torch.dtype, limit: float, origin: tuple[str, str] | None
+    rep: ModuleReport,
+    compute: torch.dtype,
+    limit: float,
+    origin: tuple[str, str] | None,
+    own_code: tuple[str | None, str | None] | None = None,
 ) -> None:
     """Risk: where an overflow starts first, then values beyond the range, then gradient
     underflow, then large errors. Non-finite values inherited from upstream are symptoms,
-    not causes, and are not flagged."""
-    if origin is not None and origin[0] == rep.name:
-        rep.risk += 1000
+    not causes, and are not flagged. ``own_code``: where the model's own forward code made
+    the first inf/NaN (``own_code_origin``), which the model's row then carries."""
+    if own_code is not None and rep.name == ROOT_NAME:
+        rep.risk += ORIGIN_RISK
+        rep.reasons.append(f"inf/NaN starts in its own forward code, {between(own_code)}")
+    elif own_code is None and origin is not None and origin[0] == rep.name:
+        rep.risk += ORIGIN_RISK
         what = "output" if origin[1] == "forward" else "gradient of its output"
         rep.reasons.append(f"{what} becomes inf/NaN here first ({rep.dtype})")
     if rep.float32:
         return
     peak = max(rep.max_input, rep.max_output)
     if peak > limit:
-        rep.risk += 100 + peak / limit
+        rep.risk += 100 + min(peak / limit, BEYOND_CAP)
         rep.reasons.append(f"values up to {peak:.3g} exceed {dtype_name(compute)} max {limit:.4g}")
     if rep.grad_underflow > UNDERFLOW_LIMIT:
         rep.risk += 2 + rep.grad_underflow
