@@ -24,7 +24,7 @@ from typing import Any, cast
 import torch
 
 from mixprec._plain_optimizers import no_other_global_hooks
-from mixprec.optim.layouts import match_state_layouts
+from mixprec.optim.layouts import match_state_layouts, refuse_misshapen
 
 __all__ = ["FusedStep"]
 
@@ -95,8 +95,10 @@ class FusedStep:
         ):
             return None
         stale = self._state is not inner.state or len(self._cached) != len(inner.param_groups)
-        if stale and not self._build():
-            return None
+        if stale:
+            refuse_misshapen(inner)  # a state loaded: checked before any kernel runs
+            if not self._build():
+                return None
         grads = []
         for j, (group, params, keys, states, lists) in enumerate(self._cached):
             if (
@@ -107,6 +109,7 @@ class FusedStep:
                 or not self._same_state(params, keys, states, lists)
             ):
                 self._state = None  # rebuilt (or refused) next time
+                refuse_misshapen(inner, always=True)  # a state tensor replaced
                 return None
             if skip_on_device and not group.get("fused"):
                 return None

@@ -17,7 +17,7 @@ from mixprec._dist import fsdp_computes_in_float16, is_dtensor
 from mixprec._plain_optimizers import step_inner
 from mixprec._warn import warn_at_caller
 from mixprec.casting import COMPUTE_ATTR, LEVEL_ATTR, POLICY_ATTR
-from mixprec.optim.layouts import is_dense, match_state_layouts
+from mixprec.optim.layouts import is_dense, match_state_layouts, refuse_misshapen
 from mixprec.policy import Policy, global_policy
 
 __all__ = ["needs_scaling"]
@@ -141,6 +141,7 @@ def step_inner_fused_safely(inner: torch.optim.Optimizer, book: Any) -> None:
     momentum buffer and others none yet (a branch first used at a later step, a layer
     unfrozen) stepped unfused this once: torch's fused kernel cannot step such a group (a
     TypeError), and its loop starts the new buffers from the gradient as plain SGD does."""
+    refuse_misshapen(inner)  # a state loaded from another model: before torch's kernels
     match_state_layouts(inner)
     unfused = []
     # Buffers are never dropped: once every parameter has one, no group can mix (no loop).

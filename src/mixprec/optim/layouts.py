@@ -18,12 +18,28 @@ from typing import Any
 
 import torch
 
+from mixprec._errors import ArgumentError
 from mixprec._strides import is_dense, laid_out_as
 
-__all__ = ["is_dense", "lay_state_as_params", "match_state_layouts"]
+__all__ = [
+    "is_dense",
+    "lay_state_as_params",
+    "match_state_layouts",
+    "misshapen_state",
+    "refuse_misshapen",
+]
+
+# State that torch's optimizers keep shaped as the parameter. Their fused kernels (and
+# mixprec's direct calls of them) index it as the parameter without a check: a moment of
+# another shape, loaded from another model's state, wrote past its memory and the process
+# died later ("free(): invalid next size"), after a step reported as applied.
+_PARAM_SHAPED = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum")
 
 # Each optimizer -> (its parameter count when listed, its fused groups' 4+-dim parameters,
 # their strides when last matched).
+# Each optimizer -> the state dict its shapes were last checked in (torch's load_state_dict
+# replaces it): a step checks again only after a load.
+_CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, object] = weakref.WeakKeyDictionary()
 _LISTED: weakref.WeakKeyDictionary[
     torch.optim.Optimizer, tuple[int, list[torch.Tensor], list[tuple[int, ...]]]
 ] = weakref.WeakKeyDictionary()
@@ -76,3 +92,43 @@ def _lay(inner: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
         for key, value in list(state.items()):
             if isinstance(value, torch.Tensor) and not value.is_sparse and value.shape == p.shape:
                 state[key] = laid_out_as(value, p)
+
+
+def misshapen_state(
+    inner: torch.optim.Optimizer,
+    params: list[torch.Tensor] | None = None,
+    states: list[Any] | None = None,
+) -> str | None:
+    """What is wrong where one of torch's optimizers holds a param-shaped state tensor
+    (``exp_avg``, ``momentum_buffer``, ...) of another shape than its parameter: said with
+    the parameter's place and both shapes; ``None`` where every one fits. ``params`` and
+    ``states``: a state about to be loaded, each parameter's (default: ``inner``'s own)."""
+    if not type(inner).__module__.startswith("torch.optim"):
+        return None  # another optimizer may keep its state in shapes of its own
+    if params is None:
+        params = [p for group in inner.param_groups for p in group["params"]]
+        states = [inner.state.get(p) for p in params]
+    for i, (p, state) in enumerate(zip(params, states or [], strict=False)):
+        if not isinstance(state, dict):
+            continue
+        for key in _PARAM_SHAPED:
+            value = state.get(key)
+            if isinstance(value, torch.Tensor) and value.shape != p.shape:
+                return (
+                    f"the state of parameter {i} of {type(inner).__name__} has {key!r} of "
+                    f"shape {tuple(value.shape)}, its parameter {tuple(p.shape)}: a state "
+                    "saved from another model (torch's fused kernels would write past its "
+                    "memory)"
+                )
+    return None
+
+
+def refuse_misshapen(inner: torch.optim.Optimizer, always: bool = False) -> None:
+    """Before a step: raise where a state tensor does not fit its parameter
+    (``misshapen_state``). Checked once per state dict (after each load), or ``always``."""
+    if torch.compiler.is_compiling() or (not always and _CHECKED.get(inner) is inner.state):
+        return  # a compiled step: checked by the eager steps around it
+    wrong = misshapen_state(inner)
+    if wrong is not None:
+        raise ArgumentError(f"step: {wrong}; load a state saved from this model")
+    _CHECKED[inner] = inner.state

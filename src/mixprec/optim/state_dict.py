@@ -20,7 +20,7 @@ from mixprec._plain_optimizers import watch_wrapped
 from mixprec._save_guard import guard_saves
 from mixprec._warn import warn_at_caller
 from mixprec.optim.checks import refuse_accelerate_wrapper
-from mixprec.optim.layouts import lay_state_as_params
+from mixprec.optim.layouts import lay_state_as_params, misshapen_state
 from mixprec.optim.masters import MasterWeights
 from mixprec.scaling import LossScaler
 from mixprec.trace import model_of
@@ -173,6 +173,18 @@ def check_state_dict(
                 f"load_state_dict: inner optimizer {k} ({type(inner).__name__}) has param "
                 f"groups of sizes {ours}; the state's are {theirs}"
             )
+        per_param = state.get("state")
+        if not isinstance(per_param, dict):
+            raise ArgumentError(
+                f"load_state_dict: inner optimizer {k}'s 'state' must be a dict of each "
+                f"parameter's state (from state_dict()), got {type(per_param).__name__}"
+            )
+        assert isinstance(groups, list)  # theirs == ours: a list of groups
+        ids = [i for group in groups for i in group["params"]]
+        params = [p for group in inner.param_groups for p in group["params"]]
+        wrong = misshapen_state(inner, params, [per_param.get(i) for i in ids])
+        if wrong is not None:
+            raise ArgumentError(f"load_state_dict: inner optimizer {k}: {wrong}")
     micro = state_dict.get("micro_steps", 0)
     if isinstance(micro, bool) or not isinstance(micro, int) or micro < 0:
         raise ArgumentError(
@@ -184,6 +196,12 @@ def check_state_dict(
             raise ArgumentError(
                 f"load_state_dict: master weight {i} has shape {tuple(one.shape)}, "
                 f"expected {tuple(master.shape)}"
+            )
+        # As load_checkpoint refuses: a non-finite master would make its weight NaN at once.
+        if one.is_floating_point() and not bool(torch.isfinite(one).all()):
+            raise ArgumentError(
+                f"load_state_dict: master weight {i} holds inf/NaN values: a state saved "
+                "after training diverged; load one from before"
             )
 
 
