@@ -758,3 +758,44 @@ def test_clipping_by_hand_before_an_epochs_shorter_last_group_applies_it_as_its_
     opt.backward(loss_of(model))
     with pytest.raises(mp.MisuseError, match=r"unscale_\(\) called after 2 of 4 accumulation"):
         opt.unscale_()
+
+
+@pytest.mark.parametrize(
+    ("build", "said"),
+    [
+        (lambda inner: mp.LossScaleOptimizer([inner, inner]),
+         r"optimizer lists the same SGD twice \(at 1 and at 0\); list it once"),
+        (lambda inner: mp.LossScaleOptimizer(inner, trace_overflow="yes"),
+         r"trace_overflow='yes' is invalid; use True, False or the model"),
+        (lambda inner: mp.LossScaleOptimizer(inner, keep_grad_buffers=1),
+         r"keep_grad_buffers must be True or False, got 1"),
+    ],
+)  # fmt: skip
+def test_a_refused_wrap_leaves_the_torch_optimizer_stepping_the_model(build, said):
+    """A wrap refused after its groups were adopted left the torch optimizer over detached
+    float32 masters: its own step then moved nothing, and a second wrap was refused as "a
+    cell run again". Arguments are checked first, and an adoption refused half way (a
+    parameter in two groups) is put back."""
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
+    inner = torch.optim.SGD(model.parameters(), lr=0.5)
+    given = [p for g in inner.param_groups for p in g["params"]]
+    with pytest.raises(mp.ArgumentError, match=said):
+        build(inner)
+    held = [p for g in inner.param_groups for p in g["params"]]
+    assert all(a is b for a, b in zip(given, held, strict=True))
+    opt = mp.LossScaleOptimizer(inner)  # wrapped once fixed, and trains the model
+    before = model[0].weight.detach().clone()
+    x, y = classification_data(n=16)
+    opt.backward(nn.functional.cross_entropy(model(x), y))
+    assert opt.step().applied and not torch.equal(before, model[0].weight)
+
+
+def test_a_parameter_in_two_optimizers_puts_back_every_group_adopted():
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
+    every = list(model.parameters())
+    first, second = torch.optim.SGD(every, lr=0.1), torch.optim.Adam(every[:1])
+    with pytest.raises(mp.ArgumentError, match=r"already a parameter of this LossScaleOptimizer"):
+        mp.LossScaleOptimizer([first, second])
+    assert all(a is b for a, b in zip(every, first.param_groups[0]["params"], strict=True))
+    assert second.param_groups[0]["params"][0] is every[0]
+    mp.LossScaleOptimizer(first)  # wraps once fixed

@@ -204,7 +204,7 @@ def test_every_rank_gets_as_many_steps_as_it_was_told(monkeypatch, shuffle):
 def test_validation_split_holds_out_what_keras_does(n, split, held):
     """Keras trains on the first floor(n * (1 - split)) samples; int(n * split) held out
     one fewer where n * split is not exact in binary (100 * 0.29 = 28.999...)."""
-    from mixprec.train.batches import split_validation
+    from mixprec.train.validation import split_validation
 
     x, y = torch.randn(n, 3), torch.arange(n)
     xt, yt, (xv, yv) = split_validation(x, y, split)
@@ -213,7 +213,7 @@ def test_validation_split_holds_out_what_keras_does(n, split, held):
 
 
 def test_a_split_that_leaves_one_side_empty_and_mismatched_data_are_named():
-    from mixprec.train.batches import split_validation
+    from mixprec.train.validation import split_validation
 
     empty = r"validation_split=0.5 of 1 samples holds out 1 and trains on 0; each needs at"
     with pytest.raises(mp.ArgumentError, match=empty):

@@ -136,6 +136,38 @@ def test_an_optimizer_over_another_model_is_refused_before_the_model_changes():
                             lr=0.1)), "cross_entropy")  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("bad", "said"),
+    [
+        ({"loss_fn": "bogus"}, r"loss='bogus' is not a known loss"),
+        ({"max_grad_norm": -1}, r"max_grad_norm=-1 is invalid"),
+        ({"accumulation_steps": 0}, r"accumulation_steps=0 is invalid"),
+        ({"loss_scaler": "dynamic"}, r"loss_scaler must be a NoOpLossScaler"),
+        ({"trace_overflow": "yes"}, r"trace_overflow='yes' is invalid"),
+    ],
+)
+@pytest.mark.parametrize("via", ["build_train_step", "Trainer"])
+def test_a_bad_option_is_refused_before_the_model_or_the_optimizer_changes(bad, said, via):
+    """The loss and the LossScaleOptimizer options were checked after the model was
+    prepared and the optimizer wrapped: the retry with the value fixed was refused as
+    "prepared already with policy ..." or "holds none of the model's parameters"."""
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    given = {"loss_fn": "cross_entropy", **bad}
+    with pytest.raises(mp.ArgumentError, match=said):
+        if via == "Trainer":
+            loss = given.pop("loss_fn")
+            mp.Trainer(model, loss, opt, "mixed_float16", "O2", device="cpu", **given)
+        else:
+            mp.build_train_step(model, opt, policy="mixed_float16", level="O2", **given)
+    assert applied(model) is None and all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(a is b for a, b in zip(model.parameters(), opt.param_groups[0]["params"],
+                                      strict=True))  # fmt: skip
+    step = mp.build_train_step(model, opt, "cross_entropy", "mixed_bfloat16", "O2")
+    x, y = classification_data(n=16)
+    assert step(x, y)[1].applied
+
+
 def test_an_optimizer_over_some_parameters_warns_naming_the_rest():
     model = make_mlp()
     opt = torch.optim.SGD(model[0].parameters(), lr=0.1)

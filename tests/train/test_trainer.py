@@ -118,6 +118,30 @@ def test_bad_arguments():
         trainer(metrics=["f1"])
     with pytest.raises(TypeError, match="needs an nn.Module, got str"):
         mp.Trainer("mlp", "mse", torch.optim.SGD(make_mlp().parameters(), 0.1))  # type: ignore[arg-type]
+    # Each once a raw TypeError deep in fit (or accepted): named, before anything ran.
+    with pytest.raises(ValueError, match=r"validation_data must be a pair \(x_val, y_val\), got a "
+                       r"tuple of 1"):  # fmt: skip
+        t.fit(x, y, validation_data=(x,))
+    with pytest.raises(ValueError, match=r"validation_data must be a pair .* got a Tensor"):
+        t.fit(x, y, validation_data=x)
+    with pytest.raises(TypeError, match=r"callbacks must be a list of Callback instances, got "
+                       r"History \(one callback: pass \[History\(...\)\]\)"):  # fmt: skip
+        t.fit(x, y, callbacks=mp.History())
+    with pytest.raises(TypeError, match="fp32_allreduce must be True or False, got 'no'"):
+        trainer(fp32_allreduce="no")
+    assert t.global_step == 0
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_numpy_float64_samples_train_at_every_level_as_float32(policy, level):
+    """numpy's default float64 arrays trained at O2 (whose boundary casts them) and failed
+    in a float32 Linear at O0 and O1: they are taken as float32, as Keras casts to floatx."""
+    x, y = classification_data(n=64)
+    t = trainer(policy, level=level)
+    history = t.fit(x.double().numpy(), y.numpy(), epochs=1, batch_size=32, verbose=0)
+    assert len(history.history["loss"]) == 1
+    assert t.predict(x.double().numpy()[:4]).shape == (4, 10)
 
 
 def test_state_dict_round_trip():

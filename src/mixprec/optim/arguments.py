@@ -10,9 +10,9 @@ from torch import nn
 
 from mixprec._errors import ArgumentError, shown
 from mixprec.scaling import LossScaler
-from mixprec.trace import OverflowTracer, model_of
+from mixprec.trace import model_of
 
-__all__ = ["checked_arguments", "make_tracer"]
+__all__ = ["checked_arguments", "checked_options", "traced_model"]
 
 
 def checked_arguments(
@@ -20,18 +20,27 @@ def checked_arguments(
     loss_scaler: LossScaler | None,
     max_grad_norm: float | None,
     accumulation_steps: int,
+    trace_overflow: bool | nn.Module = False,
+    keep_grad_buffers: bool = False,
 ) -> list[torch.optim.Optimizer]:
-    """The inner optimizers as a list, once every constructor argument is valid."""
+    """The inner optimizers as a list, once every constructor argument is valid: checked
+    before any group is adopted, so that a refusal leaves the torch optimizers as they were
+    (one refused half way held detached masters, and its own step then moved nothing)."""
     optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer
     if not isinstance(optimizers, (list, tuple)) or not optimizers:
         raise ArgumentError(
             "optimizer must be a torch.optim.Optimizer or a non-empty list of them, got "
             f"{type(optimizer).__name__}"
         )
-    for inner in optimizers:
+    for k, inner in enumerate(optimizers):
         if not isinstance(inner, torch.optim.Optimizer):
             raise ArgumentError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(inner).__name__}"
+            )
+        if any(inner is other for other in optimizers[:k]):
+            raise ArgumentError(
+                f"optimizer lists the same {type(inner).__name__} twice (at {k} and at "
+                f"{next(i for i, o in enumerate(optimizers) if o is inner)}); list it once"
             )
         if isinstance(inner, torch.optim.LBFGS):
             # Its step re-evaluates the loss through a closure, many times a step: no
@@ -43,6 +52,21 @@ def checked_arguments(
                 "torch.optim.LBFGS itself on a float32 model (no LossScaleOptimizer, no "
                 "Trainer), or use a first-order optimizer"
             )
+    checked_options(
+        loss_scaler, max_grad_norm, accumulation_steps, trace_overflow, keep_grad_buffers
+    )
+    return list(optimizers)
+
+
+def checked_options(
+    loss_scaler: LossScaler | None,
+    max_grad_norm: float | None,
+    accumulation_steps: int,
+    trace_overflow: bool | nn.Module = False,
+    keep_grad_buffers: bool = False,
+) -> None:
+    """Refuse a bad ``LossScaleOptimizer`` option, naming it; ``build_train_step`` and the
+    ``Trainer`` check them before they prepare the model."""
     if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
         raise ArgumentError(
             "loss_scaler must be a NoOpLossScaler, StaticLossScaler or DynamicLossScaler, "
@@ -62,18 +86,24 @@ def checked_arguments(
         raise ArgumentError(
             f"accumulation_steps={accumulation_steps!r} is invalid; it must be >= 1"
         )
-    return list(optimizers)
-
-
-def make_tracer(
-    trace_overflow: bool | nn.Module, params: list[torch.Tensor]
-) -> OverflowTracer | None:
-    if trace_overflow is False:
-        return None  # no hooks at all: tracing off costs nothing
-    model = trace_overflow if isinstance(trace_overflow, nn.Module) else model_of(params)
-    if model is None or (trace_overflow is not True and not isinstance(trace_overflow, nn.Module)):
+    if not isinstance(trace_overflow, (bool, nn.Module)):
         raise ArgumentError(
-            f"trace_overflow={trace_overflow!r}: pass the model (trace_overflow=model) "
-            "unless it was prepared with auto_mixed_precision"
+            f"trace_overflow={shown(trace_overflow)} is invalid; use True, False or the model "
+            "(an nn.Module)"
         )
-    return OverflowTracer(model)
+    if not isinstance(keep_grad_buffers, bool):
+        raise ArgumentError(f"keep_grad_buffers must be True or False, got {keep_grad_buffers!r}")
+
+
+def traced_model(trace_overflow: bool | nn.Module, params: list[torch.Tensor]) -> nn.Module | None:
+    """The model ``trace_overflow`` asks to trace (``None``: no tracing), refused before
+    anything is built where ``True`` finds no prepared model over ``params``."""
+    if trace_overflow is False:
+        return None
+    model = trace_overflow if isinstance(trace_overflow, nn.Module) else model_of(params)
+    if model is None:
+        raise ArgumentError(
+            "trace_overflow=True: pass the model (trace_overflow=model) unless it was "
+            "prepared with auto_mixed_precision"
+        )
+    return model

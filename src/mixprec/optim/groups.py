@@ -20,13 +20,30 @@ if TYPE_CHECKING:
     from mixprec.optim.loss_scale_optimizer import _Bookkeeping
     from mixprec.scaling import LossScaler
 
-__all__ = ["ParamGroups"]
+__all__ = ["ParamGroups", "adopt_all"]
 
 _BETWEEN = (
     "a param group was added between unscale_() and step(): its gradients were not unscaled "
     "with the others, and would be left out or applied still multiplied by the loss scale. "
     "Add groups between steps (opt.add_param_group, or the inner optimizer's)"
 )
+
+
+def adopt_all(weights: MasterWeights, optimizers: list[torch.optim.Optimizer]) -> None:
+    """At the wrap: every group's parameters as masters, all or none. A group refused half
+    way (a parameter in two groups) puts back those adopted, so that the torch optimizers
+    step the model's weights again and can be wrapped once fixed (they held detached
+    masters, and their own step moved nothing)."""
+    given = [[group["params"] for group in inner.param_groups] for inner in optimizers]
+    try:
+        for inner in optimizers:
+            for i, group in enumerate(inner.param_groups):
+                group["params"] = weights.adopt(inner, group["params"], f"param_groups[{i}]")
+    except BaseException:
+        for inner, params in zip(optimizers, given, strict=True):
+            for group, own in zip(inner.param_groups, params, strict=True):
+                group["params"] = own
+        raise
 
 
 class ParamGroups:

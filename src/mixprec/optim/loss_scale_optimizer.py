@@ -22,7 +22,7 @@ from mixprec._dist import agree_found_inf, is_distributed, is_dtensor
 from mixprec._errors import ArgumentError, MisuseError
 from mixprec._plain_optimizers import watch_wrapped
 from mixprec._save_guard import guard_saves
-from mixprec.optim.arguments import checked_arguments, make_tracer
+from mixprec.optim.arguments import checked_arguments, traced_model
 from mixprec.optim.backward_look import BackwardLook, grad_versions
 from mixprec.optim.checks import (
     SetupCheck,
@@ -39,7 +39,7 @@ from mixprec.optim.checks import (
 from mixprec.optim.deferred import Deferred, device_tail, on_device
 from mixprec.optim.direct import FusedStep
 from mixprec.optim.fused import _fuse, _unfuse_sparse, needs_scaling, step_inner_fused_safely
-from mixprec.optim.groups import ParamGroups
+from mixprec.optim.groups import ParamGroups, adopt_all
 from mixprec.optim.host_step import host_step
 from mixprec.optim.in_place import say_what_in_place_loses
 from mixprec.optim.keras_api import KerasMethods, keras_scaler
@@ -61,7 +61,7 @@ from mixprec.scaling import (
     all_finite,
 )
 from mixprec.scaling.health import ScalerHealth
-from mixprec.trace import join_prepared_model, model_of
+from mixprec.trace import OverflowTracer, join_prepared_model, model_of
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -175,23 +175,20 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         if initial_scale is not None or dynamic_growth_steps is not None:
             loss_scaler = keras_scaler(loss_scaler, initial_scale, dynamic_growth_steps)
         self.optimizers: list[torch.optim.Optimizer] = checked_arguments(
-            optimizer, loss_scaler, max_grad_norm, accumulation_steps
-        )
+            optimizer, loss_scaler, max_grad_norm, accumulation_steps, trace_overflow,
+            keep_grad_buffers,
+        )  # fmt: skip
         if any(isinstance(inner, LossScaleOptimizer) for inner in self.optimizers):
             raise ArgumentError("optimizer is already a LossScaleOptimizer; wrap the inner one")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.accumulation_steps = accumulation_steps
         self._weights = MasterWeights()
-        if not isinstance(keep_grad_buffers, bool):
-            raise ArgumentError(
-                f"keep_grad_buffers must be True or False, got {keep_grad_buffers!r}"
-            )
         self._weights.keep_grads = keep_grad_buffers
+        given = [p for inner in self.optimizers for p in _params_of(inner)]
+        traced = traced_model(trace_overflow, given)
         # Adapters added since preparation take the model's policy first: it decides masters.
-        join_prepared_model([p for inner in self.optimizers for p in _params_of(inner)])
-        for inner in self.optimizers:
-            for i, group in enumerate(inner.param_groups):
-                group["params"] = self._weights.adopt(inner, group["params"], f"param_groups[{i}]")
+        join_prepared_model(given)
+        adopt_all(self._weights, self.optimizers)
         say_if_masters_lost(self._weights.lost)
         for inner in self.optimizers:
             for i, group in enumerate(inner.param_groups):
@@ -216,7 +213,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         self._book.stall = StallWatch(self._weights.plain)  # 16-bit ones, stepped in place
         self._decide_host_path()
         self.health: ScalerHealth | None = ScalerHealth()
-        self._tracer = make_tracer(trace_overflow, model_params)
+        self._tracer = None if traced is None else OverflowTracer(traced)
         model = model_of(model_params) if self._weights.half else None
         if model is not None:  # a framework save that takes the model alone loses the masters
             guard_saves(model)

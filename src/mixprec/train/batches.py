@@ -10,7 +10,6 @@ number of classes, the caller supplies it.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -67,15 +66,18 @@ def length(data: Any) -> int:
 
 
 def as_tensor(value: Any, name: str) -> torch.Tensor:
-    """``value`` as a tensor (a numpy array or nested lists are converted)."""
+    """``value`` as a tensor (a numpy array or nested lists are converted; float64 values,
+    numpy's default, to float32 as Keras casts to its floatx: they trained at O2, whose
+    boundary casts them, and failed in float32's Linear at O0 and O1)."""
     if isinstance(value, torch.Tensor):
         return value
     try:
-        return torch.as_tensor(value)
+        tensor = torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError) as err:
         raise ArgumentError(
             f"{name} must be a tensor or an array, got {type(value).__name__}"
         ) from err
+    return tensor.float() if tensor.dtype == torch.float64 else tensor
 
 
 def is_array(value: Any) -> bool:
@@ -236,46 +238,6 @@ def _row_bytes(t: torch.Tensor) -> int:
 
 def _pinned(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.empty((rows, *t.shape[1:]), dtype=t.dtype, pin_memory=True)
-
-
-def split_validation(
-    x: Any, y: Any, validation_split: float, validation_data: tuple[Any, Any] | None = None
-) -> tuple[Any, Any, tuple[Any, Any] | None]:
-    """``(x, y, validation_data)``: the last ``validation_split`` of the samples held out,
-    before any shuffling (as Keras does); ``validation_data`` as given where there is no
-    split. Given both, ``validation_data`` overrides the split (as in Keras), said in a
-    warning."""
-    if not 0.0 <= validation_split < 1.0:
-        raise ArgumentError(f"validation_split={validation_split!r} is invalid; use [0, 1)")
-    if validation_data is not None:
-        if validation_split:
-            warn(
-                f"fit: validation_split={validation_split!r} is ignored: validation_data is "
-                "given, and overrides it (as in Keras); every sample of x trains"
-            )
-        return x, y, validation_data
-    if validation_split and y is None:
-        raise ArgumentError("validation_split needs tensors or arrays (x, y), not a loader")
-    if not validation_split:
-        return x, y, None
-    xt, yt = as_tensor(x, "x"), as_tensor(y, "y")
-    if xt.dim() == 0 or yt.dim() == 0 or len(xt) != len(yt):
-        raise ArgumentError(
-            f"fit(x, y): x has {len(xt) if xt.dim() else 0} samples but y has "
-            f"{len(yt) if yt.dim() else 0}; they must have one each"
-        )
-    # Keras' rule: the first floor(n * (1 - split)) samples train (int(n * split) held out
-    # is one short where n * split is not exact in binary, e.g. 100 * 0.29).
-    n = len(xt)
-    cut = math.floor(n * (1.0 - validation_split))
-    if cut == n or cut == 0:
-        held, kept = n - cut, cut
-        raise ArgumentError(
-            f"validation_split={validation_split!r} of {n} samples holds out {held} and "
-            f"trains on {kept}; each needs at least one sample (a larger or smaller split, or "
-            "more data)"
-        )
-    return xt[:cut], yt[:cut], (xt[cut:], yt[cut:])
 
 
 def inputs_of(x: Any, batch_size: int) -> Iterable[Any]:

@@ -67,6 +67,18 @@ class Callback:
         """Take what ``state_dict`` returned when the checkpoint was saved."""
 
 
+def given_callbacks(callbacks: Any) -> list[Callback]:
+    """``fit``'s ``callbacks`` as a list: an iterable of callbacks (checked one by one by
+    ``CallbackList``); a single callback or anything else is refused, naming it."""
+    if isinstance(callbacks, (Callback, str)) or not isinstance(callbacks, Iterable):
+        one = isinstance(callbacks, Callback)
+        raise ArgumentError(
+            f"callbacks must be a list of Callback instances, got {type(callbacks).__name__}"
+            + (f" (one callback: pass [{type(callbacks).__name__}(...)])" if one else "")
+        )
+    return list(callbacks)
+
+
 class CallbackList(Callback):
     """Calls every callback in order, those that write checkpoints last. Every one runs
     even when an earlier one raises, and the first exception then goes on: a callback that

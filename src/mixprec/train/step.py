@@ -32,6 +32,7 @@ from mixprec._prepare_once import needs_preparation
 from mixprec.levels import auto_mixed_precision
 from mixprec.losses import cross_entropy
 from mixprec.optim import LossScaleOptimizer, StepResult
+from mixprec.optim.arguments import checked_options
 from mixprec.optim.partial_group import apply_partial_group
 from mixprec.policy import PolicyLike
 from mixprec.scaling import LossScaler
@@ -204,7 +205,12 @@ def build_train_step(
     takes it. ``compile``: ``True`` or a dict of ``torch.compile`` options compiles the
     forward and the loss together (see ``TrainStep``). ``plan``: an ``mp.autotune`` plan,
     applied as ``auto_mixed_precision(model, plan=plan)`` (alone: not with policy or level)."""
-    compile_options(compile)  # a bad value fails before the model is changed
+    # Bad values fail before the model or the optimizer is changed: a retry with the
+    # value fixed was refused as "prepared already" or "holds none of the parameters".
+    compile_options(compile)
+    loss = get_loss(loss_fn)
+    if not isinstance(optimizer, LossScaleOptimizer):
+        checked_options(loss_scaler, max_grad_norm, accumulation_steps, trace_overflow)
     if isinstance(optimizer, LossScaleOptimizer):
         # They configure the LossScaleOptimizer this call would build: one built already
         # has its own, and would silently train without clipping or accumulation asked.
@@ -236,7 +242,7 @@ def build_train_step(
         optimizer = LossScaleOptimizer(
             optimizer, loss_scaler, max_grad_norm, accumulation_steps, trace_overflow
         )
-    return TrainStep(model, optimizer, get_loss(loss_fn), compile)
+    return TrainStep(model, optimizer, loss, compile)
 
 
 def _held_parameters(optimizer: Any) -> set[int] | None:

@@ -31,7 +31,14 @@ from mixprec.scaling.health import ScalerHealth, scale_floor
 from mixprec.trace import Overflow, OverflowTracer
 from mixprec.train import batches, evaluation, resume
 from mixprec.train.batches import Batch
-from mixprec.train.callbacks import Callback, CallbackList, History, Logs, ProgressBar
+from mixprec.train.callbacks import (
+    Callback,
+    CallbackList,
+    History,
+    Logs,
+    ProgressBar,
+    given_callbacks,
+)
 from mixprec.train.interrupts import GroupStart, HeldInterrupt
 from mixprec.train.label_errors import raise_if_about_labels
 from mixprec.train.meter import EpochMeter
@@ -44,6 +51,7 @@ from mixprec.train.metrics import (
     weigh_for,
 )
 from mixprec.train.step import build_train_step
+from mixprec.train.validation import split_validation
 from mixprec.train.warn import warn
 
 
@@ -65,6 +73,14 @@ def _position(trainer: Trainer) -> tuple[int, ...]:
     """Where training stands, as ``resume_state`` says it."""
     t = trainer
     return (t.global_step, t._epoch, t._step_in_epoch, int(t._epoch_done))
+
+
+def _check_arguments(model: Any, fp32_allreduce: Any) -> None:
+    """What the Trainer's constructor refuses before it changes anything."""
+    if not isinstance(model, nn.Module):
+        raise ArgumentError(f"Trainer(model=...) needs an nn.Module, got {type(model).__name__}")
+    if not isinstance(fp32_allreduce, bool):
+        raise ArgumentError(f"fp32_allreduce must be True or False, got {fp32_allreduce!r}")
 
 
 class _HealthWatch:
@@ -132,10 +148,7 @@ class Trainer:
         amp_level: str | None = None,
         plan: PlanLike | None = None,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise ArgumentError(
-                f"Trainer(model=...) needs an nn.Module, got {type(model).__name__}"
-            )
+        _check_arguments(model, fp32_allreduce)
         # torchrun's process group first: it picks this rank's GPU (False outside torchrun).
         self.distributed = distributed.init_from_env()
         self.device = resolve_device(device)
@@ -210,7 +223,7 @@ class Trainer:
         ``validation_data`` overrides ``validation_split``, as in Keras (said in a warning)."""
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 0:
             raise ArgumentError(f"epochs={epochs!r} is invalid; it must be an int >= 0")
-        x, y, validation_data = batches.split_validation(x, y, validation_split, validation_data)
+        x, y, validation_data = split_validation(x, y, validation_split, validation_data)
         self._validate(x, y)
         self._weigh = weigh_for(self.loss_fn, None if y is None else batches.as_tensor(y, "y"))
         if validation_data is not None:
@@ -226,7 +239,7 @@ class Trainer:
             resume.check_ranks_resumed_alike(point, self.model)
 
         history = History()
-        chosen = [history, *([ProgressBar()] if verbose else []), *callbacks]
+        chosen = [history, *([ProgressBar()] if verbose else []), *given_callbacks(callbacks)]
         self._callbacks = resume.keyed(chosen)
         self._sync_cadences = resume.ranks_sync_sums(self._callbacks)
         if not distributed.is_main_process():  # bars, logs and checkpoints on rank 0 only
