@@ -115,6 +115,40 @@ def test_gradient_hooks_under_a_loss_scale_are_said(kind):
         run("mixed_bfloat16")  # scale 1: the hooks see the gradients as they are
 
 
+def test_the_hook_advice_followed_as_written_matches_float32():
+    """The warning said "divide by opt.loss_scaler.get_scale() in the hook": a clamp hook
+    written so returned an unscaled gradient, which the step divided again (the weights
+    moved 3.8e-7 where float32 moved 0.025), still warned. It now says to return the
+    gradient still scaled, clamping at C * scale; done so, float16 tracks float32."""
+    clamp = 1e-3
+
+    def run(policy):
+        torch.manual_seed(0)
+        model = mp.auto_mixed_precision(
+            nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), policy, "O2"
+        )
+        opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+        for p in model.parameters():  # as the warning says: bounds times the scale
+            p.register_hook(lambda g: g.clamp(-clamp * opt.loss_scaler.get_scale(),
+                                              clamp * opt.loss_scaler.get_scale()))  # fmt: skip
+        start = [p.detach().float().clone() for p in opt.master_params()]
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                opt.zero_grad()
+                opt.backward(F.cross_entropy(model(torch.randn(8, 16)), torch.arange(8) % 4))
+                assert opt.step().applied
+        moved = [p.detach() - s for p, s in zip(opt.master_params(), start, strict=True)]
+        return moved, [str(w.message) for w in said if "gradient hooks" in str(w.message)]
+
+    moved16, said = run("mixed_float16")
+    moved32, _ = run("float32")
+    assert said and "return it still scaled: clamp at C * scale (not C)" in said[0]
+    for a, b in zip(moved16, moved32, strict=True):
+        # Each step moves a master by lr * clamp = 5e-4 at most: within 2% of float32's.
+        assert float((a - b).abs().max()) <= 0.02 * float(b.abs().max()) + 1e-6
+
+
 def test_a_group_added_between_backward_and_step_in_the_first_steps_steps():
     """The look for restored weights compared the weights known at the backward with all
     of them: a head added in between raised a zip ValueError and lost the backward."""

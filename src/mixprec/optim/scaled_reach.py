@@ -23,6 +23,15 @@ __all__ = ["say_what_sees_the_scale"]
 _HOOK_NODE = "BackwardHookFunctionBackward"  # register_full_backward_hook's node
 
 
+# What a hook must do with a gradient it sees scaled: the step unscales what it returns, so
+# a hook that returned the gradient divided by the scale had it divided twice (a float16
+# clamp hook written so moved the weights 3.8e-7 where float32 moved 0.025).
+_IN_A_HOOK = (
+    "In the hook, read the gradient as g / opt.loss_scaler.get_scale(), and return it "
+    "still scaled: clamp at C * scale (not C), or divide, clamp and multiply back"
+)
+
+
 def say_what_sees_the_scale(loss: torch.Tensor, params: list[torch.Tensor], scale: float) -> None:
     """The gradient hooks on ``params``; then, walking ``loss``'s graph once, the leaves
     outside ``params`` that are no prepared model's parameters, and module backward hooks."""
@@ -55,7 +64,7 @@ def say_what_sees_the_scale(loss: torch.Tensor, params: list[torch.Tensor], scal
             "module backward hooks (register_full_backward_hook) in this backward see "
             f"gradients multiplied by the loss scale ({scale:g}): one that clips or clamps "
             "them cuts the update by about the scale, and one that logs them logs them "
-            "scaled; divide by opt.loss_scaler.get_scale() in the hook (said once)"
+            f"scaled. {_IN_A_HOOK} (said once)"
         )
 
 
@@ -80,8 +89,9 @@ def _say_when_written(leaves: list[torch.Tensor], scale: float) -> None:
             "or a model that another optimizer steps): their .grad is multiplied by the loss "
             f"scale ({scale:g}) and holds inf when a step is skipped. Give another optimizer "
             "of them to this one, mp.LossScaleOptimizer([opt, other]); for an input's "
-            "gradient divide by opt.loss_scaler.get_scale() (its sign, as FGSM takes it, is "
-            "exact) (said once)"
+            "gradient divide by the scale it was made at, opt.loss_scaler.get_scale() read "
+            "before step() (which may change it); its sign, as FGSM takes it, is exact "
+            "(said once)"
         )
 
     handles.extend(t.register_post_accumulate_grad_hook(written) for t in leaves)
@@ -107,9 +117,8 @@ def _say_if_hooks_see_scaled(params: list[torch.Tensor], scale: float) -> None:
             f"loss scale ({scale:g}): a hook that clips or clamps them cuts the update by "
             "about the scale, and one that logs them logs them scaled. Clip in the step "
             "(LossScaleOptimizer(..., max_grad_norm=...), or opt.unscale_() then clip "
-            "opt.master_params()), or divide by opt.loss_scaler.get_scale() in the hook. "
-            "A hook that is linear in the gradient (a sign flip, a mask) is exact: then "
-            "nothing is wrong (said once)"
+            f"opt.master_params()). {_IN_A_HOOK}. A hook that is linear in the gradient (a "
+            "sign flip, a mask) is exact: then nothing is wrong (said once)"
         )
 
 
