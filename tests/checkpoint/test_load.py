@@ -170,8 +170,8 @@ def _stepped(make_optimizer, model=None):
 
 
 def test_optimizer_state_of_another_class_is_refused_naming_both(tmp_path):
-    _, adamw = _stepped(lambda p: torch.optim.AdamW(p, lr=1e-2))
-    path = mp.save_checkpoint(tmp_path / "c.safetensors", make_mlp(), adamw)
+    trained_model, adamw = _stepped(lambda p: torch.optim.AdamW(p, lr=1e-2))
+    path = mp.save_checkpoint(tmp_path / "c.safetensors", trained_model, adamw)
     # Torch would load AdamW's state into an Adam (which then decouples its weight decay)
     # and into an SGD (which then fails at its first step with KeyError: 'momentum').
     for other in (torch.optim.Adam, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)):
@@ -222,8 +222,8 @@ def test_inner_optimizer_of_another_class_is_refused_and_older_files_still_load(
     mp.load_checkpoint(path, target, adam)
     assert opt.loss_scaler.state == adam.loss_scaler.state
     # ... and a plain optimizer's class is its kind, which such a checkpoint holds.
-    _, plain = _stepped(lambda p: torch.optim.AdamW(p, lr=1e-2))
-    old = mp.save_checkpoint(tmp_path / "plain.safetensors", make_mlp(), plain)
+    plain_model, plain = _stepped(lambda p: torch.optim.AdamW(p, lr=1e-2))
+    old = mp.save_checkpoint(tmp_path / "plain.safetensors", plain_model, plain)
     rewrite_header(old, lambda meta: meta.pop("optimizer_classes"))
     with pytest.raises(mp.CheckpointError, match="from AdamW, this optimizer is Adam;"):
         mp.load_checkpoint(old, make_mlp(), torch.optim.Adam(make_mlp().parameters()))

@@ -166,3 +166,33 @@ def test_masters_of_weights_the_model_does_not_hold_are_refused(tmp_path, case):
     both = nn.ModuleDict({"a": model, "b": other})
     if case != "head replaced":  # the remedy the message names loads back
         mp.load_checkpoint(mp.save_checkpoint(tmp_path / "both.safetensors", both, opt), both, opt)
+
+
+def test_an_optimizer_over_another_model_is_refused_and_nothing_is_written(tmp_path):
+    """save_checkpoint(path, model_a, optimizer_over_b) wrote b's Adam moments, names all
+    "", and load_checkpoint then put them into c's optimizer by position, unsaid."""
+    a, b = make_mlp(seed=0), make_mlp(seed=1)
+    opt_b = torch.optim.Adam(b.parameters(), lr=0.1)
+    b(torch.randn(2, 32)).sum().backward()
+    opt_b.step()
+    path = tmp_path / "mix.safetensors"
+    with pytest.raises(mp.ArgumentError, match=r"the optimizer holds none of the model's "
+                       r"parameters \(its 8 are another model's\)"):  # fmt: skip
+        mp.save_checkpoint(path, a, opt_b)
+    assert not path.exists()
+
+
+def test_a_model_with_nan_weights_is_saved_and_said_to_load_only_with_ignore(tmp_path):
+    model = make_mlp()
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    path = tmp_path / "nan.safetensors"
+    with pytest.warns(UserWarning, match=r"1 parameter\(s\) hold inf/NaN \(0.weight\): saved "
+                      r"as they are, but load_checkpoint refuses them unless "
+                      r"on_range='ignore'"):  # fmt: skip
+        mp.save_checkpoint(path, model)
+    with pytest.raises(mp.CheckpointError, match="non-finite values"):
+        mp.load_checkpoint(path, make_mlp())
+    loaded = make_mlp()
+    mp.load_checkpoint(path, loaded, on_range="ignore")
+    assert torch.isnan(loaded[0].weight[0, 0])

@@ -13,6 +13,7 @@ from torch import nn
 
 from mixprec._errors import ArgumentError, shown
 from mixprec._version import __version__
+from mixprec._warn import warn_at_caller
 from mixprec.checkpoint._files import _atomic_write
 from mixprec.checkpoint._model import (
     _buffer_names,
@@ -62,6 +63,15 @@ def save_checkpoint(
     check_masters_held(model, optimizer)
     tensors, aliases, master_names = _model_tensors(model, optimizer)
     optim_state: Any = None
+    held = optimizer_param_names(optimizer, model) if optimizer is not None else []
+    names = [name for inner in held for group in inner for name in group]
+    if names and not any(names):
+        # Its state would load by position into whichever model's optimizer loads it.
+        raise ArgumentError(
+            f"save_checkpoint: the optimizer holds none of the model's parameters (its "
+            f"{len(names)} are another model's): pass the optimizer built over this model"
+        )
+    _say_if_non_finite(model)
     if optimizer is not None:
         state = optimizer.state_dict()
         if isinstance(optimizer, LossScaleOptimizer):
@@ -87,11 +97,7 @@ def save_checkpoint(
         # The class of each optimizer whose state this is, checked when it loads. Left out
         # with no optimizer, so that a weights-only checkpoint has the keys it always had.
         **({"optimizer_classes": optimizer_classes(optimizer)} if optimizer is not None else {}),
-        **(
-            {"optimizer_params": optimizer_param_names(optimizer, model)}
-            if optimizer is not None
-            else {}
-        ),
+        **({"optimizer_params": held} if optimizer is not None else {}),
         "trainer_state": _flatten(trainer_state or {}, "trainer", tensors),
         "rng": _flatten(rng_state(), "rng", tensors),
     }
@@ -126,3 +132,15 @@ def _check_target(target: Path) -> None:
                     "which is a file; valid: a file path in an existing or new directory"
                 )
             return
+
+
+def _say_if_non_finite(model: nn.Module) -> None:
+    """A model with inf/NaN weights is saved (to look into a run that diverged), and said:
+    ``load_checkpoint`` refuses such weights unless ``on_range="ignore"``."""
+    bad = [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        warn_at_caller(
+            f"save_checkpoint: {len(bad)} parameter(s) hold inf/NaN ({', '.join(bad[:3])}"
+            f"{', ...' if len(bad) > 3 else ''}): saved as they are, but load_checkpoint "
+            "refuses them unless on_range='ignore'; save from before training diverged"
+        )
