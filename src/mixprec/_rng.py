@@ -4,7 +4,9 @@ draw the same numbers (dropout masks) and the caller's run is left as it was."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
@@ -29,3 +31,18 @@ def same_draws() -> Iterator[Callable[[], None]]:
         yield rewind
     finally:
         rewind()
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def leaves_rng(fn: F) -> F:
+    """``fn`` with the generators left as the caller had them (``same_draws``): a benchmark
+    that seeds its models and draws dropout masks must not reseed the caller's run."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with same_draws():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

@@ -20,8 +20,12 @@ from mixprec.bench import runner
 @pytest.mark.parametrize("workload", ["mlp-b64", "mlp-b8192", "lm-d512", "cnn"])
 def test_every_mode_runs_and_reports_well_formed_numbers(workload):
     modes = [m for m in bench.MODES if "fp16" not in m or workload == "mlp-b64"]
+    torch.manual_seed(1234)
+    caller = torch.get_rng_state()
     results = bench.run(workload, modes, repeats=1, steps=1, warmup=1, memory=False, small=True,
                         min_round_ms=0)  # fmt: skip
+    # It seeded its models with manual_seed(0), and left the caller's run reseeded.
+    assert torch.equal(torch.get_rng_state(), caller)
     assert [r.mode for r in results] == modes
     counted = resolve_device("auto").type == "cpu" and sys.platform != "win32"
     base = results[0]

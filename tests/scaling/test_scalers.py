@@ -295,3 +295,28 @@ def test_scaler_health_names_a_skip_rate_that_is_no_number():
     # A string failed as a bare TypeError from the comparison.
     with pytest.raises(mp.ArgumentError, match=r"max_skip_rate='0.5'\) is invalid; use a frac"):
         mp.ScalerHealth(max_skip_rate="0.5")
+
+
+def test_the_protocol_refuses_a_bad_scale_factor_or_flag():
+    """``LossScaler(nan)`` skipped every step, ``unscale_(factor=nan)`` made every gradient
+    NaN and returned found_inf 0 (the step would apply them), and ``update("no")`` was read
+    by truthiness. Each is refused by name; numpy's bool and ints stay flags."""
+    for scale in (float("nan"), 0, -1024):
+        with pytest.raises(mp.ArgumentError, match=r"scale=.* is invalid"):
+            mp.LossScaler(scale)
+    scaler = mp.DynamicLossScaler(init_scale=8.0)
+    grads = [torch.ones(3)]
+    for factor in (float("nan"), 0.0, float("inf")):
+        with pytest.raises(mp.ArgumentError, match=r"unscale_: factor=.* is invalid"):
+            scaler.unscale_(grads, factor=factor)
+    assert torch.equal(grads[0], torch.ones(3))
+    for method, name in ((scaler.update, "found_inf"), (scaler.adjust, "grads_finite")):
+        for flag in ("no", None):
+            with pytest.raises(mp.ArgumentError, match=rf"{name}=.* is invalid; use a bool"):
+                method(flag)
+    assert scaler.state.steps == 0
+    import numpy
+
+    scaler.update(numpy.bool_(False))
+    scaler.update(1)
+    assert scaler.state.steps == 2 and scaler.state.skipped_steps == 1

@@ -254,6 +254,12 @@ def test_regression_targets_without_the_trailing_dimension_train_as_with_it():
         (lambda d: mp.ModelCheckpoint(d, every_n_epochs=None), "would never save"),
         (lambda d: mp.EarlyStopping(patience=-3), "patience=-3 is invalid"),
         (lambda d: mp.EarlyStopping(patience="2"), "patience='2' is invalid"),
+        # NaN or inf made no epoch an improvement: every run stopped after `patience`.
+        (
+            lambda d: mp.EarlyStopping(min_delta=float("nan")),
+            "min_delta=nan is invalid; it must be a finite number",
+        ),
+        (lambda d: mp.EarlyStopping(min_delta=float("inf")), "min_delta=inf is invalid"),
         (lambda d: mp.LearningRateScheduler(None), "scheduler=NoneType is invalid"),
     ],
 )

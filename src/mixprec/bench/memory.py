@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from mixprec._device import resolve_device
+from mixprec._rng import leaves_rng
 from mixprec.bench.modes import _sync, build_step, check_mode, require_float8, tf32
 from mixprec.bench.workloads import get_workload
 from mixprec.float8 import Float8Options
@@ -112,6 +113,7 @@ def _proc_status_mb(field: str) -> float:
     raise OSError(f"{field} not in /proc/self/status")
 
 
+@leaves_rng
 def max_batch(
     workload: str,
     mode: str,

@@ -16,6 +16,7 @@ import torch
 from mixprec._compile import compile_step
 from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError
+from mixprec._rng import leaves_rng
 from mixprec.bench.workloads import Workload
 from mixprec.float8 import Float8Options, layer_counts, torchao_float8
 from mixprec.levels import applied, auto_mixed_precision
@@ -229,6 +230,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)  # the device timed, not the current one
 
 
+@leaves_rng
 def build_step(
     mode: str,
     work: Workload,

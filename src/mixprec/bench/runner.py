@@ -19,6 +19,7 @@ import torch
 
 from mixprec._compile import recompile_room
 from mixprec._device import resolve_device
+from mixprec._rng import leaves_rng
 from mixprec.bench.explain import reasons
 from mixprec.bench.faults import FaultMeter
 from mixprec.bench.memory import MemoryArgs, _peak_memory
@@ -124,6 +125,7 @@ class ModeResult:
     kernel_share: float | None = None
 
 
+@leaves_rng
 def run(
     workload: str,
     modes: Sequence[str] = MODES,

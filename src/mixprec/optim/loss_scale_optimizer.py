@@ -13,6 +13,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from math import inf
 from typing import Any
 
 import torch
@@ -284,8 +285,8 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         then does not unscale again. ``factor``: a further multiplier, applied in the same
         pass, before the inf/NaN check (``optim.partial_group.apply_partial_group`` passes a partial
         accumulation group's ``accumulation_steps / micro-steps taken``)."""
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
-            raise ArgumentError(f"unscale_(factor={factor!r}) is invalid; give a number > 0")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < inf:
+            raise ArgumentError(f"unscale_(factor={factor!r}) is invalid; give a finite number > 0")
         if self._book.found_inf is not None:
             raise MisuseError(
                 "LossScaleOptimizer.unscale_() has already been called since the last step()"

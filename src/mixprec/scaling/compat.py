@@ -5,7 +5,8 @@ so that code migrating from them keeps its numbers bit for bit."""
 from __future__ import annotations
 
 from mixprec._errors import ArgumentError
-from mixprec.scaling.scalers import _FACTOR_ONE, DynamicLossScaler, _positive
+from mixprec.scaling.scalers import _FACTOR_ONE, DynamicLossScaler
+from mixprec.scaling.values import positive
 
 __all__ = ["DynamicLossScaleManager", "ExponentialUpdateLossScaleManager"]
 
@@ -49,10 +50,10 @@ def DynamicLossScaleManager(  # noqa: N802 - MindSpore's name, kept for migrants
     in a row multiply it by ``scale_factor``, with no upper bound but float32's range. As
     the manager, the 1001st overflowing step in a row raises ``RuntimeError``.
     """
-    factor = _positive("scale_factor", scale_factor)
+    factor = positive("scale_factor", scale_factor)
     if factor <= 1.0:
         raise ArgumentError(_FACTOR_ONE.format(scale_factor))
-    if _positive("init_loss_scale", init_loss_scale) < 1.0:
+    if positive("init_loss_scale", init_loss_scale) < 1.0:
         raise ArgumentError(f"init_loss_scale={init_loss_scale!r} is invalid; it must be >= 1")
     return DynamicLossScaler(
         init_scale=init_loss_scale,

@@ -22,14 +22,21 @@ from mixprec._errors import ArgumentError, shown
 from mixprec.scaling.by_hand import NOTED_CALLS, note_unscaled
 from mixprec.scaling.finite import unscale_grads_
 from mixprec.scaling.schedule import (
-    SMALLEST_NORMAL_F32,
     Arithmetic,
     DynamicConfig,
     ScalerState,
     count_step,
     next_state,
-    to_float32,
 )
+from mixprec.scaling.values import (
+    MIXPREC_KEYS,
+    TORCH_CONFIG,
+)
+from mixprec.scaling.values import check_config as _check_config
+from mixprec.scaling.values import checked_state as _checked_state
+from mixprec.scaling.values import positive as _positive
+from mixprec.scaling.values import scale_value as _scale_value
+from mixprec.scaling.values import unit as _unit
 
 __all__ = ["DynamicLossScaler", "LossScaler", "NoOpLossScaler", "StaticLossScaler"]
 
@@ -41,7 +48,9 @@ class LossScaler:
     ``state_dict``/``load_state_dict``. The state (scale and counters) is in ``state``."""
 
     def __init__(self, scale: float) -> None:
-        self._state = ScalerState(scale=scale)
+        # Checked here too, for a scaler of the protocol's own: NaN skipped every step, 0
+        # divided by zero at the first, -1024 flipped the updates.
+        self._state = ScalerState(scale=_scale_value("scale", scale))
 
     @property
     def state(self) -> ScalerState:
@@ -92,6 +101,8 @@ class LossScaler:
         returns True for a dynamic scaler and False otherwise, as MindSpore's do."""
         if isinstance(grads_finite, torch.Tensor):
             grads_finite = bool(grads_finite.item())
+        elif not isinstance(grads_finite, (bool, int)):
+            _refuse_flag("adjust", "grads_finite", grads_finite)
         self.update(not grads_finite)
         return self._ADJUSTS
 
@@ -103,6 +114,11 @@ class LossScaler:
     ) -> torch.Tensor:
         """Divide ``grads`` by the scale (times ``factor``) in place, in one pass that checks
         them; return the 0-dim ``found_inf`` (on ``device`` when ``grads`` is empty)."""
+        if factor != 1.0 and not (isinstance(factor, (int, float)) and 0 < factor < math.inf):
+            # NaN made every gradient NaN with found_inf 0: the step would apply them.
+            raise ArgumentError(
+                f"unscale_: factor={shown(factor)} is invalid; use a finite number > 0"
+            )
         noted = getattr(self, "_noted", 0)  # by_hand: a loop's own unscale_ (an old pickle)
         if noted < NOTED_CALLS and not torch.compiler.is_compiling():
             grads, self._noted = list(grads), noted + 1
@@ -113,6 +129,8 @@ class LossScaler:
         """Advance the state after a step whose gradients were (not) finite."""
         if isinstance(found_inf, torch.Tensor):
             found_inf = bool(found_inf.item())
+        elif not isinstance(found_inf, (bool, int)):
+            _refuse_flag("update", "found_inf", found_inf)
         self._state = self._next(self._state, bool(found_inf))
 
     def _next(self, state: ScalerState, found_inf: bool) -> ScalerState:
@@ -156,6 +174,15 @@ class LossScaler:
         return f"{type(self).__name__}(scale={self.get_scale()!r}{', ' if config else ''}{config})"
 
 
+def _refuse_flag(method: str, name: str, value: Any) -> None:
+    """A step's flag that is not one: "no" or None read as True or False by truthiness."""
+    # numpy's bool (``bool`` in numpy 2, ``bool_`` before), as a numpy check gives it.
+    if type(value).__module__ != "numpy" or type(value).__name__ not in ("bool", "bool_"):
+        raise ArgumentError(
+            f"{method}: {name}={shown(value)} is invalid; use a bool or a 0-dim tensor"
+        )
+
+
 class NoOpLossScaler(LossScaler):
     """Scale 1, for bfloat16 and float32. Non-finite gradients are still found and skipped."""
 
@@ -173,82 +200,6 @@ class NoOpLossScaler(LossScaler):
     def _load_config(self, state_dict: dict[str, Any], scale: float) -> None:
         # The loss is never scaled here: another scale would divide every gradient by it.
         _unit("load_state_dict: scale", scale)
-
-
-def _unit(name: str, scale: float) -> None:
-    if scale != 1.0:
-        raise ArgumentError(
-            f"NoOpLossScaler: {name}={scale!r} is invalid; its scale is 1 (it never scales the "
-            "loss). Use StaticLossScaler or DynamicLossScaler for another scale"
-        )
-
-
-def _positive(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ArgumentError(f"{name} must be a number, got {type(value).__name__}: {value!r}")
-    try:
-        number = float(value)
-    except OverflowError:  # an int beyond float's range (10**400)
-        raise ArgumentError(
-            f"{name}={shown(value)} is invalid; it is beyond float's range"
-        ) from None
-    if not (math.isfinite(number) and number > 0):
-        raise ArgumentError(f"{name}={value!r} is invalid; it must be a finite number > 0")
-    return number
-
-
-def _scale_value(name: str, value: float) -> float:
-    """A positive scale, rounded to float32 as a float32 tensor holding it would be; a
-    normal float32 number (below 2**-126, ``1 / scale`` is past float32's range: the
-    unscale failed mid-training, and the state would not load again)."""
-    rounded = to_float32(_positive(name, value))
-    if not SMALLEST_NORMAL_F32 <= rounded < math.inf:
-        raise ArgumentError(
-            f"{name}={value!r} is invalid; float32 holds scales in [2**-126, ~3.4e38] "
-            "(normal numbers)"
-        )
-    return rounded
-
-
-def _count(name: str, value: int, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ArgumentError(f"{name} must be an int, got {type(value).__name__}: {value!r}")
-    if value < minimum:
-        raise ArgumentError(f"{name}={value!r} is invalid; it must be an int >= {minimum}")
-    return value
-
-
-def _checked_state(state_dict: dict[str, Any]) -> ScalerState:
-    """The ``ScalerState`` in ``state_dict``, every value checked: a scale of NaN, inf, 0, a
-    negative number, a string or one float32 cannot hold would make every later step skip,
-    divide by zero or apply with a wrong sign."""
-    where = "load_state_dict: scaler state"
-    scale = state_dict["scale"]
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise ArgumentError(
-            f"{where} 'scale' must be a number, got {type(scale).__name__}: {scale!r}"
-        )
-    try:
-        value = float(scale)
-    except OverflowError:
-        value = math.inf
-    if not (math.isfinite(value) and value > 0):
-        raise ArgumentError(f"{where} 'scale'={shown(scale)} is invalid; it must be finite and > 0")
-    if not SMALLEST_NORMAL_F32 <= to_float32(value) < math.inf:
-        raise ArgumentError(
-            f"{where} 'scale'={shown(scale)} is invalid; float32 holds scales in "
-            f"[2**-126, ~3.4e38] (normal numbers)"
-        )
-    counts = {}
-    for key, minimum in (
-        ("growth_tracker", 0), ("hysteresis_left", 1), ("steps", 0), ("skipped_steps", 0),
-        ("consecutive_skips", 0),
-    ):  # fmt: skip
-        counts[key] = _count(f"{where} {key!r}", state_dict[key], minimum)
-    last = state_dict["last_overflow_step"]
-    if last is not None:
-        last = _count(f"{where} 'last_overflow_step'", last, 0)
-    return ScalerState(scale=to_float32(value), last_overflow_step=last, **counts)
 
 
 class StaticLossScaler(LossScaler):
@@ -384,67 +335,16 @@ class DynamicLossScaler(LossScaler):
     def _from_torch(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """This scaler's state with torch's scale, growth tracker, factors and interval.
         torch has no hysteresis, scale bounds or step counters: those stay this scaler's."""
-        missing = [k for k in (*_TORCH_CONFIG, "_growth_tracker") if k not in state_dict]
+        missing = [k for k in (*TORCH_CONFIG, "_growth_tracker") if k not in state_dict]
         if missing:
             raise ArgumentError(
                 f"load_state_dict: torch.amp.GradScaler state lacks {', '.join(missing)}"
             )
         # mixprec's GradScaler adds its scaler's own keys beside torch's: taken too.
-        extras = {k: v for k, v in state_dict.items() if k in _MIXPREC_KEYS}
+        extras = {k: v for k, v in state_dict.items() if k in MIXPREC_KEYS}
         return {
             **self.state_dict(),
             **extras,
-            **{k: state_dict[k] for k in _TORCH_CONFIG},
+            **{k: state_dict[k] for k in TORCH_CONFIG},
             "growth_tracker": state_dict["_growth_tracker"],
         }
-
-
-# The keys of ``torch.amp.GradScaler().state_dict()`` besides ``_growth_tracker``.
-_TORCH_CONFIG = ("scale", "growth_factor", "backoff_factor", "growth_interval")
-# What a DynamicLossScaler holds besides them: bounds, hysteresis and counters.
-_MIXPREC_KEYS = frozenset(
-    {*DynamicConfig.__dataclass_fields__, *ScalerState.__dataclass_fields__} - {"growth_tracker"}
-)
-
-
-def _check_config(
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-    hysteresis: int,
-    min_scale: float | None,
-    max_scale: float | None,
-    arithmetic: Arithmetic = "torch",
-    max_consecutive_skips: int | None = None,
-) -> DynamicConfig:
-    growth = _positive("growth_factor", growth_factor)
-    if growth <= 1.0:
-        raise ArgumentError(f"growth_factor={growth_factor!r} is invalid; it must be > 1.0")
-    backoff = _positive("backoff_factor", backoff_factor)
-    if not backoff < 1.0:
-        raise ArgumentError(
-            f"backoff_factor={backoff_factor!r} is invalid; it must be in the open interval (0, 1)"
-        )
-    low = None if min_scale is None else _scale_value("min_scale", min_scale)
-    high = None if max_scale is None else _scale_value("max_scale", max_scale)
-    if low is not None and high is not None and low > high:
-        raise ArgumentError(f"min_scale={min_scale!r} is larger than max_scale={max_scale!r}")
-    if arithmetic not in ("torch", "tf1", "mindspore", "mindspore_manager"):
-        raise ArgumentError(
-            f"arithmetic={arithmetic!r} is invalid; valid: 'torch', 'tf1', 'mindspore', "
-            "'mindspore_manager'"
-        )
-    return DynamicConfig(
-        growth_factor=growth,
-        backoff_factor=backoff,
-        growth_interval=_count("growth_interval", growth_interval),
-        hysteresis=_count("hysteresis", hysteresis),
-        min_scale=low,
-        max_scale=high,
-        arithmetic=arithmetic,
-        max_consecutive_skips=(
-            None
-            if max_consecutive_skips is None
-            else _count("max_consecutive_skips", max_consecutive_skips)
-        ),
-    )

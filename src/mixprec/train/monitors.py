@@ -71,8 +71,12 @@ class EarlyStopping(Callback):
         if not isinstance(monitor, str):
             raise ArgumentError(f"monitor={monitor!r} is invalid; it must be an epoch log's name")
         check_int("patience", patience, 0)
-        if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)):
-            raise ArgumentError(f"min_delta={min_delta!r} is invalid; it must be a number")
+        if (
+            isinstance(min_delta, bool)
+            or not isinstance(min_delta, (int, float))
+            or not math.isfinite(min_delta)
+        ):  # NaN or inf made no epoch an improvement: every run stopped after `patience`
+            raise ArgumentError(f"min_delta={min_delta!r} is invalid; it must be a finite number")
         self.monitor = monitor
         self.min_delta = abs(min_delta)
         self.patience = patience
