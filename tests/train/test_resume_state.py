@@ -478,3 +478,24 @@ def test_a_mid_epoch_resume_says_when_the_loader_cannot_replay_its_order(tmp_pat
         ]
     else:
         assert said_at(12) == []
+
+
+def test_a_resume_from_the_epoch_early_stopping_ended_ends_there_too(tmp_path):
+    """ModelCheckpoint writes the epoch EarlyStopping stopped at (after it): a resume from
+    that file restored its wait and best but not the stop, and trained another epoch (the
+    uninterrupted run: 8 steps; the resumed one: 12). It now ends there too, and says so."""
+    x, y = data(32)
+    stop = mp.EarlyStopping(monitor="loss", patience=1, min_delta=10.0)  # stops after epoch 2
+    first = trainer("mixed_bfloat16")
+    first.fit(x, y, batch_size=8, epochs=5, verbose=0,
+              callbacks=[stop, mp.ModelCheckpoint(tmp_path, keep_last=10)])  # fmt: skip
+    assert stop.stopped_epoch == 1 and first.global_step == 8
+    again = trainer("mixed_bfloat16")
+    resumed = mp.EarlyStopping(monitor="loss", patience=1, min_delta=10.0)
+    with pytest.warns(UserWarning, match=r"EarlyStopping: the run this checkpoint is from "
+                      r"stopped after epoch 2 .* so this fit ends there too"):  # fmt: skip
+        history = again.fit(x, y, batch_size=8, epochs=5, verbose=0, callbacks=[resumed],
+                            resume_from=tmp_path / "epoch-0002.safetensors")  # fmt: skip
+    assert history.epoch == [] and again.global_step == 8 and resumed.stopped_epoch == 1
+    for a, b in zip(first.model.parameters(), again.model.parameters(), strict=True):
+        assert torch.equal(a, b)

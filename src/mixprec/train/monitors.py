@@ -119,7 +119,12 @@ class EarlyStopping(Callback):
     def state_dict(self) -> dict[str, Any]:
         # The best weights too, where they are to be restored: a checkpoint then holds the
         # model twice.
-        return {"wait": self._wait, "best": self._best, "best_state": self._best_state}
+        return {
+            "wait": self._wait,
+            "best": self._best,
+            "best_state": self._best_state,
+            "stopped_epoch": self.stopped_epoch,  # a checkpoint of the epoch that stopped
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._wait, self._best = int(state["wait"]), float(state["best"])
@@ -127,6 +132,18 @@ class EarlyStopping(Callback):
         if isinstance(best, dict) and "global_step" in best:  # a checkpoint before 2026-11-26
             best = best["model"]  # held the whole trainer; the weights are what is restored
         self._best_state = best
+        stopped = state.get("stopped_epoch")  # None in a checkpoint before 2026-11-27
+        if stopped is not None:
+            # Written at the epoch it stopped (ModelCheckpoint saves after it): the run it
+            # resumes ended there, and trained on for another epoch, unsaid.
+            self.stopped_epoch = int(stopped)
+            self.attached.stop_training = True
+            warn_at_caller(
+                f"EarlyStopping: the run this checkpoint is from stopped after epoch "
+                f"{self.stopped_epoch + 1} ({self.monitor} did not improve for "
+                f"{self.patience} epoch(s)), so this fit ends there too; to train on, resume "
+                "without EarlyStopping, or with a new one after a first fit"
+            )
         if self.restore_best_weights and best is None and math.isfinite(self._best):
             warn_at_caller(
                 f"EarlyStopping(restore_best_weights=True) resumed from a checkpoint that kept "

@@ -252,7 +252,8 @@ class Trainer:
         cbs.on_train_begin({"epochs": epochs, "steps": steps, "initial_epoch": point.epoch})
         if resume_from is not None:
             resume.restore_callbacks(self._callbacks, chosen, point.callbacks)
-        for epoch in range(point.epoch, epochs):
+        # A run that stopped early ends there resumed (EarlyStopping's state says so).
+        for epoch in range(point.epoch, point.epoch if self.stop_training else epochs):
             skip = point.skip if point.replay is not None else 0  # batches done before
             cbs.on_epoch_begin(epoch, {"steps": steps, "initial_step": skip})
             if point.replay is not None:  # the interrupted epoch: its order, its sums
