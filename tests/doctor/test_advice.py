@@ -25,6 +25,10 @@ def test_underflowing_gradients_get_the_loss_scale_that_fixes_them():
     # A power of two written as one (:g rounded 2**49 to 5.6295e+14, no power of two).
     written = f"2**{int(math.log2(scale))}" if scale >= 2**16 else f"{scale:g}"
     assert any(f"StaticLossScaler({written})" in a for a in report.advice), report.advice
+    # The "at the edge" line's suggestion is written the same way (it was "5.49756e+11",
+    # no power of two copied, and refused as an init_scale above the default max_scale).
+    edge = [a for a in report.advice if a.startswith("at the edge")]
+    assert edge and f"(suggested: {written}, with max_scale raised past its default" in edge[0]
 
     reference = healthy()
     tiny(reference(x), y).backward()

@@ -101,9 +101,14 @@ def advice(report: Report, compute: torch.dtype, left: set[str]) -> list[str]:
         and report.loss_scale_range[0] <= report.loss_scale_range[1]
     )
     scale = report.loss_scale_reached or report.loss_scale
+    # Written as the scalers take it: 5.49756e+11 copied was no power of two, and above
+    # DynamicLossScaler's default max_scale it was refused as an init_scale.
+    suggested = report.suggested_loss_scale or 0.0
     larger = (
-        f" (suggested: {report.suggested_loss_scale:g})"
-        if fits and report.suggested_loss_scale and report.suggested_loss_scale > scale
+        f" (suggested: {_scale(suggested)}"
+        + (", with max_scale raised past its default 2**24" if suggested > 2.0**24 else "")
+        + ")"
+        if fits and suggested > scale
         else ""
     )
     if report.at_edge:
