@@ -119,6 +119,31 @@ def test_backward_overflow_names_the_module_whose_output_gradient_first_went_bad
     assert (found.dtype, found.nonfinite) == ("float32", 6)
 
 
+def test_an_overflow_only_in_a_weights_gradient_names_its_module():
+    """One input feature of 6e4 (finite in float16) made the first Linear's weight gradient
+    x^T @ grad inf in float16, while every output and output gradient stayed finite: the
+    tracer named nothing, and the stuck-at-floor warning said to turn tracing on, which
+    was on. The module holding the weight is named, phase "weight gradient"."""
+    import mixprec as mp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    with torch.no_grad():
+        model[0].weight[:, 0].mul_(1e-4)  # the forward stays finite
+    model = mp.auto_mixed_precision(model, "mixed_float16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                mp.DynamicLossScaler(init_scale=4.0), trace_overflow=True)  # fmt: skip
+    x, y = torch.randn(8, 16), torch.arange(8) % 4
+    x[:, 0] = 6e4
+    out = model(x)
+    opt.backward(nn.functional.cross_entropy(out, y) * 50)
+    result = opt.step()
+    assert torch.isfinite(out).all() and not result.applied
+    found = result.overflow
+    assert found is not None and (found.module, found.kind) == ("0", "Linear")
+    assert (found.phase, found.dtype) == ("weight gradient", "float16") and found.nonfinite > 0
+
+
 def test_a_forward_overflow_comes_before_the_backward_records():
     model = nn.Sequential(identity_linear(2), HalfGain(), InfGrad(), identity_linear(2))
     tracer = OverflowTracer(model)

@@ -33,7 +33,9 @@ class Overflow:
 
     module: str
     kind: str  # the module's class name
-    phase: str  # "forward" (its output) or "backward" (the gradient of its output)
+    # "forward" (its output), "backward" (the gradient of its output) or "weight gradient"
+    # (of one of its own parameters: x^T @ grad in 16 bits, from a large input feature).
+    phase: str
     dtype: str
     nonfinite: int  # how many values were inf or NaN
     finite_min: float
@@ -85,6 +87,7 @@ class OverflowTracer:
             if tracer is not None:
                 tracer._on_model_forward(module, args)
 
+        self._model = weakref.ref(model)
         self._handles = [model.register_forward_pre_hook(on_model_forward)]
         for name, module in model.named_modules():
             hook = _forward_hook(me, name or ROOT_NAME, type(module).__name__, module is model)
@@ -127,6 +130,21 @@ class OverflowTracer:
         ):
             if bad > 0:
                 return Overflow(name, kind, phase, dtype, int(bad), low, high)
+        return self._weight_gradient_overflow()
+
+    def _weight_gradient_overflow(self) -> Overflow | None:
+        """Every output and output gradient was finite, yet the step overflowed: a weight's
+        own gradient did (``x^T @ grad`` in 16 bits, from one input feature of 6e4). The
+        module that holds it, the first in backward order (the last to run forward); read
+        only on such a step, one parameter at a time."""
+        model = self._model()
+        for name, module in reversed(list(model.named_modules()) if model is not None else []):
+            for p in module.parameters(recurse=False):
+                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                    bad, low, high = _summary(p.grad).tolist()
+                    kind, dtype = type(module).__name__, dtype_name(p.grad.dtype)
+                    return Overflow(name or ROOT_NAME, kind, "weight gradient", dtype, int(bad),
+                                    low, high)  # fmt: skip
         return None
 
     def remove(self) -> None:
