@@ -131,8 +131,9 @@ def test_an_overflow_only_in_a_weights_gradient_names_its_module():
     with torch.no_grad():
         model[0].weight[:, 0].mul_(1e-4)  # the forward stays finite
     model = mp.auto_mixed_precision(model, "mixed_float16", "O2")
-    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
-                                mp.DynamicLossScaler(init_scale=4.0), trace_overflow=True)  # fmt: skip
+    scaler = mp.DynamicLossScaler(init_scale=4.0)
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), scaler,
+                                trace_overflow=True)  # fmt: skip
     x, y = torch.randn(8, 16), torch.arange(8) % 4
     x[:, 0] = 6e4
     out = model(x)

@@ -405,6 +405,38 @@ def test_a_16bit_cast_after_training_started_is_refused_at_the_next_backward(lev
     assert f"{plain} parameters it holds are now {kind}" in str(got.value)
 
 
+def test_the_way_on_after_a_cast_mid_training_works_as_written(tmp_path):
+    """The error after a cast said "prepare it again and build a new optimizer", which
+    auto_mixed_precision refuses for a prepared model, cast or not; and "the model now
+    computes in float16" of a bfloat16 model whose parameters .half() made float16. It now
+    says what works, followed here as written: a fresh model, prepared, a new optimizer,
+    the last checkpoint loaded into both; training goes on from the checkpoint's masters."""
+    model = mp.auto_mixed_precision(_with_norm(), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    opt.backward(nn.functional.cross_entropy(model(x), y))
+    opt.step()
+    path = mp.save_checkpoint(tmp_path / "last.safetensors", model, opt)
+    masters = [m.clone() for _, m in opt.master_weights()]
+    model.half()
+    with pytest.raises(mp.MisuseError) as got:
+        opt.backward(nn.functional.cross_entropy(model(x.half()).float(), y))
+    said = str(got.value)
+    assert "its parameters are now float16, which needs loss scaling" in said
+    assert "build it afresh in float32, then build the optimizer after auto_mixed_precision" in said
+    assert said.endswith("and load your last checkpoint into both: "
+                         "mp.load_checkpoint(path, model, opt)")  # fmt: skip
+    with pytest.raises(RuntimeError, match="already applied"):  # "prepare it again": refused
+        mp.auto_mixed_precision(model, "mixed_bfloat16", "O2")
+    model = mp.auto_mixed_precision(_with_norm(), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    mp.load_checkpoint(path, model, opt)
+    for saved, (_, master) in zip(masters, opt.master_weights(), strict=True):
+        assert torch.equal(saved, master)
+    opt.backward(nn.functional.cross_entropy(model(x), y))
+    assert opt.step().applied
+
+
 def test_half_mid_training_of_an_o2_model_with_no_float32_parameter_is_refused():
     """An O2 model with no norm layer keeps every parameter behind a master: ``.half()``
     after training started changed only the 16-bit weights, which were not looked at, and

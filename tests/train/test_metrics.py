@@ -3,6 +3,7 @@ each value against a computation by hand on small tensors."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import warnings
@@ -376,8 +377,41 @@ def test_batches_with_a_third_element_say_it_is_not_used():
     model = nn.Linear(8, 4)
     trainer = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), lr=0.1),
                          policy="float32", device="cpu", metrics=())  # fmt: skip
-    with pytest.warns(UserWarning, match=r"a batch has 3 elements: .*sample weights"):
+    with pytest.warns(UserWarning, match=r"a batch has 3 elements: .*sample weights.* have "
+                      r"the loader yield \(x, \(y, w\)\), .* and metrics=\(\)"):  # fmt: skip
         trainer.fit(loader, epochs=1, verbose=0)
+
+
+def test_weighted_targets_as_the_warning_says_train_and_count_their_rows():
+    """Followed as written, (x, (y, w)) with a loss reading both and metrics=() trains as
+    weighted float32 does; the epoch counted 2 samples a batch (the pair), so the last,
+    shorter batch weighed as much as a full one and samples_per_s was 1/4 of the truth."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(36, 8, generator=g), torch.randint(0, 4, (36,), generator=g)
+    w = torch.rand(36, generator=g)
+
+    def weighted(out, targets):
+        labels, weights = targets
+        return (F.cross_entropy(out, labels, reduction="none") * weights).sum() / weights.sum()
+
+    pairs = [(x[i], (y[i], w[i])) for i in range(36)]
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    control = copy.deepcopy(model)
+    trainer = mp.Trainer(model, weighted, torch.optim.SGD(model.parameters(), lr=0.1),
+                         policy="float32", device="cpu", metrics=())  # fmt: skip
+    history = trainer.fit(DataLoader(pairs, batch_size=8), epochs=1, verbose=0)
+    opt, losses = torch.optim.SGD(control.parameters(), lr=0.1), []
+    for xb, (yb, wb) in DataLoader(pairs, batch_size=8):
+        opt.zero_grad()
+        loss = weighted(control(xb), (yb, wb))
+        loss.backward()
+        opt.step()
+        losses.append((loss.item(), len(yb)))
+    for a, b in zip(model.parameters(), control.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+    mean = sum(v * n for v, n in losses) / 36  # rows weigh each batch: 8, 8, 8, 8 and 4
+    assert history.history["loss"][0] == pytest.approx(mean, rel=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -125,18 +125,22 @@ class SetupCheck:
                 )
             if unscaled:
                 found.append(
-                    "the model now computes in float16 and this optimizer does no loss scaling "
-                    "(it chose NoOpLossScaler for a float32 model), so small gradients "
-                    "underflow to 0"
+                    "its parameters are now float16, which needs loss scaling, and this "
+                    "optimizer does none (it chose NoOpLossScaler for a float32 or bfloat16 "
+                    "model), so small gradients underflow to 0"
                 )
             if not self.pending:  # it trained in its precision until now
+                # A prepared model is prepared once (mp.auto_mixed_precision refuses it
+                # again, cast or not): the way back is a fresh model.
                 raise MisuseError(
                     "the model was cast to 16 bits (model.to(torch.bfloat16), .half()) after "
                     f"its first backward: {'; and '.join(found)}. The cast rounded these "
                     "float32 parameters, and the masters were decided when the optimizer was "
-                    "built: leave the model in the dtypes mp.auto_mixed_precision gave it (O2 "
-                    "already stores the matrix weights in 16 bits behind float32 masters), or "
-                    f"prepare it again and build a new optimizer: {_ORDER}"
+                    "built. Leave the model in the dtypes mp.auto_mixed_precision gave it (O2 "
+                    "already stores the matrix weights in 16 bits behind float32 masters). "
+                    "This model cannot be prepared again: to go on, build it afresh in "
+                    f"float32, then {_ORDER}, and load your last checkpoint into both: "
+                    "mp.load_checkpoint(path, model, opt)"
                 )
             raise MisuseError(
                 "LossScaleOptimizer was built before the model was prepared for mixed "

@@ -50,8 +50,9 @@ def xy(batch: Batch, device: torch.device) -> tuple[Any, Any]:
         warn(
             f"a batch has {len(batch)} elements: the Trainer uses the first two (inputs, "
             "targets) and ignores the rest. Keras would take a third as sample weights; "
-            "here the loss is unweighted: pass targets that carry the weights and a loss "
-            "that reads them, loss(output, targets)"
+            "here the loss is unweighted: have the loader yield (x, (y, w)), with a loss "
+            "that reads both, loss(output, (y, w)), and metrics=() (accuracy reads targets "
+            "as labels)"
         )
     return to_device(batch[0], device), to_device(batch[1], device)
 

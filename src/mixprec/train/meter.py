@@ -22,6 +22,14 @@ _SUM_DTYPE, F32 = torch.float64, torch.float32
 __all__ = ["EpochMeter"]
 
 
+def _first_tensor(targets: Any) -> Any:
+    """The targets' first tensor: ``(y, w)`` targets (sample weights a loss reads) count
+    ``y``'s rows, not 2 a batch."""
+    while isinstance(targets, (list, tuple)) and targets:
+        targets = targets[0]
+    return targets
+
+
 class EpochMeter:
     """The sums behind an epoch's logs: loss, metrics, samples, skipped steps, step times."""
 
@@ -54,7 +62,8 @@ class EpochMeter:
         its time (with accumulation, an optimizer step's is the time of its group's
         micro-steps)."""
         self.synced = None
-        self.samples += len(targets)
+        labels = _first_tensor(targets)
+        self.samples += len(labels)
         self.group_time += elapsed  # a step's time is its group's micro-steps' together
         if not result.accumulating:
             self.times.append(self.group_time)
@@ -64,7 +73,7 @@ class EpochMeter:
             # A forward that overflowed in 16 bits: its step was skipped (skipped_steps),
             # and its NaN would make the epoch's loss (and what monitors it) NaN.
             return
-        size = self.weigh(targets)
+        size = self.weigh(labels)
         self.loss_sum += loss * size
         self.counted += size
         if output is not None:
