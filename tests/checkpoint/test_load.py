@@ -183,7 +183,8 @@ def test_optimizer_state_of_another_class_is_refused_naming_both(tmp_path):
         ):
             mp.load_checkpoint(path, model, opt)
         assert _same(before, (model.state_dict(), opt.state_dict()))
-    mp.load_checkpoint(path, make_mlp(seed=2), torch.optim.AdamW(make_mlp().parameters()))
+    fresh = make_mlp(seed=2)
+    mp.load_checkpoint(path, fresh, torch.optim.AdamW(fresh.parameters()))
 
 
 def test_a_scaler_of_another_policy_is_refused_with_the_way_to_load_the_model(tmp_path):
@@ -226,7 +227,8 @@ def test_inner_optimizer_of_another_class_is_refused_and_older_files_still_load(
     old = mp.save_checkpoint(tmp_path / "plain.safetensors", plain_model, plain)
     rewrite_header(old, lambda meta: meta.pop("optimizer_classes"))
     with pytest.raises(mp.CheckpointError, match="from AdamW, this optimizer is Adam;"):
-        mp.load_checkpoint(old, make_mlp(), torch.optim.Adam(make_mlp().parameters()))
+        fresh = make_mlp()
+        mp.load_checkpoint(old, fresh, torch.optim.Adam(fresh.parameters()))
 
 
 def test_arguments_of_the_wrong_kind_are_refused_by_name(tmp_path):

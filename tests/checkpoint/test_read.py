@@ -54,7 +54,8 @@ def test_tampered_and_truncated_files(tmp_path):
     with pytest.raises(mp.CheckpointError, match="no such checkpoint file"):
         mp.load_checkpoint(tmp_path / "absent.safetensors", make_mlp())
     with pytest.raises(mp.CheckpointError, match="holds no optimizer state"):
-        mp.load_checkpoint(path, make_mlp(), torch.optim.SGD(make_mlp().parameters(), lr=0.1))
+        fresh = make_mlp()
+        mp.load_checkpoint(path, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1))
 
 
 class _Boom:
@@ -163,8 +164,8 @@ def test_a_torch_style_o2_checkpoints_masters_beside_its_weights_are_said(tmp_pa
         mp.CheckpointError, match=r"holds no optimizer state mixprec reads: a torch\.save file, "
         r"whose entries beside the weights \(epoch, optimizer\) are not read"
     ):  # fmt: skip
-        mp.load_checkpoint(path, make_mlp(), mp.LossScaleOptimizer(torch.optim.Adam(
-            make_mlp().parameters())))  # fmt: skip
+        fresh = make_mlp()
+        mp.load_checkpoint(path, fresh, mp.LossScaleOptimizer(torch.optim.Adam(fresh.parameters())))
     out = tmp_path / "out.safetensors"
     with pytest.warns(UserWarning, match=said):
         assert cli.main(["convert", str(path), str(out), "--dtype", "float32"]) == 0

@@ -176,10 +176,21 @@ def test_an_optimizer_over_another_model_is_refused_and_nothing_is_written(tmp_p
     b(torch.randn(2, 32)).sum().backward()
     opt_b.step()
     path = tmp_path / "mix.safetensors"
-    with pytest.raises(mp.ArgumentError, match=r"the optimizer holds none of the model's "
-                       r"parameters \(its 8 are another model's\)"):  # fmt: skip
+    with pytest.raises(mp.ArgumentError, match=r"save_checkpoint: the optimizer holds none of "
+                       r"the model's parameters \(its 8 are another model's\)"):  # fmt: skip
         mp.save_checkpoint(path, a, opt_b)
     assert not path.exists()
+    with pytest.raises(mp.ArgumentError, match=r"export_weights: the optimizer holds none"):
+        mp.export_weights(a, tmp_path / "export.safetensors", optimizer=opt_b)
+    # Loaded, a's moments went into b's optimizer the same way: refused, b's state kept.
+    opt_a = torch.optim.Adam(a.parameters(), lr=0.1)
+    a(torch.randn(2, 32)).sum().backward()
+    opt_a.step()
+    good = mp.save_checkpoint(tmp_path / "a.safetensors", a, opt_a)
+    kept = opt_b.state[next(b.parameters())]["exp_avg"].clone()
+    with pytest.raises(mp.ArgumentError, match=r"load_checkpoint: the optimizer holds none"):
+        mp.load_checkpoint(good, make_mlp(seed=2), opt_b)
+    assert torch.equal(opt_b.state[next(b.parameters())]["exp_avg"], kept)
 
 
 def test_a_model_with_nan_weights_is_saved_and_said_to_load_only_with_ignore(tmp_path):
@@ -196,3 +207,29 @@ def test_a_model_with_nan_weights_is_saved_and_said_to_load_only_with_ignore(tmp
     loaded = make_mlp()
     mp.load_checkpoint(path, loaded, on_range="ignore")
     assert torch.isnan(loaded[0].weight[0, 0])
+
+
+def test_a_path_that_is_none_a_number_or_a_directory_is_refused_by_name(tmp_path):
+    """path=None raised pathlib's TypeError from every entry point; export_weights and
+    convert_checkpoint into a directory raised IsADirectoryError saying "the previous
+    checkpoint there is intact"; check=5 raised "'int' object is not callable"."""
+    model = make_mlp()
+    saved = mp.save_checkpoint(tmp_path / "m.safetensors", model)
+    for call in (
+        lambda p: mp.save_checkpoint(p, model),
+        lambda p: mp.load_checkpoint(p, model),
+        lambda p: mp.read_checkpoint(p),
+        lambda p: mp.export_weights(model, p),
+        lambda p: mp.convert_checkpoint(saved, p),
+        lambda p: mp.convert_checkpoint(p, tmp_path / "out.safetensors"),
+    ):
+        for bad in (None, 5):
+            with pytest.raises(mp.ArgumentError, match=rf"=({bad}|{bad!r}) is invalid; valid: "
+                               r"a file path"):  # fmt: skip
+                call(bad)
+    with pytest.raises(mp.ArgumentError, match=r"export_weights: path .* is a directory"):
+        mp.export_weights(model, tmp_path)
+    with pytest.raises(mp.ArgumentError, match=r"convert_checkpoint: destination .* is a dir"):
+        mp.convert_checkpoint(saved, tmp_path)
+    with pytest.raises(mp.ArgumentError, match=r"load_checkpoint\(check=5\) is invalid"):
+        mp.load_checkpoint(saved, model, check=5)

@@ -9,13 +9,14 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from mixprec._atomic import FolderSyncError, write_atomically
+from mixprec._errors import ArgumentError, shown
 from mixprec.checkpoint.format import CheckpointError
 
 
@@ -39,6 +40,38 @@ def _atomic_write(tensors: dict[str, torch.Tensor], metadata: dict[str, str], pa
         )
         what = "no space left on device" if code == errno.ENOSPC else os.strerror(code)
         raise OSError(code, f"{what} while writing checkpoint {str(path)!r}; {left}") from err
+
+
+def as_path(who: str, path: Any, argument: str = "path") -> Path:
+    """``path`` as a ``Path``, or an ``ArgumentError`` naming it (``None`` or a number
+    failed in pathlib's ``TypeError``)."""
+    if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes):
+        raise ArgumentError(
+            f"{who}: {argument}={shown(path)} is invalid; valid: a file path (a str or a "
+            "pathlib.Path)"
+        )
+    return Path(path)
+
+
+def writable_path(who: str, path: Any, argument: str = "path") -> Path:
+    """``as_path``, refusing a path no file can be written to: an existing directory, or
+    one under a file. The raw ``OSError`` came from deep inside the writer, after the
+    tensors were gathered, saying "the previous checkpoint there is intact"."""
+    target = as_path(who, path, argument)
+    if target.is_dir():
+        raise ArgumentError(
+            f"{who}: {argument} {str(target)!r} is a directory; valid: a file path (e.g. "
+            "'ckpt.safetensors') in an existing or new directory"
+        )
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ArgumentError(
+                    f"{who}: {argument} {str(target)!r} is under {str(parent)!r}, which is a "
+                    "file; valid: a file path in an existing or new directory"
+                )
+            break
+    return target
 
 
 def _os_error(text: str) -> int | None:

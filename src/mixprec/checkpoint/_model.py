@@ -64,6 +64,15 @@ def check_arguments(who: str, model: Any, optimizer: Any) -> None:
             "weight each float32 master stands for, so a resume would start from a fresh "
             "scale and 16-bit-rounded masters. Pass the LossScaleOptimizer itself"
         )
+    if optimizer is not None:
+        # Its state maps to parameters by position: saved, it loaded into whichever
+        # optimizer loaded the file; loaded, it took this model's moments for another's.
+        held = [n for inner in optimizer_param_names(optimizer, model) for g in inner for n in g]
+        if held and not any(held):
+            raise ArgumentError(
+                f"{who}: the optimizer holds none of the model's parameters (its {len(held)} "
+                "are another model's): pass the optimizer built over this model"
+            )
 
 
 def check_masters_held(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:

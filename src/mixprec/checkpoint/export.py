@@ -15,7 +15,7 @@ from mixprec._dtypes import dtype_name, parse_dtype
 from mixprec._errors import ArgumentError
 from mixprec._version import __version__
 from mixprec.checkpoint._conversion import _check_on_range, _convert, _raise_non_finite
-from mixprec.checkpoint._files import _atomic_write, same_file
+from mixprec.checkpoint._files import _atomic_write, as_path, same_file, writable_path
 from mixprec.checkpoint._model import _buffer_names, _model_tensors, check_arguments
 from mixprec.checkpoint.format import LoadReport, OnRange
 from mixprec.checkpoint.read import read_checkpoint
@@ -29,10 +29,12 @@ def _write_weights(
     source: str,
     path: str | os.PathLike[str],
     buffers: frozenset[str] | set[str] | None = frozenset(),
+    who: str = "export_weights",
 ) -> LoadReport:
     """Cast the floating-point ``weights`` to ``dtype`` (range- and finiteness-checked; other
     dtypes, step counters say, are kept) and write them as plain safetensors. ``buffers``:
     the names exempt from the finiteness check; ``None`` where the source does not say."""
+    destination = writable_path(who, path, "path" if who == "export_weights" else "destination")
     target = parse_dtype(dtype, argument="dtype")
     report = LoadReport(path=source)
     exempt = buffers or frozenset()
@@ -47,7 +49,7 @@ def _write_weights(
     meta = {"written_by": f"mixprec {__version__}", "dtype": dtype_name(target)}
     if aliases:
         meta["aliases"] = json.dumps(aliases)
-    _atomic_write(out, meta, Path(path))
+    _atomic_write(out, meta, destination)
     return report
 
 
@@ -101,6 +103,8 @@ def convert_checkpoint(
     ``destination`` that is the ``source`` file (through links or relative paths too) would
     lose all of that: an ``ArgumentError`` unless ``in_place=True``."""
     _check_on_range(on_range)
+    as_path("convert_checkpoint", source, "source")
+    as_path("convert_checkpoint", destination, "destination")
     if not isinstance(in_place, bool):
         raise ArgumentError(f"in_place must be a bool, got {type(in_place).__name__}")
     if same_file(source, destination):
@@ -117,7 +121,7 @@ def convert_checkpoint(
     weights = {k.removeprefix("model/"): v for k, v in tensors.items() if k.startswith("model/")}
     report = _write_weights(
         weights, dtype, on_range, header.get("aliases", {}), str(source), destination,
-        set(header["buffers"]) if "buffers" in header else None,
+        set(header["buffers"]) if "buffers" in header else None, "convert_checkpoint",
     )  # fmt: skip
     report.dropped = _dropped(header, parse_dtype(dtype, argument="dtype"))
     return report

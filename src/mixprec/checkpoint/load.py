@@ -27,6 +27,7 @@ from mixprec.checkpoint._conversion import (
     _raise_non_finite,
     saturate,
 )
+from mixprec.checkpoint._files import as_path
 from mixprec.checkpoint._model import (
     _buffer_names,
     _parameter_names,
@@ -83,7 +84,12 @@ def load_checkpoint(
                 f"load_checkpoint({name}={shown(flag)}) is invalid; valid: True or False"
             )
     _check_on_range(on_range)
-    tensors, header = read_checkpoint(path)
+    if check is not None and not callable(check):
+        raise ArgumentError(
+            f"load_checkpoint(check={shown(check)}) is invalid; valid: a callable taking the "
+            "trainer_state, or None"
+        )
+    tensors, header = read_checkpoint(as_path("load_checkpoint", path))
     described = ("policy", "level", "float8", "mixprec_version", "torch_version", "format_version")
     report = LoadReport(
         path=str(path), metadata={k: v for k, v in header.items() if k in described}

@@ -17,7 +17,7 @@ import torch
 
 from mixprec._dtypes import HALF_DTYPES, dtype_name
 from mixprec._warn import warn_at_caller
-from mixprec.checkpoint._files import _open_regular
+from mixprec.checkpoint._files import _open_regular, as_path
 from mixprec.checkpoint._safetensors import _json, _read_tensors, _safetensors_header
 from mixprec.checkpoint._schema import _check_aliases, _mixprec_header
 from mixprec.checkpoint._tree import _unflatten
@@ -107,7 +107,7 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tenso
     free memory) and the mixprec header (its schema, its format version) are checked. Then
     the checksum (header and tensors; tensors only for format 1). Any problem is a
     ``CheckpointError``."""
-    file = Path(path)
+    file = as_path("read_checkpoint", path)
     if file.is_dir():
         found = sorted(p.name for p in file.glob("*.safetensors"))
         hint = f" (it holds {', '.join(found[:4])})" if found else ""

@@ -14,7 +14,7 @@ from torch import nn
 from mixprec._errors import ArgumentError, shown
 from mixprec._version import __version__
 from mixprec._warn import warn_at_caller
-from mixprec.checkpoint._files import _atomic_write
+from mixprec.checkpoint._files import _atomic_write, writable_path
 from mixprec.checkpoint._model import (
     _buffer_names,
     _model_tensors,
@@ -51,8 +51,7 @@ def save_checkpoint(
             f"save_checkpoint(trainer_state={shown(trainer_state)}) is invalid; valid: a dict "
             "(trainer.resume_state(), or your own: {'global_step': step, ...}) or None"
         )
-    target = Path(path)
-    _check_target(target)
+    target = writable_path("save_checkpoint", path)
     pending = optimizer.pending_micro_steps if isinstance(optimizer, LossScaleOptimizer) else 0
     if pending:
         raise ArgumentError(
@@ -64,13 +63,6 @@ def save_checkpoint(
     tensors, aliases, master_names = _model_tensors(model, optimizer)
     optim_state: Any = None
     held = optimizer_param_names(optimizer, model) if optimizer is not None else []
-    names = [name for inner in held for group in inner for name in group]
-    if names and not any(names):
-        # Its state would load by position into whichever model's optimizer loads it.
-        raise ArgumentError(
-            f"save_checkpoint: the optimizer holds none of the model's parameters (its "
-            f"{len(names)} are another model's): pass the optimizer built over this model"
-        )
     _say_if_non_finite(model)
     if optimizer is not None:
         state = optimizer.state_dict()
@@ -113,25 +105,6 @@ def save_checkpoint(
     parsed["checksum"] = _checksum(tensors, parsed)
     _atomic_write(tensors, {"mixprec": json.dumps(parsed)}, target)
     return target
-
-
-def _check_target(target: Path) -> None:
-    """Refuse a ``path`` no file can be written to: an existing directory, or one under a
-    file. The raw ``OSError`` would come from deep inside the writer, after the tensors were
-    gathered."""
-    if target.is_dir():
-        raise ArgumentError(
-            f"save_checkpoint: path {str(target)!r} is a directory; "
-            "valid: a file path (e.g. 'ckpt.safetensors') in an existing or new directory"
-        )
-    for parent in target.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ArgumentError(
-                    f"save_checkpoint: path {str(target)!r} is under {str(parent)!r}, "
-                    "which is a file; valid: a file path in an existing or new directory"
-                )
-            return
 
 
 def _say_if_non_finite(model: nn.Module) -> None:
