@@ -370,3 +370,23 @@ def test_a_layer_the_batch_never_calls_is_planned_float32_and_says_why():
     assert rare.kind == "Linear" and rare.times == {} and rare.headroom is None
     model = mp.auto_mixed_precision(Branches(), plan=plan)
     assert model.rare.weight.dtype == torch.float32 and model.fc2.weight.dtype == torch.float16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "said"),
+    [
+        ({"loss_fn": "cross_entropy"}, r"autotune\(loss_fn='cross_entropy'\) is invalid"),
+        ({"optimizer": "adam"}, r"autotune\(optimizer='adam'\) is invalid; valid: a factory"),
+        ({"optimizer": torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)},
+         r"autotune\(optimizer=<a SGD>\) is invalid"),
+        ({"progress": 5}, r"autotune\(progress=5\) is invalid"),
+    ],
+)  # fmt: skip
+def test_a_callable_argument_that_is_not_one_is_refused_before_any_pass(kwargs, said):
+    """Each was called only after the reference pass and the per-layer measurements (0.6 s
+    in, "'str' object is not callable")."""
+    timer = CostTimer({"float32": 1.0})
+    given = {"loss_fn": F.cross_entropy, **kwargs}
+    with pytest.raises(ArgumentError, match=said):
+        mp.autotune(mlp(), batch(), timer=timer, check_steps=5, **given)
+    assert timer.steps == []

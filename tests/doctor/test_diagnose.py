@@ -220,6 +220,13 @@ def test_diagnose_bad_input():
         mp.diagnose(prepared, x, y, CE)
     with pytest.raises(ValueError, match="loss_scale=0 is invalid"):
         mp.diagnose(healthy(), x, y, CE, loss_scale=0)
+    # A loss named by a string failed in the first pass ("'str' object is not callable");
+    # an empty batch gave a report of NaN losses.
+    with pytest.raises(ValueError, match=r"diagnose\(loss_fn='cross_entropy'\) is invalid; "
+                       r"valid: a callable"):  # fmt: skip
+        mp.diagnose(healthy(), x, y, "cross_entropy")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"diagnose: the batch is empty: inputs has shape \(0, "):
+        mp.diagnose(healthy(), x[:0], y[:0], CE)
 
 
 def test_the_plan_trains_30_steps_on_every_draw_of_issue_31s_model(one_thread):

@@ -39,7 +39,7 @@ from mixprec.autotune.units import (
     float8_ready,
     units,
 )
-from mixprec.doctor import check_finite_batch, float32_model
+from mixprec.doctor import check_callable, check_finite_batch, float32_model
 
 #: Why a layer the tuning batch never called is float32 in the plan.
 NOT_CALLED = "not called by the tuning batch: float32, not measured"
@@ -171,6 +171,15 @@ def autotune(
         )
     inputs, targets = batch
     check_finite_batch(inputs, targets, "autotune")
+    # Checked before the reference pass: each was called only after it (0.6 s in).
+    check_callable("autotune", "loss_fn", loss_fn, "a callable (output, targets) -> loss")
+    for argument, given, wanted in (
+        ("optimizer", optimizer, "a factory params -> torch.optim.Optimizer (such as "
+         "lambda params: torch.optim.AdamW(params, lr=1e-3)), or None"),
+        ("progress", progress, "a callable taking a line of text, or None"),
+    ):  # fmt: skip
+        if given is not None:
+            check_callable("autotune", argument, given, wanted)
     kept_candidates = check_candidates(candidates)
     # NaN fails `>= 0`; an infinite time budget cannot be divided into shares.
     for name, value, finite in (("error_budget", error_budget, False),

@@ -10,6 +10,7 @@ a non-finite batch); ``diagnose``, ``passes``, ``risk``, ``headroom``, ``verify`
 # What the autotuner measures with, as the doctors do: for mixprec's other subpackages,
 # which do not reach into the private module (not in __all__).
 from mixprec.doctor._common import Recorder as Recorder
+from mixprec.doctor._common import check_callable as check_callable
 from mixprec.doctor._common import check_finite_batch as check_finite_batch
 from mixprec.doctor._common import float32_model as float32_model
 from mixprec.doctor._common import relative_error as relative_error

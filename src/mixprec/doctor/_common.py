@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from mixprec._dtypes import HALF_DTYPES, finite_peak
-from mixprec._errors import ArgumentError
+from mixprec._errors import ArgumentError, shown
 from mixprec._warn import warn_at_caller
 from mixprec.casting import first_floating, upcast_16bit
 from mixprec.levels import applied, upcast_note
@@ -91,7 +91,14 @@ def check_finite_batch(inputs: Any, targets: Any, who: str) -> None:
     """Refuse a batch whose inputs or floating-point targets hold inf/NaN: the float32
     reference is non-finite too, so every layer would look at risk and no precision plan
     can help."""
-    for where, tensor in _floating(inputs, "inputs") + _floating(targets, "targets"):
+    floating = _floating(inputs, "inputs") + _floating(targets, "targets")
+    empty = next(((w, t) for w, t in floating if t.numel() == 0), None)
+    if empty is not None:  # its loss is NaN in every run: a report of nothing
+        raise ArgumentError(
+            f"{who}: the batch is empty: {empty[0]} has shape {tuple(empty[1].shape)}; pass a "
+            "batch of at least one sample"
+        )
+    for where, tensor in floating:
         bad = int((~torch.isfinite(tensor.detach())).sum())
         if bad:
             raise ArgumentError(
@@ -99,6 +106,15 @@ def check_finite_batch(inputs: Any, targets: Any, who: str) -> None:
                 f"value{'s' if bad > 1 else ''} (of {tensor.numel()}); the float32 run "
                 "would be non-finite too, so no precision fixes it: clean or mask the data"
             )
+
+
+def check_callable(who: str, name: str, value: Any, wanted: str) -> None:
+    """Refuse ``value`` for ``name`` where it is not callable: a loss named by a string
+    failed deep in the first pass ("'str' object is not callable"), after the copies."""
+    if not callable(value) or isinstance(value, torch.optim.Optimizer):
+        plain = value is None or isinstance(value, (str, int, float))
+        got = shown(value) if plain else f"<a {type(value).__name__}>"
+        raise ArgumentError(f"{who}({name}={got}) is invalid; valid: {wanted}")
 
 
 def inputs_cast_to_inf(inputs: Any, dtype: torch.dtype) -> list[tuple[str, float]]:

@@ -25,6 +25,7 @@ from mixprec._errors import ArgumentError
 from mixprec._input_casts import BOUNDARY_LOOK
 from mixprec._rng import same_draws
 from mixprec.doctor._common import (
+    check_callable,
     check_finite_batch,
     float32_model,
     float32_upcast,
@@ -68,6 +69,9 @@ if TYPE_CHECKING:
     from mixprec.doctor.float8 import Float8Report
 
 __all__ = ["diagnose"]
+
+
+_LOSS = "a callable (output, targets) -> loss, such as torch.nn.functional.cross_entropy"
 
 
 def diagnose(
@@ -151,6 +155,7 @@ def _diagnose(
     headroom: float,
 ) -> Report | Float8Report:
     """``diagnose``'s work, with gradients on."""
+    check_callable("diagnose", "loss_fn", loss_fn, _LOSS)
     if get_policy(policy).float8_recipe is not None:
         if loss_scale is not None:
             raise ArgumentError(

@@ -46,6 +46,7 @@ from mixprec._errors import ArgumentError
 from mixprec._rng import same_draws
 from mixprec.doctor._common import (
     Recorder,
+    check_callable,
     check_finite_batch,
     float32_model,
     float32_upcast,
@@ -60,7 +61,6 @@ from mixprec.doctor.float8_casts import (
     recipe_casts,
 )
 from mixprec.doctor.float8_inputs import (
-    batch_tensors,
     check_float32_runs,
     keep_names,
     keep_with,
@@ -329,13 +329,8 @@ def diagnose_float8(
     hurt), an empty one, one the float32 model fails on too, and a ``loss_fn`` that does not
     return one floating-point value."""
     model = float32_model(model, "diagnose_float8")
-    check_finite_batch(inputs, targets, "diagnose_float8")
-    for where, tensor in batch_tensors(inputs, "inputs") + batch_tensors(targets, "targets"):
-        if tensor.numel() == 0:
-            raise ArgumentError(
-                f"diagnose_float8: the batch is empty: {where} has shape {tuple(tensor.shape)}; "
-                "pass a batch of at least one sample"
-            )
+    check_callable("diagnose_float8", "loss_fn", loss_fn, "a callable (output, targets) -> loss")
+    check_finite_batch(inputs, targets, "diagnose_float8")  # and not empty
     resolved = get_policy(policy)
     recipe = resolved.float8_recipe
     if recipe is None:
