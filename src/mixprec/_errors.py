@@ -47,3 +47,28 @@ def check_int(name: str, value: object, minimum: int, optional: bool = False) ->
             f"{name}={shown(value)} is invalid; it must be an int >= {minimum}"
             + " or None" * optional
         )
+
+
+def check_stream(who: str, name: str, value: object) -> None:
+    """Raise ``ArgumentError`` unless ``value`` is None or has ``write`` (a text stream):
+    ``stream="stdout"`` failed at the first line written, mid-``fit``."""
+    if value is not None and not callable(getattr(value, "write", None)):
+        raise ArgumentError(
+            f"{who}({name}={shown(value)}) is invalid; valid: a text stream such as "
+            "sys.stdout, or None"
+        )
+
+
+def check_path(who: str, name: str, value: object, kind: str) -> None:
+    """Raise ``ArgumentError`` unless ``value`` is a str or ``os.PathLike`` (``None`` made
+    a folder named "None"), and, for ``kind="folder"``, not an existing file; for
+    ``kind="file"``, not an existing folder."""
+    import os
+
+    if not isinstance(value, (str, os.PathLike)) or isinstance(value, bytes):
+        raise ArgumentError(
+            f"{who}({name}={shown(value)}) is invalid; valid: a {kind} path (a str or a Path)"
+        )
+    if os.path.isfile(value) if kind == "folder" else os.path.isdir(value):
+        other = "file" if kind == "folder" else "folder"
+        raise ArgumentError(f"{who}({name}={str(value)!r}) is a {other}; valid: a {kind} path")

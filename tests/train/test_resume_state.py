@@ -245,6 +245,11 @@ def test_regression_targets_without_the_trailing_dimension_train_as_with_it():
         t.fit(x, y, batch_size=16, epochs=1, verbose=0)
 
 
+def _file(folder):
+    (folder / "f").write_text("")
+    return folder / "f"
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [
@@ -261,6 +266,14 @@ def test_regression_targets_without_the_trailing_dimension_train_as_with_it():
         ),
         (lambda d: mp.EarlyStopping(min_delta=float("inf")), "min_delta=inf is invalid"),
         (lambda d: mp.LearningRateScheduler(None), "scheduler=NoneType is invalid"),
+        # Each accepted, then failing mid-fit (or writing into ./None), before.
+        (lambda d: mp.ModelCheckpoint(d, monitor=5), "monitor=5 is invalid"),
+        (lambda d: mp.ModelCheckpoint(_file(d)), r"ModelCheckpoint\(dirpath='.*f'\) is a file"),
+        (lambda d: mp.CSVLogger(d), r"CSVLogger\(filename='.*'\) is a folder; valid: a file"),
+        (lambda d: mp.CSVLogger(d / "l.csv", separator=""), r"CSVLogger\(separator=''\) is "),
+        (lambda d: mp.ProgressBar(stream="x"), r"ProgressBar\(stream='x'\) is invalid"),
+        (lambda d: mp.LossMonitor(stream=5), r"LossMonitor\(stream=5\) is invalid"),
+        (lambda d: mp.TensorBoard(None), r"TensorBoard\(log_dir=None\) is invalid"),
     ],
 )
 def test_callback_arguments_are_checked(tmp_path, make, message):

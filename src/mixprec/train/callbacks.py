@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy
 
-from mixprec._errors import ArgumentError
+from mixprec._errors import ArgumentError, check_stream
 from mixprec.scaling import NoOpLossScaler
 
 if TYPE_CHECKING:
@@ -178,6 +178,7 @@ class ProgressBar(Callback):
     rank_zero_only = True  # under torchrun, only rank 0 prints and writes
 
     def __init__(self, stream: TextIO | None = None) -> None:
+        check_stream("ProgressBar", "stream", stream)
         self.stream = stream
         self._bar: Any = None
         self._epochs = 0
@@ -231,6 +232,7 @@ class LossMonitor(Callback):
         if per_print_times < 1:
             raise ArgumentError(f"per_print_times={per_print_times} is invalid; it must be >= 1")
         self.per_print_times = per_print_times
+        check_stream("LossMonitor", "stream", stream)
         self.stream = stream
 
     def on_train_batch_end(self, step: int, logs: Logs) -> None:

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from mixprec._errors import ArgumentError, check_path
 from mixprec.train.callbacks import Callback, Logs
 
 __all__ = ["CSVLogger", "TensorBoard"]
@@ -24,6 +25,13 @@ class CSVLogger(Callback):
     def __init__(
         self, filename: str | os.PathLike[str], separator: str = ",", append: bool = False
     ) -> None:
+        check_path("CSVLogger", "filename", filename, "file")
+        if not (isinstance(separator, str) and len(separator) == 1):  # as csv requires
+            raise ArgumentError(
+                f"CSVLogger(separator={separator!r}) is invalid; valid: one character"
+            )
+        if not isinstance(append, bool):
+            raise ArgumentError(f"CSVLogger(append={append!r}) is invalid; valid: True or False")
         self.filename = Path(filename)
         self.separator = separator
         self.append = append
@@ -66,6 +74,7 @@ class TensorBoard(Callback):
     rank_zero_only = True  # under torchrun, only rank 0 prints and writes
 
     def __init__(self, log_dir: str | os.PathLike[str] = "runs") -> None:
+        check_path("TensorBoard", "log_dir", log_dir, "folder")  # None made ./None
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as err:  # pragma: no cover - depends on the environment

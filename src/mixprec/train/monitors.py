@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mixprec._errors import ArgumentError, check_int
+from mixprec._errors import ArgumentError, check_int, check_path
 from mixprec._warn import warn_at_caller
 from mixprec.checkpoint import masters_in_place, save_checkpoint, temporary_files
 from mixprec.train.callbacks import Callback, Logs
@@ -180,6 +180,9 @@ class ModelCheckpoint(Callback):
                 "ModelCheckpoint would never save: every_n_epochs, every_n_steps and monitor "
                 "are all None; give at least one"
             )
+        check_path("ModelCheckpoint", "dirpath", dirpath, "folder")
+        if monitor is not None and not isinstance(monitor, str):
+            raise ArgumentError(f"monitor={monitor!r} is invalid; valid: an epoch log's name")
         self.dirpath = Path(dirpath)
         self.every_n_epochs = every_n_epochs
         self.every_n_steps = every_n_steps
