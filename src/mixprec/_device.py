@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from mixprec._errors import ArgumentError
+
 
 def resolve_device(device: str | torch.device) -> torch.device:
     """``"auto"``: the current CUDA device where there is a GPU (under torchrun, the rank's
@@ -14,7 +16,17 @@ def resolve_device(device: str | torch.device) -> torch.device:
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
-    return torch.device(device)
+    try:
+        chosen = torch.device(device)
+    except (RuntimeError, TypeError):
+        chosen = None  # torch's own error lists its device types, not the argument
+    if chosen is None or (chosen.type == "cuda" and not torch.cuda.is_available()):
+        raise ArgumentError(
+            f"device={device!r} is invalid"
+            + (" here: no CUDA GPU is available" if chosen is not None else "")
+            + "; valid: 'auto', 'cpu', 'cuda', 'cuda:N' or a torch.device"
+        )
+    return chosen
 
 
 def _ask_torch(device_type: str) -> bool:

@@ -129,6 +129,18 @@ def test_bad_arguments():
         t.fit(x, y, callbacks=mp.History())
     with pytest.raises(TypeError, match="fp32_allreduce must be True or False, got 'no'"):
         trainer(fp32_allreduce="no")
+    model = make_mlp()
+    sgd = torch.optim.SGD(model.parameters(), 0.1)
+    with pytest.raises(ValueError, match=r"device='tpu' is invalid; valid: 'auto', 'cpu'"):
+        mp.Trainer(model, "cross_entropy", sgd, device="tpu")
+    if not torch.cuda.is_available():  # torch's "Cannot access accelerator device" before
+        with pytest.raises(ValueError, match=r"device=3 is invalid"):
+            mp.Trainer(model, "cross_entropy", sgd, device=3)
+        with pytest.raises(ValueError, match=r"device='cuda' is invalid here: no CUDA GPU"):
+            mp.Trainer(model, "cross_entropy", sgd, device="cuda")
+    with pytest.raises(ValueError, match=r"not a Trainer state .* missing model, optimizer, "
+                       r"global_step"):  # fmt: skip
+        t.load_state_dict({})
     assert t.global_step == 0
 
 

@@ -83,6 +83,18 @@ def _check_arguments(model: Any, fp32_allreduce: Any) -> None:
         raise ArgumentError(f"fp32_allreduce must be True or False, got {fp32_allreduce!r}")
 
 
+def _check_state(state: Any) -> None:
+    """What ``Trainer.load_state_dict`` refuses before it loads anything: a state without
+    the keys ``state_dict`` writes (``{}`` raised a bare KeyError: 'model')."""
+    keys = ("model", "optimizer", "global_step")
+    missing = [k for k in keys if k not in state] if isinstance(state, dict) else list(keys)
+    if missing:
+        raise ArgumentError(
+            f"Trainer.load_state_dict: not a Trainer state (from trainer.state_dict()); "
+            f"missing {', '.join(missing)}"
+        )
+
+
 class _HealthWatch:
     """The loss scaler's health over the run, fed after every optimizer step, and the tracer
     it asks for: installed for one step when the run is stuck without a module named (not
@@ -412,6 +424,7 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_state(state)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.global_step = int(state["global_step"])
