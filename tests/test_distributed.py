@@ -256,6 +256,9 @@ def test_recommender_with_sparse_embeddings(runs):
 def test_errors_without_a_hang():
     assert mpd.world_size() == 1 and mpd.is_main_process()
     assert mpd.check_batch(64) == 64
+    for bad in (0, -4):  # returned as per-rank batches before
+        with pytest.raises(mp.ArgumentError, match=rf"batch_size={bad} is invalid"):
+            mpd.check_batch(bad)
     with pytest.raises(RuntimeError, match="needs an initialised process group"):
         mpd.distributed_data_parallel(make_mlp())
 

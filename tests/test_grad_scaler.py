@@ -186,6 +186,22 @@ def test_bad_factors_raise_what_torch_raises_plus_valueerror(kwargs, message):
         mp.GradScaler("cpu", **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        (("gpu",), {}, r"GradScaler\(device='gpu'\) is invalid; valid: a device type"),
+        ((5,), {}, r"GradScaler\(device=5\) is invalid"),
+        (("cpu",), {"enabled": "no"}, r"GradScaler\(enabled='no'\) is invalid"),
+    ],
+)
+def test_a_device_torch_does_not_know_or_an_enabled_that_is_no_bool_is_refused(
+    args, kwargs, message
+):
+    """Taken before: "gpu" and 5 failed at the first scale(), and enabled="no" scaled."""
+    with pytest.raises(mp.ArgumentError, match=message):
+        mp.GradScaler(*args, **kwargs)
+
+
 def test_fp16_gradients_are_refused_like_torch():
     model = nn.Linear(3, 1).half()
     for cls in (torch.amp.GradScaler, mp.GradScaler):

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mixprec._dist import note_fsdp_float16
-from mixprec._errors import ArgumentError
+from mixprec._errors import ArgumentError, check_int
 from mixprec._live_masters import live_master
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import PolicyLike, get_policy
@@ -107,6 +107,7 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> bool:
 
 def check_batch(global_batch: int) -> int:
     """The per-rank batch for ``global_batch``; it must divide evenly."""
+    check_int("batch_size", global_batch, 1)  # 0 and -4 came back as per-rank batches
     size = world_size()
     if global_batch % size:
         raise ArgumentError(

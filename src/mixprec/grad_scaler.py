@@ -87,6 +87,22 @@ class _Accessors:
         return self._enabled
 
 
+def _check_device_and_enabled(device: object, enabled: object) -> None:
+    """``device`` a device type torch knows ("gpu" and 5 were taken, and failed at the
+    first ``scale``), and ``enabled`` a bool ("no" was read as True)."""
+    try:
+        known = isinstance(device, str) and torch.device(device).type == device.split(":")[0]
+    except RuntimeError:
+        known = False
+    if not known:
+        raise ArgumentError(
+            f"GradScaler(device={device!r}) is invalid; valid: a device type such as 'cuda' "
+            "or 'cpu'"
+        )
+    if not isinstance(enabled, bool):
+        raise ArgumentError(f"GradScaler(enabled={enabled!r}) is invalid; valid: True or False")
+
+
 class GradScaler(_Accessors):
     """Loss scaling for ``torch.autocast`` loops: ``scaler.scale(loss).backward()``,
     ``scaler.step(optimizer)``, ``scaler.update()``.
@@ -109,6 +125,7 @@ class GradScaler(_Accessors):
         min_scale: float | None = SMALLEST_NORMAL_F32,
         max_scale: float | None = None,
     ) -> None:
+        _check_device_and_enabled(device, enabled)
         self._device = device
         self._enabled = enabled
         if device == "cuda" and enabled and not torch.cuda.is_available():
