@@ -216,8 +216,11 @@ def _message(kind: str, lost: str, holder: object | None) -> str:
             "model.save_pretrained() writes this mixprec model's 16-bit weights (its config "
             "then says so), not the float32 master weights its LossScaleOptimizer trained: "
             "the files hold the trained values rounded to 16 bits. MixprecTrainer's "
-            "trainer.save_model() writes the masters, as does "
-            "mp.export_weights(model, path, optimizer=opt)"
+            "trainer.save_model() writes a folder from_pretrained loads the masters from; "
+            "outside it, mp.save_checkpoint(path, model, opt) keeps them (load_checkpoint "
+            "restores them), and mp.export_weights(model, 'weights.safetensors', "
+            "optimizer=opt) writes them as one plain safetensors file (a file, not a "
+            "from_pretrained folder)"
         )
     if kind == "lightning":
         return (
