@@ -239,7 +239,7 @@ class InputLook:
                 f"by {error:.3g} on average, {100 * error / spread:.0f}% of their spread "
                 "(unnormalised series or targets lose their detail)"
             )
-            self._say("offset", said, path, "or normalise it (subtract its mean)")
+            self._say("offset", said, path)
         return path, cast, cast._version
 
     def after(self, watched: list[Watched]) -> None:
@@ -264,6 +264,15 @@ class InputLook:
             return
         self.said.add(kind)
         top = path.split("[")[0].split(".")[0]
+        if kind == "offset":
+            # Kept as given, it was rounded the same in the first 16-bit layer (and the
+            # offset rides on in the activations): the error stayed 100% of the spread.
+            warn_at_caller(
+                f"{what}. Normalise it before the model (subtract its mean, divide by its "
+                "std): keep_inputs leaves it as given only until the first 16-bit layer, "
+                "which rounds it the same way"
+            )
+            return
         if top == "args":  # forward(*args): no name to keep it by
             fix = "keep it, pass it by keyword and name it in keep_inputs="
         else:
