@@ -40,6 +40,19 @@ def test_scaler_health_warns_once_per_kind():
     assert "of the last 10 steps were skipped" in health.observe(state, True)
 
 
+def test_a_skip_rate_at_the_scale_floor_is_not_blamed_on_the_scalers_probing():
+    """Every 4th batch overflowing at the floor (scale 1) was told "lower growth_factor or
+    raise growth_interval", which changed nothing (22 of 200 skipped with either): at the
+    floor no skip is a probe. It now points at the layers and bfloat16."""
+    health = ScalerHealth(max_consecutive_skips=100, window=8, max_skip_rate=0.2)
+    floor = ScalerState(scale=1.0)
+    said = [health.observe(floor, i % 4 == 3, floor=1.0) for i in range(16)]
+    message = next(m for m in said if m)
+    assert "with the loss scale at its floor (1)" in message
+    assert "These are not probes of the range" in message and "growth_factor" not in message
+    assert "mp.diagnose(model, x, y, loss_fn)" in message and "mixed_bfloat16" in message
+
+
 def test_trainer_traces_and_warns(recwarn):
     x, y = batch()
     model = overflowing()
@@ -215,9 +228,20 @@ def test_a_real_streak_or_skip_rate_still_warns():
     assert said[1].startswith("training is stuck: the loss scale is at its floor (1) and the "
                               "last 4 steps")  # fmt: skip
     # After settling, the skip rate counts the steps since: 25 of 100 skipped warn.
+    # (Every 4th step skipped halves the scale to its floor, 1, where no skip is a probe.)
     said = _feed(ScalerHealth(), mp.DynamicLossScaleManager(), "0" * 8 + ("1" * 3 + "0") * 25)
     assert said == [
-        "25 of the last 100 steps were skipped. Occasional skips are how dynamic loss scaling "
+        "25 of the last 100 steps were skipped, with the loss scale at its floor (1). These "
+        "are not probes of the range: some batches overflow float16 at any scale. Find the "
+        "layers with mp.diagnose(model, x, y, loss_fn) on such a batch and keep them in "
+        "float32, or use policy='mixed_bfloat16'."
+    ]
+    # Above the floor the skips may be the scaler's probes: the growth settings are named.
+    health = ScalerHealth(max_consecutive_skips=100, window=8, max_skip_rate=0.2)
+    probing = ScalerState(scale=2.0**12)
+    said = [health.observe(probing, i % 4 == 3, floor=1.0) for i in range(16)]
+    assert [m for m in said if m] == [
+        "2 of the last 8 steps were skipped. Occasional skips are how dynamic loss scaling "
         "probes the range; this many waste training: lower growth_factor or raise "
         "growth_interval, or find the layer with mp.diagnose."
     ]

@@ -127,6 +127,16 @@ class ScalerHealth:
             and "rate" not in self.warned
         ):
             self.warned.add("rate")
+            if floor is not None and state.scale <= floor:
+                # At the floor the scale cannot be what overflows: some batches do at any
+                # scale (every 4th skipped, whatever growth_factor and growth_interval).
+                return (
+                    f"{len(self._skips)} of the last {self.window} steps were skipped, with "
+                    f"the loss scale at its floor ({state.scale:g}).{where} These are not "
+                    "probes of the range: some batches overflow float16 at any scale. Find "
+                    "the layers with mp.diagnose(model, x, y, loss_fn) on such a batch and "
+                    "keep them in float32, or use policy='mixed_bfloat16'."
+                )
             return (
                 f"{len(self._skips)} of the last {self.window} steps were skipped.{where} "
                 "Occasional skips are how dynamic loss scaling probes the range; this many "
