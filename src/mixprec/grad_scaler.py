@@ -126,8 +126,7 @@ class GradScaler(_Accessors):
         max_scale: float | None = None,
     ) -> None:
         _check_device_and_enabled(device, enabled)
-        self._device = device
-        self._enabled = enabled
+        self._device, self._enabled = device, enabled
         if device == "cuda" and enabled and not torch.cuda.is_available():
             warnings.warn(  # torch's behaviour and words, plus what they leave out
                 "mixprec.GradScaler is enabled, but CUDA is not available.  Disabling. Losses "

@@ -124,10 +124,12 @@ class SetupCheck:
                     "weights (small updates round away, the optimizer state is 16-bit)"
                 )
             if unscaled:
+                stored = any(p.dtype == torch.float16 for p in params)
                 found.append(
-                    "its parameters are now float16, which needs loss scaling, and this "
-                    "optimizer does none (it chose NoOpLossScaler for a float32 or bfloat16 "
-                    "model), so small gradients underflow to 0"
+                    f"{'its parameters are now' if stored else 'the model now computes in'} "
+                    "float16, which needs loss scaling, and this optimizer does no loss "
+                    "scaling (it chose NoOpLossScaler for a float32 or bfloat16 model), so "
+                    "small gradients underflow to 0"
                 )
             if not self.pending:  # it trained in its precision until now
                 # A prepared model is prepared once (mp.auto_mixed_precision refuses it
