@@ -44,6 +44,17 @@ def test_only_floating_tensors_are_cast(dtypes, target, extra):
     assert isinstance(out["tuple"], tuple)
 
 
+def test_cast_floating_takes_a_dtype_name_and_refuses_a_non_floating_dtype():
+    """ "float16" raised "Invalid device string"; torch.int8 truncated every float."""
+    x = torch.tensor([1.7, -2.5])
+    assert cast_floating({"a": x}, "bf16")["a"].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"dtype=torch.int8 is invalid; a floating dtype"):
+        cast_floating(x, torch.int8)
+    with pytest.raises(ValueError, match=r"dtype='half16' is not a known dtype"):
+        cast_floating(x, "half16")
+    assert cast_floating(x.double(), torch.float64).dtype == torch.float64  # kept working
+
+
 def test_region_casts_inputs_outputs_and_never_integers():
     seen = {}
 

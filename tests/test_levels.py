@@ -212,6 +212,16 @@ def test_a_fresh_process_prepares_with_auto_by_default():
     assert "no policy given and none set globally: policy='auto' chose" in done.stderr
 
 
+def test_the_tables_and_release_refuse_what_is_no_module():
+    """describe(None), module_dtypes(None) and release_float32_copies(None) raised bare
+    AttributeErrors."""
+    for call, who in ((mp.describe, "describe"), (mp.module_dtypes, "module_dtypes"),
+                      (mp.release_float32_copies, "release_float32_copies")):  # fmt: skip
+        with pytest.raises(mp.ArgumentError, match=rf"{who}\(model=...\) needs an nn.Module, "
+                           r"got NoneType"):  # fmt: skip
+            call(None)
+
+
 def test_describe_lists_every_module():
     model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2", keep_float32=["5"])
     text = mp.describe(model)

@@ -21,7 +21,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from mixprec._aliases import Memory, memory_of
-from mixprec._dtypes import HALF_DTYPES
+from mixprec._dtypes import HALF_DTYPES, parse_dtype
+from mixprec._errors import ArgumentError
 from mixprec._float32_copies import (
     FP32_COPY_ATTR,
     Float32Copy,
@@ -45,12 +46,17 @@ POLICY_ATTR = "_mixprec_policy"  # policy the parameter's model was prepared wit
 REGION_ATTR = "_mixprec_region"
 
 
-def cast_floating(value: T, dtype: torch.dtype) -> T:
+def cast_floating(value: T, dtype: torch.dtype | str) -> T:
     """Return ``value`` with every floating tensor inside it cast to ``dtype``.
 
     Walks tuples (named tuples and ``torch.return_types`` too), lists, dicts and their
     subclasses (``OrderedDict``, Hugging Face ``ModelOutput``) and dataclass instances,
-    keeping their types. Anything else is returned as it is."""
+    keeping their types. Anything else is returned as it is. ``dtype``: a floating
+    ``torch.dtype`` or its name (``"bfloat16"``, ``"bf16"``), as ``to_float`` takes it."""
+    if not isinstance(dtype, torch.dtype):
+        dtype = parse_dtype(dtype, argument="dtype")  # "float16" was taken for a device
+    elif not dtype.is_floating_point:  # torch.int8 truncated every float
+        raise ArgumentError(f"dtype={dtype!r} is invalid; a floating dtype casts floating tensors")
     return cast_linked(value, dtype, link=False)
 
 

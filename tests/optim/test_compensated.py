@@ -213,6 +213,12 @@ def test_stochastic_round_is_unbiased_and_exact_on_representable_values():
     assert abs(negative.mean().item() + value) < 2e-5
 
 
+def np_float(value: float):
+    import numpy as np
+
+    return np.float32(value)
+
+
 def test_bad_arguments():
     params = [torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))]
     with pytest.raises(ValueError, match="compensation='stochastic' rounds to bfloat16"):
@@ -221,6 +227,19 @@ def test_bad_arguments():
         CompensatedAdamW(params, compensation="exact")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="lr=0 is invalid"):
         CompensatedAdamW(params, lr=0)
+    # Each taken before: inf made the weights non-finite at the first step (lr) or froze
+    # them (eps); the others failed at the first step with bare errors.
+    for bad, said in (
+        ({"lr": float("inf")}, r"lr=inf is invalid; it must be a finite number > 0"),
+        ({"lr": "1e-3"}, r"lr='1e-3' is invalid"),
+        ({"eps": float("inf")}, r"eps=inf is invalid"),
+        ({"betas": (0.9,)}, r"betas=\(0.9,\) are invalid; two numbers"),
+        ({"betas": (0.9, 0.99, 0.999)}, r"betas=.* are invalid; two numbers"),
+        ({"generator": "x"}, r"generator='x' is invalid; a torch.Generator"),
+    ):
+        with pytest.raises(ValueError, match=said):
+            CompensatedAdamW(params, **bad)  # type: ignore[arg-type]
+    CompensatedAdamW(params, lr=np_float(1e-3), betas=[0.9, 0.999])  # numpy and list: taken
     for decay in (float("nan"), -0.1, None, float("inf")):
         with pytest.raises(ValueError, match=rf"weight_decay={decay!r} is invalid \(param_groups"):
             CompensatedAdamW(params, weight_decay=decay)  # type: ignore[arg-type]

@@ -228,6 +228,8 @@ def test_callback_argument_errors():
         mp.LearningRateScheduler(None, interval="batch")
     with pytest.raises(ValueError, match="decay=1.5 is invalid"):
         mp.EMA(1.5)
+    with pytest.raises(ValueError, match="decay='0.99' is invalid; it must be a number"):
+        mp.EMA("0.99")  # a bare TypeError from '<' before
     with pytest.raises(ValueError, match="mode='up' is invalid"):
         mp.EarlyStopping(mode="up")
     x, y = classification_data(n=32)

@@ -68,12 +68,22 @@ class CompensatedAdamW(torch.optim.Optimizer):
         compensation: Compensation = "kahan",
         generator: torch.Generator | None = None,
     ) -> None:
-        if not lr > 0:
-            raise ArgumentError(f"lr={lr!r} is invalid; it must be > 0")
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ArgumentError(f"betas={betas!r} are invalid; each must be in [0, 1)")
-        if not eps > 0:
-            raise ArgumentError(f"eps={eps!r} is invalid; it must be > 0")
+        # Finite numbers: lr=inf made the weights non-finite at the first step, eps=inf
+        # froze them, a string raised a bare TypeError.
+        for name, value in (("lr", lr), ("eps", eps)):
+            if not (_real(value) and 0 < value < math.inf):
+                raise ArgumentError(f"{name}={value!r} is invalid; it must be a finite number > 0")
+        if not (
+            isinstance(betas, (tuple, list))
+            and len(betas) == 2
+            and all(_real(b) and 0.0 <= b < 1.0 for b in betas)
+        ):  # one or three values failed at the first step, unpacking
+            raise ArgumentError(f"betas={betas!r} are invalid; two numbers, each in [0, 1)")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ArgumentError(
+                f"generator={generator!r} is invalid; a torch.Generator (for stochastic "
+                "rounding) or None"
+            )
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
                     "compensation": compensation}  # fmt: skip
         super().__init__(params, defaults)  # each group is checked by add_param_group
@@ -189,14 +199,17 @@ def _compensation(p: torch.Tensor) -> torch.Tensor:
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _real(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Real)
+
+
 def _check_group(group: dict[str, Any], index: int) -> None:
     """A group's ``compensation`` (the constructor's, or the group's own) is one of the
     three, and ``"stochastic"`` (which rounds to bfloat16) holds no float16 weight; its
     ``weight_decay`` is a finite number >= 0 (NaN made every weight NaN with finite
     gradients, which no inf/NaN check sees); its weights are float32 or 16-bit."""
     decay = group["weight_decay"]
-    real = not isinstance(decay, bool) and isinstance(decay, numbers.Real)
-    if not real or not 0 <= float(decay) < math.inf:
+    if not _real(decay) or not 0 <= float(decay) < math.inf:
         raise ArgumentError(
             f"weight_decay={decay!r} is invalid (param_groups[{index}]); it must be a finite "
             "number >= 0"

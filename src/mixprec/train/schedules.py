@@ -4,6 +4,7 @@ resumed run schedules and averages as an uninterrupted one."""
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -57,8 +58,9 @@ class EMA(Callback):
     only: ``shadow = decay * shadow + (1 - decay) * weights`` (one multi-tensor lerp)."""
 
     def __init__(self, decay: float = 0.999) -> None:
-        if not 0.0 < decay < 1.0:
-            raise ArgumentError(f"decay={decay!r} is invalid; it must be in (0, 1)")
+        number = not isinstance(decay, bool) and isinstance(decay, numbers.Real)
+        if not (number and 0.0 < decay < 1.0):  # "0.99" raised a bare TypeError
+            raise ArgumentError(f"decay={decay!r} is invalid; it must be a number in (0, 1)")
         self.decay = decay
         self.shadow: list[torch.Tensor] = []
         self.updates = 0
