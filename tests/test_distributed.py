@@ -259,6 +259,9 @@ def test_errors_without_a_hang():
     for bad in (0, -4):  # returned as per-rank batches before
         with pytest.raises(mp.ArgumentError, match=rf"batch_size={bad} is invalid"):
             mpd.check_batch(bad)
+    for bad in (-1, float("nan"), "300"):  # failed inside torch's init (or its timedelta)
+        with pytest.raises(mp.ArgumentError, match=rf"timeout_s={bad!r} is invalid"):
+            mpd.init_from_env(timeout_s=bad)
     with pytest.raises(RuntimeError, match="needs an initialised process group"):
         mpd.distributed_data_parallel(make_mlp())
 

@@ -235,8 +235,11 @@ def test_new_scale_by_hand():
     assert s.get_scale() == 1024.0
     s.update(new_scale=torch.tensor(512.0))
     assert s.get_scale() == 512.0
-    with pytest.raises(ValueError, match=r"scale=-1.0 is invalid"):
-        s.update(new_scale=-1.0)
+    # Named as update() takes it (the scaler's set_scale said "scale=-1.0").
+    for bad in (-1.0, float("nan"), "x"):
+        with pytest.raises(ValueError, match=rf"update\(new_scale={bad!r}\) is invalid"):
+            s.update(new_scale=bad)
+    assert s.get_scale() == 512.0
 
 
 class _PassItself(torch.optim.SGD):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import math
 import os
 import struct
 from typing import Any
@@ -76,6 +77,9 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> bool:
     ``backend="auto"``: NCCL with CUDA, gloo otherwise. Collectives time out after
     ``timeout_s`` so a crashed rank ends the run with an error instead of a hang. Returns
     False (and does nothing) when not launched by torchrun with more than one process."""
+    number = not isinstance(timeout_s, bool) and isinstance(timeout_s, (int, float))
+    if not (number and 0 < timeout_s < math.inf):  # -1 or NaN failed inside torch's init
+        raise ArgumentError(f"timeout_s={timeout_s!r} is invalid; it must be a finite number > 0")
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False
     if dist.is_initialized():

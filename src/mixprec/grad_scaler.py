@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import inspect
+import math
 import warnings
 from collections import abc
 from dataclasses import asdict, dataclass
@@ -101,6 +102,27 @@ def _check_device_and_enabled(device: object, enabled: object) -> None:
         )
     if not isinstance(enabled, bool):
         raise ArgumentError(f"GradScaler(enabled={enabled!r}) is invalid; valid: True or False")
+
+
+def _new_scale(new_scale: float | torch.Tensor, device: str) -> float:
+    """``update(new_scale)``'s value, as torch checks a tensor's, and a finite number > 0
+    (``set_scale``'s error named "scale=", which ``update`` does not take)."""
+    if isinstance(new_scale, torch.Tensor):
+        reason = (
+            "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+            "torch.FloatTensor with requires_grad=False."
+        )
+        if new_scale.device.type != device or new_scale.numel() != 1:
+            raise ArgumentError(reason + f" Got {new_scale!r}.")
+        if new_scale.requires_grad:
+            raise ArgumentError(reason)
+        new_scale = float(new_scale.item())
+    number = not isinstance(new_scale, bool) and isinstance(new_scale, (int, float))
+    if not (number and 0 < new_scale < math.inf):
+        raise ArgumentError(
+            f"update(new_scale={new_scale!r}) is invalid; it must be a finite number > 0"
+        )
+    return float(new_scale)
 
 
 class GradScaler(_Accessors):
@@ -339,18 +361,8 @@ class GradScaler(_Accessors):
         self._per_optimizer = {}
 
     def _set_scale(self, new_scale: float | torch.Tensor) -> None:
-        if isinstance(new_scale, torch.Tensor):
-            reason = (
-                "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
-                "torch.FloatTensor with requires_grad=False."
-            )
-            if new_scale.device.type != self._device or new_scale.numel() != 1:
-                raise ArgumentError(reason + f" Got {new_scale!r}.")
-            if new_scale.requires_grad:
-                raise ArgumentError(reason)
-            new_scale = float(new_scale.item())
         # torch fills a float32 tensor: round the same way.
-        self._scaler.set_scale(to_float32(float(new_scale)))
+        self._scaler.set_scale(to_float32(_new_scale(new_scale, self._device)))
 
     def state_dict(self) -> dict[str, Any]:
         """torch's five keys, plus mixprec's schedule bounds and counters."""
