@@ -200,9 +200,9 @@ class MasterWeights:
             warn_at_caller(
                 f"{moved} 16-bit weight(s) differ from their float32 masters by more than "
                 "rounding: written through .data (p.data.copy_(...), p.data.mul_(...)), which "
-                "the optimizer does not see. This save takes the weights' values (the masters "
-                "now follow them); a step before a save undoes such a write. Write on the "
-                "weight itself under torch.no_grad() (p.copy_(...)), which the optimizer follows"
+                "the optimizer does not see. This save takes them where they moved by more "
+                "than rounding (within it, an element keeps its master); a step undoes such a "
+                "write. Write on the weight under torch.no_grad() (p.copy_(...)): followed exactly"
             )
 
     def _say_writes_through_data(self) -> None:
