@@ -202,6 +202,18 @@ def test_a_device_torch_does_not_know_or_an_enabled_that_is_no_bool_is_refused(
         mp.GradScaler(*args, **kwargs)
 
 
+def test_what_torchs_grad_scaler_takes_is_taken():
+    import numpy
+
+    for device, enabled in ((torch.device("cpu"), True), ("cpu", 1), ("cpu", numpy.bool_(True))):
+        theirs, ours = (
+            torch.amp.GradScaler(device, enabled=enabled),
+            mp.GradScaler(device, enabled=enabled),
+        )
+        assert ours.is_enabled() == bool(theirs.is_enabled()) is True
+    assert not mp.GradScaler("cpu", enabled=0).is_enabled()
+
+
 def test_fp16_gradients_are_refused_like_torch():
     model = nn.Linear(3, 1).half()
     for cls in (torch.amp.GradScaler, mp.GradScaler):

@@ -50,12 +50,14 @@ def check_int(name: str, value: object, minimum: int, optional: bool = False) ->
 
 
 def check_stream(who: str, name: str, value: object) -> None:
-    """Raise ``ArgumentError`` unless ``value`` is None or has ``write`` (a text stream):
-    ``stream="stdout"`` failed at the first line written, mid-``fit``."""
-    if value is not None and not callable(getattr(value, "write", None)):
+    """Raise ``ArgumentError`` unless ``value`` is None or has ``write`` and ``flush`` (a
+    text stream): ``stream="stdout"`` failed at the first line written, mid-``fit``."""
+    if value is not None and not all(
+        callable(getattr(value, method, None)) for method in ("write", "flush")
+    ):
         raise ArgumentError(
-            f"{who}({name}={shown(value)}) is invalid; valid: a text stream such as "
-            "sys.stdout, or None"
+            f"{who}({name}={shown(value)}) is invalid; valid: a text stream (with write and "
+            "flush) such as sys.stdout, or None"
         )
 
 

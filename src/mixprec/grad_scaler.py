@@ -89,10 +89,13 @@ class _Accessors:
 
 
 def _check_device_and_enabled(device: object, enabled: object) -> None:
-    """``device`` a device type torch knows ("gpu" and 5 were taken, and failed at the
-    first ``scale``), and ``enabled`` a bool ("no" was read as True)."""
+    """``device`` a device torch knows, by name or ``torch.device`` ("gpu" and 5 were taken,
+    and failed at the first ``scale``), and ``enabled`` not a string or None ("no" was
+    read as True); torch's other truthy values (1, numpy's bool) stay."""
     try:
-        known = isinstance(device, str) and torch.device(device).type == device.split(":")[0]
+        known = isinstance(device, torch.device) or (
+            isinstance(device, str) and torch.device(device).type == device.split(":")[0]
+        )
     except RuntimeError:
         known = False
     if not known:
@@ -100,7 +103,7 @@ def _check_device_and_enabled(device: object, enabled: object) -> None:
             f"GradScaler(device={device!r}) is invalid; valid: a device type such as 'cuda' "
             "or 'cpu'"
         )
-    if not isinstance(enabled, bool):
+    if isinstance(enabled, (str, type(None))):
         raise ArgumentError(f"GradScaler(enabled={enabled!r}) is invalid; valid: True or False")
 
 
@@ -136,7 +139,7 @@ class GradScaler(_Accessors):
 
     def __init__(
         self,
-        device: str = "cuda",
+        device: str | torch.device = "cuda",
         init_scale: float = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
@@ -148,8 +151,8 @@ class GradScaler(_Accessors):
         max_scale: float | None = None,
     ) -> None:
         _check_device_and_enabled(device, enabled)
-        self._device, self._enabled = device, enabled
-        if device == "cuda" and enabled and not torch.cuda.is_available():
+        self._device, self._enabled = str(device), enabled  # a torch.device by its name
+        if self._device == "cuda" and enabled and not torch.cuda.is_available():
             warnings.warn(  # torch's behaviour and words, plus what they leave out
                 "mixprec.GradScaler is enabled, but CUDA is not available.  Disabling. Losses "
                 "are not scaled, so small float16 gradients may underflow to zero; to scale on "

@@ -227,6 +227,11 @@ def test_diagnose_bad_input():
         mp.diagnose(healthy(), x, y, "cross_entropy")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"diagnose: the batch is empty: inputs has shape \(0, "):
         mp.diagnose(healthy(), x[:0], y[:0], CE)
+    # Token ids (an LM's batch) too: its report said the float32 loss "overflows".
+    lm = nn.Sequential(nn.Embedding(10, 8), nn.Flatten(), nn.Linear(48, 10))
+    ids = torch.zeros(0, 6, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"the batch is empty: inputs has shape \(0, 6\)"):
+        mp.diagnose(lm, ids, ids[:, 0], CE)
 
 
 def test_the_plan_trains_30_steps_on_every_draw_of_issue_31s_model(one_thread):

@@ -300,7 +300,7 @@ def test_scaler_health_names_a_skip_rate_that_is_no_number():
 def test_the_protocol_refuses_a_bad_scale_factor_or_flag():
     """``LossScaler(nan)`` skipped every step, ``unscale_(factor=nan)`` made every gradient
     NaN and returned found_inf 0 (the step would apply them), and ``update("no")`` was read
-    by truthiness. Each is refused by name; numpy's bool and ints stay flags."""
+    by truthiness. Each is refused by name; numbers (numpy's too) and bools stay flags."""
     for scale in (float("nan"), 0, -1024):
         with pytest.raises(mp.ArgumentError, match=r"scale=.* is invalid"):
             mp.LossScaler(scale)
@@ -317,6 +317,8 @@ def test_the_protocol_refuses_a_bad_scale_factor_or_flag():
     assert scaler.state.steps == 0
     import numpy
 
-    scaler.update(numpy.bool_(False))
-    scaler.update(1)
-    assert scaler.state.steps == 2 and scaler.state.skipped_steps == 1
+    # Flags all: numpy's bool and ints, and the protocol's own found_inf read with .item().
+    found = scaler.unscale_([torch.ones(2)])
+    for flag in (numpy.bool_(False), 1, numpy.int64(1), found.item()):
+        scaler.update(flag)
+    assert scaler.state.steps == 4 and scaler.state.skipped_steps == 2

@@ -412,6 +412,23 @@ def test_weighted_targets_as_the_warning_says_train_and_count_their_rows():
         assert torch.allclose(a, b, atol=1e-6)
     mean = sum(v * n for v, n in losses) / 36  # rows weigh each batch: 8, 8, 8, 8 and 4
     assert history.history["loss"][0] == pytest.approx(mean, rel=1e-6)
+    # A list of one target per sample (a custom collate) still counts its items: batches
+    # of 8 and 2 weigh 8 and 2 (a first version counted the first item's 1 row).
+    seen = []
+
+    def per_sample(out, targets):
+        loss = ((out - torch.stack(list(targets))) ** 2).mean()
+        seen.append((len(targets), loss.item()))
+        return loss
+
+    listed = [(torch.randn(n, 4), [torch.randn(1) for _ in range(n)]) for n in (8, 2)]
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    trainer = mp.Trainer(model, per_sample, torch.optim.SGD(model.parameters(), lr=0.1),
+                         policy="float32", device="cpu", metrics=())  # fmt: skip
+    history = trainer.fit(listed, epochs=1, verbose=0)
+    mean = sum(n * v for n, v in seen) / 10
+    assert history.history["loss"][0] == pytest.approx(mean, rel=1e-6)
 
 
 @pytest.mark.parametrize(

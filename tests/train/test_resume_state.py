@@ -245,6 +245,13 @@ def test_regression_targets_without_the_trailing_dimension_train_as_with_it():
         t.fit(x, y, batch_size=16, epochs=1, verbose=0)
 
 
+class _WriteOnly:
+    """A stream with write alone: LossMonitor's flush failed mid-fit."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+
 def _file(folder):
     (folder / "f").write_text("")
     return folder / "f"
@@ -273,6 +280,7 @@ def _file(folder):
         (lambda d: mp.CSVLogger(d / "l.csv", separator=""), r"CSVLogger\(separator=''\) is "),
         (lambda d: mp.ProgressBar(stream="x"), r"ProgressBar\(stream='x'\) is invalid"),
         (lambda d: mp.LossMonitor(stream=5), r"LossMonitor\(stream=5\) is invalid"),
+        (lambda d: mp.ProgressBar(stream=_WriteOnly()), r"a text stream \(with write and flush"),
         (lambda d: mp.TensorBoard(None), r"TensorBoard\(log_dir=None\) is invalid"),
     ],
 )
@@ -544,3 +552,47 @@ def test_a_compiled_run_with_dropout_resumed_early_is_the_uninterrupted_run(tmp_
     assert whole.global_step == resumed.global_step == 12
     for a, b in zip(whole.model.parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("resume_at", [5, 10])
+def test_a_resumed_compiled_step_probes_at_the_calls_the_run_it_resumes_did(
+    tmp_path, monkeypatch, resume_at
+):
+    """The eager probe (calls 6 to 8 of a compiled step) counted from 0 again when resumed,
+    then from the applied steps alone: with two skipped steps it ran at calls 10-14; resumed
+    inside it (step 5) it ran at calls 6 to 10. It counts the optimizer's steps, skipped
+    ones too, and a probe resumed part way ends where the uninterrupted one did."""
+    from mixprec.train import step as step_module
+
+    eager: list[bool] = []
+    call = step_module.TrainStep.__call__
+
+    def spy(self, x, y, **kwargs):
+        timed = self._probe is not None and self._calls >= step_module._WARMUP
+        eager.append(timed and self._calls >= step_module._WARMUP + step_module._PROBE)
+        return call(self, x, y, **kwargs)
+
+    monkeypatch.setattr(step_module.TrainStep, "__call__", spy)
+    x, y = torch.randn(10, 4), torch.zeros(10, 2)
+    y[2:4] = 7  # the second batch's loss is inf in epoch 1: skipped steps before the save
+
+    def loss_fn(out, t):
+        loss = ((out - t) ** 2).mean()
+        return loss * float("inf") if bool((t == 7).any()) and len(eager) < 4 else loss
+
+    def run(**fit):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 2))
+        t = mp.Trainer(model, loss_fn, "sgd", "float32", metrics=(), device="cpu",
+                       compile={"backend": "eager"})  # fmt: skip
+        t.fit(x, y, epochs=3, batch_size=2, shuffle=False, verbose=0, **fit)
+        return t
+
+    save = mp.ModelCheckpoint(tmp_path, every_n_epochs=None, every_n_steps=5, keep_last=5)
+    whole = run(callbacks=[save])
+    first = [i for i, e in enumerate(eager) if e]
+    assert whole.optimizer.loss_scaler.state.skipped_steps == 1 and first == [6, 7, 8]
+    eager.clear()
+    resumed = run(resume_from=tmp_path / f"step-{resume_at:08d}.safetensors")
+    done = resumed.optimizer.loss_scaler.state.steps - len(eager)  # calls before the resume
+    assert [done + i for i, e in enumerate(eager) if e] == [c for c in first if c >= done]

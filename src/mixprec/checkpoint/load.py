@@ -44,6 +44,7 @@ from mixprec.checkpoint.read import read_checkpoint
 from mixprec.checkpoint.read import trainer_state as stored_trainer_state
 from mixprec.optim import LossScaleOptimizer
 from mixprec.optim.layouts import lay_state_as_params
+from mixprec.optim.state_dict import checked_elsewhere
 
 
 def load_checkpoint(
@@ -167,7 +168,8 @@ def load_checkpoint(
     _keep_float32_values(model, masters_from)
     if optimizer is not None:
         try:
-            optimizer.load_state_dict(optim_state)
+            with checked_elsewhere():  # the masters' finiteness: by on_range, above
+                optimizer.load_state_dict(optim_state)
             if not isinstance(optimizer, LossScaleOptimizer):  # which lays its own out
                 lay_state_as_params(optimizer)  # written contiguous: as its parameter again
         except (ValueError, TypeError, KeyError, RuntimeError) as err:

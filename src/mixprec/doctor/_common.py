@@ -69,22 +69,22 @@ def float32_upcast(model: nn.Module, who: str) -> nn.Module:
     return upcast
 
 
-def _floating(value: Any, where: str) -> list[tuple[str, torch.Tensor]]:
+def _floating(value: Any, where: str, every: bool = False) -> list[tuple[str, torch.Tensor]]:
     """The floating-point tensors in ``value`` (tuples, lists, dict values, dataclass fields,
     as the model's input cast walks them), each with where it sits: ``inputs``,
-    ``inputs[1]``, ``inputs['mask']``, ``inputs.features``."""
+    ``inputs[1]``, ``inputs['mask']``, ``inputs.features``. ``every``: all tensors."""
     if isinstance(value, torch.Tensor):
-        return [(where, value)] if value.is_floating_point() else []
+        return [(where, value)] if every or value.is_floating_point() else []
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = [(f.name, getattr(value, f.name, None)) for f in dataclasses.fields(value)]
-        return [found for name, v in fields for found in _floating(v, f"{where}.{name}")]
+        return [found for name, v in fields for found in _floating(v, f"{where}.{name}", every)]
     if isinstance(value, (tuple, list)):
         items: Any = enumerate(value)
     elif isinstance(value, Mapping):
         items = value.items()
     else:
         return []
-    return [found for key, v in items for found in _floating(v, f"{where}[{key!r}]")]
+    return [found for key, v in items for found in _floating(v, f"{where}[{key!r}]", every)]
 
 
 def check_finite_batch(inputs: Any, targets: Any, who: str) -> None:
@@ -92,7 +92,8 @@ def check_finite_batch(inputs: Any, targets: Any, who: str) -> None:
     reference is non-finite too, so every layer would look at risk and no precision plan
     can help."""
     floating = _floating(inputs, "inputs") + _floating(targets, "targets")
-    empty = next(((w, t) for w, t in floating if t.numel() == 0), None)
+    tensors = _floating(inputs, "inputs", every=True) + _floating(targets, "targets", every=True)
+    empty = next(((w, t) for w, t in tensors if t.numel() == 0), None)  # token ids too
     if empty is not None:  # its loss is NaN in every run: a report of nothing
         raise ArgumentError(
             f"{who}: the batch is empty: {empty[0]} has shape {tuple(empty[1].shape)}; pass a "

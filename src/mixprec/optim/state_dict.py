@@ -8,9 +8,11 @@ refused whole, so that a bad one changes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,7 +30,21 @@ from mixprec.trace import model_of
 if TYPE_CHECKING:
     from mixprec.optim.loss_scale_optimizer import _Bookkeeping
 
-__all__ = ["StateDictMethods", "check_state_dict"]
+__all__ = ["StateDictMethods", "check_state_dict", "checked_elsewhere"]
+
+# Set while load_checkpoint, which checked the masters' finiteness by its own on_range,
+# loads the state (on_range="ignore" loads NaN on purpose).
+_CHECKED_ELSEWHERE = threading.local()
+
+
+@contextlib.contextmanager
+def checked_elsewhere() -> Iterator[None]:
+    """Within it, ``load_state_dict`` leaves the masters' finiteness to the caller."""
+    _CHECKED_ELSEWHERE.on = True
+    try:
+        yield
+    finally:
+        _CHECKED_ELSEWHERE.on = False
 
 
 class StateDictMethods:
@@ -198,7 +214,12 @@ def check_state_dict(
                 f"expected {tuple(master.shape)}"
             )
         # As load_checkpoint refuses: a non-finite master would make its weight NaN at once.
-        if one.is_floating_point() and not bool(torch.isfinite(one).all()):
+        # (load_checkpoint decides by its on_range, before anything loads: checked_elsewhere.)
+        if (
+            not getattr(_CHECKED_ELSEWHERE, "on", False)
+            and one.is_floating_point()
+            and not bool(torch.isfinite(one).all())
+        ):
             raise ArgumentError(
                 f"load_state_dict: master weight {i} holds inf/NaN values: a state saved "
                 "after training diverged; load one from before"

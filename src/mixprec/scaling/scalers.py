@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, replace
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 
@@ -101,7 +101,7 @@ class LossScaler:
         returns True for a dynamic scaler and False otherwise, as MindSpore's do."""
         if isinstance(grads_finite, torch.Tensor):
             grads_finite = bool(grads_finite.item())
-        elif not isinstance(grads_finite, (bool, int)):
+        elif isinstance(grads_finite, (str, type(None))):
             _refuse_flag("adjust", "grads_finite", grads_finite)
         self.update(not grads_finite)
         return self._ADJUSTS
@@ -129,7 +129,7 @@ class LossScaler:
         """Advance the state after a step whose gradients were (not) finite."""
         if isinstance(found_inf, torch.Tensor):
             found_inf = bool(found_inf.item())
-        elif not isinstance(found_inf, (bool, int)):
+        elif isinstance(found_inf, (str, type(None))):
             _refuse_flag("update", "found_inf", found_inf)
         self._state = self._next(self._state, bool(found_inf))
 
@@ -174,13 +174,10 @@ class LossScaler:
         return f"{type(self).__name__}(scale={self.get_scale()!r}{', ' if config else ''}{config})"
 
 
-def _refuse_flag(method: str, name: str, value: Any) -> None:
-    """A step's flag that is not one: "no" or None read as True or False by truthiness."""
-    # numpy's bool (``bool`` in numpy 2, ``bool_`` before), as a numpy check gives it.
-    if type(value).__module__ != "numpy" or type(value).__name__ not in ("bool", "bool_"):
-        raise ArgumentError(
-            f"{method}: {name}={shown(value)} is invalid; use a bool or a 0-dim tensor"
-        )
+def _refuse_flag(method: str, name: str, value: Any) -> NoReturn:
+    """A step's flag that is not one: "no" or None, read by truthiness (a number, numpy's
+    too, or a found_inf read with .item() is a flag)."""
+    raise ArgumentError(f"{method}: {name}={shown(value)} is invalid; use a bool or a 0-dim tensor")
 
 
 class NoOpLossScaler(LossScaler):

@@ -188,7 +188,8 @@ class ProgressBar(Callback):
 
     def on_epoch_begin(self, epoch: int, logs: Logs) -> None:
         stream = self.stream or sys.stderr
-        if stream.isatty():
+        isatty = getattr(stream, "isatty", None)  # a stream of one's own may lack it
+        if callable(isatty) and isatty():
             from tqdm.auto import tqdm
 
             self._bar = tqdm(

@@ -23,10 +23,16 @@ __all__ = ["EpochMeter"]
 
 
 def _first_tensor(targets: Any) -> Any:
-    """The targets' first tensor: ``(y, w)`` targets (sample weights a loss reads) count
-    ``y``'s rows, not 2 a batch."""
-    while isinstance(targets, (list, tuple)) and targets:
-        targets = targets[0]
+    """``(y, w)`` or ``(y, w, mask)`` targets (sample weights a loss reads) as ``y``,
+    counted by its rows, not 2 a batch: two or three tensors of one length of at least 2
+    that is not their count. Anything else as it is: a list of one item per sample
+    (detection dicts, CTC sequences, one tensor each) counts its items."""
+    if isinstance(targets, (list, tuple)) and len(targets) in (2, 3):
+        rows = {len(t) for t in targets if isinstance(t, torch.Tensor) and t.dim() > 0}
+        if len(rows) == 1 and all(isinstance(t, torch.Tensor) for t in targets):
+            (n,) = rows
+            if n >= 2 and n != len(targets):
+                return targets[0]
     return targets
 
 

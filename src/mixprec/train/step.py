@@ -11,6 +11,7 @@ Composition only: the model is prepared by ``auto_mixed_precision`` and the opti
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Mapping
@@ -88,13 +89,18 @@ class TrainStep:
         self._copy_loss = options is not None
 
     def resumed_at(self, steps: int) -> None:
-        """Count ``steps`` calls as made (a resumed run's): the eager probe runs at the calls
-        it ran at in the run resumed, or not again. Run again at the resumed run's own 7th
-        to 9th calls, its eager dropout drew other masks than the compiled steps of the run
-        it resumed (0.01 off at the next step, 0.056 by the 12th)."""
+        """Count ``steps`` calls as made (a resumed run's optimizer steps, skipped ones
+        too): the eager probe runs at the calls it ran at in the run resumed, or not
+        again. Run again at the resumed run's own 7th to 9th calls, its eager dropout drew
+        other masks than the compiled steps of the run it resumed (0.01 off at the next
+        step, 0.056 by the 12th)."""
         self._calls = max(self._calls, steps)
         if self._calls >= _WARMUP + 2 * _PROBE:
             self._probe = None
+        elif self._probe is not None and self._calls > _WARMUP:
+            # Resumed inside the probe: its calls before count as done (untimed, NaN), so
+            # its eager calls are the run resumed's and it ends where that one's did.
+            self._probe = [math.nan] * (self._calls - _WARMUP)
 
     def _forward_and_loss(self, x: Any, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         output = model_output(call(self.model, x))
@@ -130,6 +136,8 @@ class TrainStep:
 
     @staticmethod
     def _say_if_compiled_is_slower(times: list[float]) -> None:
+        if any(math.isnan(t) for t in times):  # a resumed probe: not all timed here
+            return
         compiled, eager = statistics.median(times[:_PROBE]), statistics.median(times[_PROBE:])
         if compiled > _SLOWER * eager:
             warn(

@@ -248,7 +248,7 @@ class Trainer:
         if resume_from is not None:
             point = resume.read(resume_from, self.model, self.optimizer, self._data)
             self.global_step = point.global_step
-            self.step.resumed_at(point.global_step)
+            self.step.resumed_at(self.optimizer.loss_scaler.state.steps)  # skipped too
             resume.check_ranks_resumed_alike(point, self.model)
 
         history = History()
