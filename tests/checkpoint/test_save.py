@@ -233,3 +233,32 @@ def test_a_path_that_is_none_a_number_or_a_directory_is_refused_by_name(tmp_path
         mp.convert_checkpoint(saved, tmp_path)
     with pytest.raises(mp.ArgumentError, match=r"load_checkpoint\(check=5\) is invalid"):
         mp.load_checkpoint(saved, model, check=5)
+
+
+def test_nan_masters_load_under_ignore_as_the_save_warning_says(tmp_path):
+    """At O2 the optimizer's own check of non-finite masters refused what
+    on_range="ignore" asks to load, after the model had loaded: load_checkpoint's
+    on_range decides, before anything changes."""
+
+    def build():
+        torch.manual_seed(0)
+        model = mp.auto_mixed_precision(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)),
+                                        "mixed_bfloat16", "O2")  # fmt: skip
+        return model, mp.LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+
+    model, opt = build()
+    opt.backward(model(torch.randn(8, 4)).float().pow(2).mean())
+    opt.step()
+    with torch.no_grad():
+        next(iter(opt.master_params()))[0, 0] = float("nan")
+        model[0].weight[0, 0] = float("nan")
+    path = tmp_path / "nan.safetensors"
+    with pytest.warns(UserWarning, match="unless on_range='ignore'"):
+        mp.save_checkpoint(path, model, opt)
+    fresh, fresh_opt = build()
+    before = [p.detach().clone() for p in fresh.parameters()]
+    with pytest.raises(mp.CheckpointError, match="non-finite values"):
+        mp.load_checkpoint(path, fresh, fresh_opt)
+    assert all(torch.equal(a, p) for a, p in zip(before, fresh.parameters(), strict=True))
+    mp.load_checkpoint(path, fresh, fresh_opt, on_range="ignore")
+    assert torch.isnan(next(iter(fresh_opt.master_params()))[0, 0])
