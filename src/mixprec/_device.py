@@ -17,16 +17,12 @@ def resolve_device(device: str | torch.device) -> torch.device:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
     try:
-        chosen = torch.device(device)
-    except (RuntimeError, TypeError):
-        chosen = None  # torch's own error lists its device types, not the argument
-    if chosen is None or (chosen.type == "cuda" and not torch.cuda.is_available()):
+        return torch.device(device)
+    except (RuntimeError, TypeError):  # torch's error lists its device types, not the argument
         raise ArgumentError(
-            f"device={device!r} is invalid"
-            + (" here: no CUDA GPU is available" if chosen is not None else "")
-            + "; valid: 'auto', 'cpu', 'cuda', 'cuda:N' or a torch.device"
-        )
-    return chosen
+            f"device={device!r} is invalid; valid: 'auto', 'cpu', 'cuda', 'cuda:N' or a "
+            "torch.device"
+        ) from None
 
 
 def _ask_torch(device_type: str) -> bool:

@@ -75,10 +75,14 @@ def _position(trainer: Trainer) -> tuple[int, ...]:
     return (t.global_step, t._epoch, t._step_in_epoch, int(t._epoch_done))
 
 
-def _check_arguments(model: Any, fp32_allreduce: Any) -> None:
+def _check_arguments(model: Any, fp32_allreduce: Any, device: Any) -> None:
     """What the Trainer's constructor refuses before it changes anything."""
     if not isinstance(model, nn.Module):
         raise ArgumentError(f"Trainer(model=...) needs an nn.Module, got {type(model).__name__}")
+    # (torch's own error, later: "Cannot access accelerator device when none is available")
+    cuda = device != "auto" and resolve_device(device).type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise ArgumentError(f"device={device!r} is invalid here: no CUDA GPU is available")
     if not isinstance(fp32_allreduce, bool):
         raise ArgumentError(f"fp32_allreduce must be True or False, got {fp32_allreduce!r}")
 
@@ -160,7 +164,7 @@ class Trainer:
         amp_level: str | None = None,
         plan: PlanLike | None = None,
     ) -> None:
-        _check_arguments(model, fp32_allreduce)
+        _check_arguments(model, fp32_allreduce, device)
         # torchrun's process group first: it picks this rank's GPU (False outside torchrun).
         self.distributed = distributed.init_from_env()
         self.device = resolve_device(device)
