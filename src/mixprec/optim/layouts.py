@@ -35,11 +35,11 @@ __all__ = [
 # died later ("free(): invalid next size"), after a step reported as applied.
 _PARAM_SHAPED = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum")
 
-# Each optimizer -> (its parameter count when listed, its fused groups' 4+-dim parameters,
-# their strides when last matched).
 # Each optimizer -> the state dict its shapes were last checked in (torch's load_state_dict
 # replaces it): a step checks again only after a load.
 _CHECKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, object] = weakref.WeakKeyDictionary()
+# Each optimizer -> (its parameter count when listed, its fused groups' 4+-dim parameters,
+# their strides when last matched).
 _LISTED: weakref.WeakKeyDictionary[
     torch.optim.Optimizer, tuple[int, list[torch.Tensor], list[tuple[int, ...]]]
 ] = weakref.WeakKeyDictionary()
