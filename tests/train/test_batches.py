@@ -135,7 +135,11 @@ def test_non_finite_float_targets_fail_before_training(arg, index, match):
 
 
 def test_mark_last_reads_one_batch_ahead_and_past_empty_ones():
-    from mixprec.train.batches import mark_last
+    from mixprec.train.batches import is_empty
+    from mixprec.train.read_ahead import ReadAhead
+
+    def mark_last(data):
+        return ReadAhead(data, is_empty)
 
     full, empty = (torch.ones(2), torch.ones(2)), (torch.ones(0), torch.ones(0))
     marked = list(mark_last([empty, full, empty, full, empty, empty]))

@@ -361,27 +361,6 @@ def validate(x: Any, y: Any, loss_fn: LossFn, count_classes: Callable[[torch.Ten
         check_finite(t, arg)
 
 
-def mark_last(data: Iterable[Batch]) -> Iterator[tuple[Batch, bool]]:
-    """Each batch with whether it is the last non-empty one of ``data`` (read one batch
-    ahead, and past empty ones), so that an accumulation group can be applied there."""
-    held: Batch | None = None  # the latest non-empty batch, given once the next one comes
-    empties: list[Batch] = []  # empty batches after it, given after it
-    for batch in data:
-        if is_empty(batch[1]):
-            if held is None:
-                yield batch, False
-            else:
-                empties.append(batch)
-            continue
-        if held is not None:
-            yield held, False
-            yield from ((e, False) for e in empties)
-        held, empties = batch, []
-    if held is not None:
-        yield held, True
-        yield from ((e, False) for e in empties)
-
-
 def skip_empty(targets: Any, epoch: int, step: int) -> bool:
     """Whether a loader's batch holds no sample, which is then skipped with a warning: its
     mean loss is NaN and it would count as a step. Under torchrun, an error: every rank

@@ -48,6 +48,7 @@ class ResumePoint:
     replay: torch.Tensor | None = None
     meter: dict[str, Any] | None = None
     callbacks: dict[str, Any] = field(default_factory=dict)
+    ahead: torch.Tensor | None = None  # the RNG state from before the batch read ahead
 
 
 def data_shape(x: Any, y: Any, batch_size: int, shuffle: bool, steps: int) -> dict[str, Any]:
@@ -110,13 +111,15 @@ def read(
     global_step = int(state.get("global_step", 0))
     epoch, skip, replay, done = _stood(state, data["batches"])
     callbacks = dict(state.get("callbacks") or {})
+    ahead = state.get("ahead_rng")
     if own and distributed.rank() > 0:  # this rank's own (a loader shuffling per rank)
         replay = ranks[distributed.rank()].get("epoch_order", replay)  # type: ignore[index]
+        ahead = ranks[distributed.rank()].get("ahead_rng", ahead)  # type: ignore[index]
     if done:
         return ResumePoint(global_step, epoch + 1, callbacks=callbacks)
     if replay is None:
         return ResumePoint(global_step, epoch + (skip > 0), callbacks=callbacks)
-    return ResumePoint(global_step, epoch, skip, replay, state.get("meter"), callbacks)
+    return ResumePoint(global_step, epoch, skip, replay, state.get("meter"), callbacks, ahead)
 
 
 def _stood(state: dict[str, Any], steps: int) -> tuple[int, int, torch.Tensor | None, bool]:
@@ -177,12 +180,15 @@ class RankRng:
         self._at: tuple[int, ...] | None = None
         self._states: list[dict[str, Any]] | None = None
 
-    def gather(self, at: tuple[int, ...], epoch_order: torch.Tensor) -> None:
+    def gather(
+        self, at: tuple[int, ...], epoch_order: torch.Tensor, ahead: torch.Tensor | None = None
+    ) -> None:
         """At position ``at``: one collective on every rank, to rank 0; nothing outside
-        torchrun."""
+        torchrun. ``ahead``: the rank's state from before its batch read ahead."""
         if distributed.world_size() == 1:
             return
-        states = distributed.gather_object({**rng_state(), "epoch_order": epoch_order})
+        mine = {**rng_state(), "epoch_order": epoch_order, "ahead_rng": ahead}
+        states = distributed.gather_object(mine)
         self._at, self._states = at, None if not states or not _differing(states) else states
 
     def at(self, at: tuple[int, ...]) -> list[dict[str, Any]] | None:

@@ -50,6 +50,7 @@ from mixprec.train.metrics import (
     say_if_probabilities,
     weigh_for,
 )
+from mixprec.train.read_ahead import ReadAhead, first_read_under
 from mixprec.train.step import build_train_step
 from mixprec.train.validation import split_validation
 from mixprec.train.warn import warn
@@ -66,7 +67,8 @@ def _gather_rank_rng(trainer: Trainer, batch_logs: Logs | None) -> None:
     step checkpoint's step: every rank's RNG states as they are then, so that a resume
     gives each rank its own."""
     if batch_logs is None or _step_checkpoint_due(trainer, batch_logs["applied"]):
-        trainer._rank_rng.gather(_position(trainer), trainer._epoch_rng)
+        ahead = trainer._ahead.before_next if trainer._ahead is not None else None
+        trainer._rank_rng.gather(_position(trainer), trainer._epoch_rng, ahead)
 
 
 def _position(trainer: Trainer) -> tuple[int, ...]:
@@ -202,6 +204,7 @@ class Trainer:
         self._epoch_rng = torch.get_rng_state()
         self._rank_rng = resume.RankRng()  # under torchrun, for checkpoints
         self._meter: EpochMeter | None = None  # the running epoch's
+        self._ahead: ReadAhead | None = None  # its reader, with accumulation
         self._callbacks: dict[str, Callback] = {}  # this fit's, by key (resume.keyed)
         self._data: dict[str, Any] = {}  # this fit's epoch shape (resume.data_shape)
 
@@ -269,14 +272,15 @@ class Trainer:
         cbs.on_train_begin({"epochs": epochs, "steps": steps, "initial_epoch": point.epoch})
         if resume_from is not None:
             resume.restore_callbacks(self._callbacks, chosen, point.callbacks)
-        # A run that stopped early ends there resumed (EarlyStopping's state says so).
-        for epoch in range(point.epoch, point.epoch if self.stop_training else epochs):
+        last = point.epoch if self.stop_training else epochs  # resumed into an early stop
+        for epoch in range(point.epoch, last):
             skip = point.skip if point.replay is not None else 0  # batches done before
             cbs.on_epoch_begin(epoch, {"steps": steps, "initial_step": skip})
             if point.replay is not None:  # the interrupted epoch: its order, its sums
                 self._epoch_rng = point.replay
                 batches.set_sampler_epoch(x, epoch)
-                epoch_data = resume.replay_epoch(one_epoch, point.replay, point.skip, x, epoch)
+                replayed = resume.replay_epoch(one_epoch, point.replay, point.skip, x, epoch)
+                epoch_data = first_read_under(replayed, point.ahead)  # read ahead: as it was
                 meter, point.replay = point.meter, None
             else:
                 self._epoch_rng, meter = torch.get_rng_state(), None
@@ -309,12 +313,9 @@ class Trainer:
         meter = self._meter = EpochMeter(self.metrics, self._weigh)
         if sums is not None:  # a resumed epoch: its logs cover the batches before too
             meter.load_state_dict(sums)
-        # With accumulation, the epoch's last batch applies the group it ends (read ahead).
-        marked = (
-            batches.mark_last(epoch_data)
-            if self.optimizer.accumulation_steps > 1
-            else ((batch, False) for batch in epoch_data)
-        )
+        accumulates = self.optimizer.accumulation_steps > 1  # last batch ends the group
+        ahead = self._ahead = ReadAhead(epoch_data, batches.is_empty) if accumulates else None
+        marked = ahead if ahead is not None else ((batch, False) for batch in epoch_data)
         group, held = GroupStart(self.optimizer), HeldInterrupt()
         try:
             held.install()  # Ctrl-C over a batch's bookkeeping waits (interrupts.py)
@@ -402,12 +403,13 @@ class Trainer:
 
     def resume_state(self) -> dict[str, Any]:
         """Where training stands, for ``fit(resume_from=...)``: applied steps, epoch,
-        batches done in it and whether it ended, the RNG state its order was drawn from,
-        its sums so far, and the state of this ``fit``'s callbacks. Under torchrun, where
-        ranks seeded differently, every rank's RNG state too (``rank_rng``), at the points
-        where ``ModelCheckpoint`` writes: an epoch's end and its ``every_n_steps``."""
+        batches done and whether it ended, the RNG states its order was drawn from and
+        from before the batch read ahead (``read_ahead``), its sums so far, this ``fit``'s
+        callbacks' states; under torchrun every rank's RNG states where ranks differ
+        (``rank_rng``), where ``ModelCheckpoint`` writes (epoch ends, ``every_n_steps``)."""
         running = self._meter is not None and not self._epoch_done
         return {
+            "ahead_rng": self._ahead.before_next if running and self._ahead else None,
             "global_step": self.global_step,
             "epoch": self._epoch,
             "step_in_epoch": self._step_in_epoch,
