@@ -312,11 +312,25 @@ def trainer_resumed_mid_epoch(out: Path, rank: int) -> None:
     torch.save(losses, out / f"mid-epoch-{rank}.pt")
 
 
-def _dropout_trainer() -> mp.Trainer:
+def _dropout_trainer(accumulation: int = 1) -> mp.Trainer:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.5), nn.Linear(64, 10))
     return mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 0.1),
-                      policy="mixed_bfloat16", device="cpu")  # fmt: skip
+                      policy="mixed_bfloat16", device="cpu",
+                      accumulation_steps=accumulation)  # fmt: skip
+
+
+class _Noisy(torch.utils.data.Dataset):
+    """Samples with noise drawn from torch's generator in the main process, per rank."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i] + 0.1 * torch.randn(self.x.shape[1]), self.y[i]
 
 
 class _DrawsAtEpochEnd(mp.Callback):
@@ -326,7 +340,9 @@ class _DrawsAtEpochEnd(mp.Callback):
         torch.rand(3)
 
 
-def _resumed_as_uninterrupted(out: Path, rank: int, tag: str, seed: int, data, extra) -> dict:
+def _resumed_as_uninterrupted(
+    out: Path, rank: int, tag: str, seed: int, data, extra, accumulation: int = 1
+) -> dict:
     """The weights after 2 epochs uninterrupted, and resumed from an epoch's end and from
     a step checkpoint (step 3 of 8), all with ``torch.manual_seed(seed)`` after the model."""
     runs = {
@@ -337,7 +353,7 @@ def _resumed_as_uninterrupted(out: Path, rank: int, tag: str, seed: int, data, e
     results = {}
     for name, (every, resume_name) in runs.items():
         for part in ("first", "resumed") if resume_name else ("full",):
-            t = _dropout_trainer()
+            t = _dropout_trainer(accumulation)
             torch.manual_seed(seed)
             ckpt = mp.ModelCheckpoint(out / f"{tag}-{name}", **every)
             if part == "first":
@@ -368,6 +384,17 @@ def ranks_seeded_apart(out: Path, rank: int) -> None:
         ),
         "alike": _resumed_as_uninterrupted(
             out, rank, "alike", 0, lambda: (x, y), lambda: [_DrawsAtEpochEnd()]
+        ),
+        # Accumulation reads a batch ahead, whose noise each rank drew before its step
+        # checkpoint: each rank's state from before that read is kept.
+        "ahead": _resumed_as_uninterrupted(
+            out,
+            rank,
+            "ahead",
+            100 + rank,
+            lambda: (DataLoader(_Noisy(*share), batch_size=8, shuffle=True),),
+            list,
+            2,
         ),
     }
     # A checkpoint of rank 0's state alone (save_checkpoint by hand): said, not silent.

@@ -210,9 +210,10 @@ def test_each_rank_resumes_with_its_own_random_states(runs):
     """Every rank took rank 0's RNG state on resume: ranks seeded apart then drew rank 0's
     dropout masks, and a DataLoader shuffling per rank replayed rank 0's order. Ranks
     seeded alike whose callback drew before the checkpoint resumed from the state before
-    that draw. Each went elsewhere than the uninterrupted run, without a word."""
+    that draw. Each went elsewhere than the uninterrupted run, without a word. With
+    accumulation ("ahead"), a batch read ahead draws its noise before the checkpoint."""
     r0, r1 = runs("apart")
-    for case in ("apart", "loader", "alike"):
+    for case in ("apart", "loader", "alike", "ahead"):
         for resumed in ("epoch", "step"):
             for r in (r0, r1):  # bitwise, as uninterrupted
                 assert equal_states(r[case]["full"], r[case][resumed]), (case, resumed)
