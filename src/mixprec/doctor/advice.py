@@ -61,9 +61,15 @@ def advice(report: Report, compute: torch.dtype, left: set[str]) -> list[str]:
             f"{report.recommended_keep_float32!r})"
         )
         if not left:
+            # The gain reason is a module's; the model's own code is placed in its own line.
+            why = (
+                ""
+                if report.own_code is not None
+                else " (the gradients before the overflowing layers are as large as their gain)"
+            )
             said.append(
-                "that keeps every module in float32: no float16 keep list fixes this model "
-                "(the gradients before the overflowing layers are as large as their gain)"
+                "that keeps every module in float32: no float16 keep list fixes this model"
+                + why
                 + ("" if report.bfloat16_would_help or float32_fails else "; train it in float32")
             )
     if report.bfloat16_would_help:
