@@ -37,6 +37,13 @@ def shown(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def is_number(value: object) -> bool:
+    """A real number (numpy's too), not a bool: ``True`` is no learning rate or scale."""
+    import numbers
+
+    return not isinstance(value, bool) and isinstance(value, numbers.Real)
+
+
 def check_int(name: str, value: object, minimum: int, optional: bool = False) -> None:
     """Raise ``ArgumentError`` unless ``value`` is an int (not a bool) >= ``minimum`` (or,
     ``optional``, None), naming ``name``, the value received and what is valid."""
@@ -74,3 +81,12 @@ def check_path(who: str, name: str, value: object, kind: str) -> None:
     if os.path.isfile(value) if kind == "folder" else os.path.isdir(value):
         other = "file" if kind == "folder" else "folder"
         raise ArgumentError(f"{who}({name}={str(value)!r}) is a {other}; valid: a {kind} path")
+
+
+def check_module(who: str, model: object) -> None:
+    """Raise ``ArgumentError`` unless ``model`` is an ``nn.Module``, naming ``who``: a state
+    dict or ``None`` failed deep inside, as an ``AttributeError``."""
+    from torch import nn  # torch is imported by every caller already
+
+    if not isinstance(model, nn.Module):
+        raise ArgumentError(f"{who}(model=...) needs an nn.Module, got {type(model).__name__}")

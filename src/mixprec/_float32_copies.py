@@ -16,7 +16,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from mixprec._dist import is_dtensor
 from mixprec._dtypes import HALF_DTYPES
-from mixprec._errors import ArgumentError
+from mixprec._errors import check_module
 from mixprec._param_tags import add_load_pre_hook
 from mixprec._warn import warn_at_caller
 
@@ -85,10 +85,7 @@ def release_float32_copies(model: torch.nn.Module) -> int:
     only for inference keeps them for good: 4 bytes a parameter beside the 2 of its 16-bit
     weight, more than the float32 model took. After this, a save with no optimizer writes
     the 16-bit values, and masters built later start from them."""
-    if not isinstance(model, torch.nn.Module):  # None raised a bare AttributeError
-        raise ArgumentError(
-            f"release_float32_copies(model=...) needs an nn.Module, got {type(model).__name__}"
-        )
+    check_module("release_float32_copies", model)  # None raised a bare AttributeError
     released = 0
     for param in model.parameters():
         kept = param.__dict__.pop(FP32_COPY_ATTR, None)

@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mixprec._dist import note_fsdp_float16
-from mixprec._errors import ArgumentError, check_int
+from mixprec._errors import ArgumentError, check_int, is_number
 from mixprec._live_masters import live_master
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import PolicyLike, get_policy
@@ -77,8 +77,8 @@ def init_from_env(backend: str = "auto", timeout_s: float = 300.0) -> bool:
     ``backend="auto"``: NCCL with CUDA, gloo otherwise. Collectives time out after
     ``timeout_s`` so a crashed rank ends the run with an error instead of a hang. Returns
     False (and does nothing) when not launched by torchrun with more than one process."""
-    number = not isinstance(timeout_s, bool) and isinstance(timeout_s, (int, float))
-    if not (number and 0 < timeout_s < math.inf):  # -1 or NaN failed inside torch's init
+    # -1 or NaN failed inside torch's init.
+    if not (is_number(timeout_s) and 0 < timeout_s < math.inf):
         raise ArgumentError(f"timeout_s={timeout_s!r} is invalid; it must be a finite number > 0")
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return False

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from mixprec._dtypes import dtype_name
-from mixprec._errors import ArgumentError
+from mixprec._errors import check_module
 from mixprec._module_kinds import MIXED_NORM_MODULES
 from mixprec.float8 import float8_choice, layer_counts
 from mixprec.keep import ROOT_NAME
@@ -43,14 +43,9 @@ _NORM_NOTE = (
 )
 
 
-def _needs_module(who: str, model: object) -> None:
-    if not isinstance(model, nn.Module):  # None raised a bare AttributeError
-        raise ArgumentError(f"{who}(model=...) needs an nn.Module, got {type(model).__name__}")
-
-
 def module_dtypes(model: nn.Module) -> list[ModuleDtypes]:
     """Every module of ``model`` with the dtype it computes in and its parameters' dtypes."""
-    _needs_module("module_dtypes", model)
+    check_module("module_dtypes", model)
     rows: list[ModuleDtypes] = []
 
     def walk(module: nn.Module, name: str, compute: torch.dtype) -> None:
@@ -95,7 +90,7 @@ def describe(model: nn.Module) -> str:
     A ``note`` column appears when a row needs one (batch and layer norm under 16-bit
     compute keep float32 weights and statistics).
     """
-    _needs_module("describe", model)
+    check_module("describe", model)
     rows = module_dtypes(model)
     notes = any(r.note for r in rows)
     header: tuple[str, ...] = ("module", "type", "compute", "storage") + (

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from mixprec._dist import agree_found_inf
-from mixprec._errors import ArgumentError, MisuseError
+from mixprec._errors import ArgumentError, MisuseError, is_number
 from mixprec.scaling import (
     SMALLEST_NORMAL_F32,
     DynamicLossScaler,
@@ -120,8 +120,7 @@ def _new_scale(new_scale: float | torch.Tensor, device: str) -> float:
         if new_scale.requires_grad:
             raise ArgumentError(reason)
         new_scale = float(new_scale.item())
-    number = not isinstance(new_scale, bool) and isinstance(new_scale, (int, float))
-    if not (number and 0 < new_scale < math.inf):
+    if not (is_number(new_scale) and 0 < new_scale < math.inf):
         raise ArgumentError(
             f"update(new_scale={new_scale!r}) is invalid; it must be a finite number > 0"
         )

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from mixprec._dtypes import HALF_DTYPES, finite_peak
-from mixprec._errors import ArgumentError, shown
+from mixprec._errors import ArgumentError, check_module, shown
 from mixprec._warn import warn_at_caller
 from mixprec.casting import first_floating, upcast_16bit
 from mixprec.levels import applied, upcast_note
@@ -36,8 +36,7 @@ __all__ = [
 def float32_model(model: Any, who: str) -> nn.Module:
     """The float32 model behind ``model``: the module inside a ``torch.compile`` wrapper
     (the doctors' hooks run eagerly, with a warning); refused if already prepared."""
-    if not isinstance(model, nn.Module):
-        raise ArgumentError(f"{who}(model=...) needs an nn.Module, got {type(model).__name__}")
+    check_module(who, model)
     module: nn.Module = model
     original = getattr(module, "_orig_mod", None)  # torch.compile's OptimizedModule
     if isinstance(original, nn.Module):

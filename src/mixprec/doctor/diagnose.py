@@ -222,12 +222,11 @@ def _diagnose(
     leaves |= _own_arithmetic_origins(model, reports)
     origin = nonfinite_origin(reports, leaves)
     done = applied(mixed)
-    # At O2/O3 the inputs are cast to 16 bits before any layer (handled below): an input
-    # the cast makes inf looks like the model's own code starting it.
+    # At O2/O3 the inputs are cast to 16 bits before any layer (see cast_inf below): an
+    # input the cast makes inf looks like the model's own code starting it.
     casts_inputs = done is not None and done.level in ("O2", "O3")
-    own_code = own_code_origin(reports, leaves)
-    if own_code is not None and casts_inputs and inputs_cast_to_inf(inputs, compute):
-        own_code = None
+    made_inf = inputs_cast_to_inf(inputs, compute) if casts_inputs else []
+    own_code = None if made_inf else own_code_origin(reports, leaves)
     for rep in reports:
         score(rep, compute, limit, origin, own_code)
 
@@ -241,9 +240,7 @@ def _diagnose(
     # and the run non-finite, a keep list helps only if it keeps the model itself (float32
     # throughout; every layer kept still gets inf), so none is recommended until they are
     # in range. (An inf that harms nothing, a -1e9 mask, an unused input, is left alone.)
-    cast_inf = []
-    if casts_inputs and not healthy and ROOT_NAME not in recommended:
-        cast_inf = inputs_cast_to_inf(inputs, compute)
+    cast_inf = made_inf if not healthy and ROOT_NAME not in recommended else []
     reached, backoff, half = None, 0, {r.name for r in reports if not r.float32}
     if cast_inf:  # no keep list, back-off or plan check can make those inputs finite
         recommended = []

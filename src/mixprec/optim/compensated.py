@@ -17,14 +17,13 @@ computed in float32 with multi-tensor kernels.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import torch
 
 from mixprec._dtypes import dtype_name
-from mixprec._errors import ArgumentError
+from mixprec._errors import ArgumentError, is_number
 from mixprec._live_masters import float32_start
 
 __all__ = ["CompensatedAdamW", "stochastic_round"]
@@ -71,12 +70,12 @@ class CompensatedAdamW(torch.optim.Optimizer):
         # Finite numbers: lr=inf made the weights non-finite at the first step, eps=inf
         # froze them, a string raised a bare TypeError.
         for name, value in (("lr", lr), ("eps", eps)):
-            if not (_real(value) and 0 < value < math.inf):
+            if not (is_number(value) and 0 < value < math.inf):
                 raise ArgumentError(f"{name}={value!r} is invalid; it must be a finite number > 0")
         if not (
             isinstance(betas, (tuple, list))
             and len(betas) == 2
-            and all(_real(b) and 0.0 <= b < 1.0 for b in betas)
+            and all(is_number(b) and 0.0 <= b < 1.0 for b in betas)
         ):  # one or three values failed at the first step, unpacking
             raise ArgumentError(f"betas={betas!r} are invalid; two numbers, each in [0, 1)")
         if generator is not None and not isinstance(generator, torch.Generator):
@@ -199,17 +198,13 @@ def _compensation(p: torch.Tensor) -> torch.Tensor:
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _real(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, numbers.Real)
-
-
 def _check_group(group: dict[str, Any], index: int) -> None:
     """A group's ``compensation`` (the constructor's, or the group's own) is one of the
     three, and ``"stochastic"`` (which rounds to bfloat16) holds no float16 weight; its
     ``weight_decay`` is a finite number >= 0 (NaN made every weight NaN with finite
     gradients, which no inf/NaN check sees); its weights are float32 or 16-bit."""
     decay = group["weight_decay"]
-    if not _real(decay) or not 0 <= float(decay) < math.inf:
+    if not is_number(decay) or not 0 <= float(decay) < math.inf:
         raise ArgumentError(
             f"weight_decay={decay!r} is invalid (param_groups[{index}]); it must be a finite "
             "number >= 0"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from mixprec._errors import ArgumentError
+from mixprec._errors import check_module
 
 __all__ = ["split_embedding_parameters"]
 
@@ -21,10 +21,7 @@ def split_embedding_parameters(
     all-reduced like dense weights. A weight tied between an embedding and another module
     counts as an embedding.
     """
-    if not isinstance(model, nn.Module):
-        raise ArgumentError(
-            f"split_embedding_parameters(model=...) needs an nn.Module, got {type(model).__name__}"
-        )
+    check_module("split_embedding_parameters", model)
     tables = {
         id(p)
         for m in model.modules()

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from mixprec._dist import agree_found_inf, is_distributed, is_dtensor
-from mixprec._errors import ArgumentError, MisuseError
+from mixprec._errors import ArgumentError, MisuseError, is_number
 from mixprec._plain_optimizers import watch_wrapped
 from mixprec._save_guard import guard_saves
 from mixprec.optim.arguments import checked_arguments, traced_model
@@ -285,7 +285,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         then does not unscale again. ``factor``: a further multiplier, applied in the same
         pass, before the inf/NaN check (``optim.partial_group.apply_partial_group`` passes a partial
         accumulation group's ``accumulation_steps / micro-steps taken``)."""
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < inf:
+        if not (is_number(factor) and 0 < factor < inf):
             raise ArgumentError(f"unscale_(factor={factor!r}) is invalid; give a finite number > 0")
         if self._book.found_inf is not None:
             raise MisuseError(

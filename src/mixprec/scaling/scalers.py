@@ -18,7 +18,7 @@ from typing import Any, NoReturn, TypeVar
 import torch
 
 from mixprec._dtypes import HALF_DTYPES
-from mixprec._errors import ArgumentError, shown
+from mixprec._errors import ArgumentError, is_number, shown
 from mixprec.scaling.by_hand import NOTED_CALLS, note_unscaled
 from mixprec.scaling.finite import unscale_grads_
 from mixprec.scaling.schedule import (
@@ -114,7 +114,7 @@ class LossScaler:
     ) -> torch.Tensor:
         """Divide ``grads`` by the scale (times ``factor``) in place, in one pass that checks
         them; return the 0-dim ``found_inf`` (on ``device`` when ``grads`` is empty)."""
-        if factor != 1.0 and not (isinstance(factor, (int, float)) and 0 < factor < math.inf):
+        if factor != 1.0 and not (is_number(factor) and 0 < factor < math.inf):
             # NaN made every gradient NaN with found_inf 0: the step would apply them.
             raise ArgumentError(
                 f"unscale_: factor={shown(factor)} is invalid; use a finite number > 0"

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mixprec._errors import ArgumentError, check_int, check_path
+from mixprec._errors import ArgumentError, check_int, check_path, is_number
 from mixprec._warn import warn_at_caller
 from mixprec.checkpoint import masters_in_place, save_checkpoint, temporary_files
 from mixprec.train.callbacks import Callback, Logs
@@ -71,10 +71,8 @@ class EarlyStopping(Callback):
         if not isinstance(monitor, str):
             raise ArgumentError(f"monitor={monitor!r} is invalid; it must be an epoch log's name")
         check_int("patience", patience, 0)
-        if (
-            isinstance(min_delta, bool)
-            or not isinstance(min_delta, (int, float))
-            or not math.isfinite(min_delta)
+        if not is_number(min_delta) or not math.isfinite(
+            min_delta
         ):  # NaN or inf made no epoch an improvement: every run stopped after `patience`
             raise ArgumentError(f"min_delta={min_delta!r} is invalid; it must be a finite number")
         self.monitor = monitor

@@ -4,12 +4,11 @@ resumed run schedules and averages as an uninterrupted one."""
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import torch
 
-from mixprec._errors import ArgumentError
+from mixprec._errors import ArgumentError, is_number
 from mixprec.train.callbacks import Callback, Logs
 
 __all__ = ["EMA", "LearningRateScheduler"]
@@ -58,8 +57,7 @@ class EMA(Callback):
     only: ``shadow = decay * shadow + (1 - decay) * weights`` (one multi-tensor lerp)."""
 
     def __init__(self, decay: float = 0.999) -> None:
-        number = not isinstance(decay, bool) and isinstance(decay, numbers.Real)
-        if not (number and 0.0 < decay < 1.0):  # "0.99" raised a bare TypeError
+        if not (is_number(decay) and 0.0 < decay < 1.0):  # "0.99" raised a bare TypeError
             raise ArgumentError(f"decay={decay!r} is invalid; it must be a number in (0, 1)")
         self.decay = decay
         self.shadow: list[torch.Tensor] = []

@@ -21,7 +21,7 @@ from torch import nn
 from mixprec import distributed
 from mixprec._compile import CompileOption, compile_options
 from mixprec._device import resolve_device
-from mixprec._errors import ArgumentError
+from mixprec._errors import ArgumentError, check_module
 from mixprec._plan_apply import PlanLike
 from mixprec.levels import applied
 from mixprec.optim import StepResult
@@ -79,8 +79,7 @@ def _position(trainer: Trainer) -> tuple[int, ...]:
 
 def _check_arguments(model: Any, fp32_allreduce: Any, device: Any) -> None:
     """What the Trainer's constructor refuses before it changes anything."""
-    if not isinstance(model, nn.Module):
-        raise ArgumentError(f"Trainer(model=...) needs an nn.Module, got {type(model).__name__}")
+    check_module("Trainer", model)
     # (torch's own error, later: "Cannot access accelerator device when none is available")
     cuda = device != "auto" and resolve_device(device).type == "cuda"
     if cuda and not torch.cuda.is_available():
