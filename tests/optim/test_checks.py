@@ -376,6 +376,34 @@ def test_health_watch_can_be_turned_off_and_names_the_module_when_traced():
             traced.step()
 
 
+def test_stuck_while_traced_with_no_module_found_does_not_ask_for_tracing():
+    # The inf is in the gradient of a parameter outside the model (a learned temperature
+    # in the loss): tracing, on, finds no module. The warning used to say "run with
+    # trace_overflow=True to name it"; it now says where else the values turn non-finite.
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O1")
+    temperature = nn.Parameter(torch.ones(()))
+    opt = mp.LossScaleOptimizer(
+        torch.optim.SGD([*model.parameters(), temperature], lr=0.1),
+        mp.DynamicLossScaler(init_scale=2.0),
+        trace_overflow=model,
+    )
+    x, y = classification_data(n=32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(6):
+            opt.zero_grad()
+            with torch.autocast("cpu", torch.float16):
+                out = model(x)
+            # d/dt of t * 1e30 * 1e30 is 1e60: inf in float32, at any scale.
+            opt.backward(nn.functional.cross_entropy(out.float(), y) + temperature * 1e30 * 1e30)
+            assert not opt.step().applied
+    said = [str(w.message) for w in caught if str(w.message).startswith("training is stuck")]
+    assert len(said) == 1, said
+    assert "Tracing the step found no module whose output or gradient was inf/NaN" in said[0]
+    assert "trace_overflow=True" not in said[0]
+    assert "the last 3 steps there were all skipped" in said[0]  # no step spent asking
+
+
 def _with_norm() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 4))

@@ -198,17 +198,20 @@ def no_gradients(book: _Bookkeeping, scale: float) -> StepResult:
     return StepResult(applied=False, found_inf=False, scale=scale)
 
 
-def watch_health(health: ScalerHealth | None, result: StepResult, scaler: LossScaler) -> None:
-    """Feed one due step to ``health`` and warn with what it diagnoses (once per kind).
+def watch_health(
+    health: ScalerHealth | None, result: StepResult, scaler: LossScaler, traced: bool = False
+) -> None:
+    """Feed one due step to ``health`` and warn with what it diagnoses (once per kind);
+    ``traced``: the step ran under ``trace_overflow``.
 
     Under ``torch.compile(opt.step)`` this runs eagerly: traced, its counters and window
     would be guards, and every step would compile again."""
     if health is None or result.accumulating or isinstance(result.found_inf, DeviceFlag):
         return  # a step decided on the device is observed when it is read (optim.deferred)
     if torch.compiler.is_compiling():
-        _observe_eagerly(health, result, scaler)
+        _observe_eagerly(health, result, scaler, traced)
     else:
-        _observe(health, result, scaler)
+        _observe(health, result, scaler, traced)
 
 
 def check_micro_batches(book: Any, accumulation_steps: int, drop: Callable[[], None]) -> bool:
@@ -266,14 +269,18 @@ def unscale_group_factor(book: Any, accumulation_steps: int) -> float:
 
 
 def after_step(
-    health: ScalerHealth | None, result: StepResult, scaler: LossScaler, weights: MasterWeights
+    health: ScalerHealth | None,
+    result: StepResult,
+    scaler: LossScaler,
+    weights: MasterWeights,
+    traced: bool = False,
 ) -> None:
     """What follows every step once it is decided (on the host, or when its device flag is
     read): a skipped one's forward may have made running statistics inf/NaN (reset and
     said, ``norm_statistics``), then the scaler's health (``watch_health``)."""
     if result.found_inf is True:  # decided; a DeviceFlag is observed at its read
         reset_nonfinite_statistics(weights.model_params())
-    watch_health(health, result, scaler)
+    watch_health(health, result, scaler, traced)
     if weights.step_looks == 1 and not weights.said_frozen:  # the first step that looked
         _say_frozen_eagerly(weights)  # at the 16-bit weights; compiled: one break, once
     if averaged_copies.PENDING or averaged_copies.WATCHED:  # 16-bit averages (made since)
@@ -291,9 +298,9 @@ def looks_after_step(
     book.share.backward_scale = None  # the next step's first backward sets it (sharing)
 
 
-def _observe(health: ScalerHealth, result: StepResult, scaler: LossScaler) -> None:
+def _observe(health: ScalerHealth, result: StepResult, scaler: LossScaler, traced: bool) -> None:
     message = health.observe(
-        scaler.state, bool(result.found_inf), result.overflow, scale_floor(scaler)
+        scaler.state, bool(result.found_inf), result.overflow, scale_floor(scaler), traced=traced
     )
     if message:
         # At the caller's line: step() or apply_gradients(), or the read of a StepResult

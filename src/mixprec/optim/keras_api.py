@@ -29,6 +29,7 @@ from mixprec.scaling.health import ScalerHealth
 
 if TYPE_CHECKING:
     from mixprec.optim.loss_scale_optimizer import _Bookkeeping
+    from mixprec.trace import OverflowTracer
 
 __all__ = ["KerasMethods"]
 
@@ -44,6 +45,7 @@ class KerasMethods:
     _setup: SetupCheck
     health: ScalerHealth | None
     optimizers: list[torch.optim.Optimizer]
+    _tracer: OverflowTracer | None
 
     if TYPE_CHECKING:
 
@@ -171,7 +173,7 @@ class KerasMethods:
         except BaseException:
             self._drop_unscaled()  # as step(): else the next backward would be refused
             raise
-        after_step(self.health, result, self._loss_scaler, weights)
+        after_step(self.health, result, self._loss_scaler, weights, self._tracer is not None)
         looks_after_step(self._book, self.optimizers, result)
         return result
 

@@ -345,7 +345,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             self._drop_unscaled()
             self._book.raised = True
             raise
-        after_step(self.health, result, self._loss_scaler, self._weights)
+        after_step(self.health, result, self._loss_scaler, self._weights, self._tracer is not None)
         looks_after_step(self._book, self.optimizers, result)
         return result
 

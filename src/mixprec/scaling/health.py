@@ -79,9 +79,11 @@ class ScalerHealth:
         culprit: str | Overflow | None = None,
         floor: float | None = None,
         loss: float | None = None,
+        traced: bool = False,
     ) -> str | None:
         """``floor``: the scaler's lowest scale (``scale_floor``); ``loss``: this step's
-        loss, for the stuck warning to show how it moved since the first step observed."""
+        loss, for the stuck warning to show how it moved since the first step observed;
+        ``traced``: the step was traced, so no ``culprit`` means the tracer found none."""
         # Settling skips stay out of the window; a flag check once a step was applied.
         if self._applied or not self._settles(state, skipped, culprit, floor):
             self._steps += 1
@@ -96,13 +98,13 @@ class ScalerHealth:
         self._at_floor = self._at_floor + 1 if stuck else 0
         where = f" The first non-finite values came from {culprit}." if culprit else ""
         if self._at_floor >= self.floor_skips and "floor" not in self.warned:
-            if culprit is None and not self._asked:
+            if culprit is None and not self._asked and not traced:
                 self._asked = self.needs_trace = True
                 return None
             # Said once: the streak and skip-rate warnings would repeat it less precisely.
             self.warned |= {"floor", "streak", "rate"}
             losses = None if loss is None else (self._first_loss or loss, loss)
-            return _stuck_message(state, self._at_floor, culprit, losses)
+            return _stuck_message(state, self._at_floor, culprit, losses, traced)
         if state.scale < 1.0 and "scale" not in self.warned:
             self.warned.add("scale")
             return (
@@ -182,19 +184,28 @@ def _stuck_message(
     steps: int,
     culprit: str | Overflow | None,
     losses: tuple[float, float] | None,
+    traced: bool,
 ) -> str:
+    keep = "keep the modules mp.diagnose names in float32"
     if isinstance(culprit, Overflow):
         named = f" The first non-finite values came from {culprit}."
         keep = f"keep {culprit.module!r} in float32 with the modules mp.diagnose names"
     elif culprit:
         named = f" The first non-finite values came from {culprit}."
         keep = "keep that module in float32 with the modules mp.diagnose names"
+    elif traced:
+        # The tracer watches module outputs, their gradients and the weights' own at the
+        # step: all finite, so the values turned inf/NaN outside the modules.
+        named = (
+            " Tracing the step found no module whose output or gradient was inf/NaN: they "
+            "turn non-finite outside the modules, in the loss or in the gradient of a "
+            "parameter outside the model."
+        )
     else:
         named = (
             " The module was not found (run with trace_overflow=True to name it, or "
             "mp.diagnose(model, x, y, loss_fn) on the float32 model)."
         )
-        keep = "keep the modules mp.diagnose names in float32"
     return (
         f"training is stuck: the loss scale is at its floor ({state.scale:g}) and the last "
         f"{steps} steps there were all skipped for inf/NaN gradients, so no update is being "

@@ -113,8 +113,14 @@ class _HealthWatch:
 
     def observe(self, result: StepResult, scaler: LossScaler, loss: float) -> None:
         """Warn when the health check says so; trace the next step when it asks."""
+        traced = self._stuck_tracer is not None  # read before culprit() removes it
         warning = self.health.observe(
-            scaler.state, bool(result.found_inf), self.culprit(result), scale_floor(scaler), loss
+            scaler.state,
+            bool(result.found_inf),
+            self.culprit(result),
+            scale_floor(scaler),
+            loss,
+            traced=traced,
         )
         if warning:
             warn(warning)
