@@ -418,6 +418,68 @@ def test_a_retried_step_after_one_that_raised_names_the_raise():
     assert opt.step().applied
 
 
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])  # _finish, host_step
+def test_a_step_interrupted_after_its_update_is_finished_as_applied(monkeypatch, policy):
+    """Ctrl-C in the copy-back, after Adam stepped the masters. Before: the step counted
+    as not applied (scaler not updated), the 16-bit weights stayed one update behind, the
+    retry's message said to run the batch's backward again, which applied it twice (Adam
+    at step 9 of 8, weights 0.026 off), and a save then took the stale weights for .data
+    writes and put them into the masters."""
+
+    def run(interrupt: bool):
+        model = mp.auto_mixed_precision(make_mlp(), policy, "O2")
+        opt = mp.LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+        half, real, seen = opt._weights.half, torch._foreach_copy_, [0]
+
+        def copy_(dst, src, *args, **kwargs):
+            if interrupt and len(dst) and dst[0] is half[0]:
+                seen[0] += 1
+                if seen[0] == 3:
+                    raise KeyboardInterrupt
+            return real(dst, src, *args, **kwargs)
+
+        monkeypatch.setattr(torch, "_foreach_copy_", copy_)
+        for i in range(6):
+            opt.zero_grad()
+            opt.backward(loss_of(model) * (1 + i))
+            try:
+                assert opt.step().applied
+            except KeyboardInterrupt:
+                assert interrupt and i == 2 and opt.applied_before_raising
+                with pytest.raises(mp.MisuseError, match="that batch is done; go on with"):
+                    opt.step()
+        monkeypatch.undo()
+        return [p.detach().clone() for p in model.parameters()], opt
+
+    (plain, full), (stopped, opt) = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, stopped, strict=True))
+    assert opt.loss_scaler.state == full.loss_scaler.state
+    assert not opt.applied_before_raising  # a backward since
+    masters = [m.clone() for m in opt._weights.masters]
+    opt.state_dict()  # the save's look for .data writes finds none
+    assert all(torch.equal(a, b) for a, b in zip(masters, opt._weights.masters, strict=True))
+
+
+def test_an_accumulation_group_whose_step_never_came_is_dropped_by_zero_grad(tmp_path):
+    """User code raised between a group's last backward and its step(); the loop caught
+    it and went on. Before: zero_grad() cleared the gradients but kept the count, so the
+    next group was refused ("2 backward() calls since the last step()") and dropped too;
+    a state saved then recorded micro_steps=2, and the resumed run applied its first
+    micro-batch alone at half weight."""
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
+    for _ in range(2):
+        opt.zero_grad()
+        opt.backward(loss_of(model))
+    assert opt.state_dict()["micro_steps"] == 0  # the group's gradients are not in it
+    results = []
+    for _ in range(2):  # the step raised (not called); the loop goes on
+        opt.zero_grad()
+        opt.backward(loss_of(model))
+        results.append(opt.step())
+    assert results[0].accumulating and results[1].applied
+
+
 def test_gradients_set_by_hand_are_pointed_at_apply_gradients():
     model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
     opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))

@@ -408,6 +408,12 @@ def no_backward_error(params: list[torch.Tensor], book: Any) -> MisuseError:
         "LossScaleOptimizer.step() called without a new backward since the last step(): "
         "call opt.backward(loss) (or backward on opt.get_scaled_loss(loss)) first"
     )
+    if book.raised == "applied":  # a retry of a step that went in
+        return MisuseError(
+            message + ". The last step() raised after its update was applied (a step "
+            "post-hook, or an interrupt in the copy-back to the 16-bit weights) and was "
+            "finished as applied: that batch is done; go on with the next batch's backward"
+        )
     if book.raised:  # a retry: its gradients may be unscaled in place already
         return MisuseError(
             message + ". The last step() raised before it finished, and its backward went "

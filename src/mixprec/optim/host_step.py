@@ -69,9 +69,12 @@ def host_step(opt: LossScaleOptimizer) -> StepResult | None:
                 _unfuse_sparse(inner)
             if not fused.step():
                 step_inner_fused_safely(inner, opt._book)
+            opt._book.stepped = 1  # in: a raise from here finishes the step as applied
         if weights.half:
             weights.copy_back()
+        opt._book.stepped = 2
         opt._run_post_hooks()
+    opt._book.stepped = 0
     opt._loss_scaler.update(overflow)
     opt._book.micro = 0
     return StepResult(applied=not overflow, found_inf=overflow, scale=1.0)

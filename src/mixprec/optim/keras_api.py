@@ -55,6 +55,8 @@ class KerasMethods:
 
         def _drop_unscaled(self) -> None: ...
 
+        def _after_raise(self) -> None: ...
+
     def get_scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * scale / accumulation_steps`` (Keras ``get_scaled_loss``; the division
         only matters with accumulation, where it makes the summed gradients a mean, as
@@ -72,7 +74,7 @@ class KerasMethods:
             )
         self._book.micro += 1
         self._book.backwards += 1
-        self._book.fresh, self._book.raised = True, False
+        self._book.fresh, self._book.raised = True, ""
         self._book.scaled_loss = True
         scale = self._loss_scaler.get_scale()
         self._book.share.note_scale(scale)  # a scaler shared with another wrapper
@@ -171,7 +173,7 @@ class KerasMethods:
         try:
             result = self._finish()
         except BaseException:
-            self._drop_unscaled()  # as step(): else the next backward would be refused
+            self._after_raise()  # as step(): else the next backward would be refused
             raise
         after_step(self.health, result, self._loss_scaler, weights, self._tracer is not None)
         looks_after_step(self._book, self.optimizers, result)

@@ -84,7 +84,10 @@ class _Bookkeeping:
     micro: int = 0  # backward passes since the last update
     backwards: int = 0  # backward passes since the last step() call (check_micro_batches)
     fresh: bool = False  # a backward happened since the last step()
-    raised: bool = False  # the last step() raised, and no backward since (no_backward_error)
+    # The last step() raised, and no backward since (no_backward_error): "dropped" before
+    # its update went in, "applied" after (finished as applied, state_dict._after_raise).
+    raised: str = ""
+    stepped: int = 0  # within a step: 1 once an inner step returned, 2 after the copy-back
     found_inf: torch.Tensor | None = None  # set by unscale_()
     # The 16-bit gradients' versions at an explicit unscale_(): changed by step(), they
     # were clipped (or edited) where step() does not read them.
@@ -274,6 +277,8 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         if 0 < self._book.micro < self.accumulation_steps:
             return
         book = self._book
+        if book.micro >= self.accumulation_steps > 1:  # a whole group, its step() never came
+            book.micro = book.backwards = 0  # (it raised): else the next group was refused
         if book.found_inf is not None:  # unscaled, then dropped (a batch skipped by hand)
             drop_unscaled_group(self)
         book.found_inf, book.no_grads, book.unscaled_versions = None, False, None
@@ -342,8 +347,7 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
                     self._unscale()
                 result = self._finish()
         except BaseException:
-            self._drop_unscaled()
-            self._book.raised = True
+            self._after_raise()
             raise
         after_step(self.health, result, self._loss_scaler, self._weights, self._tracer is not None)
         looks_after_step(self._book, self.optimizers, result)
@@ -396,15 +400,18 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
                 if self._weights.saw_sparse:
                     _unfuse_sparse(inner)
                 step_inner_fused_safely(inner, self._book)
+                self._book.stepped = 1  # in: a raise from here finishes the step as applied
             # Inline: dynamo runs this eagerly after the graph break in the loop above, where
             # a MasterWeights method would compile as a graph of its own (torch 2.13).
             if self._weights.half:
                 with torch.no_grad():
                     torch._foreach_copy_(self._weights.half, self._weights.masters)
                 self._weights.versions = self._weights.half_versions()
+            self._book.stepped = 2
             self._run_post_hooks()  # nothing to run without hooks
             if self._weights.checked:
                 self._book.weights_finite = all_finite(self._weights.checked)
+        self._book.stepped = 0
         self._loss_scaler.update(overflow)
         self._book.micro = 0
         self._book.found_inf = None

@@ -24,7 +24,7 @@ from mixprec._warn import warn_at_caller
 from mixprec.optim.checks import refuse_accelerate_wrapper
 from mixprec.optim.layouts import lay_state_as_params, misshapen_state
 from mixprec.optim.masters import MasterWeights
-from mixprec.scaling import LossScaler
+from mixprec.scaling import LossScaler, all_finite
 from mixprec.trace import model_of
 
 if TYPE_CHECKING:
@@ -94,6 +94,31 @@ class StateDictMethods:
         self._book.fresh, self._book.backwards = False, 0
         self._weights.zero_grad(set_to_none=True)
 
+    @property
+    def applied_before_raising(self) -> bool:
+        """Whether the last ``step()`` raised after its update went in (a step post-hook,
+        Ctrl-C in the copy-back to the 16-bit weights). Such a step is finished as applied
+        (the 16-bit weights from the masters, the scale updated): its batch is done, and
+        is not to be run again. False once a backward follows."""
+        return self._book.raised == "applied"
+
+    def _after_raise(self) -> None:
+        """A step that raised: before its update went in, its unscaled gradients dropped
+        (a retry runs the batch again); after, finished as applied, or the batch would be
+        applied twice and the stale 16-bit weights taken for writes at the next save."""
+        book = self._book
+        if not book.stepped:
+            self._drop_unscaled()
+            book.raised = "dropped"
+            return
+        if book.stepped == 1 and self._weights.half:  # the copy-back did not finish
+            self._weights.copy_back()
+        if self._weights.checked:
+            book.weights_finite = all_finite(self._weights.checked)
+        book.stepped = 0
+        self._loss_scaler.update(False)
+        book.micro, book.found_inf, book.raised = 0, None, "applied"
+
     def _drop_unscaled(self) -> None:
         """After a step that raised (a float16 weight past 65504, the scaler's
         max_consecutive_skips, Ctrl-C): no unscaled gradients left to the next step, which
@@ -124,7 +149,9 @@ class StateDictMethods:
             "optimizers": [inner.state_dict() for inner in self.optimizers],
             "master_weights": [m.detach() for m in self._weights.masters],
             "loss_scaler": self._loss_scaler.state_dict(),
-            "micro_steps": self._book.micro,
+            # A whole group whose step() never came (it raised) is not resumed into: its
+            # gradients are not saved, so the resumed run starts a group of its own.
+            "micro_steps": self.pending_micro_steps,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -68,6 +68,7 @@ class TrainStep:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.last_output: torch.Tensor | None = None
+        self.last_loss: torch.Tensor | None = None  # this call's, once its backward ran
         options = compile_options(compile)
         self._forward_loss = (
             self._forward_and_loss
@@ -118,14 +119,17 @@ class TrainStep:
         timed = self._probe is not None and self._calls >= _WARMUP
         eager = timed and self._calls >= _WARMUP + _PROBE
         start = time.perf_counter()
+        self.last_loss = None
         self.optimizer.zero_grad()
         loss, output = (self._forward_and_loss if eager else self._forward_loss)(x, y)
         self.optimizer.backward(loss)
+        # Before the step: a step that raises after its update went in leaves its batch's
+        # loss and output to the Trainer's bookkeeping (train/batch_end.py).
+        self.last_output, self.last_loss = output.detach(), loss.detach()
         if flush and self.optimizer.accumulation_steps > 1:
             result = apply_partial_group(self.optimizer)
         else:
             result = self.optimizer.step()
-        self.last_output = output.detach()
         self._calls += 1
         if timed and self._probe is not None:
             self._probe.append(time.perf_counter() - start)

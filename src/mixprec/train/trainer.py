@@ -30,6 +30,7 @@ from mixprec.scaling import LossScaler
 from mixprec.scaling.health import ScalerHealth, scale_floor
 from mixprec.trace import Overflow, OverflowTracer
 from mixprec.train import batches, evaluation, resume
+from mixprec.train.batch_end import finish_batch, finish_raised_step, step_checkpoint_due
 from mixprec.train.batches import Batch
 from mixprec.train.callbacks import (
     Callback,
@@ -56,17 +57,11 @@ from mixprec.train.validation import split_validation
 from mixprec.train.warn import warn
 
 
-def _step_checkpoint_due(trainer: Trainer, applied: bool) -> bool:
-    """Whether rank 0 may write a step checkpoint after this step, agreed on every rank
-    (the cadences are; empty outside torchrun)."""
-    return applied and any(trainer.global_step % n == 0 for n in trainer._sync_cadences)
-
-
 def _gather_rank_rng(trainer: Trainer, batch_logs: Logs | None) -> None:
     """Under torchrun, before the checkpoint writers of an epoch's end (``None``) or of a
     step checkpoint's step: every rank's RNG states as they are then, so that a resume
     gives each rank its own."""
-    if batch_logs is None or _step_checkpoint_due(trainer, batch_logs["applied"]):
+    if batch_logs is None or step_checkpoint_due(trainer, batch_logs["applied"]):
         ahead = trainer._ahead.before_next if trainer._ahead is not None else None
         trainer._rank_rng.gather(_position(trainer), trainer._epoch_rng, ahead)
 
@@ -330,41 +325,20 @@ class Trainer:
                     self._step_in_epoch = step + 1
                     continue
                 group.note(step, meter)
-                start = time.perf_counter()
+                where = (epoch, step, time.perf_counter())
                 try:
                     loss, result = self.step(xb, yb, flush=last)
-                except BaseException as err:  # an accumulation group goes whole (rewound);
-                    self._step_in_epoch = group.rewind(step, meter)
-                    raise_if_about_labels(err, yb, epoch, step)  # first seen here: named
+                except BaseException as err:
+                    # A step that went in before it raised is done, with its bookkeeping;
+                    # else its accumulation group goes whole (rewound).
+                    if not finish_raised_step(self, cbs, meter, where, yb):
+                        self._step_in_epoch = group.rewind(step, meter)
+                        raise_if_about_labels(err, yb, epoch, step)  # first seen here: named
                     raise
                 # Done once it returned (resumed at this batch if it raised); from here to
                 # the batch's callbacks, Ctrl-C waits (interrupts.HeldInterrupt).
                 held.hold()
-                self._step_in_epoch = step + 1
-                loss_value = loss.item()  # after the step's own sync: no extra stall
-                elapsed = time.perf_counter() - start
-                # Plain bools for the logs (DeviceFlags on a device): read after the loss.
-                applied, found_inf = bool(result.applied), bool(result.found_inf)
-                self.global_step += applied
-                if not result.accumulating:
-                    self._watch.observe(result, self.optimizer.loss_scaler, loss_value)
-                meter.add(result, loss_value, elapsed, self.step.last_output, yb)
-                if _step_checkpoint_due(self, applied):  # rank 0 writes its resume next:
-                    meter.sync()  # the sums of every rank's share of the epoch so far
-                cbs.on_train_batch_end(
-                    step,
-                    {
-                        "epoch": epoch,
-                        "loss": loss_value,
-                        "applied": applied,
-                        "found_inf": found_inf,
-                        "loss_scale": result.scale,
-                        "step_ms": 1000 * elapsed,
-                        "size": len(yb),
-                        "global_step": self.global_step,
-                        "overflow": str(result.overflow) if result.overflow else None,
-                    },
-                )
+                finish_batch(self, cbs, meter, where, loss, result, yb)
                 held.release(group.rewind_pending, self, step, meter)
                 # Asked by a callback (Keras: after this batch); an accumulation group ends
                 # first, or its gradients would be left for the next fit to add to.
