@@ -236,3 +236,42 @@ def test_a_scope_in_a_generator_closed_from_another_thread_ends():
         with mp.policy_scope(None):
             assert mp.global_policy().name == "float32"
         assert mp.global_policy().name == "mixed_float16"
+
+
+def test_set_global_policy_in_a_task_or_worker_thread_leaves_the_callers_scope():
+    """Tasks and asyncio.to_thread copy the context, and so held the caller's scope
+    object: a worker's set_global_policy("float32") rewrote it, and the caller's next
+    auto_mixed_precision(model) prepared it in float32, O0, unsaid."""
+    import asyncio
+
+    mp.set_global_policy("float32")
+    seen: dict[str, str] = {}
+
+    def worker() -> None:
+        mp.set_global_policy("float32")
+        seen["worker"] = mp.global_policy().name
+
+    async def sibling() -> None:
+        mp.set_global_policy("mixed_bfloat16")
+        seen["sibling"] = mp.global_policy().name
+
+    async def main() -> None:
+        with mp.policy_scope("mixed_float16"):
+            await asyncio.to_thread(worker)
+            await asyncio.create_task(sibling())
+            seen["caller"] = mp.global_policy().name
+            model = mp.auto_mixed_precision(torch.nn.Linear(2, 2))
+            seen["prepared"] = mp.levels.applied(model).policy.name
+            mp.set_global_policy("mixed_bfloat16")  # the caller's own: its scope's, as before
+            seen["own"] = mp.global_policy().name
+        seen["after"] = mp.global_policy().name
+
+    asyncio.run(main())
+    assert seen == {
+        "worker": "float32",
+        "sibling": "mixed_bfloat16",
+        "caller": "mixed_float16",
+        "prepared": "mixed_float16",
+        "own": "mixed_bfloat16",
+        "after": "float32",  # the scope's setting ended with it
+    }

@@ -298,11 +298,16 @@ _GLOBAL: list[Policy] = [UNSET]
 
 @dataclass
 class _Scope:
-    """One ``policy_scope``: its policy, the scope it is inside, and whether it is open."""
+    """One ``policy_scope``: its policy, the scope it is inside, and whether it is open;
+    or a ``set_global_policy`` inside one (``base``), open while that scope is."""
 
     policy: Policy
     outer: _Scope | None
     open: bool = True
+    base: _Scope | None = None
+
+    def is_open(self) -> bool:
+        return (self.base or self).open
 
 
 #: The innermost ``policy_scope`` of this thread (or task), if any: a scope in one thread
@@ -316,7 +321,7 @@ _SCOPED: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar(
 
 def _open_scope() -> _Scope | None:
     scope = _SCOPED.get()
-    while scope is not None and not scope.open:
+    while scope is not None and not scope.is_open():
         scope = scope.outer
     return scope
 
@@ -340,11 +345,15 @@ def global_policy() -> Policy:
 def set_global_policy(policy: PolicyLike) -> None:
     """Set the process-wide default policy, as Keras' ``set_global_policy``; ``None`` sets
     float32, as Keras' reset does (a choice: ``policy=None`` then means float32, not
-    ``"auto"``). Inside a ``policy_scope`` it sets that scope's policy, which ends with it."""
+    ``"auto"``). Inside a ``policy_scope`` it sets that scope's policy, which ends with it,
+    in this thread (or asyncio task) only."""
     chosen = Policy("float32") if policy is None else get_policy(policy)
     scope = _open_scope()
     if scope is not None:
-        scope.policy = chosen
+        # A scope of its own in this context, not a write to the shared one: tasks and
+        # threads (asyncio.to_thread) that copied the context hold the same object, and
+        # a worker's set_global_policy("float32") prepared the caller's models in float32.
+        _SCOPED.set(_Scope(chosen, scope.outer, base=scope.base or scope))
     else:
         _GLOBAL[0] = chosen
 
