@@ -9,7 +9,13 @@ import torch.nn.functional as F
 
 import mixprec as mp
 from mixprec.models import CausalLM, lm_loss
-from mixprec.optim.compensated import CompensatedAdamW, stochastic_round
+from mixprec.optim.compensated import (
+    CompensatedAdamW,
+    compensated_value,
+    join_float32,
+    split_float32,
+    stochastic_round,
+)
 
 
 def digits_run(policy: str, level: str, make_opt) -> tuple[float, float]:
@@ -91,9 +97,9 @@ def test_no_float32_copy_of_the_weights():
     state = opt.state
     extra = sum(s["compensation"].numel() * s["compensation"].element_size()
                 for s in state.values())  # fmt: skip
-    assert extra == weight_bytes  # 2 bytes per parameter, bfloat16
+    assert extra == weight_bytes  # 2 bytes per parameter: a bfloat16 weight's low 16 bits
     for s in state.values():
-        assert s["compensation"].dtype == torch.bfloat16
+        assert s["compensation"].dtype == torch.int16
         assert s["exp_avg"].dtype == torch.float32  # moments are state, not weights
 
 
@@ -131,7 +137,9 @@ def reference_step(
             s["step"] = 0
             s["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
             s["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-            if p.dtype != torch.float32 and group["compensation"] == "kahan":
+            if p.dtype == torch.bfloat16 and group["compensation"] == "kahan":
+                s["compensation"] = torch.zeros_like(p, dtype=torch.int16)
+            elif p.dtype != torch.float32 and group["compensation"] == "kahan":
                 s["compensation"] = torch.zeros_like(p)
         s["step"] += 1
         t = s["step"]
@@ -140,11 +148,16 @@ def reference_step(
         s["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
         denom = s["exp_avg_sq"].sqrt().div_((1.0 - beta2**t) ** 0.5).add_(eps)
         u = (s["exp_avg"] / denom).mul_(-lr / (1.0 - beta1**t))
-        w = p.float()
+        joined = p.dtype == torch.bfloat16 and group["compensation"] == "kahan"
+        w = join_float32(p, s["compensation"]) if joined else p.float()
         if decay:
             u.add_(w * (-lr * decay))
         if p.dtype == torch.float32:
             p.add_(u)
+        elif joined:  # the float32 value, as bfloat16 high and int16 low bits
+            high, low = split_float32(w + u)
+            p.copy_(high)
+            s["compensation"].copy_(low)
         elif group["compensation"] == "kahan":
             c = s["compensation"]
             corrected = u + c.float()
@@ -352,7 +365,7 @@ def test_the_kahan_compensation_is_saved_in_the_weights_float32_values(tmp_path)
     model, opt = _small("bfloat16", "O3")
     _steps(model, opt, 30)
     inner = opt.optimizers[0]
-    whole = model[1].weight.float() + inner.state[model[1].weight]["compensation"].float()
+    whole = compensated_value(model[1].weight, inner.state[model[1].weight]["compensation"])
     assert not torch.equal(whole, model[1].weight.float())
     path = mp.save_checkpoint(tmp_path / "o3.safetensors", model, opt)
     again, again_opt = _small("mixed_bfloat16", "O2")
@@ -384,10 +397,12 @@ def test_a_state_saved_at_o2_resumes_at_o3_with_the_masters_digits_as_its_compen
         group["lr"] = 0.0
     _steps(again, again_opt, 1)  # raised KeyError
     state = again_opt.optimizers[0].state[again[1].weight]
-    lost = (master - weight.float()).to(torch.bfloat16)
-    assert state["step"] == 4 and lost.abs().max() > 0
-    assert torch.equal(state["compensation"], lost)
-    assert torch.equal(again[1].weight, weight)
+    assert state["step"] == 4 and state["compensation"].any()
+    # The weight and its low bits are the saved master, exactly; the weight is the
+    # master rounded (to nearest: ties away from zero, where torch's cast went to even).
+    assert torch.equal(join_float32(again[1].weight, state["compensation"]), master)
+    assert torch.equal(again[1].weight, split_float32(master)[0])
+    assert (again[1].weight != weight).float().mean() < 0.01  # ties only
     fresh, fresh_opt = _small("bfloat16", "O3")  # a run from scratch starts at zero
     for group in fresh_opt.param_groups:
         group["lr"] = 0.0
@@ -408,3 +423,26 @@ def test_an_o3_kahan_run_resumes_at_o3_bit_for_bit(tmp_path):
     _steps(again, again_opt, 5)
     for a, b in zip(model.parameters(), again.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_kahan_keeps_bfloat16_updates_below_its_own_precision():
+    """A review's case: at lr 3e-6 a bfloat16 gain near 1 never moved with Kahan's
+    bfloat16 buffer (updates below about |w| * 2**-17 were rounded away in the buffer
+    itself; 23% of float64's movement here). The int16 low bits make weight and buffer the
+    float32 value: within 1% of a float64 AdamW's movement, and the weight moved."""
+    start = torch.tensor([0.3125, 1.0, 4.0]).repeat_interleave(32)
+    w = torch.nn.Parameter(start.to(torch.bfloat16))
+    ref = torch.nn.Parameter(start.double())
+    ours = CompensatedAdamW([w], lr=3e-6, weight_decay=0.0)
+    exact = torch.optim.AdamW([ref], lr=3e-6, weight_decay=0.0)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3000):
+        grad = (torch.randn(96, generator=g) * 0.05 + 0.1).to(torch.bfloat16)
+        w.grad, ref.grad = grad, grad.double()
+        ours.step()
+        exact.step()
+    value = join_float32(w, ours.state[w]["compensation"]).double()
+    moved, moved_exact = (start.double() - value), (start.double() - ref.detach())
+    assert moved_exact.abs().min() > 5e-3
+    torch.testing.assert_close(moved, moved_exact, rtol=1e-2, atol=0.0)
+    assert bool((w.float() != start)[start < 1.5].all())  # the 16-bit weights moved too

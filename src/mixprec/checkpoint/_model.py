@@ -23,6 +23,7 @@ from mixprec._live_masters import (
 from mixprec._plain_optimizers import is_wrapped
 from mixprec.checkpoint.format import CheckpointError
 from mixprec.optim import LossScaleOptimizer
+from mixprec.optim.compensated import compensated_value
 
 __all__ = [
     "check_arguments",
@@ -155,7 +156,7 @@ def _compensated(
                 and param.dtype in HALF_DTYPES
                 and lost.shape == param.shape
             ):
-                whole = param.detach().float() + lost.float()
+                whole = compensated_value(param, lost)
                 values.update(dict.fromkeys(names.get(id(param), []), whole))
     return values
 

@@ -43,6 +43,7 @@ from mixprec.checkpoint.format import CheckpointError, LoadReport, OnRange, _cut
 from mixprec.checkpoint.read import read_checkpoint
 from mixprec.checkpoint.read import trainer_state as stored_trainer_state
 from mixprec.optim import LossScaleOptimizer
+from mixprec.optim.compensated import compensated_value
 from mixprec.optim.layouts import lay_state_as_params
 from mixprec.optim.state_dict import checked_elsewhere
 
@@ -306,7 +307,7 @@ def _optimizer_state(
                 f"master {tuple(master.shape)}"
             )
         kept = lost.get(id(master))  # an O3 run's Kahan compensation: what rounding lost
-        masters.append(value.float() + kept.float() if kept is not None else value.float())
+        masters.append(compensated_value(value, kept) if kept is not None else value.float())
     state["master_weights"] = masters
     return state
 

@@ -5,8 +5,13 @@ place (2**-9 relative) is rounded away, so late in training, with small learning
 stops learning where O2 (float32 masters) goes on. Two remedies, neither keeping a float32
 copy of the weights:
 
-- ``compensation="kahan"``: a 16-bit buffer per weight holds what rounding lost last time
-  and feeds it into the next update (Kahan summation): 2 extra bytes per parameter.
+- ``compensation="kahan"``: a 16-bit buffer per weight holds what rounding lost, 2 extra
+  bytes per parameter. For a bfloat16 weight it is the low 16 bits of the float32 value
+  the weight is the high 16 bits of (``split_float32``): the two together are that float32
+  value exactly, so updates as small as float32 keeps count. (A bfloat16 buffer of the
+  rounding error, Kahan summation, itself rounded away updates below about
+  ``|w| * 2**-17``: at lr 3e-6 a LayerNorm gain near 1 never moved.) For a float16 weight
+  it is Kahan's: the rounding error, in float16, fed into the next update.
 - ``compensation="stochastic"``: round the float32 result up or down at random, with the
   probabilities that make the rounding unbiased on average (bfloat16 only): no extra bytes.
 
@@ -26,7 +31,8 @@ from mixprec._dtypes import dtype_name
 from mixprec._errors import ArgumentError, is_number
 from mixprec._live_masters import float32_start
 
-__all__ = ["CompensatedAdamW", "stochastic_round"]
+__all__ = ["CompensatedAdamW", "compensated_value", "join_float32", "split_float32",
+           "stochastic_round"]  # fmt: skip
 
 Compensation = Literal["kahan", "stochastic", "none"]
 
@@ -44,6 +50,41 @@ def stochastic_round(
                           generator=generator)  # fmt: skip
     rounded = (bits + noise) & -65536  # 0xFFFF0000 as a signed 32-bit mask
     return rounded.view(torch.float32).to(torch.bfloat16)
+
+
+def split_float32(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 -> (bfloat16, int16): the value rounded to bfloat16 (to nearest, ties away
+    from zero) and what that left out, as the int16 difference of the bit patterns, which
+    such rounding keeps within [-2**15, 2**15 - 1]. ``join_float32`` gives back ``values``
+    exactly."""
+    bits = values.float().contiguous().view(torch.int32)
+    high = bits.add(0x8000).bitwise_and_(-65536)  # 0xFFFF0000 as a signed 32-bit mask
+    low = bits.sub(high).to(torch.int16)
+    return high.bitwise_right_shift_(16).to(torch.int16).view(torch.bfloat16), low
+
+
+def _split_into(values: torch.Tensor, weight: torch.Tensor, low: torch.Tensor) -> None:
+    """``split_float32`` of float32 ``values`` (used up) into ``weight`` and ``low``, in
+    place: the int32 results are in range, so the copies into int16 are exact."""
+    bits = values.view(torch.int32)
+    high = bits.add(0x8000).bitwise_and_(-65536)
+    low.copy_(bits.sub_(high))
+    weight.view(torch.int16).copy_(high.bitwise_right_shift_(16))
+
+
+def join_float32(weight: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The float32 value of a bfloat16 ``weight`` and its int16 ``low`` bits."""
+    bits = weight.detach().contiguous().view(torch.int16).to(torch.int32)
+    return bits.bitwise_left_shift_(16).add_(low).view(torch.float32)
+
+
+def compensated_value(weight: torch.Tensor, compensation: torch.Tensor) -> torch.Tensor:
+    """The float32 value a 16-bit weight and its ``CompensatedAdamW`` compensation stand
+    for: joined bits (bfloat16, int16 buffer), or the sum (Kahan's float16 buffer, or a
+    bfloat16 one saved before the int16 buffer)."""
+    if compensation.dtype == torch.int16:
+        return join_float32(weight.to(torch.bfloat16), compensation)
+    return weight.detach().float() + compensation.float()
 
 
 class CompensatedAdamW(torch.optim.Optimizer):
@@ -105,23 +146,25 @@ class CompensatedAdamW(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's, with the float32 moments kept as saved: torch casts floating state to
-        the parameter's dtype, which would round a 16-bit weight's moments to 16 bits; and
-        the ``generator``'s state where it was saved."""
+        """torch's, with the float32 moments and the compensation kept as saved: torch casts
+        state to the parameter's dtype, which would round a 16-bit weight's moments to 16
+        bits and turn its int16 low bits into bfloat16 numbers; and the ``generator``'s
+        state where it was saved."""
         state_dict = dict(state_dict)
         generator_state = state_dict.pop("generator_state", None)
         if generator_state is not None and self.generator is not None:
             self.generator.set_state(generator_state)
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
-        moments = {
-            i: {k: v for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")}
+        kept = {
+            i: {k: v for k, v in state.items() if k in ("exp_avg", "exp_avg_sq", "compensation")}
             for i, state in state_dict["state"].items()
         }
         super().load_state_dict(state_dict)
         params = [p for group in self.param_groups for p in group["params"]]
         for i, p in zip(saved_ids, params, strict=True):
-            for key, value in moments.get(i, {}).items():
-                self.state[p][key] = value.to(p.device, torch.float32, copy=True)
+            for key, value in kept.get(i, {}).items():
+                dtype = value.dtype if key == "compensation" else torch.float32
+                self.state[p][key] = value.to(p.device, dtype, copy=True)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -144,6 +187,10 @@ class CompensatedAdamW(torch.optim.Optimizer):
                 kahan = p.dtype != torch.float32 and group["compensation"] == "kahan"
                 if kahan and "compensation" not in state:  # also a state loaded without it
                     state["compensation"] = _compensation(p)
+                elif _joined(p, group) and state["compensation"].is_floating_point():
+                    # Saved as Kahan's bfloat16 buffer (before the int16 low bits).
+                    whole = p.detach().float() + state["compensation"].float()
+                    state["compensation"] = _as_low_bits(p, whole)
                 state["step"] += 1
             self._update(group, params)
         return loss
@@ -165,14 +212,20 @@ class CompensatedAdamW(torch.optim.Optimizer):
         torch._foreach_add_(denom, eps)
         updates = torch._foreach_div(exp_avg, denom)
         torch._foreach_mul_(updates, [-lr / (1.0 - beta1**t) for t in steps])
-        weights = [p.float() for p in params]
+        # A bfloat16 weight with its low bits: the float32 value, decayed and updated whole.
+        weights = [
+            join_float32(p, s["compensation"]) if _joined(p, group) else p.float()
+            for p, s in zip(params, states, strict=True)
+        ]
         if decay:
             torch._foreach_add_(updates, torch._foreach_mul(weights, -lr * decay))
         for p, w, u, s in zip(params, weights, updates, states, strict=True):
             if p.dtype == torch.float32:
                 p.add_(u)
+            elif _joined(p, group):
+                _split_into(w.add_(u), p.detach(), s["compensation"])
             elif group["compensation"] == "kahan":
-                # Kahan: add what rounding lost last step; keep what it loses this step.
+                # Kahan (float16): add what rounding lost last step; keep what it loses now.
                 c = s["compensation"]
                 corrected = u + c.float()
                 new = (w + corrected).to(p.dtype)
@@ -184,13 +237,29 @@ class CompensatedAdamW(torch.optim.Optimizer):
                 p.copy_((w + u).to(p.dtype))
 
 
+def _joined(p: torch.Tensor, group: dict[str, Any]) -> bool:
+    return p.dtype == torch.bfloat16 and group["compensation"] == "kahan"
+
+
 def _compensation(p: torch.Tensor) -> torch.Tensor:
-    """Kahan's buffer for a 16-bit weight at its first step: what its rounding lost from
-    the float32 values it stands for (a float32 checkpoint or an O2 run's masters loaded
-    into it), so that an O3 run goes on from them; zeros where it stands for none. A
-    state saved at O2 holds none: resumed at O3, the step raised ``KeyError``."""
+    """The buffer of a 16-bit weight at its first step: what its rounding lost from the
+    float32 values it stands for (a float32 checkpoint or an O2 run's masters loaded into
+    it), so that an O3 run goes on from them; zeros where it stands for none. A state
+    saved at O2 holds none: resumed at O3, the step raised ``KeyError``."""
     start, _ = float32_start(p)
+    if p.dtype == torch.bfloat16:
+        return _as_low_bits(p, start)
     return (start - p.detach().float()).to(p.dtype)
+
+
+def _as_low_bits(p: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 weight's buffer as int16 low bits of the float32 values it stands for:
+    the weight is rounded anew from them (``split_float32`` rounds ties away from zero,
+    torch's casts to even)."""
+    high, low = split_float32(whole)
+    with torch.no_grad():
+        p.copy_(high)
+    return low
 
 
 #: The weights it updates: float32 as torch's AdamW, 16-bit through float32. A float64
