@@ -285,3 +285,25 @@ def test_a_model_prepared_on_the_meta_device_keeps_its_notes_through_to_empty(le
         from_meta, opt = trained(True)
     assert isinstance(opt.loss_scaler, mp.DynamicLossScaler)
     assert torch.equal(from_meta, on_cpu)
+
+
+def test_a_keeper_whose_module_is_not_whole_yet_waits_for_the_next_call():
+    """torch.load of a whole model in another thread, half way: a keeper was taken
+    before its module's state was set, raised AttributeError '_parameters' in an
+    unrelated optimizer's step, and its registration was lost."""
+    import pickle
+
+    from mixprec import _param_tags
+
+    model = mp.auto_mixed_precision(nn.Sequential(nn.Linear(2, 2)), "mixed_float16", "O1")
+    keeper = _param_tags.keeper_of(model)
+    half_built = nn.Module.__new__(nn.Module)  # as the unpickler holds it before __setstate__
+    state = dict(keeper.__dict__, module=half_built)
+    waiting = _param_tags.TagKeeper.__new__(_param_tags.TagKeeper)
+    waiting.__setstate__(state)
+    _param_tags.unpickled_keepers()  # raised AttributeError
+    assert any(ref() is waiting for ref in _param_tags._UNPICKLED)
+    loaded = pickle.loads(pickle.dumps(model))
+    half_built.__setstate__(dict(loaded.__dict__))  # now whole
+    _param_tags.unpickled_keepers()
+    assert not any(ref() is waiting for ref in _param_tags._UNPICKLED)

@@ -347,3 +347,70 @@ def test_a_dropped_optimizers_tracer_takes_its_hooks_with_it():
     assert hooks() - before == one_tracer == 5  # 4 modules' forward hooks, the root's pre-hook
     opt.backward(model(torch.full((2, 8), 1e4)).float().sum() * 1e4)
     assert opt.step().overflow is not None  # the live one still traces
+
+
+def test_a_traced_model_pickles_and_its_copies_do_not_record_into_the_tracer():
+    """The hooks were closures: torch.save(model) raised "Can't pickle local object"
+    under trace_overflow (also from a callback at the step the Trainer traces itself), and
+    a deep copy kept hooks recording into the original's tracer, which then blamed the
+    copy's forward overflow on the original's layer."""
+    import copy
+    import io
+
+    model = nn.Sequential(identity_linear(4), HalfGain(), identity_linear(4))
+    tracer = OverflowTracer(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    forked = copy.deepcopy(model)
+    x = torch.full((1, 4), 2.0, requires_grad=True)  # overflows in HalfGain
+    for other in (loaded, forked):
+        other(x).sum().backward()
+    assert tracer.first_overflow() is None  # the copies' passes are not the model's
+    model(x).sum()
+    assert tracer.first_overflow().module == "1"  # the model itself is still traced
+
+
+def test_trace_overflow_true_traces_every_model_one_optimizer_steps():
+    """mixprec's advice for two models in one loop is one LossScaleOptimizer over both;
+    trace_overflow=True hooked the first model alone, and an overflow in the second
+    skipped the step with overflow None, unsaid."""
+    import mixprec as mp
+
+    a = mp.auto_mixed_precision(nn.Sequential(nn.Linear(4, 4)), "mixed_float16", "O2")
+    b = mp.auto_mixed_precision(
+        nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), "mixed_float16", "O2"
+    )
+    opt = mp.LossScaleOptimizer(
+        [torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)],
+        trace_overflow=True,
+    )
+    with torch.no_grad():
+        b[0].weight.fill_(2e4)  # 4 inputs of 1: 8e4, past float16's 65504
+    x = torch.ones(2, 4)
+    opt.backward(a(x).float().sum() + b(x).float().sum())
+    result = opt.step()
+    assert not result.applied
+    assert result.overflow is not None and result.overflow.module == "0"
+    assert result.overflow.phase == "forward" and result.overflow.kind == "Linear"
+
+
+def test_a_backward_no_step_followed_is_not_blamed_for_the_next_steps_overflow():
+    """User code raised between backward and step; the loop went on. The tracer kept the
+    abandoned batch's records, and the next overflowing step named its module."""
+    import mixprec as mp
+
+    model = mp.auto_mixed_precision(
+        nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)), "mixed_float16", "O2"
+    )
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), trace_overflow=True)
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+    opt.backward(model(torch.full((2, 4), 1e5)).float().sum())  # overflows in '0'; no step
+    opt.zero_grad()
+    with torch.no_grad():
+        model[2].weight.fill_(3e4)  # '0' gives about 4 each: 4 * 4 * 3e4 overflows in '2'
+    opt.backward(model(torch.ones(2, 4)).float().sum())  # finite until '2'
+    found = opt.step().overflow
+    assert found is not None and found.module == "2", found

@@ -26,6 +26,7 @@ from mixprec._strides import laid_out_as
 from mixprec._warn import warn_at_caller
 
 __all__ = [
+    "drop_note",
     "float32_start",
     "float32_values",
     "forget_gone_master",
@@ -47,6 +48,12 @@ def note_master(p: torch.Tensor, master: torch.Tensor, stored: torch.dtype) -> N
     master holds them."""
     _LATEST[p] = (weakref.ref(master, functools.partial(_died, weakref.ref(p))), stored)
     p.__dict__.pop(FP32_COPY_ATTR, None)
+
+
+def drop_note(p: torch.Tensor) -> None:
+    """``p``'s master was never used (its wrap was refused): no note of it, nor of its
+    death, is kept."""
+    _LATEST.pop(p, None)
 
 
 def _died(weight: weakref.ref[torch.Tensor], _: object) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
 import weakref
 from typing import Any
 
@@ -85,9 +86,10 @@ class TagKeeper:
         # Unpickled (torch.load of a whole model): its module is not whole yet, so the
         # on_copy calls wait until something asks (``unpickled_keepers``).
         self.__dict__.update(state)
-        if len(_UNPICKLED) >= 64:  # models loaded for inference alone are never looked for
-            _UNPICKLED[:] = [ref for ref in _UNPICKLED if ref() is not None]
-        _UNPICKLED.append(weakref.ref(self))
+        with _TAKING:
+            if len(_UNPICKLED) >= 64:  # models loaded for inference alone are never asked for
+                _UNPICKLED[:] = [ref for ref in _UNPICKLED if ref() is not None]
+            _UNPICKLED.append(weakref.ref(self))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> TagKeeper:
         # Called while the module is being copied: its copy (in memo) is still empty, so the
@@ -122,8 +124,10 @@ def carry_on_copy(call: Any) -> None:
     _CARRIED.append(call)
 
 
-# TagKeepers unpickled since the last ``unpickled_keepers()``, weakly.
+# TagKeepers unpickled since the last ``unpickled_keepers()``, weakly; taken under a lock
+# (reentrant: an on_copy call may ask again), as another thread may be unpickling.
 _UNPICKLED: list[weakref.ref[TagKeeper]] = []
+_TAKING = threading.RLock()
 
 
 def unpickled_keepers() -> None:
@@ -132,14 +136,27 @@ def unpickled_keepers() -> None:
     model, for adapters added later; trace.py) are filled again, as for a deep copy. The
     notes go back on the parameters first: torch.multiprocessing rebuilds a parameter
     without its ``__dict__`` (a model given to ``spawn``, a ``Pool``, a ``Queue``), and a
-    float16 O1 child took itself for float32 and did no loss scaling, unsaid."""
-    while _UNPICKLED:
-        keeper = _UNPICKLED.pop()()
-        if keeper is not None:
+    float16 O1 child took itself for float32 and did no loss scaling, unsaid.
+
+    A keeper whose module is not whole yet (a ``torch.load`` in another thread, half way)
+    waits for the next call: taken, it raised AttributeError '_parameters' in an unrelated
+    optimizer's step, and its registration was lost."""
+    if not _UNPICKLED:
+        return
+    with _TAKING:
+        waiting = []
+        while _UNPICKLED:
+            keeper = _UNPICKLED.pop()()
+            if keeper is None:
+                continue
+            if "_parameters" not in keeper.module.__dict__:  # its __setstate__ not run yet
+                waiting.append(weakref.ref(keeper))
+                continue
             keeper.apply(keeper.module)
             params = list(keeper.module.parameters())
             for call in keeper.on_copy:
                 call(keeper.module, params)
+        _UNPICKLED.extend(waiting)
 
 
 def tag(module: nn.Module, attrs: dict[str, Any], watch_loads: bool = False) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,9 +67,11 @@ def _summary(t: torch.Tensor) -> torch.Tensor:
 
 
 class OverflowTracer:
-    """Installs the hooks on ``model``; ``first_overflow()`` after a bad step."""
+    """Installs the hooks on ``model`` (or on each of several: one optimizer may step
+    several models); ``first_overflow()`` after a bad step."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module | Sequence[nn.Module]) -> None:
+        models = [model] if isinstance(model, nn.Module) else list(model)
         self._records: list[tuple[str, str, str, str, torch.Tensor]] = []
         # The model's forwards since the last gradient arrived: where each began in the
         # records, and its output, weakly. At the next forward, one whose output is gone
@@ -81,17 +84,13 @@ class OverflowTracer:
         # dropped (a cell run again, a second phase) kept recording every step into records
         # no step cleared (+1.1 MB a step on a 12-layer transformer), its hooks on the model.
         me = weakref.ref(self)
-
-        def on_model_forward(module: nn.Module, args: Any) -> None:
-            tracer = me()
-            if tracer is not None:
-                tracer._on_model_forward(module, args)
-
-        self._model = weakref.ref(model)
-        self._handles = [model.register_forward_pre_hook(on_model_forward)]
-        for name, module in model.named_modules():
-            hook = _forward_hook(me, name or ROOT_NAME, type(module).__name__, module is model)
-            self._handles.append(module.register_forward_hook(hook))
+        self._models = [weakref.ref(m) for m in models]
+        self._handles: list[Any] = []
+        for each in models:
+            self._handles.append(each.register_forward_pre_hook(_ModelForward(me)))
+            for name, module in each.named_modules():
+                hook = _ModuleForward(me, name or ROOT_NAME, type(module).__name__, module is each)
+                self._handles.append(module.register_forward_hook(hook))
         weakref.finalize(self, _remove_all, self._handles)
 
     def _on_model_forward(self, module: nn.Module, args: Any) -> None:
@@ -137,18 +136,27 @@ class OverflowTracer:
         own gradient did (``x^T @ grad`` in 16 bits, from one input feature of 6e4). The
         module that holds it, the first in backward order (the last to run forward); read
         only on such a step, one parameter at a time."""
-        model = self._model()
-        for name, module in reversed(list(model.named_modules()) if model is not None else []):
-            for p in module.parameters(recurse=False):
-                if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                    bad, low, high = _summary(p.grad).tolist()
-                    kind, dtype = type(module).__name__, dtype_name(p.grad.dtype)
-                    return Overflow(name or ROOT_NAME, kind, "weight gradient", dtype, int(bad),
-                                    low, high)  # fmt: skip
+        for ref in self._models:
+            found = _weight_gradient_overflow_in(ref())
+            if found is not None:
+                return found
         return None
 
     def remove(self) -> None:
         _remove_all(self._handles)
+
+
+def _weight_gradient_overflow_in(model: nn.Module | None) -> Overflow | None:
+    """``model``'s module whose weight gradient is non-finite, the first in backward
+    order; see ``OverflowTracer._weight_gradient_overflow``."""
+    for name, module in reversed(list(model.named_modules()) if model is not None else []):
+        for p in module.parameters(recurse=False):
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                bad, low, high = _summary(p.grad).tolist()
+                kind, dtype = type(module).__name__, dtype_name(p.grad.dtype)
+                return Overflow(name or ROOT_NAME, kind, "weight gradient", dtype, int(bad),
+                                low, high)  # fmt: skip
+    return None
 
 
 def _remove_all(handles: list[Any]) -> None:
@@ -157,17 +165,54 @@ def _remove_all(handles: list[Any]) -> None:
     handles.clear()
 
 
-def _forward_hook(me: weakref.ref[OverflowTracer], name: str, kind: str, root: bool) -> Any:
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
+class _Hook:
+    """A tracer's hook on a module, reaching the tracer weakly. A copy of the module
+    (``copy.deepcopy``, ``torch.save(model)``, a spawned DataLoader worker) gets one that
+    does nothing: the copy is not what the tracer traces (its forwards were blamed on the
+    original's layers), and closures made every traced model unpicklable."""
+
+    def __init__(self, me: weakref.ref[OverflowTracer]) -> None:
+        self.me = me
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _inert, ()
+
+
+def _inert() -> Any:
+    return _does_nothing
+
+
+def _does_nothing(*args: Any) -> None:
+    return None
+
+
+class _ModelForward(_Hook):
+    """The traced model's forward pre-hook: where a forward's records begin."""
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        tracer = self.me()
+        if tracer is not None:
+            tracer._on_model_forward(module, args)
+
+
+class _ModuleForward(_Hook):
+    """A module's forward hook: its output's summary, and its gradient's in the backward."""
+
+    def __init__(self, me: weakref.ref[OverflowTracer], name: str, kind: str, root: bool) -> None:
+        super().__init__(me)
+        self.name, self.kind, self.root = name, kind, root
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             _off_under_compile()
             return
+        me, name, kind = self.me, self.name, self.kind
         tracer = me()
         out = first_floating(output)
         if tracer is None or out is None or not torch.is_grad_enabled():  # evaluation
             return
         tracer._records.append((name, kind, "forward", dtype_name(out.dtype), _summary(out)))
-        if root and out.requires_grad and tracer._pending:  # a backward may follow it
+        if self.root and out.requires_grad and tracer._pending:  # a backward may follow it
             tracer._pending[-1] = (tracer._pending[-1][0], weakref.ref(out))
         if out.requires_grad:
 
@@ -180,8 +225,6 @@ def _forward_hook(me: weakref.ref[OverflowTracer], name: str, kind: str, root: b
                     )
 
             out.register_hook(on_grad)
-
-    return hook
 
 
 def _off_under_compile() -> bool:

@@ -749,6 +749,27 @@ def test_a_gradient_another_optimizer_scaled_differently_is_said():
         opt_b.step()
 
 
+def test_an_unrelated_models_backward_before_a_clip_of_ones_own_is_not_said():
+    """Model A (float16, scale 65536) and model B (bfloat16, scale 1) share nothing; B
+    clips its own gradients between its backward and step, as it may at scale 1. A's
+    backward in between was taken for an addition to B's gradients: B said they came out
+    65536 times too large and advised merging the optimizers."""
+    a = mp.auto_mixed_precision(make_mlp(0), "mixed_float16", "O1")
+    b = mp.auto_mixed_precision(make_mlp(1), "mixed_bfloat16", "O2")
+    opt_a = mp.LossScaleOptimizer(torch.optim.SGD(a.parameters(), lr=0.1))
+    opt_b = mp.LossScaleOptimizer(torch.optim.SGD(b.parameters(), lr=0.1))
+    x, y = classification_data(n=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+            opt_b.backward(nn.functional.cross_entropy(b(x), y))
+            opt_a.backward(nn.functional.cross_entropy(a(x), y))
+            nn.utils.clip_grad_norm_(b.parameters(), 0.01)
+            assert opt_b.step().applied and opt_a.step().applied
+
+
 def test_a_loop_that_steps_whole_groups_applies_an_epochs_shorter_last_group_as_its_mean():
     """10 batches at accumulation_steps=4, step() every 4th and at the epoch's end (the loop
     Hugging Face documents): the last 2 were refused as "2 backward() calls" and dropped,
@@ -851,11 +872,42 @@ def test_a_refused_wrap_leaves_the_torch_optimizer_stepping_the_model(build, sai
 
 
 def test_a_parameter_in_two_optimizers_puts_back_every_group_adopted():
+    """Also the float32 values: the masters made before the refusal went with it, and
+    the wrap retried once fixed started from the 16-bit roundings (4.9e-4 off) and said
+    an earlier optimizer was gone."""
+    float32 = make_mlp()
     model = mp.auto_mixed_precision(make_mlp(), "mixed_float16", "O2")
     every = list(model.parameters())
     first, second = torch.optim.SGD(every, lr=0.1), torch.optim.Adam(every[:1])
-    with pytest.raises(mp.ArgumentError, match=r"already a parameter of this LossScaleOptimizer"):
+    with pytest.raises(
+        mp.ArgumentError,
+        match=r"optimizers\[1\]\.param_groups\[0\]\['params'\]\[0\].*already a parameter",
+    ):
         mp.LossScaleOptimizer([first, second])
     assert all(a is b for a, b in zip(every, first.param_groups[0]["params"], strict=True))
     assert second.param_groups[0]["params"][0] is every[0]
-    mp.LossScaleOptimizer(first)  # wraps once fixed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "masters in an earlier LossScaleOptimizer"
+        opt = mp.LossScaleOptimizer(first)  # wraps once fixed
+    masters = dict(opt.master_weights())
+    for p, q in zip(every, float32.parameters(), strict=True):
+        if p.dtype == torch.float16:
+            assert torch.equal(masters[p], q.detach())  # the exact float32 values
+
+
+def test_a_copy_taken_between_backward_and_step_holds_no_pending_micro_batch():
+    """torch drops .grad in a deep copy: the copy's optimizer still counted the original's
+    micro-batch, and its next backward was refused as "model.zero_grad() between
+    micro-batches?"."""
+    import copy
+
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    opt = mp.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
+    x, y = classification_data(n=16)
+    opt.backward(nn.functional.cross_entropy(model(x), y))
+    model2, opt2 = copy.deepcopy((model, opt))
+    assert opt.pending_micro_steps == 1 and opt2.pending_micro_steps == 0
+    for _ in range(2):
+        opt2.backward(nn.functional.cross_entropy(model2(x), y))
+        result = opt2.step()
+    assert result.applied

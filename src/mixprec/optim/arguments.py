@@ -10,7 +10,7 @@ from torch import nn
 
 from mixprec._errors import ArgumentError, shown
 from mixprec.scaling import LossScaler
-from mixprec.trace import model_of
+from mixprec.trace import models_of
 
 __all__ = ["checked_arguments", "checked_options", "traced_model"]
 
@@ -95,15 +95,19 @@ def checked_options(
         raise ArgumentError(f"keep_grad_buffers must be True or False, got {keep_grad_buffers!r}")
 
 
-def traced_model(trace_overflow: bool | nn.Module, params: list[torch.Tensor]) -> nn.Module | None:
-    """The model ``trace_overflow`` asks to trace (``None``: no tracing), refused before
-    anything is built where ``True`` finds no prepared model over ``params``."""
+def traced_model(
+    trace_overflow: bool | nn.Module, params: list[torch.Tensor]
+) -> list[nn.Module] | None:
+    """The models ``trace_overflow`` asks to trace (``None``: no tracing): the one given,
+    or with ``True`` every prepared model over ``params`` (one optimizer over two models
+    traced the first alone, unsaid); refused before anything is built where ``True``
+    finds none."""
     if trace_overflow is False:
         return None
-    model = trace_overflow if isinstance(trace_overflow, nn.Module) else model_of(params)
-    if model is None:
+    models = [trace_overflow] if isinstance(trace_overflow, nn.Module) else models_of(params)
+    if not models:
         raise ArgumentError(
             "trace_overflow=True: pass the model (trace_overflow=model) unless it was "
             "prepared with auto_mixed_precision"
         )
-    return model
+    return models

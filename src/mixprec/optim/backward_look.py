@@ -54,6 +54,7 @@ class BackwardLook:
         self.versions: list[int] | None = None
         self.weights: list[tuple[int, int]] | None = None  # the 16-bit weights' versions
         self.seen = 0  # the count of looked-at backwards (any optimizer's) after its own
+        self.norm: torch.Tensor | None = None  # the gradients' norm after its own backward
         self.hooks_looked = False  # the parameters' gradient hooks (first_scaled_loss)
 
     def backward(self, opt: LossScaleOptimizer, loss: torch.Tensor, kwargs: dict[str, Any]) -> None:
@@ -70,6 +71,7 @@ class BackwardLook:
         self._before_backward(params, opt._book.micro, opt.accumulation_steps)
         opt.get_scaled_loss(loss).backward(**kwargs)
         self.versions = grad_versions(params)
+        self.norm = _total_norm(params)  # read only if another optimizer's backward follows
         self.weights = opt._weights.half_versions()
         self.seen = _note_backward(opt._loss_scaler.get_scale())  # no fold of device steps
 
@@ -108,6 +110,14 @@ class BackwardLook:
                     "step, or not at all between micro-batches"
                 )
 
+    def _grew(self, params: list[torch.Tensor]) -> bool:
+        """Whether the gradients grew since this optimizer's own backward: another
+        backward added to them. An own clip (``clip_grad_norm_`` at scale 1, legitimate)
+        only shrinks them; another model's optimizer at another scale, sharing nothing,
+        was taken for an addition."""
+        then, now = self.norm, _total_norm(params)
+        return then is None or now is None or bool(now > then * 1.001)
+
     def before_unscale(self, weights: MasterWeights, scale: float) -> None:
         then, self.versions = self.versions, None
         if then is None or torch.compiler.is_compiling():
@@ -124,7 +134,7 @@ class BackwardLook:
             if v != -1 and p.grad is not None
         ]
         others = [s for count, s in _RECENT if count > self.seen and s != scale]
-        if others and any(g._version != v for g, v in present):
+        if others and any(g._version != v for g, v in present) and self._grew(params):
             self.steps = self.STEPS  # said once
             warn_at_caller(
                 "another LossScaleOptimizer's backward, at loss scale "
@@ -148,6 +158,11 @@ class BackwardLook:
                 "mp.LossScaleOptimizer([opt_a, opt_b]). (A linear edit, such as averaging them "
                 "over ranks yourself, is exact under the scale: then nothing is wrong; said once)"
             )
+
+
+def _total_norm(params: list[torch.Tensor]) -> torch.Tensor | None:
+    grads = [p.grad for p in params if p.grad is not None and not p.grad.is_sparse]
+    return torch.stack(torch._foreach_norm(grads)).norm() if grads else None
 
 
 def _say_if_loss_16bit(loss: torch.Tensor, scale: float) -> None:

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mixprec._errors import MisuseError
+from mixprec._float32_copies import remember_float32
+from mixprec._live_masters import drop_note
 from mixprec.optim.checks import say_if_grads_unfilled, say_if_masters_lost
 from mixprec.optim.fused import _fuse
 from mixprec.optim.in_place import say_what_in_place_loses
@@ -33,17 +35,36 @@ def adopt_all(weights: MasterWeights, optimizers: list[torch.optim.Optimizer]) -
     """At the wrap: every group's parameters as masters, all or none. A group refused half
     way (a parameter in two groups) puts back those adopted, so that the torch optimizers
     step the model's weights again and can be wrapped once fixed (they held detached
-    masters, and their own step moved nothing)."""
+    masters, and their own step moved nothing). The masters made go back as the
+    weights' float32 values, and the state moved to them back to the weights: a wrap
+    retried once fixed started its masters from the 16-bit roundings (4.9e-4 off), and
+    said that an earlier optimizer was gone."""
     given = [[group["params"] for group in inner.param_groups] for inner in optimizers]
     try:
-        for inner in optimizers:
+        for k, inner in enumerate(optimizers):
+            which = f"optimizers[{k}]." if len(optimizers) > 1 else ""
             for i, group in enumerate(inner.param_groups):
-                group["params"] = weights.adopt(inner, group["params"], f"param_groups[{i}]")
+                where = f"{which}param_groups[{i}]"
+                group["params"] = weights.adopt(inner, group["params"], where)
     except BaseException:
         for inner, params in zip(optimizers, given, strict=True):
             for group, own in zip(inner.param_groups, params, strict=True):
                 group["params"] = own
+            for p, master in zip(weights.half, weights.masters, strict=True):
+                state = inner.state.pop(master, None)
+                if state:  # the moments in the weight's dtype again, as they were
+                    inner.state[p] = {k: _as_before(v, p.dtype) for k, v in state.items()}
+        # The masters made so far back onto their weights, as the float32 values they
+        # stand for: the next wrap starts from them.
+        for p, master in zip(weights.half, weights.masters, strict=True):
+            drop_note(p)
+            remember_float32(p, master.detach())
         raise
+
+
+def _as_before(value: Any, dtype: torch.dtype) -> Any:
+    tensor = torch.is_tensor(value) and value.is_floating_point() and value.dim()
+    return value.to(dtype) if tensor else value
 
 
 class ParamGroups:

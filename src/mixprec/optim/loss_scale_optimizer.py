@@ -282,6 +282,8 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
         if book.found_inf is not None:  # unscaled, then dropped (a batch skipped by hand)
             drop_unscaled_group(self)
         book.found_inf, book.no_grads, book.unscaled_versions = None, False, None
+        if self._tracer is not None:  # a backward no step followed (it raised): not blamed
+            self._tracer.clear()
         self._adopt_added_groups()  # their gradients are cleared too, as the inner's would be
         self._weights.zero_grad(set_to_none)
 
@@ -421,11 +423,4 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             scale=scale,
             grad_norm=norm_value,
             overflow=origin,
-        )
-
-    def __repr__(self) -> str:
-        return (
-            f"LossScaleOptimizer({'+'.join(type(o).__name__ for o in self.optimizers)}, "
-            f"loss_scaler={self._loss_scaler!r}, masters={len(self._weights.masters)}, "
-            f"max_grad_norm={self.max_grad_norm}, accumulation_steps={self.accumulation_steps})"
         )

@@ -25,7 +25,7 @@ from mixprec.optim.checks import refuse_accelerate_wrapper
 from mixprec.optim.layouts import lay_state_as_params, misshapen_state
 from mixprec.optim.masters import MasterWeights
 from mixprec.scaling import LossScaler, all_finite
-from mixprec.trace import model_of
+from mixprec.trace import OverflowTracer, model_of
 
 if TYPE_CHECKING:
     from mixprec.optim.loss_scale_optimizer import _Bookkeeping
@@ -59,6 +59,7 @@ class StateDictMethods:
     _loss_scaler: LossScaler
     _weights: MasterWeights
     accumulation_steps: int
+    _tracer: OverflowTracer | None
 
     if TYPE_CHECKING:
 
@@ -75,6 +76,11 @@ class StateDictMethods:
         # Unpickled or deep-copied: the guards known by the objects' identity, again (the
         # inner optimizer's own step refused, its zero_grad this one's, framework saves).
         self.__dict__.update(state)
+        # torch drops .grad in a copy and in a pickle: no backward is pending in the copy
+        # (it counted the original's, and blamed the next backward on a model.zero_grad()).
+        book = self._book
+        book.micro, book.backwards, book.fresh, book.found_inf = 0, 0, False, None
+        book.look.versions = None
         for inner in self.optimizers:
             watch_wrapped(inner, self._book, self.zero_grad)
         model = model_of(self._weights.model_params()) if self._weights.half else None
@@ -93,6 +99,8 @@ class StateDictMethods:
         self._drop_unscaled()
         self._book.fresh, self._book.backwards = False, 0
         self._weights.zero_grad(set_to_none=True)
+        if self._tracer is not None:  # the records of a backward that went with them
+            self._tracer.clear()
 
     @property
     def applied_before_raising(self) -> bool:
@@ -110,6 +118,8 @@ class StateDictMethods:
         if not book.stepped:
             self._drop_unscaled()
             book.raised = "dropped"
+            if self._tracer is not None:
+                self._tracer.clear()
             return
         if book.stepped == 1 and self._weights.half:  # the copy-back did not finish
             self._weights.copy_back()

@@ -20,6 +20,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from mixprec.optim.masters import MasterWeights
+from mixprec.scaling import LossScaler
 
 __all__ = ["InnerViews", "StateView", "StepHooks"]
 
@@ -87,6 +88,9 @@ class InnerViews:
 
     optimizers: list[torch.optim.Optimizer]
     _weights: MasterWeights
+    _loss_scaler: LossScaler
+    max_grad_norm: float | None
+    accumulation_steps: int
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -111,6 +115,13 @@ class InnerViews:
     @property
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
+
+    def __repr__(self) -> str:
+        return (
+            f"LossScaleOptimizer({'+'.join(type(o).__name__ for o in self.optimizers)}, "
+            f"loss_scaler={self._loss_scaler!r}, masters={len(self._weights.masters)}, "
+            f"max_grad_norm={self.max_grad_norm}, accumulation_steps={self.accumulation_steps})"
+        )
 
 
 class StepHooks:
