@@ -348,3 +348,37 @@ def test_a_step_that_raised_leaves_no_stale_unscale_to_the_next(fused):
     scaler.update()
     # One plain SGD step of the unscaled gradient: lr * 1 (d mean(w.x + b)/dw = x = 1).
     torch.testing.assert_close(model.weight.detach(), before - 0.01)
+
+
+def test_a_scale_driven_to_its_floor_is_said():
+    """200 NaN batches (a corrupt shard) drove the scale to its 2**-126 floor, where the
+    float16 gradients of the clean batches after were 0: ~200k steps applied as zero
+    updates, unsaid (torch's scale reaches 0 and writes NaN into the weights, loudly).
+    The health watch LossScaleOptimizer has now watches GradScaler's update too."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = mp.GradScaler("cpu")
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(150):  # 65536 * 2**-142 is below the floor
+            opt.zero_grad()
+            with torch.autocast("cpu", torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), y) * float("nan")
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    said = [str(w.message) for w in caught if w.filename == __file__]
+    assert scaler.get_scale() == 2.0**-126
+    assert any(m.startswith("loss scale fell to") for m in said), said
+    assert any(m.startswith("training is stuck: the loss scale is at its floor") for m in said)
+    quiet = mp.GradScaler("cpu")
+    quiet.health = None  # turned off, as LossScaleOptimizer's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(20):
+            opt.zero_grad()
+            quiet.scale(nn.functional.mse_loss(model(x), y) * float("nan")).backward()
+            quiet.step(opt)
+            quiet.update()

@@ -32,6 +32,7 @@ from mixprec.scaling import (
     to_float32,
     unscale_grads_,
 )
+from mixprec.scaling.health import ScalerHealth, scale_floor
 
 __all__ = ["GradScaler"]
 
@@ -172,6 +173,10 @@ class GradScaler(_Accessors):
             # Like torch, scale() must run before unscale_/step/update in each process.
             self._scale_device: torch.device | None = None
             self._per_optimizer: dict[int, _PerOptimizer] = {}
+            # As LossScaleOptimizer's (None: off). At its 2**-126 floor the scale makes
+            # float16 gradients 0: 200 NaN batches then left ~200k clean steps applied as
+            # zero updates, unsaid (torch's scale reaches 0 and writes NaN into the weights).
+            self.health: ScalerHealth | None = ScalerHealth()
 
     # -- state ------------------------------------------------------------------------------
 
@@ -360,6 +365,11 @@ class GradScaler(_Accessors):
                 for s in flags
             )
             self._scaler.update(found)
+            if self.health is not None:
+                state, floor = self._scaler.state, scale_floor(self._scaler)
+                message = self.health.observe(state, found, floor=floor)
+                if message:
+                    warnings.warn(message, UserWarning, stacklevel=2)
         self._per_optimizer = {}
 
     def _set_scale(self, new_scale: float | torch.Tensor) -> None:

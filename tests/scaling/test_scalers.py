@@ -322,3 +322,15 @@ def test_the_protocol_refuses_a_bad_scale_factor_or_flag():
     for flag in (numpy.bool_(False), 1, numpy.int64(1), found.item()):
         scaler.update(flag)
     assert scaler.state.steps == 4 and scaler.state.skipped_steps == 2
+
+
+def test_a_torch_state_whose_scale_grew_past_max_scale_says_how_to_load_it():
+    """torch's scale has no bounds (2**26 after a long clean run); the load was refused
+    with only "outside [min_scale, max_scale]"."""
+    torch_state = torch.amp.GradScaler("cpu", init_scale=2.0**26).state_dict()
+    with pytest.raises(ValueError, match=r"torch.amp.GradScaler state's 'scale'=67108864.0 is "
+                       r"outside .*build this one with max_scale=None"):  # fmt: skip
+        mp.DynamicLossScaler().load_state_dict(torch_state)
+    unbounded = mp.DynamicLossScaler(max_scale=None)
+    unbounded.load_state_dict(torch_state)
+    assert unbounded.get_scale() == 2.0**26

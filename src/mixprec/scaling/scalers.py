@@ -339,6 +339,20 @@ class DynamicLossScaler(LossScaler):
             )
         # mixprec's GradScaler adds its scaler's own keys beside torch's: taken too.
         extras = {k: v for k, v in state_dict.items() if k in MIXPREC_KEYS}
+        low, high = self.config.min_scale, self.config.max_scale
+        scale = state_dict["scale"]
+        bounded = "min_scale" in state_dict or "max_scale" in state_dict  # mixprec's own
+        if (
+            is_number(scale)
+            and not bounded
+            and ((low is not None and scale < low) or (high is not None and scale > high))
+        ):  # torch's scale has no bounds: past 2**24 after a long run of clean steps
+            raise ArgumentError(
+                f"load_state_dict: the torch.amp.GradScaler state's 'scale'={scale!r} is "
+                f"outside this scaler's [min_scale, max_scale] = [{low!r}, {high!r}]; "
+                "torch's scaler has no bounds: build this one with max_scale=None (or "
+                "min_scale=None) to load it"
+            )
         return {
             **self.state_dict(),
             **extras,
