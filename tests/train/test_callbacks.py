@@ -349,3 +349,41 @@ def test_ema_copied_into_an_o2_model_is_what_evaluate_and_a_save_see(tmp_path):
     tensors, _ = mp.read_checkpoint(path)
     first = t.model[0].weight
     assert torch.equal(tensors["model/0.weight"], masters[first])  # the float32 average
+
+
+def test_a_checkpoint_write_that_fails_after_another_callbacks_error_is_said(tmp_path, monkeypatch):
+    """A callback raised at an epoch's end and ModelCheckpoint's write of that epoch
+    failed too (disk full): the OSError was only the first error's __context__, unsaid."""
+    import mixprec.checkpoint._files as files
+
+    class Flaky(mp.Callback):
+        def on_epoch_end(self, epoch, logs):
+            if epoch == 1:
+                raise ValueError("my callback failed")
+
+    real = files.save_file
+
+    def full(tensors, path, metadata=None):
+        if "epoch-0002" in str(path):
+            raise OSError(28, "No space left on device")
+        return real(tensors, path, metadata)
+
+    monkeypatch.setattr(files, "save_file", full)
+    model = make_mlp()
+    t = mp.Trainer(model, "cross_entropy", torch.optim.SGD(model.parameters(), 0.1),
+                   policy="mixed_bfloat16", metrics=())  # fmt: skip
+    x, y = classification_data(n=32)
+    said = pytest.warns(UserWarning, match=r"a later callback raised too: OSError\(28")
+    with said, pytest.raises(ValueError, match="my callback failed"):
+        t.fit(x, y, batch_size=16, epochs=3, verbose=0,
+              callbacks=[Flaky(), mp.ModelCheckpoint(tmp_path)])  # fmt: skip
+
+
+def test_learning_rate_scheduler_refuses_reduce_lr_on_plateau_at_once():
+    """Accepted, it failed after a whole epoch: step() missing 'metrics'."""
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), 0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    with pytest.raises(ValueError, match=r"scheduler=ReduceLROnPlateau is invalid here.*"
+                       r"scheduler\.step\(logs\['val_loss'\]\)"):  # fmt: skip
+        mp.LearningRateScheduler(plateau)

@@ -321,3 +321,35 @@ def test_ms_per_step_counts_every_micro_step_of_an_accumulation_group():
         result = mp.StepResult(last, False, 1.0, accumulating=not last)
         meter.add(result, 0.5, 0.010, None, target)
     assert meter.logs(1.0)["ms_per_step"] == pytest.approx(40.0)
+
+
+def test_load_state_dict_that_does_not_fit_leaves_the_trainer_as_it_was():
+    """The model was loaded before the optimizer's part was refused (other param groups),
+    or up to the tensor of the wrong shape: the model held the checkpoint's weights and
+    the masters the old run's, unsaid, and the next step took the 16-bit roundings."""
+
+    def trainer(seed: int) -> mp.Trainer:
+        model = make_mlp(seed)
+        return mp.Trainer(model, "cross_entropy", torch.optim.Adam(model.parameters(), 1e-2),
+                          policy="mixed_bfloat16", metrics=())  # fmt: skip
+
+    t, other = trainer(0), trainer(1)
+    x, y = classification_data(n=64)
+    t.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    masters = [m.clone() for _, m in t.optimizer.master_weights()]
+    state = other.state_dict()
+    state["optimizer"]["optimizers"][0]["param_groups"].append(
+        dict(state["optimizer"]["optimizers"][0]["param_groups"][0], params=[])
+    )
+    with pytest.raises((ValueError, RuntimeError)):
+        t.load_state_dict(state)
+    shaped = other.state_dict()
+    shaped["model"]["5.weight"] = torch.zeros(3, 64)  # the last layer: 10 classes
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        t.load_state_dict(shaped)
+    after = t.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    t.optimizer.state_dict()  # looks for writes to the 16-bit weights, as a step does
+    kept = [m for _, m in t.optimizer.master_weights()]
+    assert all(torch.equal(a, b) for a, b in zip(masters, kept, strict=True))  # float32 digits

@@ -114,7 +114,10 @@ class CallbackList(Callback):
             if between is not None:
                 between()
             for cb in self._writers:
-                call(cb)
+                try:
+                    call(cb)
+                except BaseException as err:  # after another's error it went unsaid, as
+                    raised.append(err)  # its __context__ only ("no checkpoint was written")
         finally:
             if raised:
                 for later in raised[1:]:  # not lost: said beside the first, which goes on

@@ -22,6 +22,13 @@ class LearningRateScheduler(Callback):
     def __init__(self, scheduler: Any, interval: str = "step") -> None:
         if interval not in ("step", "epoch"):
             raise ArgumentError(f"interval={interval!r} is invalid; valid: 'step', 'epoch'")
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            # Its step() takes the metric: it failed after a whole epoch, at the first step.
+            raise ArgumentError(
+                "scheduler=ReduceLROnPlateau is invalid here: LearningRateScheduler calls "
+                "step() without a metric. Step it in a Callback of your own: "
+                "on_epoch_end(self, epoch, logs): scheduler.step(logs['val_loss'])"
+            )
         if not all(callable(getattr(scheduler, m, None)) for m in ("step", "state_dict")):
             raise ArgumentError(
                 f"scheduler={type(scheduler).__name__} is invalid; valid: a torch.optim."

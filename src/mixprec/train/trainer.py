@@ -409,7 +409,17 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """All or nothing: a state whose model or optimizer part does not fit leaves the
+        model as it was (torch's load had replaced the tensors before the bad one, or the
+        whole model before the optimizer's part was refused, unsaid)."""
         _check_state(state)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.global_step = int(state["global_step"])
+        step = int(state["global_step"])
+        kept = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except BaseException:
+            # The 16-bit weights back as their masters' rounding: the masters keep theirs.
+            self.model.load_state_dict(kept)
+            raise
+        self.global_step = step
