@@ -124,10 +124,12 @@ def notes(modes: Sequence[str], device: str = "auto") -> list[str]:
     if dev.type == "cpu":
         if ("bfloat16" in dtypes or float8) and not cpu_fast("bfloat16"):
             found.append(
-                "CPU without AVX512-BF16 or AMX: bfloat16 matmuls are emulated here, slower "
-                "than float32; the bf16 figures compare the modes at equal, slow matmuls, not "
-                "bfloat16's speed"
-            )
+                ("CPU with AVX512-BF16 and no AMX whose bfloat16 matmuls measured slower "
+                 "than float32's" if cpu_16bit_units() else
+                 "CPU without AVX512-BF16 or AMX: bfloat16 matmuls are emulated here")
+                + ", slower than float32; the bf16 figures compare the modes at equal, slow "
+                "matmuls, not bfloat16's speed"
+            )  # fmt: skip
         if "float16" in dtypes and not cpu_fast("float16"):
             found.append("CPU without AMX-FP16: float16 matmuls are emulated here, very slowly")
     if dev.type == "cpu" and float8:
@@ -162,6 +164,8 @@ def bf16_support(device: str = "auto") -> str:
     if dev.type != "cpu":
         return "bf16 speed unknown"
     if not cpu_fast("bfloat16"):
+        if cpu_16bit_units():
+            return "no fast bf16 (AVX512-BF16 without AMX: bfloat16 matmuls measured slower)"
         return "no fast bf16 (no AVX512-BF16 or AMX: bfloat16 matmuls are emulated)"
     units = [u for u in cpu_16bit_units() if u.endswith("BF16")]
     # No units by name: no CPU flags to read (macOS, Windows), and oneDNN said yes.

@@ -162,7 +162,12 @@ class BackwardLook:
 
 def _total_norm(params: list[torch.Tensor]) -> torch.Tensor | None:
     grads = [p.grad for p in params if p.grad is not None and not p.grad.is_sparse]
-    return torch.stack(torch._foreach_norm(grads)).norm() if grads else None
+    if not grads:
+        return None
+    # In float32: a float16 norm of gradients under the scale is inf, and inf never grows.
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+    total: torch.Tensor = torch.stack([n.to(norms[0].device) for n in norms]).norm()
+    return total
 
 
 def _say_if_loss_16bit(loss: torch.Tensor, scale: float) -> None:
