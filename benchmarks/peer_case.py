@@ -6,6 +6,8 @@ the median page faults a step. The sides:
 - ``default``: mixprec's default, ``auto_mixed_precision`` + ``LossScaleOptimizer``;
 - ``autocast``: plain ``torch.autocast(bfloat16)`` and an ordinary optimizer step;
 - ``o1``: mixprec at level O1 in bfloat16 (float32 weights, as under autocast);
+- ``o2``: mixprec at level O2 in bfloat16, what ``default`` is where ``auto`` takes
+  bfloat16 (on a CPU where it takes float32, the default's step in bfloat16);
 - ``bf16``: the model cast to bfloat16 and stepped by the plain optimizer, without mixprec.
 
 Run the sides in turn, each in a fresh process, so that none inherits another's allocator
@@ -30,7 +32,7 @@ import mixprec as mp
 from mixprec.bench.faults import FaultMeter
 from mixprec.bench.workloads import get_workload
 
-SIDES = ("default", "autocast", "o1", "bf16")
+SIDES = ("default", "autocast", "o1", "o2", "bf16")
 CASES = ("mlp64-sgd", "mlp64-adamw", "mlp8192-adamw", "cnn-sgd", "lm-adamw")
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -87,9 +89,9 @@ def make_step(
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    if side in ("default", "o1"):
-        level = "O1" if side == "o1" else "auto"
-        policy: str | mp.Policy = "mixed_bfloat16" if side == "o1" else "auto"
+    if side in ("default", "o1", "o2"):
+        level = {"o1": "O1", "o2": "O2"}.get(side, "auto")
+        policy: str | mp.Policy = "auto" if side == "default" else "mixed_bfloat16"
         if output_bf16:
             policy = mp.Policy("params=float32,compute=bfloat16,output=bfloat16")
         model = mp.auto_mixed_precision(model, policy=policy, level=level)
@@ -114,8 +116,8 @@ def make_step(
         opt.step()
         opt.zero_grad()
 
-    steps = {"default": mixprec_step, "o1": mixprec_step, "autocast": autocast_step,
-             "bf16": bf16_step}  # fmt: skip
+    steps = {"default": mixprec_step, "o1": mixprec_step, "o2": mixprec_step,
+             "autocast": autocast_step, "bf16": bf16_step}  # fmt: skip
     return steps[side], model
 
 
@@ -126,11 +128,11 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument(
         "--keep-grad-buffers", action="store_true",
-        help="LossScaleOptimizer(keep_grad_buffers=True), for default and o1",
+        help="LossScaleOptimizer(keep_grad_buffers=True), for default, o1 and o2",
     )  # fmt: skip
     parser.add_argument(
         "--output-bf16", action="store_true",
-        help="mixprec's model returns bfloat16 (policy output=bfloat16), for default and o1",
+        help="mixprec's model returns bfloat16 (policy output=bfloat16), for default, o1 and o2",
     )  # fmt: skip
     parser.add_argument(
         "--plain-loss", action="store_true",
@@ -140,7 +142,7 @@ def main() -> None:
     parser.add_argument("--out", help="append the median ms a step to this file")
     args = parser.parse_args()
     for flag in ("keep_grad_buffers", "output_bf16"):
-        if getattr(args, flag) and args.side not in ("default", "o1"):
+        if getattr(args, flag) and args.side not in ("default", "o1", "o2"):
             option = "--" + flag.replace("_", "-")
             parser.error(f"{option} is for the default and o1 sides, not {args.side}")
     if args.plain_loss and args.case != "lm-adamw":

@@ -62,6 +62,15 @@ def cpu_fast(dtype: str) -> bool:
     return cpu.bf16_fast if dtype == "bfloat16" else dtype == "float16" and cpu.fp16_fast
 
 
+def slow_16bit_why(what: str = "16-bit") -> str:
+    """Why ``what`` matmuls run slower than float32's on this CPU, for a message: emulated
+    (no AVX512-BF16 or AMX), or measured slower (AVX512-BF16 without AMX, where the flag
+    says bfloat16 and a matmul says otherwise)."""
+    if cpu_16bit_units():
+        return f"{what} matmuls measured slower than float32's on this CPU (AVX512-BF16, no AMX)"
+    return f"{what} matmuls are emulated on this CPU (no AVX512-BF16 or AMX)"
+
+
 def cpu_model(name: str | None = None) -> str:
     """The CPU's model name (``name``, or /proc/cpuinfo's ``model name``), shortened for a
     title: trademark signs, the words "CPU" and "Processor", the core count and the clock

@@ -170,7 +170,9 @@ def _slower_matmuls(
     times = f"{mixed_matmul_ms / base_matmul_ms:.1f}"
     how = "no faster than" if times == "1.0" else f"{times}x slower than"
     # Emulation explains slower matmuls against float32's only: a 16-bit base is emulated too.
-    why = f", as {EMULATED}" if base == "float32" and _emulated_here() else ""
+    emulated = base == "float32" and _emulated_here()
+    why = f", as {EMULATED if not _hardware.cpu_16bit_units() else _hardware.slow_16bit_why()}"
+    why = why if emulated else ""
     text = (
         f"its matmuls are {how} {base}'s{why}: {mixed_matmul_ms:.2f} against "
         f"{base_matmul_ms:.2f} ms of a {base_ms:.2f} ms {base} step"

@@ -102,6 +102,9 @@ def test_the_rest_of_the_step_names_only_what_the_mode_does(profiles, monkeypatc
 def test_emulated_16_bit_matmuls_are_the_reason_without_a_profile(profiles, monkeypatch):
     """On a CPU without fast bf16 the reason is that its bf16 matmuls are emulated."""
     monkeypatch.setattr(explain, "cpu_fast", lambda dtype: False)
+    from mixprec import _hardware
+
+    monkeypatch.setattr(_hardware, "_cpu_flags", lambda: frozenset({"avx2"}))  # no units
     ms = {"float32": 2.0, "O2-bf16": 7.0, "O2-fp16": 40.0, "O2-fp8": 9.0}
     speedups = {"float32": 1.0, "O2-bf16": 0.29, "O2-fp16": 0.05, "O2-fp8": 0.22}
     lines, matmuls = explain.reasons(steps_of(*ms), ms, speedups, CPU)

@@ -126,3 +126,13 @@ def test_bfloat16_outputs_come_back_in_bfloat16(peer_case, side):
     assert model(torch.randn(3, 784)).dtype == torch.bfloat16
     _, model = peer_case.make_step(side, "mlp64-sgd")
     assert model(torch.randn(3, 784)).dtype == torch.float32
+
+
+def test_the_o2_side_is_mixprec_at_o2_in_bfloat16_whatever_auto_picks(peer_case):
+    """The side the figures of a CPU where auto now picks float32 were measured with."""
+    from mixprec.levels import applied
+
+    step, model = peer_case.make_step("o2", "mlp64-sgd")
+    prepared = applied(model)
+    assert (prepared.policy.name, prepared.level) == ("mixed_bfloat16", "O2")
+    _assert_trains(step, model)

@@ -160,17 +160,23 @@ def test_main_job_where_auto_picks_float32_trains_float32_and_says_why(monkeypat
     assert "(CPU without AVX512-BF16 or AMX)" in line and "--policy mixed_bfloat16" in line
 
 
-def test_a_bfloat16_probe_faster_than_float32_is_not_said_slower():
+def test_a_bfloat16_probe_faster_than_float32_is_not_said_slower(monkeypatch):
     """A CPU whose flags hide fast bfloat16 (a virtual machine's) and whose probe step came
     out faster: "(0.5x slower; ... emulated)" was printed."""
+    from mixprec import _hardware
     from mixprec.cli._train_report import probe_line
 
+    monkeypatch.setattr(_hardware, "_cpu_flags", lambda: frozenset({"avx2"}))
     said = probe_line("CPU without AVX512-BF16 or AMX", {"ms_per_step": 80.0},
                       {"ms_per_step": 40.0})  # fmt: skip
     assert "(2.0x faster here, although this CPU's flags show no fast bfloat16)" in said
     slow = probe_line("CPU without AVX512-BF16 or AMX", {"ms_per_step": 2.0},
                       {"ms_per_step": 9.0})  # fmt: skip
     assert "(4.5x slower; 16-bit matmuls are emulated on this CPU)" in slow
+    monkeypatch.setattr(_hardware, "_cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    slow = probe_line("CPU with avx512_bf16 and no AMX, where ...", {"ms_per_step": 2.0},
+                      {"ms_per_step": 3.4})  # fmt: skip
+    assert "(1.7x slower; 16-bit matmuls are measured slower on this CPU)" in slow
 
 
 def test_every_run_names_the_same_optimizer_and_where_its_time_goes(capsys):

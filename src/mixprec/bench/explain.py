@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 import torch
 
-from mixprec._hardware import cpu_fast
+from mixprec._hardware import cpu_fast, slow_16bit_why
 from mixprec._step_profile import (
     GAIN_THRESHOLD,
     no_gain_line,
@@ -34,7 +34,7 @@ def emulated(mode: str, device: torch.device) -> str | None:
         return "float8 matmuls are emulated on CPU (no float8 matrix units)"
     dtype = _matmul_dtype(mode)
     if dtype == "bfloat16" and not cpu_fast("bfloat16"):
-        return "bfloat16 matmuls are emulated on this CPU (no AVX512-BF16 or AMX)"
+        return slow_16bit_why("bfloat16")
     if dtype == "float16" and not cpu_fast("float16"):
         return "float16 matmuls are emulated on this CPU (no AMX-FP16)"
     return None

@@ -124,11 +124,12 @@ def notes(modes: Sequence[str], device: str = "auto") -> list[str]:
     if dev.type == "cpu":
         if ("bfloat16" in dtypes or float8) and not cpu_fast("bfloat16"):
             found.append(
-                ("CPU with AVX512-BF16 and no AMX whose bfloat16 matmuls measured slower "
-                 "than float32's" if cpu_16bit_units() else
-                 "CPU without AVX512-BF16 or AMX: bfloat16 matmuls are emulated here")
-                + ", slower than float32; the bf16 figures compare the modes at equal, slow "
-                "matmuls, not bfloat16's speed"
+                ("CPU with AVX512-BF16 and no AMX: bfloat16 matmuls measured slower than "
+                 "float32's here" if cpu_16bit_units() else
+                 "CPU without AVX512-BF16 or AMX: bfloat16 matmuls are emulated here, slower "
+                 "than float32")
+                + "; the bf16 figures compare the modes at equal, slow matmuls, not "
+                "bfloat16's speed"
             )  # fmt: skip
         if "float16" in dtypes and not cpu_fast("float16"):
             found.append("CPU without AMX-FP16: float16 matmuls are emulated here, very slowly")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mixprec._hardware import cpu_16bit_units
 from mixprec._step_profile import GAIN_THRESHOLD, no_gain_line, other_work, why_no_gain
 from mixprec.levels import resolve_level
 from mixprec.policy import Policy
@@ -102,7 +103,8 @@ def probe_line(reason: str, base: dict[str, Any], probe: dict[str, Any]) -> str:
     """``auto`` picked float32: say why, with the mixed_bfloat16 steps timed here."""
     slower = probe["ms_per_step"] / base["ms_per_step"]
     if slower >= 1:
-        how = f"{slower:.1f}x slower; 16-bit matmuls are emulated on this CPU"
+        why = "measured slower" if cpu_16bit_units() else "emulated"  # AVX512-BF16, no AMX
+        how = f"{slower:.1f}x slower; 16-bit matmuls are {why} on this CPU"
     else:  # the CPU's flags said no fast bfloat16, and this step says otherwise
         how = f"{1 / slower:.1f}x faster here, although this CPU's flags show no fast bfloat16"
     return (
