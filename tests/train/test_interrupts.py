@@ -15,6 +15,15 @@ import mixprec as mp
 X, Y = torch.randn(96, 8, generator=torch.Generator().manual_seed(1)), torch.arange(96) % 4
 
 
+@pytest.fixture(autouse=True)
+def python_s_own_sigint_handler():
+    """Ctrl-C as in a terminal: a suite started in the background (``nohup``, ``&``) has
+    SIGINT ignored, and the Trainer leaves a handler it did not install alone."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 def build(accumulation_steps: int = 1) -> tuple[mp.Trainer, list[mp.Callback]]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
