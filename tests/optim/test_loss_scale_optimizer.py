@@ -460,6 +460,57 @@ def test_a_step_interrupted_after_its_update_is_finished_as_applied(monkeypatch,
     assert all(torch.equal(a, b) for a, b in zip(masters, opt._weights.masters, strict=True))
 
 
+def test_a_step_decided_on_the_device_and_interrupted_in_its_copy_back_is_applied(monkeypatch):
+    """The device path (a GPU, or ON_HOST here): the fused kernel decided on the device,
+    then Ctrl-C in the copy-back; the step was treated as dropped (a review's script)."""
+    from mixprec.optim import deferred
+
+    monkeypatch.setattr(deferred, "ON_HOST", True)
+
+    def run(interrupt: bool):
+        model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+        opt = mp.LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+        half, real, seen = opt._weights.half, torch._foreach_copy_, [0]
+
+        def copy_(dst, src, *args, **kwargs):
+            if interrupt and len(dst) and dst[0] is half[0]:
+                seen[0] += 1
+                if seen[0] == 2:
+                    raise KeyboardInterrupt
+            return real(dst, src, *args, **kwargs)
+
+        monkeypatch.setattr(torch, "_foreach_copy_", copy_)
+        for i in range(4):
+            opt.zero_grad()
+            opt.backward(loss_of(model) * (1 + i))
+            try:
+                opt.step()
+            except KeyboardInterrupt:
+                assert interrupt and i == 1 and opt.applied_before_raising
+        monkeypatch.setattr(torch, "_foreach_copy_", real)
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True), strict=True))
+
+
+def test_a_second_inner_optimizer_that_raises_before_its_update_is_said():
+    """The first inner optimizer had applied its update: the step was finished as applied
+    with no word that the second's parameters did not move."""
+    model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
+    params = list(model.parameters())
+    first, second = torch.optim.SGD(params[:2], lr=0.1), torch.optim.SGD(params[2:], lr=0.1)
+    second.register_step_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("refused")))
+    opt = mp.LossScaleOptimizer([first, second])
+    before = [p.detach().clone() for p in params]
+    opt.backward(loss_of(model))
+    said = pytest.warns(UserWarning, match=r"step\(\) raised in optimizers\[1\] before its "
+                        r"update, after optimizers\[0:1\] had applied theirs")  # fmt: skip
+    with said, pytest.raises(RuntimeError, match="refused"):
+        opt.step()
+    assert opt.applied_before_raising
+    assert not torch.equal(before[0], params[0]) and torch.equal(before[2], params[2])
+
+
 def test_an_accumulation_group_whose_step_never_came_is_dropped_by_zero_grad(tmp_path):
     """User code raised between a group's last backward and its step(); the loop caught
     it and went on. Before: zero_grad() cleared the gradients but kept the count, so the

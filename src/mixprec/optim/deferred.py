@@ -29,7 +29,13 @@ from mixprec.scaling import NoOpLossScaler, StaticLossScaler
 if TYPE_CHECKING:
     from mixprec.optim.loss_scale_optimizer import LossScaleOptimizer
 
-__all__ = ["EVERY", "Deferred", "device_tail", "on_device"]
+__all__ = ["COPIED", "EVERY", "ON_DEVICE", "Deferred", "device_tail", "on_device"]
+
+# Where a step stands once its update went in (``_Bookkeeping.stepped``, read by
+# state_dict._after_raise): besides the count of inner optimizers stepped, the masters
+# copied into the 16-bit weights, or the step decided on the device.
+COPIED = -1
+ON_DEVICE = -2
 
 #: Steps read at once at the latest: the scaler's counters and the health warnings lag by
 #: at most this many steps, and CUDA synchronises once per this many.
@@ -97,11 +103,16 @@ def _tail(opt: LossScaleOptimizer, found_inf: torch.Tensor, scale: float) -> Ste
     """After the kernels (which skipped on the device where ``found_inf`` is set): the
     masters back into the 16-bit weights (unchanged on a skipped step, so the copy writes
     the same values), the step kept unread, the result as device flags."""
-    opt._weights.copy_back()
     opt._book.micro = 0
     opt._book.found_inf = None
     # A copy: under CUDA graphs the step's output buffer is overwritten by the next replay.
-    flag = opt._book.deferred.add(found_inf.clone())
+    found = found_inf.clone()
+    flag = opt._book.deferred.add(found)
+    # Decided on the device: a raise in the copy-back (Ctrl-C) finishes it as the flag
+    # says (state_dict._after_raise), read then.
+    opt._book.stepped, opt._book.device_found = ON_DEVICE, found
+    opt._weights.copy_back()
+    opt._book.stepped, opt._book.device_found = 0, None
     return StepResult(applied=~flag, found_inf=flag, scale=scale)
 
 

@@ -64,15 +64,15 @@ def host_step(opt: LossScaleOptimizer) -> StepResult | None:
     # torch.compile(opt.step) two more graphs, and dynamo then traced the scaler's
     # float32 rounding into a recursion in its struct polyfill (torch 2.13).
     if not overflow:
-        for inner, fused in zip(opt.optimizers, opt._book.fused, strict=True):
+        for k, (inner, fused) in enumerate(zip(opt.optimizers, opt._book.fused, strict=True)):
             if weights.saw_sparse:
                 _unfuse_sparse(inner)
             if not fused.step():
                 step_inner_fused_safely(inner, opt._book)
-            opt._book.stepped = 1  # in: a raise from here finishes the step as applied
+            opt._book.stepped = k + 1  # in: a raise from here finishes the step as applied
         if weights.half:
             weights.copy_back()
-        opt._book.stepped = 2
+        opt._book.stepped = deferred.COPIED
         opt._run_post_hooks()
     opt._book.stepped = 0
     opt._loss_scaler.update(overflow)

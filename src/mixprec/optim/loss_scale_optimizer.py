@@ -37,7 +37,7 @@ from mixprec.optim.checks import (
     say_if_masters_lost,
     unscale_group_factor,
 )
-from mixprec.optim.deferred import Deferred, device_tail, on_device
+from mixprec.optim.deferred import COPIED, Deferred, device_tail, on_device
 from mixprec.optim.direct import FusedStep
 from mixprec.optim.fused import _fuse, _unfuse_sparse, needs_scaling, step_inner_fused_safely
 from mixprec.optim.groups import ParamGroups, adopt_all
@@ -87,7 +87,10 @@ class _Bookkeeping:
     # The last step() raised, and no backward since (no_backward_error): "dropped" before
     # its update went in, "applied" after (finished as applied, state_dict._after_raise).
     raised: str = ""
-    stepped: int = 0  # within a step: 1 once an inner step returned, 2 after the copy-back
+    # Within a step (state_dict._after_raise): how many inner optimizers have stepped;
+    # COPIED after the copy-back; ON_DEVICE once the fused kernel decided on the device.
+    stepped: int = 0
+    device_found: torch.Tensor | None = None  # that step's flag (ON_DEVICE)
     found_inf: torch.Tensor | None = None  # set by unscale_()
     # The 16-bit gradients' versions at an explicit unscale_(): changed by step(), they
     # were clipped (or edited) where step() does not read them.
@@ -398,18 +401,18 @@ class LossScaleOptimizer(  # type: ignore[override, misc]  # torch's attributes 
             if origin is not None:
                 _log.warning("step skipped: overflow first in %s", origin)
         if not overflow:
-            for inner in self.optimizers:
+            for k, inner in enumerate(self.optimizers, start=1):
                 if self._weights.saw_sparse:
                     _unfuse_sparse(inner)
                 step_inner_fused_safely(inner, self._book)
-                self._book.stepped = 1  # in: a raise from here finishes the step as applied
+                self._book.stepped = k  # in: a raise from here finishes the step as applied
             # Inline: dynamo runs this eagerly after the graph break in the loop above, where
             # a MasterWeights method would compile as a graph of its own (torch 2.13).
             if self._weights.half:
                 with torch.no_grad():
                     torch._foreach_copy_(self._weights.half, self._weights.masters)
                 self._weights.versions = self._weights.half_versions()
-            self._book.stepped = 2
+            self._book.stepped = COPIED
             self._run_post_hooks()  # nothing to run without hooks
             if self._weights.checked:
                 self._book.weights_finite = all_finite(self._weights.checked)

@@ -22,6 +22,7 @@ from mixprec._plain_optimizers import watch_wrapped
 from mixprec._save_guard import guard_saves
 from mixprec._warn import warn_at_caller
 from mixprec.optim.checks import refuse_accelerate_wrapper
+from mixprec.optim.deferred import COPIED, ON_DEVICE
 from mixprec.optim.layouts import lay_state_as_params, misshapen_state
 from mixprec.optim.masters import MasterWeights
 from mixprec.scaling import LossScaler, all_finite
@@ -115,17 +116,30 @@ class StateDictMethods:
         (a retry runs the batch again); after, finished as applied, or the batch would be
         applied twice and the stale 16-bit weights taken for writes at the next save."""
         book = self._book
-        if not book.stepped:
+        stepped, book.stepped = book.stepped, 0
+        if stepped == ON_DEVICE:  # the fused kernel decided; its flag counts when read
+            self._weights.copy_back()
+            skipped = book.device_found is not None and bool(book.device_found)
+            book.device_found = None
+            book.raised = "dropped" if skipped else "applied"
+            return
+        if not stepped:
             self._drop_unscaled()
             book.raised = "dropped"
             if self._tracer is not None:
                 self._tracer.clear()
             return
-        if book.stepped == 1 and self._weights.half:  # the copy-back did not finish
+        if stepped != COPIED and self._weights.half:  # the copy-back did not finish
             self._weights.copy_back()
+        if 0 < stepped < len(self.optimizers):  # a later inner optimizer raised first
+            warn_at_caller(
+                f"step() raised in optimizers[{stepped}] before its update, after "
+                f"optimizers[0:{stepped}] had applied theirs: the step is finished as "
+                f"applied, and the parameters of optimizers[{stepped}:] did not move for "
+                "this batch"
+            )
         if self._weights.checked:
             book.weights_finite = all_finite(self._weights.checked)
-        book.stepped = 0
         self._loss_scaler.update(False)
         book.micro, book.found_inf, book.raised = 0, None, "applied"
 
