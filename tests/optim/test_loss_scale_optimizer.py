@@ -418,6 +418,21 @@ def test_a_retried_step_after_one_that_raised_names_the_raise():
     assert opt.step().applied
 
 
+def _interrupt_copy_back(monkeypatch, opt, at: int) -> None:
+    """Ctrl-C in the ``at``-th copy of ``opt``'s masters into the 16-bit weights: after the
+    inner optimizer stepped them."""
+    half, real, seen = opt._weights.half, torch._foreach_copy_, [0]
+
+    def copy_(dst, src, *args, **kwargs):
+        if len(dst) and dst[0] is half[0]:
+            seen[0] += 1
+            if seen[0] == at:
+                raise KeyboardInterrupt
+        return real(dst, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", copy_)
+
+
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])  # _finish, host_step
 def test_a_step_interrupted_after_its_update_is_finished_as_applied(monkeypatch, policy):
     """Ctrl-C in the copy-back, after Adam stepped the masters. Before: the step counted
@@ -429,16 +444,8 @@ def test_a_step_interrupted_after_its_update_is_finished_as_applied(monkeypatch,
     def run(interrupt: bool):
         model = mp.auto_mixed_precision(make_mlp(), policy, "O2")
         opt = mp.LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
-        half, real, seen = opt._weights.half, torch._foreach_copy_, [0]
-
-        def copy_(dst, src, *args, **kwargs):
-            if interrupt and len(dst) and dst[0] is half[0]:
-                seen[0] += 1
-                if seen[0] == 3:
-                    raise KeyboardInterrupt
-            return real(dst, src, *args, **kwargs)
-
-        monkeypatch.setattr(torch, "_foreach_copy_", copy_)
+        if interrupt:
+            _interrupt_copy_back(monkeypatch, opt, at=3)
         for i in range(6):
             opt.zero_grad()
             opt.backward(loss_of(model) * (1 + i))
@@ -465,21 +472,12 @@ def test_a_step_decided_on_the_device_and_interrupted_in_its_copy_back_is_applie
     then Ctrl-C in the copy-back; the step was treated as dropped (a review's script)."""
     from mixprec.optim import deferred
 
-    monkeypatch.setattr(deferred, "ON_HOST", True)
-
     def run(interrupt: bool):
+        monkeypatch.setattr(deferred, "ON_HOST", True)  # again: undone after each run
         model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
         opt = mp.LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
-        half, real, seen = opt._weights.half, torch._foreach_copy_, [0]
-
-        def copy_(dst, src, *args, **kwargs):
-            if interrupt and len(dst) and dst[0] is half[0]:
-                seen[0] += 1
-                if seen[0] == 2:
-                    raise KeyboardInterrupt
-            return real(dst, src, *args, **kwargs)
-
-        monkeypatch.setattr(torch, "_foreach_copy_", copy_)
+        if interrupt:
+            _interrupt_copy_back(monkeypatch, opt, at=2)
         for i in range(4):
             opt.zero_grad()
             opt.backward(loss_of(model) * (1 + i))
@@ -487,7 +485,7 @@ def test_a_step_decided_on_the_device_and_interrupted_in_its_copy_back_is_applie
                 opt.step()
             except KeyboardInterrupt:
                 assert interrupt and i == 1 and opt.applied_before_raising
-        monkeypatch.setattr(torch, "_foreach_copy_", real)
+        monkeypatch.undo()
         return [p.detach().clone() for p in model.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(run(False), run(True), strict=True))
