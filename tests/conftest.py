@@ -183,3 +183,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             for item in marked:
                 item.add_marker(skip)
             return
+
+
+def interrupt_copy_back(monkeypatch, opt, at: int) -> None:
+    """Ctrl-C in the ``at``-th copy of ``opt``'s float32 masters into the 16-bit weights:
+    after the inner optimizer stepped them (a LossScaleOptimizer, or a Trainer's)."""
+    half, real, seen = opt._weights.half, torch._foreach_copy_, [0]
+
+    def copy_(dst, src, *args, **kwargs):
+        if len(dst) and dst[0] is half[0]:
+            seen[0] += 1
+            if seen[0] == at:
+                raise KeyboardInterrupt
+        return real(dst, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", copy_)

@@ -150,10 +150,6 @@ def why_no_gain(
     )
 
 
-#: Why a CPU without fast bfloat16 runs 16-bit matmuls slower than float32's.
-EMULATED = "16-bit matmuls are emulated on this CPU (no AVX512-BF16 or AMX)"
-
-
 def _emulated_here() -> bool:
     """Whether a step timed here ran its 16-bit matmuls emulated: a machine without CUDA
     (with CUDA, the step may have run on either device) whose CPU has no fast bfloat16, and
@@ -170,9 +166,7 @@ def _slower_matmuls(
     times = f"{mixed_matmul_ms / base_matmul_ms:.1f}"
     how = "no faster than" if times == "1.0" else f"{times}x slower than"
     # Emulation explains slower matmuls against float32's only: a 16-bit base is emulated too.
-    emulated = base == "float32" and _emulated_here()
-    why = f", as {EMULATED if not _hardware.cpu_16bit_units() else _hardware.slow_16bit_why()}"
-    why = why if emulated else ""
+    why = f", as {_hardware.slow_16bit_why()}" if base == "float32" and _emulated_here() else ""
     text = (
         f"its matmuls are {how} {base}'s{why}: {mixed_matmul_ms:.2f} against "
         f"{base_matmul_ms:.2f} ms of a {base_ms:.2f} ms {base} step"

@@ -11,7 +11,7 @@ from torch import nn
 
 import mixprec as mp
 from mixprec.scaling import finite
-from tests.conftest import classification_data, make_mlp
+from tests.conftest import classification_data, interrupt_copy_back, make_mlp
 from tests.optim._helpers import (
     loss_of,
     prepared,
@@ -418,34 +418,25 @@ def test_a_retried_step_after_one_that_raised_names_the_raise():
     assert opt.step().applied
 
 
-def _interrupt_copy_back(monkeypatch, opt, at: int) -> None:
-    """Ctrl-C in the ``at``-th copy of ``opt``'s masters into the 16-bit weights: after the
-    inner optimizer stepped them."""
-    half, real, seen = opt._weights.half, torch._foreach_copy_, [0]
-
-    def copy_(dst, src, *args, **kwargs):
-        if len(dst) and dst[0] is half[0]:
-            seen[0] += 1
-            if seen[0] == at:
-                raise KeyboardInterrupt
-        return real(dst, src, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "_foreach_copy_", copy_)
-
-
-@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])  # _finish, host_step
-def test_a_step_interrupted_after_its_update_is_finished_as_applied(monkeypatch, policy):
+@pytest.mark.parametrize(
+    ("policy", "on_device"),
+    [("mixed_float16", False), ("mixed_bfloat16", False), ("mixed_bfloat16", True)],
+)  # _finish, host_step, the device path (a GPU, or ON_HOST here)
+def test_a_step_interrupted_after_its_update_is_finished_as_applied(monkeypatch, policy, on_device):
     """Ctrl-C in the copy-back, after Adam stepped the masters. Before: the step counted
     as not applied (scaler not updated), the 16-bit weights stayed one update behind, the
     retry's message said to run the batch's backward again, which applied it twice (Adam
     at step 9 of 8, weights 0.026 off), and a save then took the stale weights for .data
-    writes and put them into the masters."""
+    writes and put them into the masters. On the device path (the fused kernel decided on
+    the device) the step was treated as dropped (a review's script)."""
+    from mixprec.optim import deferred
 
     def run(interrupt: bool):
+        monkeypatch.setattr(deferred, "ON_HOST", on_device)  # again: undone after each run
         model = mp.auto_mixed_precision(make_mlp(), policy, "O2")
         opt = mp.LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
         if interrupt:
-            _interrupt_copy_back(monkeypatch, opt, at=3)
+            interrupt_copy_back(monkeypatch, opt, at=3)
         for i in range(6):
             opt.zero_grad()
             opt.backward(loss_of(model) * (1 + i))
@@ -465,30 +456,6 @@ def test_a_step_interrupted_after_its_update_is_finished_as_applied(monkeypatch,
     masters = [m.clone() for m in opt._weights.masters]
     opt.state_dict()  # the save's look for .data writes finds none
     assert all(torch.equal(a, b) for a, b in zip(masters, opt._weights.masters, strict=True))
-
-
-def test_a_step_decided_on_the_device_and_interrupted_in_its_copy_back_is_applied(monkeypatch):
-    """The device path (a GPU, or ON_HOST here): the fused kernel decided on the device,
-    then Ctrl-C in the copy-back; the step was treated as dropped (a review's script)."""
-    from mixprec.optim import deferred
-
-    def run(interrupt: bool):
-        monkeypatch.setattr(deferred, "ON_HOST", True)  # again: undone after each run
-        model = mp.auto_mixed_precision(make_mlp(), "mixed_bfloat16", "O2")
-        opt = mp.LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
-        if interrupt:
-            _interrupt_copy_back(monkeypatch, opt, at=2)
-        for i in range(4):
-            opt.zero_grad()
-            opt.backward(loss_of(model) * (1 + i))
-            try:
-                opt.step()
-            except KeyboardInterrupt:
-                assert interrupt and i == 1 and opt.applied_before_raising
-        monkeypatch.undo()
-        return [p.detach().clone() for p in model.parameters()]
-
-    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True), strict=True))
 
 
 def test_a_second_inner_optimizer_that_raises_before_its_update_is_said():

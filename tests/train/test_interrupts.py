@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import mixprec as mp
+from tests.conftest import interrupt_copy_back
 
 X, Y = torch.randn(96, 8, generator=torch.Generator().manual_seed(1)), torch.arange(96) % 4
 
@@ -180,21 +181,6 @@ def test_a_sigint_handler_a_callback_installs_is_left_in_place():
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _raise_once_in_copy_back(monkeypatch, opt, at: int) -> None:
-    """Ctrl-C in the ``at``-th copy of the masters into the 16-bit weights: after the
-    inner optimizer stepped them."""
-    half, real, seen = opt._weights.half, torch._foreach_copy_, [0]
-
-    def copy(dst, src, *args, **kwargs):
-        if len(dst) and dst[0] is half[0]:
-            seen[0] += 1
-            if seen[0] == at:
-                raise KeyboardInterrupt
-        return real(dst, src, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "_foreach_copy_", copy)
-
-
 @pytest.mark.parametrize("where", ["copy-back", "post-hook"])
 def test_a_step_that_raised_after_its_update_counts_its_batch_done(tmp_path, monkeypatch, where):
     """Before: the Trainer rewound the batch, so the resume applied it twice (SGD's
@@ -205,7 +191,7 @@ def test_a_step_that_raised_after_its_update_counts_its_batch_done(tmp_path, mon
     full.fit(X, Y, batch_size=16, epochs=2, verbose=0, callbacks=callbacks)
     t, callbacks = build()
     if where == "copy-back":
-        _raise_once_in_copy_back(monkeypatch, t.optimizer, at=5)
+        interrupt_copy_back(monkeypatch, t.optimizer, at=5)
     else:
         calls = [0]
 
